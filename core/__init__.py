@@ -1,0 +1,61 @@
+"""kvforge.core: the contract every implementation and every host agrees on.
+
+Read in this order: `api` (versions and kinds), `implementation` (what all
+implementations share), the five interfaces (`attention`, `block_allocator`,
+`scheduler_policy`, `quantizer`, `speculative`), `hookspecs` (how a plugin
+registers), `registry` (discovery and selection), `config` and `config_sources`.
+"""
+
+from .api import (
+    API_VERSION,
+    ATTENTION_BACKEND,
+    BLOCK_ALLOCATOR,
+    ENTRY_POINT_GROUP,
+    KINDS,
+    QUANTIZER,
+    SCHEDULER_POLICY,
+    SPECULATIVE_PROPOSER,
+)
+from .attention import (
+    ALIBI,
+    LOGIT_SOFT_CAP,
+    NHD,
+    SLIDING_WINDOW,
+    AttentionBackend,
+    AttentionBatch,
+    AttentionLayerSpec,
+    KVCacheSpec,
+    PagedCSR,
+    paged_csr,
+)
+from .block_allocator import AllocatorUsage, BlockAllocator, BlockHash
+from .config import EngineConfig, implementation_names
+from .config_sources import LoadedConfig, check_implementation_names, load_config
+from .errors import (
+    ApiVersionError,
+    BlockStateError,
+    ConfigError,
+    DuplicateImplementationError,
+    KvforgeError,
+    OutOfBlocksError,
+    PluginError,
+    RequestError,
+    SelectionError,
+    UnsupportedConfigurationError,
+)
+from .hookspecs import hookimpl, hookspec
+from .implementation import Availability, Implementation, SelectionRequest
+from .quantizer import QuantizedTensor, Quantizer
+from .registry import AUTO, Candidate, LoadError, PluginFilter, Registration, Registry, build_registry
+from .scheduler_policy import RequestView, SchedulerPolicy
+from .speculative import DraftProposal, ProposalRequest, SpeculativeProposer
+
+INTERFACES: dict[str, type[Implementation]] = {
+    ATTENTION_BACKEND: AttentionBackend,
+    BLOCK_ALLOCATOR: BlockAllocator,
+    SCHEDULER_POLICY: SchedulerPolicy,
+    QUANTIZER: Quantizer,
+    SPECULATIVE_PROPOSER: SpeculativeProposer,
+}
+
+__all__ = [name for name in dir() if not name.startswith("_")]

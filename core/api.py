@@ -1,0 +1,21 @@
+"""The version of the contract and the canonical names of the five kinds."""
+
+API_VERSION: tuple[int, int] = (1, 0)
+"""(major, minor). A plugin written for another major is refused; one that needs a
+newer minor than this host offers is refused too."""
+
+ENTRY_POINT_GROUP = "kvforge.plugins"
+
+ATTENTION_BACKEND = "attention_backend"
+BLOCK_ALLOCATOR = "block_allocator"
+SCHEDULER_POLICY = "scheduler_policy"
+QUANTIZER = "quantizer"
+SPECULATIVE_PROPOSER = "speculative_proposer"
+
+KINDS: tuple[str, ...] = (
+    ATTENTION_BACKEND,
+    BLOCK_ALLOCATOR,
+    SCHEDULER_POLICY,
+    QUANTIZER,
+    SPECULATIVE_PROPOSER,
+)

@@ -1,0 +1,249 @@
+"""The `attention_backend` interface and the data it exchanges.
+
+One step of the engine is one ragged batch: the new tokens of every scheduled
+sequence, flattened, with no padding. A sequence contributes `query_len` tokens
+(a whole prompt, a prefill chunk, one decode token, or a decode token plus
+drafts); its keys and values before this step already sit in the paged cache.
+
+Positions and masking, for every backend: query token `i` of sequence `b` sits
+at absolute position `p = context_lens[b] + i` and attends to the cached keys at
+positions `0..p` (causal). With a sliding window `W` it attends only to the
+positions `p - W + 1 .. p`. With a logit soft-cap `c`, scaled scores `s` become
+`c * tanh(s / c)`. With ALiBi, head `h` adds `slope[h] * (key_pos - p)`.
+"""
+
+from __future__ import annotations
+
+from abc import abstractmethod
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+import torch
+
+from .api import ATTENTION_BACKEND
+from .implementation import Implementation, SelectionRequest
+
+SLIDING_WINDOW = "sliding_window"
+LOGIT_SOFT_CAP = "logit_soft_cap"
+ALIBI = "alibi"
+FEATURES = frozenset({SLIDING_WINDOW, LOGIT_SOFT_CAP, ALIBI})
+
+NHD = "NHD"
+"""The default KV layout: `[num_blocks, 2, block_size, num_kv_heads, head_size]`,
+index 0 of dim 1 holding keys and 1 values. FlashInfer (NHD), the Triton kernels
+and xformers all read it without copying."""
+
+
+@dataclass(frozen=True)
+class KVCacheSpec:
+    """The shape of one layer's paged KV cache, and how many layers there are."""
+
+    block_size: int
+    num_kv_heads: int
+    head_size: int
+    dtype: torch.dtype
+    num_layers: int = 1
+
+    def bytes_per_block(self) -> int:
+        """Bytes one block costs across all layers (keys and values)."""
+        element = torch.empty((), dtype=self.dtype).element_size()
+        return 2 * self.block_size * self.num_kv_heads * self.head_size * element * self.num_layers
+
+
+@dataclass(frozen=True)
+class AttentionLayerSpec:
+    """The attention of one layer: everything a backend needs besides the data."""
+
+    num_heads: int
+    num_kv_heads: int
+    head_size: int
+    scale: float | None = None  # None means head_size ** -0.5
+    sliding_window: int | None = None
+    logit_soft_cap: float | None = None
+    alibi_slopes: tuple[float, ...] | None = None
+
+    @property
+    def softmax_scale(self) -> float:
+        return self.scale if self.scale is not None else self.head_size ** -0.5
+
+    @property
+    def queries_per_kv(self) -> int:
+        return self.num_heads // self.num_kv_heads
+
+    def required_features(self) -> frozenset[str]:
+        wanted = set()
+        if self.sliding_window is not None:
+            wanted.add(SLIDING_WINDOW)
+        if self.logit_soft_cap is not None:
+            wanted.add(LOGIT_SOFT_CAP)
+        if self.alibi_slopes is not None:
+            wanted.add(ALIBI)
+        return frozenset(wanted)
+
+
+@dataclass
+class AttentionBatch:
+    """The ragged batch of one step. Tensors live on the compute device.
+
+    * `query_start_loc` int32 `[num_seqs + 1]`: sequence `b`'s new tokens are
+      rows `query_start_loc[b]:query_start_loc[b+1]` of the flat query.
+    * `seq_lens` int32 `[num_seqs]`: tokens in the cache once this step's keys
+      are written (context plus new tokens).
+    * `context_lens` int32 `[num_seqs]`: tokens cached before this step.
+    * `block_table` int32 `[num_seqs, max_blocks]`: logical to physical block;
+      entries past a sequence's last block are 0 and never read.
+    * `slot_mapping` int64 `[num_tokens]`: where each new token's key and value
+      go, `block * block_size + offset`; -1 means "do not write".
+    * `max_query_len`, `max_seq_len`: host integers, so no backend has to sync.
+    """
+
+    query_start_loc: torch.Tensor
+    seq_lens: torch.Tensor
+    context_lens: torch.Tensor
+    block_table: torch.Tensor
+    slot_mapping: torch.Tensor
+    block_size: int
+    max_query_len: int
+    max_seq_len: int
+
+    @property
+    def num_seqs(self) -> int:
+        return int(self.seq_lens.shape[0])
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.slot_mapping.shape[0])
+
+    def query_lens(self) -> torch.Tensor:
+        return self.query_start_loc[1:] - self.query_start_loc[:-1]
+
+    def csr_view(self) -> "PagedCSR":
+        return paged_csr(self.block_table, self.seq_lens, self.block_size)
+
+
+@dataclass
+class PagedCSR:
+    """The block table as FlashInfer-style kernels read it.
+
+    `indices[indptr[b]:indptr[b+1]]` are sequence `b`'s blocks in order, and
+    `last_page_len[b]` is how many slots of its last block are filled (1..block_size).
+    """
+
+    indptr: torch.Tensor
+    indices: torch.Tensor
+    last_page_len: torch.Tensor
+
+
+def paged_csr(block_table: torch.Tensor, seq_lens: torch.Tensor, block_size: int) -> PagedCSR:
+    """Derive the CSR view from the dense block table; the one place this is done."""
+    seq_lens = seq_lens.to(torch.int32)
+    blocks_per_seq = (seq_lens + block_size - 1) // block_size
+    indptr = torch.zeros(seq_lens.shape[0] + 1, dtype=torch.int32, device=seq_lens.device)
+    torch.cumsum(blocks_per_seq, 0, out=indptr[1:])
+    columns = torch.arange(block_table.shape[1], device=block_table.device)
+    used = columns.unsqueeze(0) < blocks_per_seq.unsqueeze(1)
+    indices = block_table[used].to(torch.int32)
+    last_page_len = torch.where(seq_lens > 0, (seq_lens - 1) % block_size + 1, torch.zeros_like(seq_lens))
+    return PagedCSR(indptr=indptr, indices=indices, last_page_len=last_page_len)
+
+
+class AttentionBackend(Implementation):
+    """An attention kernel over the paged KV cache.
+
+    Guarantees every implementation keeps (the conformance suite checks each):
+      1. `unsupported_reasons` refuses, with reasons, every configuration outside
+         its declared devices, dtypes, KV-cache dtypes, head sizes, block sizes
+         and features; the constructor raises `UnsupportedConfigurationError`
+         with the same reasons. A declared configuration is never computed wrongly.
+      2. `write_kv` stores each token's key and value exactly at the slot its
+         `slot_mapping` entry names, skips entries equal to -1, and touches no
+         other slot of the cache.
+      3. `forward` returns, for every new token, the attention over the cached
+         keys and values as defined in this module's docstring, matching a
+         float64 reference within 1e-5 (float32), 2e-3 (float16), 1e-2 (bfloat16)
+         relative error; every output element is written and finite.
+      4. `plan` is called once per step with that step's batch; its result is
+         reused by `forward` for every layer and is not modified by it.
+      5. Physical block ids may be in any order; blocks never referenced by the
+         block table are never read.
+    """
+
+    kind: ClassVar[str] = ATTENTION_BACKEND
+    devices: ClassVar[frozenset[str]] = frozenset({"cpu"})
+    dtypes: ClassVar[frozenset[torch.dtype]] = frozenset({torch.float32, torch.float16, torch.bfloat16})
+    kv_cache_dtypes: ClassVar[frozenset[str]] = frozenset({"auto"})
+    head_sizes: ClassVar[frozenset[int] | None] = None  # None: any head size
+    block_sizes: ClassVar[frozenset[int] | None] = None  # None: any block size
+    features: ClassVar[frozenset[str]] = frozenset()
+    kv_layout: ClassVar[str] = NHD
+
+    def __init__(self, layer: AttentionLayerSpec, cache: KVCacheSpec, device: str | torch.device = "cpu"):
+        from .errors import UnsupportedConfigurationError
+
+        request = SelectionRequest(
+            device=torch.device(device).type,
+            dtype=cache.dtype,
+            head_size=layer.head_size,
+            block_size=cache.block_size,
+            num_heads=layer.num_heads,
+            num_kv_heads=layer.num_kv_heads,
+            features=layer.required_features(),
+        )
+        reasons = self.unsupported_reasons(request)
+        if reasons:
+            raise UnsupportedConfigurationError(
+                f"attention backend {self.name!r} cannot serve this layer: " + "; ".join(reasons)
+            )
+        self.layer = layer
+        self.cache = cache
+        self.device = torch.device(device)
+
+    @classmethod
+    def unsupported_reasons(cls, request: SelectionRequest) -> list[str]:
+        reasons = []
+        if request.device is not None and request.device not in cls.devices:
+            reasons.append(f"device {request.device!r} not in {sorted(cls.devices)}")
+        if request.dtype is not None and request.dtype not in cls.dtypes:
+            reasons.append(f"dtype {request.dtype} not in {sorted(str(d) for d in cls.dtypes)}")
+        if request.kv_cache_dtype not in (None, "auto") and request.kv_cache_dtype not in cls.kv_cache_dtypes:
+            reasons.append(f"kv cache dtype {request.kv_cache_dtype!r} not in {sorted(cls.kv_cache_dtypes)}")
+        if request.head_size is not None and cls.head_sizes is not None and request.head_size not in cls.head_sizes:
+            reasons.append(f"head size {request.head_size} not in {sorted(cls.head_sizes)}")
+        if request.block_size is not None and cls.block_sizes is not None and request.block_size not in cls.block_sizes:
+            reasons.append(f"block size {request.block_size} not in {sorted(cls.block_sizes)}")
+        missing = set(request.features) - set(cls.features)
+        if missing:
+            reasons.append(f"features {sorted(missing)} not supported (has {sorted(cls.features) or 'none'})")
+        if request.num_heads and request.num_kv_heads and request.num_heads % request.num_kv_heads:
+            reasons.append(f"{request.num_heads} query heads is not a multiple of {request.num_kv_heads} KV heads")
+        return reasons
+
+    @classmethod
+    def capabilities(cls) -> dict[str, Any]:
+        return {
+            "devices": sorted(cls.devices),
+            "dtypes": sorted(str(d).removeprefix("torch.") for d in cls.dtypes),
+            "kv_cache_dtypes": sorted(cls.kv_cache_dtypes),
+            "head_sizes": sorted(cls.head_sizes) if cls.head_sizes is not None else "any",
+            "block_sizes": sorted(cls.block_sizes) if cls.block_sizes is not None else "any",
+            "features": sorted(cls.features),
+            "kv_layout": cls.kv_layout,
+        }
+
+    @classmethod
+    def kv_cache_shape(cls, num_blocks: int, cache: KVCacheSpec) -> tuple[int, ...]:
+        """Shape of one layer's cache tensor. Override only for another layout."""
+        return (num_blocks, 2, cache.block_size, cache.num_kv_heads, cache.head_size)
+
+    @abstractmethod
+    def plan(self, batch: AttentionBatch) -> Any:
+        """Do the shape-dependent work for one step; the result goes to `forward`."""
+
+    @abstractmethod
+    def write_kv(self, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+        """Store `key`/`value` (`[num_tokens, num_kv_heads, head_size]`) at their slots."""
+
+    @abstractmethod
+    def forward(self, query: torch.Tensor, kv_cache: torch.Tensor, plan: Any, out: torch.Tensor | None = None) -> torch.Tensor:
+        """Attention for `query` (`[num_tokens, num_heads, head_size]`) over the cache,
+        after this step's keys were written. Writes into `out` when given and returns it."""

@@ -1,0 +1,116 @@
+"""The engine configuration: one validated pydantic model, one section per part.
+
+Where values come from, and how they override each other, lives in
+`config_sources.py`; checking implementation names against the registry lives in
+`check_implementation_names` below.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+from .api import ATTENTION_BACKEND, BLOCK_ALLOCATOR, QUANTIZER, SCHEDULER_POLICY, SPECULATIVE_PROPOSER
+
+FLOAT_KV_DTYPES = ("auto", "float32", "float16", "bfloat16")
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]i?B|B)?\s*$", re.IGNORECASE)
+_UNITS = {"b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+          "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+
+
+class Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class AttentionConfig(Section):
+    backend: str = Field("auto", description="attention_backend name, or auto")
+
+
+class CacheConfig(Section):
+    block_size: int = Field(16, ge=1, le=1024, description="tokens per KV block")
+    num_blocks: int | None = Field(None, ge=1, description="KV blocks in the pool; overrides memory_budget")
+    memory_budget: float | None = Field(
+        None, description="KV cache size: bytes (int or '4GiB') or a fraction (0, 1) of available memory")
+    kv_cache_dtype: str = Field("auto", description="auto (the model dtype), a float dtype, or a quantizer name")
+    enable_prefix_caching: bool = True
+    allocator: str = Field("auto", description="block_allocator name, or auto")
+    hash_algorithm: str = Field("sha256", description="prefix-cache block hash function")
+
+    @field_validator("memory_budget", mode="before")
+    @classmethod
+    def _parse_size(cls, value):
+        if isinstance(value, str):
+            match = _SIZE.match(value)
+            if not match:
+                raise ValueError(f"{value!r} is not a size; write bytes (4294967296), '4GiB', '512MB' or a fraction like 0.5")
+            number, unit = float(match.group(1)), (match.group(2) or "b").lower()
+            return number * _UNITS[unit]
+        return value
+
+    @field_validator("memory_budget")
+    @classmethod
+    def _positive(cls, value):
+        if value is not None and (value <= 0 or (1 <= value and value != int(value))):
+            raise ValueError("must be a fraction in (0, 1) of available memory or a whole number of bytes >= 1")
+        return value
+
+
+class SchedulerConfig(Section):
+    policy: str = Field("auto", description="scheduler_policy name, or auto")
+    max_num_seqs: int = Field(128, ge=1, description="most requests running at once")
+    max_num_batched_tokens: int = Field(2048, ge=1, description="token budget of one step")
+
+
+class QuantizationConfig(Section):
+    weights: str | None = Field(None, description="quantizer name for the weights, or none")
+
+
+class SpeculativeConfig(Section):
+    proposer: str | None = Field(None, description="speculative_proposer name, or none")
+    num_tokens: int = Field(4, ge=1, le=32, description="draft tokens per step")
+
+
+class PluginsConfig(Section):
+    allow: list[str] | None = Field(None, description="entry-point names to load; none means all")
+    deny: list[str] = Field(default_factory=list, description="entry-point names never to load")
+    strict: bool = Field(False, description="a plugin that fails to load is an error, not a warning")
+
+
+class EngineConfig(Section):
+    """Every setting of a kvforge engine."""
+
+    model: str = Field("kvforge-tiny", description="a local Hugging Face directory or a built-in model name")
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    dtype: Literal["auto", "float32", "float16", "bfloat16"] = "auto"
+    seed: int = 0
+    attention: AttentionConfig = Field(default_factory=AttentionConfig)
+    cache: CacheConfig = Field(default_factory=CacheConfig)
+    scheduler: SchedulerConfig = Field(default_factory=SchedulerConfig)
+    quantization: QuantizationConfig = Field(default_factory=QuantizationConfig)
+    speculative: SpeculativeConfig = Field(default_factory=SpeculativeConfig)
+    plugins: PluginsConfig = Field(default_factory=PluginsConfig)
+
+
+IMPLEMENTATION_FIELDS: dict[str, str] = {
+    "attention.backend": ATTENTION_BACKEND,
+    "cache.allocator": BLOCK_ALLOCATOR,
+    "scheduler.policy": SCHEDULER_POLICY,
+    "quantization.weights": QUANTIZER,
+    "speculative.proposer": SPECULATIVE_PROPOSER,
+}
+"""Config fields that name an implementation, and the kind each names."""
+
+
+def implementation_names(config: EngineConfig) -> dict[str, tuple[str, str]]:
+    """`{field: (kind, name)}` for every field that names an implementation (none-valued left out)."""
+    named = {}
+    for path, kind in IMPLEMENTATION_FIELDS.items():
+        section, key = path.split(".")
+        value = getattr(getattr(config, section), key)
+        if value is not None:
+            named[path] = (kind, value)
+    if config.cache.kv_cache_dtype not in FLOAT_KV_DTYPES:
+        named["cache.kv_cache_dtype"] = (QUANTIZER, config.cache.kv_cache_dtype)
+    return named

@@ -1,0 +1,81 @@
+"""What every implementation of every kind has in common.
+
+An implementation is a class. The registry never instantiates it to decide
+anything: `availability()` and `unsupported_reasons()` are class methods, so
+`kvforge plugins --explain` and `auto` selection cost nothing.
+"""
+
+from __future__ import annotations
+
+from abc import ABC
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+from .api import API_VERSION
+
+
+@dataclass(frozen=True)
+class Availability:
+    """Whether an implementation can run on this machine at all, and why not."""
+
+    ok: bool
+    reason: str = ""
+
+    @classmethod
+    def yes(cls) -> "Availability":
+        return cls(True, "")
+
+    @classmethod
+    def no(cls, reason: str) -> "Availability":
+        return cls(False, reason)
+
+
+@dataclass(frozen=True)
+class SelectionRequest:
+    """What the host asks of an implementation; every field is optional.
+
+    `auto` selection and explicit selection both pass one of these to
+    `unsupported_reasons`. Fields an implementation does not care about are ignored.
+    """
+
+    device: str | None = None
+    dtype: Any = None  # torch.dtype
+    kv_cache_dtype: str | None = None
+    head_size: int | None = None
+    block_size: int | None = None
+    num_heads: int | None = None
+    num_kv_heads: int | None = None
+    features: frozenset[str] = field(default_factory=frozenset)
+    prefix_caching: bool | None = None
+
+
+class Implementation(ABC):
+    """Base of the five interfaces.
+
+    Class attributes every implementation sets:
+      * `name` — unique within its kind; what users type in the config.
+      * `api_version` — the (major, minor) of kvforge.core it was written for.
+      * `priority` — `auto` picks the available, supporting implementation with
+        the highest priority; ties go to the name that sorts first.
+    """
+
+    kind: ClassVar[str]
+    name: ClassVar[str]
+    api_version: ClassVar[tuple[int, int]] = API_VERSION
+    priority: ClassVar[int] = 0
+
+    @classmethod
+    def availability(cls) -> Availability:
+        """Whether this implementation can run here. Must not raise and must not
+        import heavy optional libraries just to answer when a cheaper check exists."""
+        return Availability.yes()
+
+    @classmethod
+    def unsupported_reasons(cls, request: SelectionRequest) -> list[str]:
+        """Reasons this implementation cannot serve `request`; empty when it can."""
+        return []
+
+    @classmethod
+    def capabilities(cls) -> dict[str, Any]:
+        """Declared capabilities, JSON-serialisable, shown by `kvforge plugins --json`."""
+        return {}

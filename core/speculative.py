@@ -1,0 +1,51 @@
+"""The `speculative_proposer` interface: cheap guesses of the next tokens."""
+
+from __future__ import annotations
+
+from abc import abstractmethod
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import ClassVar
+
+import torch
+
+from .api import SPECULATIVE_PROPOSER
+from .implementation import Implementation
+
+
+@dataclass(frozen=True)
+class ProposalRequest:
+    """One request to draft for: every token it has so far (prompt and output)."""
+
+    request_id: str
+    token_ids: Sequence[int]
+
+
+@dataclass
+class DraftProposal:
+    """Up to k draft tokens; `probs` (`[len(token_ids), vocab]`) when the proposer
+    has a distribution, None for deterministic proposers (treated as one-hot)."""
+
+    token_ids: list[int]
+    probs: torch.Tensor | None = None
+
+
+class SpeculativeProposer(Implementation):
+    """Guarantees every implementation keeps (the conformance suite checks each):
+      1. `propose` returns one proposal per request, in order, each with at most
+         `num_tokens` tokens, all inside the vocabulary.
+      2. `probs`, when given, are rows of probabilities (non-negative, summing to 1)
+         whose draft token has non-zero probability.
+      3. Proposals are a pure function of the inputs and the proposer's state:
+         the engine's rejection sampling keeps greedy output token-for-token equal
+         to decoding without speculation, whatever is proposed.
+    """
+
+    kind: ClassVar[str] = SPECULATIVE_PROPOSER
+
+    @abstractmethod
+    def propose(self, requests: Sequence[ProposalRequest], num_tokens: int) -> list[DraftProposal]:
+        """Draft up to `num_tokens` tokens for each request."""
+
+    def release(self, request_id: str) -> None:
+        """Forget any state kept for a finished request. Default: nothing kept."""

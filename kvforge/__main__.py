@@ -1,0 +1,3 @@
+from kvforge.cli import main
+
+raise SystemExit(main())

@@ -1,0 +1,46 @@
+"""`kvforge conformance`: run the shared suite and print implementation × check group."""
+
+from __future__ import annotations
+
+import argparse
+
+from rich.console import Console
+from rich.table import Table
+
+from kvforge.core import KINDS
+
+
+def add_parser(commands) -> None:
+    parser = commands.add_parser("conformance", help="run the shared conformance suite against registered implementations")
+    parser.add_argument("--kind", action="append", choices=KINDS, help="only this kind (repeatable)")
+    parser.add_argument("--plugin", action="append", help="only this implementation or plugin name (repeatable)")
+    parser.add_argument("--quick", action="store_true", help="the reduced grid")
+    parser.add_argument("pytest_args", nargs="*", help="extra pytest arguments, after --")
+    parser.set_defaults(run=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from kvforge.conformance import run_conformance
+
+    code, results = run_conformance(args.kind, args.plugin, args.quick, args.pytest_args)
+    console = Console()
+    if not results:
+        console.print("no conformance checks matched the selection")
+        return 1 if args.plugin else int(code not in (0, 5))
+    groups = sorted({r.group for r in results})
+    table = Table("kind", "implementation", *groups, title="kvforge conformance")
+    rows: dict[tuple[str, str], dict[str, str]] = {}
+    style = {"pass": "[green]pass[/green]", "fail": "[red]FAIL[/red]", "skipped": "[yellow]skipped[/yellow]"}
+    for result in results:
+        cell = style[result.status]
+        if result.status == "skipped" and result.skip_reasons:
+            cell += f" ({result.skip_reasons[0]})"
+        rows.setdefault((result.kind, result.implementation), {})[result.group] = cell
+    for (kind, implementation), cells in rows.items():
+        table.add_row(kind, implementation, *(cells.get(g, "-") for g in groups))
+    console.print(table)
+    for result in results:
+        for failure in result.failures:
+            console.print(f"[red]FAIL[/red] {failure}")
+    failed = any(r.status == "fail" for r in results)
+    return 1 if failed or code not in (0, 5) else 0

@@ -1,0 +1,98 @@
+"""`kvforge plugins`: every registered implementation and every plugin load error.
+
+The `--json` schema (version 1) is stable:
+    {"schema": 1, "api_version": [major, minor],
+     "implementations": [{"kind", "name", "plugin", "distribution", "version",
+                          "api_version": [major, minor], "available": bool,
+                          "reason": str, "capabilities": {...}}],
+     "errors": [{"plugin", "distribution", "version", "stage", "message"}],
+     "skipped_plugins": [entry-point names filtered out by allow/deny],
+     "explain": {kind: {"chosen": name or null,
+                        "candidates": [{"name", "usable", "why_not"}]}}   # only with --explain
+    }
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from dataclasses import asdict
+
+from rich.console import Console
+from rich.table import Table
+
+from kvforge.core import API_VERSION, KINDS, SelectionRequest
+
+from .cli_options import add_config_options, config_from_args, registry_from_config
+
+SCHEMA_VERSION = 1
+
+
+def add_parser(commands) -> None:
+    parser = commands.add_parser("plugins", help="list registered implementations and plugin errors")
+    parser.add_argument("--json", action="store_true", help="print the stable JSON schema instead of tables")
+    parser.add_argument("--explain", action="store_true", help="say which implementation auto picks per kind, and why not the others")
+    add_config_options(parser)
+    parser.set_defaults(run=run)
+
+
+def selection_request(config) -> SelectionRequest:
+    """What `auto` is asked for when no model is loaded: the configured device,
+    dtype and block size (model shape is unknown until a model is)."""
+    import torch
+
+    device = config.device if config.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
+    dtype = getattr(torch, config.dtype) if config.dtype != "auto" else None
+    return SelectionRequest(device=device, dtype=dtype, block_size=config.cache.block_size,
+                            prefix_caching=config.cache.enable_prefix_caching or None)
+
+
+def report(registry, request: SelectionRequest | None, explain: bool) -> dict:
+    implementations = []
+    for registration in registry.implementations():
+        available = registration.availability()
+        implementations.append({
+            "kind": registration.kind, "name": registration.name, "plugin": registration.plugin,
+            "distribution": registration.distribution, "version": registration.version,
+            "api_version": list(registration.api_version), "available": available.ok,
+            "reason": available.reason, "capabilities": registration.cls.capabilities(),
+        })
+    data = {"schema": SCHEMA_VERSION, "api_version": list(API_VERSION), "implementations": implementations,
+            "errors": [asdict(e) for e in registry.errors], "skipped_plugins": registry.skipped_plugins}
+    if explain:
+        data["explain"] = {}
+        for kind in KINDS:
+            candidates = registry.candidates(kind, request)
+            chosen = next((c.registration.name for c in candidates if c.usable), None)
+            data["explain"][kind] = {"chosen": chosen, "candidates": [
+                {"name": c.registration.name, "usable": c.usable, "why_not": c.why_not()} for c in candidates]}
+    return data
+
+
+def run(args: argparse.Namespace) -> int:
+    loaded = config_from_args(args)
+    registry = registry_from_config(loaded)
+    data = report(registry, selection_request(loaded.config), args.explain)
+    if args.json:
+        print(json.dumps(data, indent=2))
+        return 0
+    console = Console()
+    table = Table("kind", "name", "distribution", "version", "API", "available", title=f"kvforge plugins (API {API_VERSION[0]}.{API_VERSION[1]})")
+    for item in data["implementations"]:
+        status = "yes" if item["available"] else f"no: {item['reason']}"
+        table.add_row(item["kind"], item["name"], item["distribution"], item["version"],
+                      ".".join(map(str, item["api_version"])), status)
+    console.print(table)
+    if data["errors"]:
+        errors = Table("plugin", "distribution", "stage", "error", title="plugin load errors")
+        for error in data["errors"]:
+            errors.add_row(error["plugin"], f"{error['distribution']} {error['version']}", error["stage"], error["message"])
+        console.print(errors)
+    if data["skipped_plugins"]:
+        console.print(f"skipped by allow/deny: {', '.join(data['skipped_plugins'])}")
+    for kind, verdict in data.get("explain", {}).items():
+        console.print(f"[bold]{kind}[/bold]: auto picks {verdict['chosen'] or 'nothing'}")
+        for candidate in verdict["candidates"]:
+            if candidate["name"] != verdict["chosen"]:
+                console.print(f"  skipped {candidate['name']}: {candidate['why_not'] or 'lower priority'}")
+    return 0

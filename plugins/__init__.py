@@ -1,0 +1,1 @@
+"""Built-in implementations of the non-attention kinds, one module per plugin."""
