@@ -1,0 +1,37 @@
+#!/usr/bin/env bash
+# Create .venv and install kvforge with its test tools, never letting the resolver
+# swap torch for a multi-GB CUDA build on a machine without a GPU.
+#
+#   KVFORGE_VENV        where to create the environment (default: .venv)
+#   KVFORGE_TORCH       the torch requirement (default: torch==2.13.0)
+#   KVFORGE_TORCH_INDEX extra pip arguments for torch alone, e.g.
+#                       "--index-url https://download.pytorch.org/whl/cpu" on a machine
+#                       without a GPU and without a local CPU wheel
+#   KVFORGE_EXTRAS      pip extras to install (default: test,triton)
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+venv="${KVFORGE_VENV:-.venv}"
+torch_req="${KVFORGE_TORCH:-torch==2.13.0}"
+extras="${KVFORGE_EXTRAS:-test,triton}"
+
+if [ ! -x "$venv/bin/python" ]; then
+    python3 -m venv "$venv"
+fi
+py="$venv/bin/python"
+"$py" -m pip install --quiet --disable-pip-version-check setuptools wheel
+
+# torch first, alone, pinned: every later install is constrained to exactly this build.
+# shellcheck disable=SC2086
+"$py" -m pip install --quiet --disable-pip-version-check "$torch_req" numpy ${KVFORGE_TORCH_INDEX:-}
+constraints="$(mktemp)"
+trap 'rm -f "$constraints"' EXIT
+"$py" -c 'import torch; print(f"torch=={torch.__version__}")' > "$constraints"
+
+"$py" -m pip install --quiet --disable-pip-version-check -c "$constraints" -e ".[${extras}]"
+
+"$py" - <<'PY'
+import torch
+gpu = torch.cuda.is_available()
+print(f"kvforge environment ready: torch {torch.__version__} ({'CUDA' if gpu else 'CPU'})")
+PY

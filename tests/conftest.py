@@ -1,0 +1,60 @@
+"""Shared fixtures: throwaway plugin distributions on a temporary sys.path entry."""
+
+from __future__ import annotations
+
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+
+class FakeSite:
+    """A directory on sys.path where tests write real `*.dist-info` distributions,
+    which importlib.metadata (and so the registry) discovers like installed ones."""
+
+    def __init__(self, root: Path):
+        self.root = root
+
+    def add(self, dist: str, version: str, modules: dict[str, str], entry_points: dict[str, str]) -> None:
+        for module, source in modules.items():
+            (self.root / f"{module}.py").write_text(textwrap.dedent(source))
+        info = self.root / f"{dist.replace('-', '_')}-{version}.dist-info"
+        info.mkdir()
+        (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {dist}\nVersion: {version}\n")
+        lines = "\n".join(f"{name} = {target}" for name, target in entry_points.items())
+        (info / "entry_points.txt").write_text(f"[kvforge.plugins]\n{lines}\n")
+
+
+@pytest.fixture
+def fake_site(tmp_path, monkeypatch):
+    root = tmp_path / "site"
+    root.mkdir()
+    monkeypatch.syspath_prepend(str(root))
+    monkeypatch.delenv("KVFORGE_PLUGINS", raising=False)
+    yield FakeSite(root)
+    for name in [m for m in sys.modules if m.startswith("fakeplug")]:
+        del sys.modules[name]
+
+
+POLICY_SOURCE = '''
+from kvforge.core import SchedulerPolicy, hookimpl
+
+class {cls}(SchedulerPolicy):
+    name = "{name}"
+    api_version = {api}
+
+    def waiting_key(self, request):
+        return (-request.arrival_index,)
+
+    def choose_victim(self, running):
+        return min(running, key=lambda r: r.arrival_index, default=None)
+
+@hookimpl
+def kvforge_implementations():
+    return [{cls}]
+'''
+
+
+def policy_plugin(name: str, cls: str = "Policy", api: tuple[int, int] = (1, 0)) -> str:
+    return POLICY_SOURCE.format(name=name, cls=cls, api=api)

@@ -1,0 +1,52 @@
+"""The core is self-contained and its shared helpers are right."""
+
+import ast
+from pathlib import Path
+
+import torch
+
+from kvforge.core import INTERFACES, KINDS, AttentionBatch, KVCacheSpec, paged_csr
+
+CORE = Path(__file__).resolve().parents[1] / "core"
+
+
+def test_core_imports_nothing_else_from_the_project():
+    for path in CORE.glob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+                assert not node.module.startswith("kvforge") or node.module.startswith("kvforge.core"), (path, node.module)
+            if isinstance(node, ast.Import):
+                for alias in node.names:
+                    assert not alias.name.startswith("kvforge") or alias.name.startswith("kvforge.core"), (path, alias.name)
+
+
+def test_every_kind_has_an_interface_that_names_it():
+    assert set(INTERFACES) == set(KINDS)
+    for kind, interface in INTERFACES.items():
+        assert interface.kind == kind
+        assert "Guarantees" in (interface.__doc__ or ""), f"{interface.__name__} must state its guarantees"
+
+
+def test_paged_csr_lists_each_sequences_blocks_in_order():
+    block_size = 4
+    seq_lens = torch.tensor([5, 4, 1, 9], dtype=torch.int32)
+    table = torch.tensor([[7, 2, 0], [3, 0, 0], [9, 0, 0], [1, 6, 8]], dtype=torch.int32)
+    csr = paged_csr(table, seq_lens, block_size)
+    assert csr.indptr.tolist() == [0, 2, 3, 4, 7]
+    assert csr.indices.tolist() == [7, 2, 3, 9, 1, 6, 8]
+    assert csr.last_page_len.tolist() == [1, 4, 1, 1]
+
+
+def test_attention_batch_csr_view_uses_the_same_derivation():
+    batch = AttentionBatch(
+        query_start_loc=torch.tensor([0, 3, 4], dtype=torch.int32), seq_lens=torch.tensor([3, 6], dtype=torch.int32),
+        context_lens=torch.tensor([0, 5], dtype=torch.int32), block_table=torch.tensor([[4, 0], [2, 5]], dtype=torch.int32),
+        slot_mapping=torch.arange(4), block_size=4, max_query_len=3, max_seq_len=6)
+    assert batch.query_lens().tolist() == [3, 1]
+    assert batch.csr_view().indices.tolist() == [4, 2, 5]
+    assert (batch.num_seqs, batch.num_tokens) == (2, 4)
+
+
+def test_kv_cache_spec_counts_keys_values_and_layers():
+    spec = KVCacheSpec(block_size=16, num_kv_heads=2, head_size=64, dtype=torch.bfloat16, num_layers=3)
+    assert spec.bytes_per_block() == 2 * 16 * 2 * 64 * 2 * 3

@@ -1,0 +1,53 @@
+"""`pip install .` (a built wheel) carries every subpackage under the one name
+`kvforge`, the built-in entry points and the console script."""
+
+import subprocess
+import sys
+import zipfile
+
+import pytest
+
+
+@pytest.fixture(scope="module")
+def wheel(tmp_path_factory):
+    from pathlib import Path
+
+    out = tmp_path_factory.mktemp("wheel")
+    root = Path(__file__).resolve().parents[1]
+    result = subprocess.run([sys.executable, "-m", "pip", "wheel", "--quiet", "--no-deps", "--no-build-isolation",
+                             "--wheel-dir", str(out), str(root)], capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr
+    (path,) = out.glob("kvforge-*.whl")
+    return zipfile.ZipFile(path)
+
+
+def test_wheel_maps_every_folder_under_kvforge(wheel):
+    names = set(wheel.namelist())
+    for module in ("kvforge/cli.py", "kvforge/core/api.py", "kvforge/core/registry.py", "kvforge/plugins/__init__.py",
+                   "kvforge/backends/__init__.py", "kvforge/models/__init__.py", "kvforge/engine/__init__.py",
+                   "kvforge/conformance/runner.py", "kvforge/conformance/conftest.py", "kvforge/benchmarks/__init__.py"):
+        assert module in names, module
+    assert not any(name.startswith(("core/", "tests/")) for name in names)
+
+
+def test_wheel_declares_builtin_entry_points_and_console_script(wheel):
+    (entry_points,) = [n for n in wheel.namelist() if n.endswith(".dist-info/entry_points.txt")]
+    text = wheel.read(entry_points).decode()
+    assert "[kvforge.plugins]" in text and "scheduler-policies = kvforge.plugins.scheduler_policies" in text
+    assert "kvforge = kvforge.cli:main" in text
+
+
+def test_every_declared_builtin_plugin_imports_and_registers_cleanly():
+    import tomllib
+    from importlib import import_module
+    from pathlib import Path
+
+    from kvforge.core import Registry
+
+    pyproject = tomllib.loads((Path(__file__).resolve().parents[1] / "pyproject.toml").read_text())
+    declared = pyproject["project"]["entry-points"]["kvforge.plugins"]
+    registry = Registry(strict=True)
+    for name, target in declared.items():
+        registry.register_plugin(import_module(target), name, "kvforge", "test")
+    assert not registry.errors
+    assert len(registry.implementations()) >= len(declared)
