@@ -1,0 +1,154 @@
+"""Conformance of every `block_allocator` that declares `supports_prefix_caching`:
+guarantees 7-10 of `kvforge.core.block_allocator.BlockAllocator` (hash chains,
+lookup, LRU eviction with tails first, cleared hashes on reuse)."""
+
+import pytest
+
+from kvforge.core import BLOCK_ALLOCATOR
+
+KIND = BLOCK_ALLOCATOR
+GROUP = "prefix caching"
+
+BLOCK_SIZE = 4
+
+
+@pytest.fixture
+def make_pool(registration):
+    if not registration.cls.supports_prefix_caching:
+        pytest.skip(f"{registration.name} does not declare prefix caching")
+    return lambda num_blocks=8: registration.cls(num_blocks, BLOCK_SIZE)
+
+
+def chain(pool, token_ids, extra_keys=()):
+    """The chained hashes of the full blocks of `token_ids`."""
+    hashes, parent = [], None
+    for start in range(0, len(token_ids) - BLOCK_SIZE + 1, BLOCK_SIZE):
+        parent = pool.hash_block(parent, token_ids[start:start + BLOCK_SIZE], extra_keys)
+        hashes.append(parent)
+    return hashes
+
+
+def cached_sequence(pool, token_ids, extra_keys=()):
+    """Allocate and cache one block per full block of `token_ids`; returns (blocks, hashes)."""
+    hashes = chain(pool, token_ids, extra_keys)
+    blocks = pool.allocate(len(hashes))
+    for block, block_hash in zip(blocks, hashes):
+        assert pool.cache_block(block, block_hash)
+    return blocks, hashes
+
+
+def test_hash_depends_on_parent_tokens_and_extra_keys(make_pool):
+    pool = make_pool()
+    tokens = [1, 2, 3, 4]
+    base = pool.hash_block(None, tokens)
+    assert pool.hash_block(None, tokens) == base
+    variants = [pool.hash_block(base, tokens), pool.hash_block(None, [1, 2, 3, 5]),
+                pool.hash_block(None, tokens, ("salt",)), pool.hash_block(None, tokens, ("model-b",)),
+                pool.hash_block(pool.hash_block(None, [9, 9, 9, 9]), tokens)]
+    assert len({base, *variants}) == len(variants) + 1
+
+
+def test_equal_prefixes_share_blocks(make_pool):
+    pool = make_pool()
+    blocks, hashes = cached_sequence(pool, list(range(12)))
+    found = pool.lookup(hashes)
+    assert list(found) == blocks
+    pool.acquire(found)
+    assert [pool.ref_count(b) for b in blocks] == [2, 2, 2]
+
+
+def test_lookup_returns_the_longest_cached_prefix_and_takes_no_reference(make_pool):
+    pool = make_pool()
+    blocks, hashes = cached_sequence(pool, list(range(12)))
+    other = chain(pool, [0, 1, 2, 3, 4, 5, 6, 7, 99, 99, 99, 99])
+    assert list(pool.lookup(other)) == blocks[:2]
+    assert [pool.ref_count(b) for b in blocks] == [1, 1, 1]
+    usage = pool.usage()
+    assert usage.lookups >= usage.hits >= 2
+
+
+def test_same_tokens_after_a_different_prefix_do_not_hit(make_pool):
+    pool = make_pool()
+    cached_sequence(pool, [1, 1, 1, 1, 5, 6, 7, 8])
+    assert list(pool.lookup(chain(pool, [2, 2, 2, 2, 5, 6, 7, 8]))) == []
+    assert pool.lookup(chain(pool, [2, 2, 2, 2, 5, 6, 7, 8])[1:]) == []
+
+
+def test_different_cache_salts_never_hit_each_other(make_pool):
+    pool = make_pool()
+    tokens = list(range(8))
+    cached_sequence(pool, tokens, ("tenant-a",))
+    assert list(pool.lookup(chain(pool, tokens, ("tenant-b",)))) == []
+    assert list(pool.lookup(chain(pool, tokens))) == []
+    assert len(pool.lookup(chain(pool, tokens, ("tenant-a",)))) == 2
+
+
+def test_a_hash_is_carried_by_one_block_only(make_pool):
+    pool = make_pool()
+    blocks, hashes = cached_sequence(pool, list(range(4)))
+    (other,) = pool.allocate(1)
+    assert pool.cache_block(other, hashes[0]) is False
+    assert pool.block_hash_of(other) is None and list(pool.lookup(hashes)) == blocks
+
+
+def test_freed_cached_blocks_stay_cached_until_evicted(make_pool):
+    pool = make_pool()
+    blocks, hashes = cached_sequence(pool, list(range(12)))
+    pool.free(blocks)
+    usage = pool.usage()
+    assert usage.free == 8 and usage.cached == 3
+    found = pool.lookup(hashes)
+    assert list(found) == blocks
+    pool.acquire(found)
+    assert [pool.ref_count(b) for b in blocks] == [1, 1, 1] and pool.usage().cached == 0
+
+
+def _fill_with_cached(pool, num_blocks):
+    """Cache one single-block sequence per block and free them in order; returns their blocks."""
+    blocks = []
+    for token in range(num_blocks):
+        (block,), _ = cached_sequence(pool, [token] * BLOCK_SIZE)
+        blocks.append(block)
+    return blocks
+
+
+def test_eviction_takes_the_tail_of_a_freed_sequence_first(make_pool):
+    pool = make_pool(4)
+    blocks, hashes = cached_sequence(pool, list(range(16)))
+    pool.free(blocks)
+    assert pool.allocate(1) == [blocks[3]]
+    assert pool.allocate(1) == [blocks[2]]
+    assert list(pool.lookup(hashes)) == blocks[:2]
+
+
+def test_eviction_is_least_recently_used_first(make_pool):
+    pool = make_pool(4)
+    first, first_hashes = cached_sequence(pool, [1] * 8)
+    second, second_hashes = cached_sequence(pool, [2] * 8)
+    pool.free(first)
+    pool.free(second)
+    assert sorted(pool.allocate(2)) == sorted(first)
+    assert list(pool.lookup(second_hashes)) == second
+
+
+def test_a_cached_block_hit_again_becomes_most_recently_used(make_pool):
+    pool = make_pool(4)
+    first, first_hashes = cached_sequence(pool, [1] * 8)
+    second, second_hashes = cached_sequence(pool, [2] * 8)
+    pool.free(first)
+    pool.free(second)
+    found = pool.lookup(first_hashes)
+    pool.acquire(found)
+    pool.free(found)
+    assert sorted(pool.allocate(2)) == sorted(second)
+    assert list(pool.lookup(first_hashes)) == first
+
+
+def test_a_reused_block_loses_its_hash(make_pool):
+    pool = make_pool(2)
+    blocks, hashes = cached_sequence(pool, list(range(8)))
+    pool.free(blocks)
+    reused = pool.allocate(2)
+    assert sorted(reused) == sorted(blocks)
+    assert all(pool.block_hash_of(b) is None for b in reused)
+    assert list(pool.lookup(hashes)) == [] and pool.usage().cached == 0
