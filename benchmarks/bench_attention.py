@@ -1,0 +1,278 @@
+"""Decode and prefill microbenchmarks for every available `attention_backend`.
+
+Each registered backend that is available here and serves the shape is timed on
+one layer's `forward` over a paged cache whose physical blocks are shuffled (the
+step's `plan` is built once, outside the timing, as an engine amortises it over
+its layers). Beside them, `contiguous-sdpa` runs PyTorch SDPA over an unpaged,
+contiguous copy of the same keys and values: the floor paging is measured against.
+
+Reported per row: median time, effective bandwidth (KV bytes read / time) and
+the paging overhead ratio (time / contiguous SDPA's time on the same shape).
+
+    pytest benchmarks/bench_attention.py                     # pytest-benchmark, table at the end
+    python -m kvforge.benchmarks.bench_attention [--repeat N] # the table alone
+
+Backends arrive through the registry, so a newly installed plugin shows up here
+without edits. A backend whose class sets `conformance_grid = "reduced"` (one
+that runs under an interpreter on this machine, like Triton on a CPU) is skipped:
+its timings would measure the interpreter.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import statistics
+import time
+from dataclasses import dataclass
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from kvforge.core import ATTENTION_BACKEND, NHD, AttentionBatch, AttentionLayerSpec, KVCacheSpec, SelectionRequest
+from kvforge.core import build_registry
+
+BASELINE = "contiguous-sdpa"
+
+
+@functools.lru_cache(maxsize=1)
+def registry():
+    return build_registry()
+
+
+@dataclass(frozen=True)
+class Shape:
+    name: str
+    num_seqs: int
+    context_len: int  # tokens cached before the step, equal for every sequence
+    query_len: int  # new tokens per sequence
+    num_heads: int
+    num_kv_heads: int
+    head_size: int
+    block_size: int
+    dtype: torch.dtype
+
+    @property
+    def seq_len(self) -> int:
+        return self.context_len + self.query_len
+
+    def kv_bytes(self) -> int:
+        """Keys and values one layer's attention must read at least once."""
+        element = torch.empty((), dtype=self.dtype).element_size()
+        return 2 * self.num_seqs * self.seq_len * self.num_kv_heads * self.head_size * element
+
+
+def shapes(device: str) -> list[Shape]:
+    if device == "cuda":  # the issue's GPU shape
+        return [Shape("decode", 32, 1024, 1, 32, 8, 128, 16, torch.bfloat16),
+                Shape("prefill", 4, 0, 1024, 32, 8, 128, 16, torch.bfloat16)]
+    # scaled down for a small shared CPU; float32, CPU's native attention dtype
+    return [Shape("decode", 16, 512, 1, 16, 4, 128, 16, torch.float32),
+            Shape("prefill", 2, 0, 256, 16, 4, 128, 16, torch.float32)]
+
+
+def device_here() -> str:
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+@dataclass
+class Workload:
+    """Everything one timed call needs: a paged layer and the same data unpaged."""
+
+    shape: Shape
+    query: torch.Tensor  # [T, heads, d]
+    cache: torch.Tensor  # [num_blocks, 2, block_size, kv_heads, d], blocks shuffled
+    batch: AttentionBatch
+    keys: torch.Tensor  # [num_seqs, kv_heads, seq_len, d], contiguous
+    values: torch.Tensor
+
+
+def workload(shape: Shape, device: str, seed: int = 0) -> Workload:
+    gen = torch.Generator().manual_seed(seed)
+    s, bs = shape, shape.block_size
+    per_seq = -(-s.seq_len // bs)
+    num_blocks = s.num_seqs * per_seq + 8
+    physical = torch.randperm(num_blocks, generator=gen)[: s.num_seqs * per_seq]
+    table = physical.view(s.num_seqs, per_seq).to(torch.int32)
+    keys = torch.randn(s.num_seqs, s.seq_len, s.num_kv_heads, s.head_size, generator=gen).to(s.dtype)
+    values = torch.randn(s.num_seqs, s.seq_len, s.num_kv_heads, s.head_size, generator=gen).to(s.dtype)
+    cache = torch.zeros(num_blocks, 2, bs, s.num_kv_heads, s.head_size, dtype=s.dtype)
+    padded = per_seq * bs
+    for kv, data in ((0, keys), (1, values)):
+        full = torch.zeros(s.num_seqs, padded, s.num_kv_heads, s.head_size, dtype=s.dtype)
+        full[:, : s.seq_len] = data
+        cache[table.long(), kv] = full.view(s.num_seqs, per_seq, bs, s.num_kv_heads, s.head_size)
+    pos = torch.arange(s.context_len, s.seq_len)
+    slots = (table[:, pos // bs].long() * bs + pos % bs).flatten()
+    batch = AttentionBatch(
+        query_start_loc=torch.arange(s.num_seqs + 1, dtype=torch.int32) * s.query_len,
+        seq_lens=torch.full((s.num_seqs,), s.seq_len, dtype=torch.int32),
+        context_lens=torch.full((s.num_seqs,), s.context_len, dtype=torch.int32),
+        block_table=table, slot_mapping=slots, block_size=bs, max_query_len=s.query_len, max_seq_len=s.seq_len)
+    batch = AttentionBatch(**{k: getattr(batch, k).to(device) for k in
+                              ("query_start_loc", "seq_lens", "context_lens", "block_table", "slot_mapping")},
+                           block_size=bs, max_query_len=s.query_len, max_seq_len=s.seq_len)
+    query = torch.randn(s.num_seqs * s.query_len, s.num_heads, s.head_size, generator=gen).to(s.dtype)
+    return Workload(shape, query.to(device), cache.to(device), batch,
+                    keys.transpose(1, 2).contiguous().to(device), values.transpose(1, 2).contiguous().to(device))
+
+
+def contiguous_call(w: Workload):
+    """The best SDPA call over the unpaged copy. Decodes pack the query heads that
+    share a KV head into SDPA's query-length dimension (measured 2x faster on CPU
+    than `enable_gqa`); prompts run causal with `enable_gqa`."""
+    s = w.shape
+    group = s.num_heads // s.num_kv_heads
+    if s.query_len == 1:
+        q = w.query.view(s.num_seqs, s.num_kv_heads, group, s.head_size)
+
+        def call():
+            return F.scaled_dot_product_attention(q, w.keys, w.values)
+        return call
+    q = w.query.view(s.num_seqs, s.query_len, s.num_heads, s.head_size).transpose(1, 2)
+    causal = s.context_len == 0
+
+    def call():
+        return F.scaled_dot_product_attention(q, w.keys, w.values, is_causal=causal, enable_gqa=group > 1)
+    return call
+
+
+def backend_call(cls, w: Workload, device: str):
+    s = w.shape
+    layer = AttentionLayerSpec(s.num_heads, s.num_kv_heads, s.head_size)
+    backend = cls(layer, KVCacheSpec(s.block_size, s.num_kv_heads, s.head_size, s.dtype), device)
+    plan = backend.plan(w.batch)
+    out = torch.empty_like(w.query)
+
+    def call():
+        return backend.forward(w.query, w.cache, plan, out=out)
+    return call
+
+
+def candidates(shape: Shape, device: str) -> list:
+    """pytest params: every registered backend, skipped with its reason when it cannot run."""
+    params = [pytest.param(BASELINE, id=BASELINE)]
+    for registration in registry().implementations(ATTENTION_BACKEND):
+        cls = registration.cls
+        why = skip_reason(cls, shape, device)
+        marks = [pytest.mark.skip(reason=why)] if why else []
+        params.append(pytest.param(registration.name, id=registration.name, marks=marks))
+    return params
+
+
+def skip_reason(cls, shape: Shape, device: str) -> str | None:
+    availability = cls.availability()
+    if not availability.ok:
+        return f"unavailable: {availability.reason}"
+    if cls.kv_layout != NHD:
+        return f"uses KV layout {cls.kv_layout}; this benchmark builds {NHD} caches"
+    if getattr(cls, "conformance_grid", "full") == "reduced":
+        return "runs under an interpreter on this machine; its timings would measure the interpreter"
+    reasons = cls.unsupported_reasons(SelectionRequest(
+        device=device, dtype=shape.dtype, head_size=shape.head_size, block_size=shape.block_size,
+        num_heads=shape.num_heads, num_kv_heads=shape.num_kv_heads))
+    return "; ".join(reasons) or None
+
+
+def make_call(name: str, w: Workload, device: str):
+    if name == BASELINE:
+        return contiguous_call(w)
+    return backend_call(registry().get(ATTENTION_BACKEND, name).cls, w, device)
+
+
+def synchronized(call, device: str):
+    if device != "cuda":
+        return call
+
+    def run():
+        result = call()
+        torch.cuda.synchronize()
+        return result
+    return run
+
+
+# The table
+
+
+def table(times: dict[tuple[str, str], float], device: str) -> list[str]:
+    """Rows of `shape  backend  time  GB/s  ratio` from median seconds keyed by (shape, backend)."""
+    lines = [f"{'shape':<8} {'backend':<18} {'time (ms)':>10} {'GB/s':>8} {'vs contiguous':>14}"]
+    for shape in shapes(device):
+        base = times.get((shape.name, BASELINE))
+        for (shape_name, name), seconds in sorted(times.items(), key=lambda kv: kv[1]):
+            if shape_name != shape.name:
+                continue
+            ratio = f"{seconds / base:.2f}x" if base else "-"
+            lines.append(f"{shape.name:<8} {name:<18} {seconds * 1e3:>10.3f} {shape.kv_bytes() / seconds / 1e9:>8.2f} "
+                         f"{ratio:>14}")
+    return lines
+
+
+RESULTS: dict[tuple[str, str], float] = {}
+
+
+@pytest.fixture(scope="module", autouse=True)
+def print_table(request):
+    yield
+    if not RESULTS:
+        return
+    capture = request.config.pluginmanager.getplugin("capturemanager")
+    with capture.global_and_fixture_disabled():  # teardown output is captured otherwise
+        print(f"\n\nattention on {device_here()} (paging overhead = time / contiguous SDPA on the same data):")
+        print("\n".join(table(RESULTS, device_here())))
+
+
+def bench(benchmark, shape: Shape, name: str):
+    device = device_here()
+    call = synchronized(make_call(name, workload(shape, device), device), device)
+    call()  # warm up (JIT builds, autotuning, first-touch allocation)
+    benchmark.extra_info.update(shape=shape.name, kv_bytes=shape.kv_bytes())
+    benchmark.pedantic(call, rounds=10, iterations=1, warmup_rounds=1)
+    median = benchmark.stats.stats.median
+    RESULTS[(shape.name, name)] = median
+    benchmark.extra_info["GB_per_s"] = shape.kv_bytes() / median / 1e9
+
+
+DECODE, PREFILL = shapes(device_here())
+
+
+@pytest.mark.parametrize("name", candidates(DECODE, device_here()))
+def test_decode(benchmark, name):
+    bench(benchmark, DECODE, name)
+
+
+@pytest.mark.parametrize("name", candidates(PREFILL, device_here()))
+def test_prefill(benchmark, name):
+    bench(benchmark, PREFILL, name)
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--repeat", type=int, default=20, help="timed calls per row (median reported)")
+    parser.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
+    args = parser.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    device, times = device_here(), {}
+    for shape in shapes(device):
+        w = workload(shape, device)
+        names = [BASELINE] + [r.name for r in registry().implementations(ATTENTION_BACKEND)]
+        for name in names:
+            if name != BASELINE and (why := skip_reason(registry().get(ATTENTION_BACKEND, name).cls,
+                                                      shape, device)):
+                print(f"skip {name} ({shape.name}): {why}")
+                continue
+            call = synchronized(make_call(name, w, device), device)
+            call()
+            samples = []
+            for _ in range(args.repeat):
+                start = time.perf_counter()
+                call()
+                samples.append(time.perf_counter() - start)
+            times[(shape.name, name)] = statistics.median(samples)
+    print("\n".join(table(times, device)))
+
+
+if __name__ == "__main__":
+    main()
