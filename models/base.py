@@ -1,0 +1,251 @@
+"""The `CausalLM` contract and the pieces every architecture shares.
+
+A model runs one ragged batch per step: `input_ids` and `positions` are the
+flattened new tokens of every scheduled sequence (no padding), and attention
+goes through an `AttentionBackend` over the paged KV cache. The caller (an
+engine, or a test driver) owns the cache tensors and the `AttentionBatch`:
+
+    caches = model.allocate_kv_cache(num_blocks, block_size)
+    plan = model.plan(batch)                   # once per step
+    hidden = model.forward(input_ids, positions, caches, plan)
+    logits = model.compute_logits(hidden[last_rows])
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from kvforge.core import AttentionBackend, AttentionBatch, AttentionLayerSpec, KVCacheSpec, SelectionRequest
+from kvforge.core.errors import ConfigError, UnsupportedConfigurationError
+
+
+class ModelConfig(dict):
+    """A model's `config.json` as a dict, with `get` that also treats None as missing."""
+
+    def value(self, key: str, default: Any = None) -> Any:
+        found = self.get(key)
+        return default if found is None else found
+
+    def eos_token_id(self) -> int | None:
+        eos = self.get("eos_token_id")
+        if isinstance(eos, list):
+            return int(eos[0]) if eos else None
+        return None if eos is None else int(eos)
+
+
+class RMSNorm(nn.Module):
+    """Root-mean-square norm, computed in float32 like the Hugging Face models."""
+
+    def __init__(self, size: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(size))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x = x.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x.to(dtype)
+
+
+ROPE_TYPES = ("default", "linear", "llama3")
+
+
+def rope_inv_freq(config: ModelConfig, head_size: int) -> torch.Tensor:
+    """Rotary inverse frequencies, with linear or Llama-3 scaling when the config asks.
+
+    Reads both config spellings: `rope_parameters` (transformers 5) and
+    `rope_theta` + `rope_scaling` (transformers 4)."""
+    params = dict(config.value("rope_parameters", {}) or {})
+    scaling = dict(config.value("rope_scaling", {}) or {})
+    params = {**scaling, **params}
+    theta = float(params.get("rope_theta", config.value("rope_theta", 10000.0)))
+    kind = params.get("rope_type", params.get("type", "default"))
+    dim = int(head_size * float(params.get("partial_rotary_factor", config.value("partial_rotary_factor", 1.0))))
+    if dim != head_size:
+        raise ConfigError(f"partial rotary embeddings (rotary dim {dim} of head size {head_size}) are not supported")
+    inv_freq = 1.0 / (theta ** (torch.arange(0, dim, 2, dtype=torch.int64, device="cpu").float() / dim))
+    if kind == "default":
+        return inv_freq
+    if kind == "linear":
+        return inv_freq / float(params["factor"])
+    if kind == "llama3":
+        factor = float(params["factor"])
+        low, high = float(params["low_freq_factor"]), float(params["high_freq_factor"])
+        old_len = float(params["original_max_position_embeddings"])
+        wavelen = 2 * math.pi / inv_freq
+        scaled = torch.where(wavelen > old_len / low, inv_freq / factor, inv_freq)
+        smooth = (old_len / wavelen - low) / (high - low)
+        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+        medium = (wavelen >= old_len / high) & (wavelen <= old_len / low)
+        return torch.where(medium, smoothed, scaled)
+    raise ConfigError(f"rope type {kind!r} is not supported; supported rope types: {', '.join(ROPE_TYPES)}")
+
+
+class RotaryEmbedding(nn.Module):
+    """Rotary position embedding (the rotate-half layout of the Hugging Face models).
+
+    `forward(positions)` gives the step's (cos, sin) once; `apply` uses them in every layer."""
+
+    def __init__(self, inv_freq: torch.Tensor):
+        super().__init__()
+        self.inv_freq = inv_freq  # a plain attribute, so meta-device construction leaves it real
+
+    def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        freqs = positions.float()[:, None] * self.inv_freq.to(positions.device)[None, :]
+        angles = torch.cat((freqs, freqs), dim=-1)[:, None, :]  # [T, 1, head]
+        return angles.cos().to(dtype), angles.sin().to(dtype)
+
+    @staticmethod
+    def apply(q: torch.Tensor, k: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor]):
+        cos, sin = cos_sin
+        return q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+ACTIVATIONS = {
+    "silu": F.silu,
+    "swish": F.silu,
+    "relu": F.relu,
+    "gelu": F.gelu,
+    "gelu_new": lambda x: F.gelu(x, approximate="tanh"),
+    "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"),
+    "gelu_fast": lambda x: F.gelu(x, approximate="tanh"),
+}
+
+
+def activation(name: str):
+    if name not in ACTIVATIONS:
+        raise ConfigError(f"activation {name!r} is not supported; supported: {', '.join(sorted(ACTIVATIONS))}")
+    return ACTIVATIONS[name]
+
+
+@dataclass
+class ModelPlan:
+    """One step's batch and, per distinct layer spec, its backend and that backend's plan."""
+
+    batch: AttentionBatch
+    backends: dict[AttentionLayerSpec, tuple[AttentionBackend, Any]] = field(default_factory=dict)
+
+
+class PagedAttention(nn.Module):
+    """One layer's attention over its paged cache; holds no weights, only its spec."""
+
+    def __init__(self, spec: AttentionLayerSpec):
+        super().__init__()
+        self.spec = spec
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
+                plan: ModelPlan) -> torch.Tensor:
+        backend, backend_plan = plan.backends[self.spec]
+        backend.write_kv(k, v, kv_cache, plan.batch.slot_mapping)
+        return backend.forward(q, kv_cache, backend_plan)
+
+
+class CausalLM(nn.Module):
+    """A decoder-only language model on the paged interface.
+
+    Subclasses build their layers in `__init__(config)`, set `layer_specs` (one
+    `AttentionLayerSpec` per layer), and implement `forward` and `lm_head_weight`.
+    Parameter names match the Hugging Face checkpoint names, so loading is a
+    name-for-name copy.
+    """
+
+    tied_keys: tuple[str, ...] = ()  # checkpoint tensors that may be present but are tied to another
+    ignored_suffixes: tuple[str, ...] = ("rotary_emb.inv_freq",)  # checkpoint tensors we recompute
+
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.config = config
+        self.vocab_size: int = int(config["vocab_size"])
+        self.max_model_len: int = int(config.value("max_position_embeddings", 2048))
+        self.eos_token_id: int | None = config.eos_token_id()
+        self.layer_specs: list[AttentionLayerSpec] = []
+        self.attention_backend: type[AttentionBackend] | None = None
+        self._backends: dict[tuple[AttentionLayerSpec, int], AttentionBackend] = {}
+
+    # Backends
+
+    def set_attention_backend(self, backend_cls: type[AttentionBackend]) -> None:
+        """Use `backend_cls` for every layer; refuses, with reasons, a backend that cannot serve a layer."""
+        for spec in dict.fromkeys(self.layer_specs):
+            reasons = backend_cls.unsupported_reasons(SelectionRequest(
+                device=self.device.type, dtype=self.dtype, head_size=spec.head_size, num_heads=spec.num_heads,
+                num_kv_heads=spec.num_kv_heads, features=spec.required_features()))
+            if reasons:
+                raise UnsupportedConfigurationError(
+                    f"attention backend {backend_cls.name!r} cannot serve this model: {'; '.join(reasons)}; "
+                    "choose another attention backend (see `kvforge plugins`)")
+        self.attention_backend = backend_cls
+        self._backends = {}
+
+    def backend_for(self, spec: AttentionLayerSpec, block_size: int) -> AttentionBackend:
+        """The one backend instance serving every layer with this spec at this block size."""
+        key = (spec, block_size)
+        if key not in self._backends:
+            self._backends[key] = self.backend_class()(spec, self.kv_cache_spec(block_size), self.device)
+        return self._backends[key]
+
+    def backend_class(self) -> type[AttentionBackend]:
+        if self.attention_backend is None:
+            raise ConfigError("this model has no attention backend; pass attention_backend to load_model "
+                              "or call set_attention_backend")
+        return self.attention_backend
+
+    # Cache
+
+    def kv_cache_spec(self, block_size: int) -> KVCacheSpec:
+        first = self.layer_specs[0]
+        return KVCacheSpec(block_size=block_size, num_kv_heads=first.num_kv_heads, head_size=first.head_size,
+                           dtype=self.dtype, num_layers=len(self.layer_specs))
+
+    def allocate_kv_cache(self, num_blocks: int, block_size: int) -> list[torch.Tensor]:
+        """One zeroed cache tensor per layer, in the backend's `kv_cache_shape`."""
+        spec = self.kv_cache_spec(block_size)
+        shape = self.backend_class().kv_cache_shape(num_blocks, spec)
+        return [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in self.layer_specs]
+
+    # One step
+
+    def plan(self, batch: AttentionBatch) -> ModelPlan:
+        """Plan the step: each distinct backend instance's `plan` runs once."""
+        plan = ModelPlan(batch)
+        for spec in dict.fromkeys(self.layer_specs):
+            backend = self.backend_for(spec, batch.block_size)
+            plan.backends[spec] = (backend, backend.plan(batch))
+        return plan
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor],
+                plan: ModelPlan) -> torch.Tensor:
+        """Hidden states `[T, hidden_size]` of the step's flattened tokens."""
+        raise NotImplementedError
+
+    def lm_head_weight(self) -> torch.Tensor:
+        raise NotImplementedError
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Float32 logits `[N, vocab_size]` for the rows of `hidden` the caller wants."""
+        return F.linear(hidden, self.lm_head_weight()).float()
+
+    @staticmethod
+    def checkpoint_name(name: str) -> str:
+        """Map a checkpoint tensor name to this model's parameter name."""
+        return name
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return next(self.parameters()).dtype
+
+    @property
+    def device(self) -> torch.device:
+        return next(self.parameters()).device

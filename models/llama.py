@@ -1,0 +1,163 @@
+"""The Llama family: Llama (with Llama-3 rope scaling), Mistral (sliding window),
+Qwen2 (QKV bias) and Qwen3 (q/k norm). One decoder, four small flavours."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from kvforge.core import AttentionLayerSpec
+
+from .base import CausalLM, ModelConfig, ModelPlan, PagedAttention, RMSNorm, RotaryEmbedding, activation, rope_inv_freq
+
+
+class LlamaAttention(nn.Module):
+    def __init__(self, config: ModelConfig, spec: AttentionLayerSpec, qkv_bias: bool, o_bias: bool, qk_norm: bool):
+        super().__init__()
+        hidden, heads, kv_heads, head = config["hidden_size"], spec.num_heads, spec.num_kv_heads, spec.head_size
+        self.q_proj = nn.Linear(hidden, heads * head, bias=qkv_bias)
+        self.k_proj = nn.Linear(hidden, kv_heads * head, bias=qkv_bias)
+        self.v_proj = nn.Linear(hidden, kv_heads * head, bias=qkv_bias)
+        self.o_proj = nn.Linear(heads * head, hidden, bias=o_bias)
+        if qk_norm:
+            eps = config.value("rms_norm_eps", 1e-6)
+            self.q_norm, self.k_norm = RMSNorm(head, eps), RMSNorm(head, eps)
+        self.qk_norm = qk_norm
+        self.attn = PagedAttention(spec)
+
+    def forward(self, x, cos_sin, kv_cache, plan):
+        spec = self.attn.spec
+        tokens = x.shape[0]
+        q = self.q_proj(x).view(tokens, spec.num_heads, spec.head_size)
+        k = self.k_proj(x).view(tokens, spec.num_kv_heads, spec.head_size)
+        v = self.v_proj(x).view(tokens, spec.num_kv_heads, spec.head_size)
+        if self.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = RotaryEmbedding.apply(q, k, cos_sin)
+        out = self.attn(q, k, v, kv_cache, plan)
+        return self.o_proj(out.reshape(tokens, spec.num_heads * spec.head_size))
+
+
+class LlamaMLP(nn.Module):
+    def __init__(self, config: ModelConfig, bias: bool):
+        super().__init__()
+        hidden, inner = config["hidden_size"], config["intermediate_size"]
+        self.gate_proj = nn.Linear(hidden, inner, bias=bias)
+        self.up_proj = nn.Linear(hidden, inner, bias=bias)
+        self.down_proj = nn.Linear(inner, hidden, bias=bias)
+        self.act = activation(config.value("hidden_act", "silu"))
+
+    def forward(self, x):
+        return self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x))
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(self, config: ModelConfig, spec: AttentionLayerSpec, flavour: "LlamaForCausalLM"):
+        super().__init__()
+        eps = config.value("rms_norm_eps", 1e-6)
+        self.input_layernorm = RMSNorm(config["hidden_size"], eps)
+        self.self_attn = LlamaAttention(config, spec, flavour.qkv_bias(config), flavour.o_bias(config), flavour.qk_norm)
+        self.post_attention_layernorm = RMSNorm(config["hidden_size"], eps)
+        self.mlp = LlamaMLP(config, bool(config.value("mlp_bias", False)))
+
+    def forward(self, x, cos_sin, kv_cache, plan):
+        x = x + self.self_attn(self.input_layernorm(x), cos_sin, kv_cache, plan)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, config: ModelConfig, specs: list[AttentionLayerSpec], flavour: "LlamaForCausalLM"):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(config["vocab_size"], config["hidden_size"])
+        self.layers = nn.ModuleList(LlamaDecoderLayer(config, spec, flavour) for spec in specs)
+        self.norm = RMSNorm(config["hidden_size"], config.value("rms_norm_eps", 1e-6))
+
+
+class LlamaForCausalLM(CausalLM):
+    """Llama: RMSNorm, rotary positions, SwiGLU MLP, grouped-query attention."""
+
+    qk_norm = False
+    tied_keys = ("lm_head.weight",)
+
+    def __init__(self, config: ModelConfig):
+        super().__init__(config)
+        heads = config["num_attention_heads"]
+        kv_heads = config.value("num_key_value_heads", heads)
+        head = config.value("head_dim", config["hidden_size"] // heads)
+        self.layer_specs = [
+            AttentionLayerSpec(num_heads=heads, num_kv_heads=kv_heads, head_size=head,
+                               sliding_window=self.sliding_window(config, i))
+            for i in range(config["num_hidden_layers"])
+        ]
+        self.model = LlamaModel(config, self.layer_specs, self)
+        self.tied = bool(config.value("tie_word_embeddings", False))
+        if not self.tied:
+            self.lm_head = nn.Linear(config["hidden_size"], config["vocab_size"], bias=False)
+        self.rotary = RotaryEmbedding(rope_inv_freq(config, head))
+
+    # Flavour hooks, overridden by Mistral and Qwen
+
+    def qkv_bias(self, config: ModelConfig) -> bool:
+        return bool(config.value("attention_bias", False))
+
+    def o_bias(self, config: ModelConfig) -> bool:
+        return bool(config.value("attention_bias", False))
+
+    def sliding_window(self, config: ModelConfig, layer: int) -> int | None:
+        """The layer's window, from `layer_types` when the config has it."""
+        types = config.get("layer_types")
+        if types is not None and types[layer] != "sliding_attention":
+            return None
+        return config.get("sliding_window") if types is not None else None
+
+    # The step
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor],
+                plan: ModelPlan) -> torch.Tensor:
+        x = self.model.embed_tokens(input_ids)
+        cos_sin = self.rotary(positions, x.dtype)
+        for layer, kv_cache in zip(self.model.layers, kv_caches):
+            x = layer(x, cos_sin, kv_cache, plan)
+        return self.model.norm(x)
+
+    def lm_head_weight(self) -> torch.Tensor:
+        return self.model.embed_tokens.weight if self.tied else self.lm_head.weight
+
+
+class MistralForCausalLM(LlamaForCausalLM):
+    """Mistral: Llama with a sliding attention window on every layer."""
+
+    def sliding_window(self, config: ModelConfig, layer: int) -> int | None:
+        if config.get("layer_types") is not None:
+            return super().sliding_window(config, layer)
+        return config.get("sliding_window")
+
+
+class Qwen2ForCausalLM(LlamaForCausalLM):
+    """Qwen2: Llama with biases on the q, k and v projections."""
+
+    def qkv_bias(self, config: ModelConfig) -> bool:
+        return True
+
+    def o_bias(self, config: ModelConfig) -> bool:
+        return False
+
+    def sliding_window(self, config: ModelConfig, layer: int) -> int | None:
+        if config.get("layer_types") is not None:
+            return super().sliding_window(config, layer)
+        # Older configs: layers from max_window_layers on slide, when use_sliding_window is set.
+        if config.get("use_sliding_window") and layer >= config.value("max_window_layers", 0):
+            return config.get("sliding_window")
+        return None
+
+
+class Qwen3ForCausalLM(Qwen2ForCausalLM):
+    """Qwen3: RMSNorm over each head's queries and keys before rotary; bias only if configured."""
+
+    qk_norm = True
+
+    def qkv_bias(self, config: ModelConfig) -> bool:
+        return bool(config.value("attention_bias", False))
+
+    def o_bias(self, config: ModelConfig) -> bool:
+        return bool(config.value("attention_bias", False))

@@ -1,0 +1,135 @@
+"""Load a model from a local Hugging Face directory or a built-in name.
+
+Weights come through safetensors only (`model.safetensors` or a sharded
+`model.safetensors.index.json`); pickled checkpoints are refused. Every
+parameter must be present with the right shape and no tensor may be left over:
+the error names the tensor.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from torch import nn
+
+from kvforge.core import AttentionBackend, AttentionLayerSpec
+from kvforge.core.errors import ConfigError
+
+from .base import CausalLM, ModelConfig
+from .registry import model_class
+
+BUILTIN_DIR = Path(__file__).resolve().parent / "builtin"
+BUILTIN_MODELS = ("kvforge-tiny", "kvforge-tiny-draft")
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def resolve_model_dir(name_or_path: str | Path) -> Path:
+    """The directory of a built-in model name or a local path."""
+    if str(name_or_path) in BUILTIN_MODELS:
+        return BUILTIN_DIR / str(name_or_path)
+    path = Path(name_or_path).expanduser()
+    if not (path / "config.json").is_file():
+        raise ConfigError(
+            f"model {str(name_or_path)!r} is neither a built-in model ({', '.join(BUILTIN_MODELS)}) nor a local "
+            "directory with a config.json; give a Hugging Face model directory (downloads are not supported)")
+    return path
+
+
+def load_config(model_dir: Path) -> ModelConfig:
+    return ModelConfig(json.loads((model_dir / "config.json").read_text()))
+
+
+def resolve_dtype(dtype: torch.dtype | str | None, config: ModelConfig) -> torch.dtype:
+    """`dtype` itself, or for "auto"/None the checkpoint's dtype (float32 when it names none)."""
+    if dtype in (None, "auto"):
+        dtype = config.value("dtype", config.value("torch_dtype", "float32"))
+    if isinstance(dtype, str):
+        dtype = DTYPES.get(dtype.removeprefix("torch."), dtype)
+    if dtype not in DTYPES.values():
+        raise ConfigError(f"model dtype {dtype} is not supported; choose one of: auto, {', '.join(DTYPES)}")
+    return dtype
+
+
+def checkpoint_files(model_dir: Path) -> list[Path]:
+    """The safetensors files holding the weights, or an error saying what is there instead."""
+    single = model_dir / "model.safetensors"
+    index = model_dir / "model.safetensors.index.json"
+    if single.is_file():
+        return [single]
+    if index.is_file():
+        weight_map = json.loads(index.read_text())["weight_map"]
+        files = [model_dir / name for name in sorted(set(weight_map.values()))]
+        missing = [f.name for f in files if not f.is_file()]
+        if missing:
+            raise ConfigError(f"{index} names shard files that are missing: {', '.join(missing)}")
+        return files
+    pickled = sorted(p.name for p in model_dir.glob("*.bin")) + sorted(p.name for p in model_dir.glob("*.pt"))
+    hint = f" (found {', '.join(pickled)}; kvforge loads safetensors only, never pickle: convert them " \
+           "with transformers' save_pretrained(safe_serialization=True))" if pickled else ""
+    raise ConfigError(f"no model.safetensors or model.safetensors.index.json in {model_dir}{hint}")
+
+
+def load_weights(model: CausalLM, files: list[Path], dtype: torch.dtype, device: torch.device) -> None:
+    """Copy every checkpoint tensor into the parameter of the same name, strictly."""
+    params = dict(model.named_parameters())
+    seen: set[str] = set()
+    for file in files:
+        with safe_open(str(file), framework="pt", device="cpu") as reader:
+            for key in reader.keys():
+                name = model.checkpoint_name(key)
+                if name.endswith(tuple("." + s for s in model.ignored_suffixes)) or (name in model.tied_keys and name not in params):
+                    continue
+                if name not in params:
+                    raise ConfigError(
+                        f"unexpected tensor {key!r} in {file.name}: {type(model).__name__} has no parameter "
+                        f"{name!r}; is config.json's architecture right for this checkpoint?")
+                tensor = reader.get_tensor(key)
+                if tuple(tensor.shape) != tuple(params[name].shape):
+                    raise ConfigError(
+                        f"tensor {key!r} in {file.name} has shape {tuple(tensor.shape)}, but the model built "
+                        f"from config.json expects {tuple(params[name].shape)}")
+                _assign(model, name, tensor.to(device=device, dtype=dtype))
+                seen.add(name)
+    missing = sorted(set(params) - seen)
+    if missing:
+        raise ConfigError(f"checkpoint has no tensor {missing[0]!r}" +
+                          (f" (and {len(missing) - 1} more: {', '.join(missing[1:4])}...)" if len(missing) > 1 else "")
+                          + f"; the files read were {', '.join(f.name for f in files)}")
+
+
+def _assign(model: nn.Module, name: str, tensor: torch.Tensor) -> None:
+    owner_name, _, attr = name.rpartition(".")
+    owner = model.get_submodule(owner_name) if owner_name else model
+    setattr(owner, attr, nn.Parameter(tensor, requires_grad=False))
+
+
+def attention_specs(name_or_path: str | Path) -> list[AttentionLayerSpec]:
+    """Each layer's attention spec, read without loading weights; for choosing a
+    backend before `load_model` (sliding windows show up in `required_features()`)."""
+    config = load_config(resolve_model_dir(name_or_path))
+    with torch.device("meta"):
+        return list(model_class(config.get("architectures") or [])(config).layer_specs)
+
+
+def load_model(name_or_path: str | Path, *, dtype: torch.dtype | str = torch.float32, device: str | torch.device = "cpu",
+               attention_backend: type[AttentionBackend] | None = None) -> CausalLM:
+    """Build and load a model; attention runs through instances of `attention_backend`.
+
+    `name_or_path` is a built-in name (`kvforge-tiny`, `kvforge-tiny-draft`) or a
+    local Hugging Face directory. `dtype` is float32, bfloat16, float16 or "auto".
+    """
+    model_dir = resolve_model_dir(name_or_path)
+    config = load_config(model_dir)
+    cls = model_class(config.get("architectures") or [])
+    dtype = resolve_dtype(dtype, config)
+    device = torch.device(device)
+    with torch.device("meta"):  # no memory and no random init for weights about to be overwritten
+        model = cls(config)
+    load_weights(model, checkpoint_files(model_dir), dtype, device)
+    model.eval()
+    if attention_backend is not None:
+        model.set_attention_backend(attention_backend)
+    return model
