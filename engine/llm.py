@@ -1,0 +1,132 @@
+"""`LLM`: batch generation in the shape users know from vLLM.
+
+    from kvforge import LLM, SamplingParams
+    llm = LLM(model="kvforge-tiny", cache={"block_size": 16})
+    for out in llm.generate(["Hello"], SamplingParams(max_tokens=32)):
+        print(out.text, out.finish_reason, out.timings.ttft)
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+from kvforge.core import EngineConfig, RequestError, load_config
+
+from .llm_engine import LLMEngine
+from .outputs import CompletionOutput, RequestOutput, RequestTimings
+from .sampling_params import SamplingParams
+
+
+class LLM:
+    """An engine plus a request loop. `model` is a local Hugging Face directory or a
+    built-in name; other keyword arguments are config sections or top-level
+    settings (`cache={"num_blocks": 256}`, `device="cpu"`, `seed=1`), applied over
+    `config` (an `EngineConfig`) and `config_file` (TOML) when given."""
+
+    def __init__(self, model: str | None = None, *, config: EngineConfig | None = None,
+                 config_file: str | Path | None = None, overrides: Sequence[str] = (), **sections: Any):
+        if config is not None:  # its explicitly set values, under the keyword arguments
+            base = config.model_dump(exclude_unset=True)
+            for name, value in sections.items():
+                if isinstance(value, dict) and isinstance(base.get(name), dict):
+                    value = {**base[name], **value}
+                base[name] = value
+            sections = base
+        if model is not None:
+            sections["model"] = model
+        self.config = load_config(config_file, overrides=overrides, **sections).config
+        self.engine = LLMEngine(self.config)
+        self._ids = itertools.count()
+
+    @classmethod
+    def from_engine(cls, engine: LLMEngine) -> "LLM":
+        """Wrap an existing engine (for example one built around a custom model)."""
+        llm = cls.__new__(cls)
+        llm.config, llm.engine, llm._ids = engine.config, engine, itertools.count()
+        return llm
+
+    @property
+    def tokenizer(self):
+        return self.engine.tokenizer
+
+    def generate(self, prompts: str | Sequence[str] | None = None,
+                 sampling_params: SamplingParams | Sequence[SamplingParams] | None = None, *,
+                 prompt_token_ids: Sequence[Sequence[int]] | None = None,
+                 priority: Sequence[int] | None = None, use_tqdm: bool = False) -> list[RequestOutput]:
+        """One finished output per prompt, in the order given. An invalid prompt gets
+        an output with `finish_reason == "error"` and `.error` saying why; the
+        others run normally."""
+        final: dict[str, RequestOutput] = {}
+        order = []
+        progress = None
+        if use_tqdm:
+            from tqdm import tqdm
+
+            progress = tqdm(total=None, desc="requests", unit="req")
+        for output in self._run(prompts, sampling_params, prompt_token_ids, priority, order, final_only=True):
+            if output.finished:
+                final[output.request_id] = output
+                if progress is not None:
+                    progress.total = len(order)
+                    progress.update(1)
+        if progress is not None:
+            progress.close()
+        return [final[request_id] for request_id in order]
+
+    def stream(self, prompts: str | Sequence[str] | None = None,
+               sampling_params: SamplingParams | Sequence[SamplingParams] | None = None, *,
+               prompt_token_ids: Sequence[Sequence[int]] | None = None,
+               priority: Sequence[int] | None = None) -> Iterator[RequestOutput]:
+        """Yield a `RequestOutput` whenever a request progresses; its completions'
+        `new_token_ids` / `new_text` hold what that step added."""
+        yield from self._run(prompts, sampling_params, prompt_token_ids, priority, [])
+
+    def _run(self, prompts, sampling_params, prompt_token_ids, priority, order: list[str],
+             final_only: bool = False) -> Iterator[RequestOutput]:
+        inputs = _inputs(prompts, prompt_token_ids)
+        params = _per_prompt(sampling_params, len(inputs), "sampling_params") if inputs else []
+        priorities = _per_prompt(priority, len(inputs), "priority") if priority is not None else [0] * len(inputs)
+        for prompt, param, prio in zip(inputs, params, priorities):
+            request_id = str(next(self._ids))
+            order.append(request_id)
+            try:
+                self.engine.add_request(request_id, prompt, param or SamplingParams(), prio)
+            except RequestError as exc:
+                yield _error_output(request_id, prompt, str(exc))
+        try:
+            while self.engine.has_unfinished_requests():
+                yield from self.engine.step(final_only=final_only)
+        finally:  # a caller that stops iterating early leaves nothing running behind
+            for request_id in order:
+                self.engine.abort_request(request_id)
+
+
+def _inputs(prompts, prompt_token_ids) -> list:
+    if prompts is not None and prompt_token_ids is not None:
+        raise RequestError("pass prompts or prompt_token_ids, not both")
+    if prompts is not None:
+        return [prompts] if isinstance(prompts, str) else list(prompts)
+    if prompt_token_ids is None:
+        raise RequestError("no prompts; pass prompts=[...] or prompt_token_ids=[[...], ...]")
+    rows = list(prompt_token_ids)
+    if rows and all(isinstance(t, int) for t in rows):
+        rows = [rows]  # a single token-id prompt
+    return [list(r) for r in rows]
+
+
+def _per_prompt(value, count: int, name: str) -> list:
+    if value is None or not isinstance(value, (list, tuple)):
+        return [value] * count
+    if len(value) != count:
+        raise RequestError(f"{name} has {len(value)} entries for {count} prompts; give one, or one per prompt")
+    return list(value)
+
+
+def _error_output(request_id: str, prompt, message: str) -> RequestOutput:
+    text = prompt if isinstance(prompt, str) else None
+    token_ids = [] if isinstance(prompt, str) else list(prompt or [])
+    completion = CompletionOutput(0, "", [], finish_reason="error", error=message)
+    return RequestOutput(request_id, text, token_ids, [completion], True, RequestTimings(arrival_time=0.0))

@@ -1,0 +1,258 @@
+"""`LLMEngine`: add requests, call `step()` until done, read the outputs.
+
+One step: schedule, run the model over one ragged batch, sample, append the
+tokens, stop the requests that are done and free their blocks. For embedding
+in a custom serving loop; `LLM` wraps it for batch use.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from kvforge.core import EngineConfig, RequestError, build_registry
+
+from . import components
+from .detokenizer import IncrementalDetokenizer
+from .kv_cache_manager import KVCacheManager
+from .metrics import EngineMetrics, prometheus_text
+from .model_runner import ModelRunner
+from .outputs import RequestOutput, completion_of, timings_of
+from .request import FinishReason, Request
+from .sampler import Sampler
+from .sampling_params import SamplingParams
+from .scheduler import Scheduler
+from .stopping import check_stop
+
+
+@dataclass
+class _Group:
+    """The samples of one user request, and how much of each was reported."""
+
+    samples: list[Request]
+    reported_tokens: list[int] = field(default_factory=list)
+    reported_text: list[int] = field(default_factory=list)
+
+
+class LLMEngine:
+    """The reference engine. Build it from a config (`LLMEngine(config)`), or hand
+    it a ready `model` (any CausalLM, see contracts) and `tokenizer`."""
+
+    def __init__(self, config: EngineConfig | None = None, *, model=None, tokenizer=None, registry=None):
+        self.config = config = config or EngineConfig()
+        plugins = config.plugins
+        self.registry = registry or build_registry(allow=plugins.allow, deny=plugins.deny, strict=plugins.strict)
+        self.device = components.resolve_device(config)
+        self.dtype = components.resolve_dtype(config, self.device)
+        components.check_supported(config, self.dtype)
+        if model is None:
+            from kvforge.models import load_model, load_tokenizer
+
+            shape = components.model_shape(config.model)
+            backend = components.select_backend(self.registry, config, shape, self.device, self.dtype)
+            model = load_model(config.model, dtype=self.dtype, device=self.device, attention_backend=backend)
+            tokenizer = tokenizer if tokenizer is not None else load_tokenizer(config.model)
+        self.model, self.tokenizer = model, tokenizer
+        block_size = config.cache.block_size
+        spec = model.kv_cache_spec(block_size)
+        self.num_blocks = components.num_blocks(config, spec, self.device, int(model.max_model_len))
+        allocator = components.build_allocator(self.registry, config, self.num_blocks)
+        self.kv = KVCacheManager(allocator, block_size, config.cache.enable_prefix_caching)
+        self.scheduler = Scheduler(components.build_policy(self.registry, config), self.kv,
+                                   max_num_seqs=config.scheduler.max_num_seqs,
+                                   max_num_batched_tokens=config.scheduler.max_num_batched_tokens)
+        kv_caches = model.allocate_kv_cache(self.num_blocks, block_size)
+        self.runner = ModelRunner(model, self.kv, kv_caches, block_size, self.device)
+        self.sampler = Sampler(config.seed)
+        self.max_model_len = int(model.max_model_len)
+        self.vocab_size = int(model.vocab_size)
+        self.eos_token_id = getattr(model, "eos_token_id", None)
+        if self.eos_token_id is None and tokenizer is not None:
+            self.eos_token_id = getattr(tokenizer, "eos_token_id", None)
+        self.stats = EngineMetrics()
+        self.groups: dict[str, _Group] = {}
+        self._arrivals = itertools.count()
+
+    # Requests
+
+    def add_request(self, request_id: str, prompt: str | Sequence[int] | None = None,
+                    params: SamplingParams | None = None, priority: int = 0, *,
+                    prompt_token_ids: Sequence[int] | None = None, arrival_time: float | None = None) -> None:
+        """Queue a request. Raises `RequestError` naming what is wrong (and changes
+        nothing) for an invalid request; other requests are unaffected."""
+        params = params if params is not None else SamplingParams()
+        text, token_ids = self._prompt_tokens(request_id, prompt, prompt_token_ids)
+        self._check_request(request_id, token_ids, params, priority)
+        arrival_index = next(self._arrivals)
+        arrival_time = time.monotonic() if arrival_time is None else arrival_time
+        samples = [
+            Request(request_id if i == 0 else f"{request_id}#{i}", token_ids, params, priority=priority,
+                    arrival_index=arrival_index, arrival_time=arrival_time, group_id=request_id, sample_index=i,
+                    prompt=text, eos_token_id=None if params.ignore_eos else self.eos_token_id,
+                    detokenizer=IncrementalDetokenizer(self.tokenizer) if self.tokenizer is not None else None)
+            for i in range(params.n)
+        ]
+        self.groups[request_id] = _Group(samples, [0] * params.n, [0] * params.n)
+        self.scheduler.add(samples[0])  # samples > 0 fork from it once its prompt is in the cache
+        self.stats.num_requests += 1
+
+    def _prompt_tokens(self, request_id, prompt, prompt_token_ids) -> tuple[str | None, list[int]]:
+        if prompt is not None and prompt_token_ids is not None:
+            raise RequestError(f"request {request_id!r}: pass a prompt or prompt_token_ids, not both")
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise RequestError(f"request {request_id!r}: a text prompt needs a tokenizer, and model "
+                                   f"{self.config.model!r} has none; pass prompt_token_ids instead")
+            return prompt, list(self.tokenizer.encode(prompt))
+        token_ids = prompt_token_ids if prompt_token_ids is not None else prompt
+        if token_ids is None:
+            raise RequestError(f"request {request_id!r}: no prompt; pass a prompt string or prompt_token_ids")
+        if isinstance(token_ids, torch.Tensor):
+            token_ids = token_ids.tolist()
+        return None, [int(t) for t in token_ids]
+
+    def _check_request(self, request_id: str, token_ids: list[int], params: SamplingParams, priority: int) -> None:
+        def fail(why: str) -> None:
+            raise RequestError(f"request {request_id!r}: {why}")
+
+        if not isinstance(request_id, str) or not request_id:
+            raise RequestError(f"request id must be a non-empty string, got {request_id!r}")
+        if request_id in self.groups:
+            fail("a request with this id is still running; use a unique id per request")
+        if not isinstance(params, SamplingParams):
+            fail(f"params must be a SamplingParams, got {type(params).__name__}")
+        if not isinstance(priority, int):
+            fail(f"priority must be an integer, got {priority!r}")
+        if not token_ids:
+            fail("the prompt is empty; give at least one token")
+        if len(token_ids) > self.max_model_len:
+            fail(f"the prompt has {len(token_ids)} tokens, more than the model's context of "
+                 f"{self.max_model_len}; shorten it")
+        bad = [t for t in token_ids if not 0 <= t < self.vocab_size]
+        if bad:
+            fail(f"token ids {bad[:5]} are outside the vocabulary [0, {self.vocab_size})")
+        blocks = -(-len(token_ids) // self.kv.block_size)
+        if blocks > self.num_blocks:
+            fail(f"the prompt needs {blocks} KV blocks but the whole cache has {self.num_blocks}; "
+                 "raise cache.num_blocks or cache.memory_budget, or shorten the prompt")
+
+    def abort_request(self, request_id: str) -> RequestOutput | None:
+        """Stop a request now and free its blocks; returns its final output, or
+        None if no such request is unfinished."""
+        group = self.groups.pop(request_id, None)
+        if group is None:
+            return None
+        for sample in group.samples:
+            if not sample.finished:
+                self.scheduler.finish(sample, FinishReason.ABORT)
+        self.stats.num_aborted += 1
+        return self._output(request_id, group)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.groups)
+
+    # Stepping
+
+    def step(self, final_only: bool = False) -> list[RequestOutput]:
+        """Run one scheduler step; the outputs of every request that progressed
+        (with `final_only`, of every request that finished)."""
+        plan = self.scheduler.schedule()
+        touched = dict.fromkeys(r.group_id for r in plan.finished)  # ordered, unlike a set
+        if plan.scheduled:
+            self._run(plan.scheduled, touched)
+        self.stats.num_steps += 1
+        outputs = []
+        for group_id in touched:
+            group = self.groups.get(group_id)
+            if group is None:
+                continue
+            for sample in group.samples:  # samples never forked end with their parent
+                if sample.waits_for_parent and group.samples[0].finished and not sample.finished:
+                    sample.finish(group.samples[0].finish_reason, error=group.samples[0].error)
+            done = all(s.finished for s in group.samples)
+            if done or not final_only:
+                outputs.append(self._output(group_id, group))
+            if done:
+                del self.groups[group_id]
+                self.stats.num_finished += 1
+                self.stats.num_errors += any(s.finish_reason is FinishReason.ERROR for s in group.samples)
+        return outputs
+
+    def _run(self, scheduled, touched: dict[str, None]) -> None:
+        sampling: list[Request] = []
+        rows: list[int] = []
+        forks: list[tuple[Request, Request]] = []
+        for row, entry in enumerate(scheduled):
+            request = entry.request
+            prompt_left = max(0, min(request.num_prompt_tokens, entry.start + entry.num_tokens) - entry.start)
+            self.stats.num_prompt_tokens += prompt_left
+            if not entry.samples:
+                continue
+            sampling.append(request)
+            rows.append(row)
+            if request.sample_index == 0:
+                for child in self.groups[request.group_id].samples[1:]:
+                    if child.waits_for_parent and not child.finished:
+                        forks.append((request, child))
+                        sampling.append(child)
+                        rows.append(row)
+        logits = self.runner.execute(scheduled, rows)
+        for entry in scheduled:
+            request = entry.request
+            request.num_computed_tokens = entry.start + entry.num_tokens
+            self.kv.cache_blocks(request.request_id, request.all_token_ids, request.num_computed_tokens)
+        for parent, child in forks:
+            self.kv.fork(parent.request_id, child.request_id)
+            child.num_computed_tokens = parent.num_computed_tokens
+            child.forked = True
+            self.scheduler.add_running(child)
+        if not sampling:
+            return
+        result = self.sampler(logits, sampling)
+        token_ids = result.token_ids.tolist()
+        now = time.monotonic()
+        for i, request in enumerate(sampling):
+            if result.sampled_logprobs is not None and request.logprobs is not None:
+                self._record_logprobs(request, result, i, token_ids[i])
+            request.output_token_ids.append(token_ids[i])
+            request.first_token_time = request.first_token_time or now
+            self.stats.num_generated_tokens += 1
+            touched[request.group_id] = None
+            reason, stop_reason = check_stop(request, self.max_model_len)
+            if reason is not None:
+                self.scheduler.finish(request, reason, stop_reason)
+
+    def _record_logprobs(self, request: Request, result, row: int, token: int) -> None:
+        k = request.params.logprobs
+        top = dict(zip(result.top_ids[row, :k].tolist(), result.top_logprobs[row, :k].tolist()))
+        chosen = float(result.sampled_logprobs[row])
+        top[token] = chosen
+        request.logprobs.append(top)
+        request.cumulative_logprob += chosen
+
+    def _output(self, group_id: str, group: _Group) -> RequestOutput:
+        completions = []
+        for i, sample in enumerate(group.samples):
+            completions.append(completion_of(sample, group.reported_tokens[i], group.reported_text[i]))
+            group.reported_tokens[i] = len(sample.output_token_ids)
+            group.reported_text[i] = len(completions[-1].text)
+        first = group.samples[0]
+        return RequestOutput(group_id, first.prompt, first.prompt_token_ids, completions,
+                             all(s.finished for s in group.samples), timings_of(group.samples))
+
+    # Metrics
+
+    def metrics(self) -> dict[str, float]:
+        """Running, waiting, KV usage, preemptions, prefix-cache hit rate, ... as a dict."""
+        usage = self.kv.usage()
+        return self.stats.snapshot(running=len(self.scheduler.running), waiting=len(self.scheduler.waiting),
+                                   kv_usage=usage.usage, preemptions=self.scheduler.num_preemptions,
+                                   prefix_cache_hit_rate=usage.hit_rate)
+
+    def metrics_prometheus(self) -> str:
+        """`metrics()` in Prometheus text format (needs prometheus_client)."""
+        return prometheus_text(self.metrics())

@@ -1,0 +1,121 @@
+"""One request (one sample of a prompt) and the states it moves through.
+
+    WAITING --schedule--> RUNNING --finish/abort/error--> FINISHED
+       ^                     |
+       +----- PREEMPTED <----+   (blocks freed; its tokens are recomputed later)
+
+A preempted request waits again under the key it was submitted with, so it
+returns to its original place in the waiting order.
+"""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from kvforge.core import RequestView
+
+from .sampling_params import SamplingParams
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    PREEMPTED = "preempted"
+    FINISHED = "finished"
+
+
+class FinishReason(str, enum.Enum):
+    STOP = "stop"  # EOS, a stop token id or a stop string
+    LENGTH = "length"  # max_tokens, the model's context, or the whole KV cache
+    ABORT = "abort"
+    ERROR = "error"  # the request was invalid or failed; see `Request.error`
+
+    def __str__(self) -> str:
+        return self.value
+
+
+@dataclass(eq=False)  # requests compare by identity: ids are unique, state changes
+class Request:
+    """The state of one sample. `group_id` is the user's request id; a prompt with
+    `n` samples has `n` Requests, sample `i > 0` with id `f"{group_id}#{i}"`."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    priority: int = 0
+    arrival_index: int = 0
+    arrival_time: float = field(default_factory=time.monotonic)
+    group_id: str = ""
+    sample_index: int = 0
+    prompt: str | None = None
+    eos_token_id: int | None = None
+
+    status: RequestStatus = RequestStatus.WAITING
+    output_token_ids: list[int] = field(default_factory=list)
+    num_computed_tokens: int = 0
+    num_slots: int = 0  # tokens its KV blocks have room for (the scheduler's record)
+    admitted_index: int = -1
+    num_preemptions: int = 0
+    finish_reason: FinishReason | None = None
+    stop_reason: int | str | None = None
+    error: str | None = None
+    text: str = ""
+    logprobs: list[dict[int, float]] | None = None
+    cumulative_logprob: float = 0.0
+    first_token_time: float | None = None
+    finish_time: float | None = None
+    generator: torch.Generator | None = None
+    detokenizer: Any = None  # an IncrementalDetokenizer when the engine has a tokenizer
+    sort_key: tuple | None = None  # the policy's waiting key, computed once
+    forked: bool = False  # sample > 0 that already shares its parent's blocks
+
+    def __post_init__(self) -> None:
+        self.group_id = self.group_id or self.request_id
+        if self.params.logprobs is not None:
+            self.logprobs = []
+        if self.params.seed is not None:
+            # Sample i of a seeded prompt gets its own stream, derived from the seed.
+            self.generator = torch.Generator().manual_seed(self.params.seed + 1_000_003 * self.sample_index)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        """Tokens known so far: prompt plus output."""
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids
+
+    @property
+    def finished(self) -> bool:
+        return self.status is RequestStatus.FINISHED
+
+    @property
+    def waits_for_parent(self) -> bool:
+        """Sample > 0 of an n > 1 prompt before its parent's prefill has finished:
+        it is forked from the parent's blocks instead of prefilling on its own."""
+        return self.sample_index > 0 and not self.forked
+
+    def view(self) -> RequestView:
+        return RequestView(
+            request_id=self.request_id, priority=self.priority, arrival_time=self.arrival_time,
+            arrival_index=self.arrival_index, admitted_index=self.admitted_index,
+            num_prompt_tokens=self.num_prompt_tokens, num_computed_tokens=self.num_computed_tokens,
+            num_output_tokens=len(self.output_token_ids),
+        )
+
+    def finish(self, reason: FinishReason, stop_reason: int | str | None = None, error: str | None = None) -> None:
+        self.status = RequestStatus.FINISHED
+        self.finish_reason = reason
+        self.stop_reason = stop_reason
+        self.error = error
+        self.finish_time = time.monotonic()

@@ -1,0 +1,199 @@
+"""Pick the next token of every sampled row at once.
+
+Order of operations (vLLM's): EOS/stop-token masking for `min_tokens`,
+penalties, then greedy rows take the argmax; the others are divided by their
+temperature, cut by top-k, top-p and min-p, and sampled. Log-probabilities are
+those of the model's raw distribution (before any processing).
+
+Sampling inverts the CDF: one uniform number `u` per row picks the first token
+whose cumulative probability exceeds `u`, so a row costs one random draw, not
+one per vocabulary entry. A seeded request draws its `u` from its own
+`torch.Generator`, so its tokens do not depend on what shares its batch.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from .request import Request
+
+NEG_INF = float("-inf")
+
+
+@dataclass
+class SamplerOutput:
+    """`token_ids` int64 `[N]`. With logprobs asked by any row: `sampled_logprobs`
+    float32 `[N]` and the `top_ids` / `top_logprobs` `[N, k]` of the largest ask."""
+
+    token_ids: torch.Tensor
+    sampled_logprobs: torch.Tensor | None = None
+    top_ids: torch.Tensor | None = None
+    top_logprobs: torch.Tensor | None = None
+
+
+class Sampler:
+    """Stateless apart from the generator used by unseeded rows."""
+
+    def __init__(self, seed: int = 0):
+        self.seed = seed
+        self.generators: dict[torch.device, torch.Generator] = {}
+
+    def generator(self, device: torch.device) -> torch.Generator:
+        """The stream for unseeded rows, one per device so noise is drawn where it is used."""
+        if device not in self.generators:
+            self.generators[device] = torch.Generator(device=device).manual_seed(self.seed)
+        return self.generators[device]
+
+    def __call__(self, logits: torch.Tensor, requests: Sequence[Request]) -> SamplerOutput:
+        return self.sample(logits, requests)
+
+    def sample(self, logits: torch.Tensor, requests: Sequence[Request]) -> SamplerOutput:
+        """`logits` float32 `[N, vocab]`, row `i` belonging to `requests[i]`."""
+        raw = logits
+        logits = logits.float().clone()
+        mask_stop_tokens(logits, requests)
+        apply_penalties(logits, requests)
+        params = [r.params for r in requests]
+        device = logits.device
+        token_ids = logits.argmax(dim=-1)
+        if not all(p.greedy for p in params):  # decided on the host: no device sync
+            greedy = torch.tensor([p.greedy for p in params], device=device)
+            temperature = torch.tensor([p.temperature if not p.greedy else 1.0 for p in params],
+                                       device=device, dtype=logits.dtype)
+            scaled = logits / temperature.unsqueeze(1)
+            scaled = apply_top_k_top_p_min_p(scaled, params)
+            probs = torch.softmax(scaled, dim=-1)
+            u = uniforms(requests, self.generator(device), device)
+            token_ids = torch.where(greedy, token_ids, inverse_cdf(probs, u))
+        output = SamplerOutput(token_ids=token_ids)
+        wanted = [p.logprobs for p in params if p.logprobs is not None]
+        if wanted:
+            logprobs = torch.log_softmax(raw.float(), dim=-1)
+            output.sampled_logprobs = logprobs.gather(1, token_ids.unsqueeze(1)).squeeze(1)
+            k = min(max(wanted), logprobs.shape[-1])
+            output.top_logprobs, output.top_ids = logprobs.topk(k, dim=-1)
+        return output
+
+
+def uniforms(requests: Sequence[Request], generator: torch.Generator, device: torch.device) -> torch.Tensor:
+    """float64 `U[0, 1)` per row: one batched draw for unseeded rows, one draw per
+    seeded row from its own (CPU) generator (a loop over requests, not tokens)."""
+    u = torch.rand(len(requests), generator=generator, device=device, dtype=torch.float64)
+    seeded = [(row, r.generator) for row, r in enumerate(requests) if r.generator is not None and not r.params.greedy]
+    if seeded:
+        own = torch.cat([torch.rand(1, generator=g, dtype=torch.float64) for _, g in seeded])
+        u[[row for row, _ in seeded]] = own.to(device)
+    return u
+
+
+def inverse_cdf(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """The first token of each row whose cumulative probability exceeds `u * total`."""
+    cdf = probs.double().cumsum(dim=-1)
+    chosen = torch.searchsorted(cdf, (u * cdf[:, -1]).unsqueeze(1), right=True).squeeze(1)
+    chosen = chosen.clamp_(max=probs.shape[-1] - 1)
+    # Rounding at the very top of the CDF could land on a masked token: take the mode then.
+    impossible = probs.gather(1, chosen.unsqueeze(1)).squeeze(1) == 0
+    return torch.where(impossible, probs.argmax(dim=-1), chosen)
+
+
+def mask_stop_tokens(logits: torch.Tensor, requests: Sequence[Request]) -> None:
+    """Forbid EOS and stop token ids while a request has fewer than `min_tokens`."""
+    rows, cols = [], []
+    vocab = logits.shape[-1]
+    for row, request in enumerate(requests):
+        if len(request.output_token_ids) >= request.params.min_tokens:
+            continue
+        banned = set(request.params.stop_token_ids)
+        if request.eos_token_id is not None and not request.params.ignore_eos:
+            banned.add(request.eos_token_id)
+        for token in banned:
+            if 0 <= token < vocab:
+                rows.append(row)
+                cols.append(token)
+    if rows:
+        logits[rows, cols] = NEG_INF
+
+
+def token_counts(sequences: Sequence[Sequence[int]], vocab: int, device: torch.device) -> torch.Tensor:
+    """`[N, vocab]` int counts of each token in each sequence, built with one scatter."""
+    width = max((len(s) for s in sequences), default=0)
+    padded = torch.full((len(sequences), width), vocab, dtype=torch.int64)
+    for row, tokens in enumerate(sequences):
+        if tokens:
+            padded[row, : len(tokens)] = torch.as_tensor(tokens, dtype=torch.int64)
+    counts = torch.zeros(len(sequences), vocab + 1, dtype=torch.int64)
+    counts.scatter_add_(1, padded, torch.ones_like(padded))
+    return counts[:, :vocab].to(device)
+
+
+def apply_penalties(logits: torch.Tensor, requests: Sequence[Request]) -> None:
+    """Repetition (prompt and output), presence and frequency (output) penalties."""
+    if not any(r.params.uses_penalties for r in requests):
+        return
+    vocab, device = logits.shape[-1], logits.device
+    params = [r.params for r in requests]
+    output_counts = token_counts([r.output_token_ids for r in requests], vocab, device)
+    if any(p.repetition_penalty != 1 for p in params):
+        repetition = torch.tensor([p.repetition_penalty for p in params], device=device).unsqueeze(1)
+        seen = (token_counts([r.prompt_token_ids for r in requests], vocab, device) > 0) | (output_counts > 0)
+        penalized = torch.where(logits > 0, logits / repetition, logits * repetition)
+        logits.copy_(torch.where(seen, penalized, logits))
+    presence = torch.tensor([p.presence_penalty for p in params], device=device).unsqueeze(1)
+    frequency = torch.tensor([p.frequency_penalty for p in params], device=device).unsqueeze(1)
+    logits -= frequency * output_counts + presence * (output_counts > 0)
+
+
+CANDIDATES = 256
+"""Top-k/top-p look at this many most likely tokens (`topk`, far cheaper than a
+full sort of a large vocabulary) and fall back to a full sort only when a row's
+nucleus might reach beyond them."""
+
+
+def apply_top_k_top_p_min_p(logits: torch.Tensor, params: Sequence) -> torch.Tensor:
+    """Set to -inf every token outside each row's top-k, top-p nucleus or min-p floor.
+    At least the most likely token always survives."""
+    if any(0 < p.top_k < logits.shape[-1] or p.top_p < 1 for p in params):
+        logits = top_k_top_p(logits, params)
+    if any(p.min_p > 0 for p in params):
+        min_p = torch.tensor([p.min_p for p in params], device=logits.device, dtype=logits.dtype)
+        probs = logits.softmax(dim=-1)
+        floor = min_p.unsqueeze(1) * probs.max(dim=-1, keepdim=True).values
+        logits = logits.masked_fill(probs < floor, NEG_INF)
+    return logits
+
+
+def top_k_top_p(logits: torch.Tensor, params: Sequence) -> torch.Tensor:
+    """Top-k, then top-p within what top-k kept (renormalized), as vLLM does."""
+    device, vocab = logits.device, logits.shape[-1]
+    top_k = [min(p.top_k, vocab) if p.top_k > 0 else vocab for p in params]
+    bounded = [k < vocab for k in top_k]
+    width = max([CANDIDATES] + [k for k, b in zip(top_k, bounded) if b])
+    width = vocab if 2 * width > vocab else width  # a partial topk only pays off for a few candidates
+    top_p = torch.tensor([p.top_p for p in params], device=device, dtype=logits.dtype)
+    total = logits.logsumexp(dim=-1, keepdim=True)
+    if width == vocab:
+        values, order = logits.sort(dim=-1, descending=True)
+    else:
+        values, order = logits.topk(width, dim=-1)
+        # A row without top-k whose nucleus may pass the candidates needs the full sort.
+        mass = (values.logsumexp(dim=-1, keepdim=True) - total).exp().squeeze(1)
+        open_rows = torch.tensor([not b for b in bounded], device=device)
+        if bool((open_rows & (top_p < 1) & (mass < top_p + 1e-4)).any()):
+            width = vocab
+            values, order = logits.sort(dim=-1, descending=True)
+    rank = torch.arange(width, device=device).unsqueeze(0)
+    drop = rank >= torch.tensor(top_k, device=device).unsqueeze(1)
+    kept = values.masked_fill(drop, NEG_INF)
+    # Probabilities within top-k where it applies, else over the whole vocabulary.
+    norm = torch.where(torch.tensor(bounded, device=device).unsqueeze(1),
+                       kept.logsumexp(dim=-1, keepdim=True), total)
+    probs = (kept - norm).exp()
+    # Mass of the tokens strictly before this one: drop a token once that already reaches p.
+    drop = drop | ((probs.cumsum(dim=-1) - probs) >= top_p.unsqueeze(1))
+    drop[:, 0] = False
+    result = torch.full_like(logits, NEG_INF).scatter(1, order, values.masked_fill(drop, NEG_INF))
+    truncating = torch.tensor([b or p.top_p < 1 for b, p in zip(bounded, params)], device=device)
+    return torch.where(truncating.unsqueeze(1), result, logits)

@@ -1,0 +1,110 @@
+"""How to pick each next token, and when a request stops.
+
+The names and meanings follow vLLM's `SamplingParams`, so users can move
+between the two without relearning them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from kvforge.core import RequestError
+
+
+@dataclass
+class SamplingParams:
+    """Sampling and stopping settings of one request; checked on construction.
+
+    * `temperature` 0 means greedy (argmax); otherwise logits are divided by it.
+    * `top_k` keeps the k most likely tokens (0 or -1: all); `top_p` keeps the
+      smallest set whose probability reaches p; `min_p` drops tokens less likely
+      than `min_p` times the most likely one.
+    * `repetition_penalty` (> 0, 1 = off) divides positive logits and multiplies
+      negative ones of every token seen in the prompt or output;
+      `presence_penalty` subtracts a constant from every token generated so far,
+      `frequency_penalty` subtracts it once per occurrence.
+    * `seed` gives the request its own random stream, so it samples the same
+      tokens whatever else shares its batch.
+    * Stopping: `max_tokens` new tokens at most; `stop_token_ids` and the
+      model's EOS (unless `ignore_eos`) end it, but not before `min_tokens`;
+      `stop` strings end it too and are cut from the text.
+    * `logprobs`: also return the log-probabilities of the `logprobs` most
+      likely tokens at each step (and of the chosen one); None for none.
+    * `n` samples per prompt; they share the prompt's KV blocks.
+    """
+
+    n: int = 1
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    seed: int | None = None
+    stop: list[str] | str | None = None
+    stop_token_ids: list[int] = field(default_factory=list)
+    max_tokens: int = 16
+    min_tokens: int = 0
+    ignore_eos: bool = False
+    logprobs: int | None = None
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        self.stop = list(self.stop or [])
+        self.stop_token_ids = list(self.stop_token_ids or [])
+        problems = self.problems()
+        if problems:
+            raise RequestError("invalid sampling parameters: " + "; ".join(problems))
+
+    def problems(self) -> list[str]:
+        """Every invalid setting, each with the valid range."""
+        found = []
+
+        def check(ok: bool, text: str) -> None:
+            if not ok:
+                found.append(text)
+
+        check(_is_int(self.n) and self.n >= 1, f"n must be an integer >= 1, got {self.n!r}")
+        check(_is_num(self.temperature) and self.temperature >= 0,
+              f"temperature must be >= 0 (0 means greedy), got {self.temperature!r}")
+        check(_is_num(self.top_p) and 0 < self.top_p <= 1, f"top_p must be in (0, 1], got {self.top_p!r}")
+        check(_is_int(self.top_k) and (self.top_k >= 0 or self.top_k == -1),
+              f"top_k must be -1 or 0 (disabled) or a positive integer, got {self.top_k!r}")
+        check(_is_num(self.min_p) and 0 <= self.min_p <= 1, f"min_p must be in [0, 1], got {self.min_p!r}")
+        check(_is_num(self.repetition_penalty) and self.repetition_penalty > 0,
+              f"repetition_penalty must be > 0 (1 disables it), got {self.repetition_penalty!r}")
+        check(_is_num(self.presence_penalty) and -2 <= self.presence_penalty <= 2,
+              f"presence_penalty must be in [-2, 2], got {self.presence_penalty!r}")
+        check(_is_num(self.frequency_penalty) and -2 <= self.frequency_penalty <= 2,
+              f"frequency_penalty must be in [-2, 2], got {self.frequency_penalty!r}")
+        check(self.seed is None or _is_int(self.seed), f"seed must be an integer or None, got {self.seed!r}")
+        check(_is_int(self.max_tokens) and self.max_tokens >= 1, f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
+        check(_is_int(self.min_tokens) and self.min_tokens >= 0,
+              f"min_tokens must be an integer >= 0, got {self.min_tokens!r}")
+        if _is_int(self.max_tokens) and _is_int(self.min_tokens):
+            check(self.min_tokens <= self.max_tokens,
+                  f"min_tokens ({self.min_tokens}) must not exceed max_tokens ({self.max_tokens})")
+        check(all(isinstance(s, str) and s for s in self.stop), f"stop must be non-empty strings, got {self.stop!r}")
+        check(all(_is_int(t) and t >= 0 for t in self.stop_token_ids),
+              f"stop_token_ids must be non-negative integers, got {self.stop_token_ids!r}")
+        check(self.logprobs is None or (_is_int(self.logprobs) and self.logprobs >= 0),
+              f"logprobs must be None or an integer >= 0 (how many top tokens), got {self.logprobs!r}")
+        return found
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+    @property
+    def uses_penalties(self) -> bool:
+        return self.repetition_penalty != 1 or self.presence_penalty != 0 or self.frequency_penalty != 0
+
+
+def _is_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_num(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and value == value

@@ -1,0 +1,95 @@
+"""`kvforge generate` end to end on a built-in model."""
+
+from __future__ import annotations
+
+import io
+import json
+
+import pytest
+import torch
+
+from kvforge.cli import main
+from kvforge.cli_generate import percentile
+from kvforge.models import resolve_model_dir
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_torch_thread():
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)  # tiny tensors on a shared CPU: a thread pool only adds waiting
+    yield
+    torch.set_num_threads(before)
+
+
+
+def builtin(name: str) -> str:
+    if not (resolve_model_dir(name) / "model.safetensors").is_file():
+        pytest.skip(f"built-in model {name} is not shipped in this checkout yet")
+    return name
+
+
+MODEL = "kvforge-tiny-draft"
+FAST = ["--set", "device='cpu'", "--set", "cache.num_blocks=64", "--max-tokens", "4", "--threads", "1"]
+
+
+def test_jsonl_output_and_summary(capsys):
+    assert main(["generate", "--model", builtin(MODEL), *FAST, "--jsonl", "Hello", "The cat"]) == 0
+    captured = capsys.readouterr()
+    records = [json.loads(line) for line in captured.out.splitlines()]
+    assert [r["prompt"] for r in records] == ["Hello", "The cat"]
+    assert all(len(r["token_ids"]) <= 4 and r["finish_reason"] in ("stop", "length") for r in records)
+    assert "2 requests (0 errors)" in captured.err and "tokens/s" in captured.err and "TTFT p50" in captured.err
+
+
+def test_prompts_from_a_file_and_streaming(tmp_path, capsys):
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text('Hello\n\n{"prompt": "World"}\n')
+    assert main(["generate", "--model", builtin(MODEL), *FAST, "--input", str(prompts), "--stream", "--jsonl",
+                 "--seed", "3", "--temperature", "0.8"]) == 0
+    events = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert {e["id"] for e in events} == {"0", "1"}
+    assert sum(e["finished"] for e in events) == 2
+
+
+def test_prompts_from_stdin(monkeypatch, capsys):
+    monkeypatch.setattr("sys.stdin", io.StringIO("Hi there\n"))
+    assert main(["generate", "--model", builtin(MODEL), *FAST, "--no-summary"]) == 0
+    assert capsys.readouterr().err == ""
+
+
+def test_invalid_setting_is_a_clear_error(capsys):
+    assert main(["generate", "--model", builtin(MODEL), *FAST, "--temperature", "-1", "x"]) == 2
+    assert "temperature must be >= 0" in capsys.readouterr().err
+
+
+def test_without_model_it_generates_with_kvforge_tiny(capsys):
+    builtin("kvforge-tiny")
+    assert main(["generate", *FAST, "--jsonl", "--no-summary", "def main():"]) == 0
+    [record] = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert record["prompt"] == "def main():" and 1 <= len(record["token_ids"]) <= 4
+
+
+def test_percentile_picks_nearest_rank():
+    assert percentile([], 50) is None
+    assert percentile([3.0, 1.0, 2.0], 50) == 2.0 and percentile([1.0, 2.0, 3.0], 99) == 3.0
+
+
+def test_llm_applies_keyword_sections_over_a_config_object():
+    from kvforge import LLM, EngineConfig, SamplingParams
+
+    config = EngineConfig(device="cpu", cache={"num_blocks": 32, "block_size": 8}, seed=5)
+    llm = LLM(builtin(MODEL), config=config, cache={"block_size": 4})
+    assert (llm.config.cache.num_blocks, llm.config.cache.block_size, llm.config.seed) == (32, 4, 5)
+    [out] = llm.generate("def f(", SamplingParams(max_tokens=3, ignore_eos=True))
+    assert len(out.token_ids) == 3 and out.text == llm.tokenizer.decode(out.token_ids)
+
+
+def test_embedding_example_runs(capsys):
+    import runpy
+    from pathlib import Path
+
+    example = runpy.run_path(str(Path(__file__).parents[1] / "examples" / "embed_engine.py"))
+    metrics = example["main"](builtin(MODEL))
+    assert metrics["requests"] == 3 and metrics["aborted"] == 1 and metrics["finished"] == 2
+    assert metrics["running"] == metrics["waiting"] == 0 and metrics["kv_usage"] == 0
+    assert "[story] abort after" in capsys.readouterr().out

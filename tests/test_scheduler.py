@@ -1,0 +1,169 @@
+"""The scheduling mechanism, driven directly over a real KV cache manager and the
+registered policies; the "model" is the step loop below (one token per sample)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvforge import SamplingParams
+from kvforge.core import BLOCK_ALLOCATOR, SCHEDULER_POLICY, build_registry
+from kvforge.engine.kv_cache_manager import KVCacheManager
+from kvforge.engine.request import FinishReason, Request, RequestStatus
+from kvforge.engine.scheduler import Scheduler
+
+REGISTRY = build_registry()
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_torch_thread():
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)  # tiny tensors on a shared CPU: a thread pool only adds waiting
+    yield
+    torch.set_num_threads(before)
+
+
+def make(num_blocks=8, block_size=4, policy="fcfs", max_num_seqs=8, budget=64, prefix_caching=False):
+    allocator = REGISTRY.get(BLOCK_ALLOCATOR, "default").cls(num_blocks, block_size)
+    kv = KVCacheManager(allocator, block_size, prefix_caching)
+    return Scheduler(REGISTRY.get(SCHEDULER_POLICY, policy).cls(), kv, max_num_seqs=max_num_seqs,
+                     max_num_batched_tokens=budget)
+
+
+_arrivals = iter(range(10**9))
+
+
+def request(name, prompt_len, priority=0, max_tokens=100) -> Request:
+    return Request(name, list(range(1, prompt_len + 1)), SamplingParams(max_tokens=max_tokens), priority=priority,
+                   arrival_index=next(_arrivals))
+
+
+def step(s: Scheduler) -> dict[str, int]:
+    """Schedule once and apply the result like the engine: {request id: new tokens}."""
+    out = s.schedule()
+    for entry in out.scheduled:
+        r = entry.request
+        r.num_computed_tokens = entry.start + entry.num_tokens
+        s.kv.cache_blocks(r.request_id, r.all_token_ids, r.num_computed_tokens)
+        if entry.samples:
+            r.output_token_ids.append(7)
+            if len(r.output_token_ids) >= r.params.max_tokens:
+                s.finish(r, FinishReason.LENGTH)
+    return {e.request.request_id: e.num_tokens for e in out.scheduled}
+
+
+def test_long_prompt_is_prefilled_in_chunks_within_the_token_budget():
+    s = make(num_blocks=16, budget=8)
+    s.add(request("a", 20))
+    assert [step(s) for _ in range(4)] == [{"a": 8}, {"a": 8}, {"a": 4}, {"a": 1}]
+
+
+def test_prefill_chunks_are_mixed_with_decodes_running_first():
+    s = make(num_blocks=16, budget=6)
+    s.add(request("a", 3))
+    step(s)  # a prefilled, one token out
+    s.add(request("b", 12))
+    assert step(s) == {"a": 1, "b": 5}
+    assert step(s) == {"a": 1, "b": 5}
+    assert step(s) == {"a": 1, "b": 2}
+
+
+def test_max_num_seqs_caps_running_requests():
+    s = make(num_blocks=32, max_num_seqs=2)
+    for name in "abc":
+        s.add(request(name, 2))
+    assert set(step(s)) == {"a", "b"}
+    assert [r.request_id for r in s.waiting] == ["c"]
+
+
+def test_fcfs_preempts_the_latest_admitted_and_it_returns_to_its_place():
+    s = make(num_blocks=4, block_size=4, budget=64)
+    a, b, c = request("a", 4), request("b", 4), request("c", 8)
+    for r in (a, b, c):
+        s.add(r)
+    step(s)  # a and b prefill (2 blocks); c needs 2 blocks and fits too: all 4 in use
+    assert a.status is b.status is c.status is RequestStatus.RUNNING
+    out = s.schedule()  # a needs a fifth block: c, admitted last, is the victim
+    assert [r.request_id for r in out.preempted] == ["c"]
+    assert c.status is RequestStatus.PREEMPTED and c.num_computed_tokens == 0 and c.num_preemptions == 1
+    s.add(request("d", 2))
+    assert [r.request_id for r in s.waiting] == ["c", "d"]  # before the later arrival
+
+
+def test_fcfs_never_lets_a_later_request_overtake_the_head_of_the_queue():
+    s = make(num_blocks=6, block_size=4, budget=64)
+    s.add(request("big", 4, max_tokens=30))
+    step(s)
+    s.add(request("huge", 20))  # needs 5 blocks: waits until "big" finishes
+    s.add(request("small", 1))  # would fit now, but must not jump ahead
+    for _ in range(5):
+        assert "small" not in step(s)
+    while s.running:
+        step(s)
+    assert s.waiting == [] or s.waiting[0].request_id == "small"
+
+
+def test_priority_request_in_a_full_engine_preempts_and_runs_before_lower_ones():
+    s = make(num_blocks=4, block_size=4, policy="priority")
+    low1, low2 = request("low1", 6, priority=5), request("low2", 6, priority=3)
+    s.add(low1)
+    s.add(low2)
+    step(s)  # the cache is full; both can still decode within their blocks
+    s.add(request("mid", 4, priority=4))
+    s.add(request("high", 4, priority=0))
+    out = s.schedule()
+    assert [r.request_id for r in out.preempted] == ["low1"]  # lowest priority goes
+    assert "high" in {e.request.request_id for e in out.scheduled}
+    assert [r.request_id for r in s.waiting] == ["mid", "low1"]
+
+
+def test_fcfs_never_preempts_for_a_waiting_request():
+    s = make(num_blocks=4, block_size=4, policy="fcfs")
+    s.add(request("a", 14))
+    step(s)  # 15 of 16 slots in use; a's next decode still fits
+    s.add(request("b", 4, priority=-10))
+    out = s.schedule()
+    assert out.preempted == [] and [r.request_id for r in s.waiting] == ["b"]
+
+
+def test_abort_frees_blocks_at_once():
+    s = make(num_blocks=8)
+    a = request("a", 10)
+    s.add(a)
+    step(s)
+    assert s.kv.usage().in_use == 3
+    s.finish(a, FinishReason.ABORT)
+    assert s.kv.usage().in_use == 0 and a.finish_reason is FinishReason.ABORT and not s.has_unfinished()
+
+
+def test_request_larger_than_the_whole_cache_ends_with_an_error_alone():
+    s = make(num_blocks=2, block_size=4)
+    s.add(big := request("big", 12))
+    s.add(request("ok", 3))
+    out = s.schedule()
+    assert out.finished == [big] and big.finish_reason is FinishReason.ERROR and "KV cache" in big.error
+    assert [e.request.request_id for e in out.scheduled] == ["ok"]
+
+
+def test_running_request_outgrowing_the_whole_cache_stops_with_length():
+    s = make(num_blocks=2, block_size=4)
+    s.add(a := request("a", 7))
+    step(s)
+    step(s)  # 8 tokens: both blocks full
+    out = s.schedule()  # needs a third block, nobody left to preempt
+    assert out.finished == [a] and a.finish_reason is FinishReason.LENGTH
+    assert s.kv.usage().in_use == 0
+
+
+@pytest.mark.parametrize("policy", ["fcfs", "priority"])
+def test_preempted_requests_are_recomputed_and_all_finish(policy):
+    s = make(num_blocks=6, block_size=4, policy=policy, budget=16, prefix_caching=True)
+    requests = [request(f"r{i}", 3 + 2 * i, priority=i % 3, max_tokens=6) for i in range(6)]
+    for r in requests:
+        s.add(r)
+    for _ in range(200):
+        if not s.has_unfinished():
+            break
+        step(s)
+    assert all(r.finished and len(r.output_token_ids) == 6 for r in requests)
+    assert s.num_preemptions > 0 and s.kv.usage().in_use == 0
