@@ -1,0 +1,222 @@
+// The inner kernel of kvforge's CPU paged attention: one tile of query rows of
+// one sequence against the keys and values of some of its KV heads, and the
+// loop that runs every tile on the thread pool.
+//
+// Included twice by paged_attention.cpp, inside two namespaces: once compiled
+// for the baseline ISA and once under `#pragma GCC target("avx2,fma,f16c")`,
+// so one portable build runs fast on newer x86 CPUs without -march=native. It
+// therefore includes nothing itself and holds no state; it uses the helpers of
+// vector_kernels.h, included just before it.
+
+// Calls f(std::integral_constant<int, R>, first_row) over `rows` in groups of 4,
+// then the remainder, so every group gets a micro-kernel with constant R.
+template <typename F>
+inline void for_row_groups(int64_t rows, F&& f) {
+  int64_t r = 0;
+  for (; r + 4 <= rows; r += 4) f(std::integral_constant<int, 4>{}, r);
+  switch (rows - r) {
+    case 3: f(std::integral_constant<int, 3>{}, r); break;
+    case 2: f(std::integral_constant<int, 2>{}, r); break;
+    case 1: f(std::integral_constant<int, 1>{}, r); break;
+    default: break;
+  }
+}
+
+// Asks for `count` rows of `bytes` each, `stride` elements apart, ahead of use:
+// blocks sit at random places in the cache, which defeats the hardware prefetcher.
+template <typename T>
+inline void prefetch_rows(const T* rows, int64_t count, int64_t stride, int64_t bytes) {
+  for (int64_t j = 0; j < count; ++j) {
+    const char* row = reinterpret_cast<const char*>(rows + j * stride);
+    for (int64_t offset = 0; offset < bytes; offset += 64) __builtin_prefetch(row + offset);
+  }
+}
+
+inline void scale_in_place(float* __restrict__ y, float a, int64_t n) {
+  for (int64_t d = 0; d < n; ++d) y[d] *= a;
+}
+
+template <typename T>
+inline void to_float(float* __restrict__ dst, const T* __restrict__ src, int64_t n, float scale) {
+  int64_t d = 0;
+#ifdef KVFORGE_F16C
+  // c10::Half's portable conversion does not vectorise; F16C converts 8 at once.
+  if constexpr (std::is_same_v<T, c10::Half>) {
+    const __m256 factor = _mm256_set1_ps(scale);
+    for (; d + 8 <= n; d += 8) {
+      const __m128i half = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + d));
+      _mm256_storeu_ps(dst + d, _mm256_mul_ps(_mm256_cvtph_ps(half), factor));
+    }
+  }
+#endif
+  for (; d < n; ++d) dst[d] = static_cast<float>(src[d]) * scale;
+}
+
+// Rows of `count` slots starting at `src` (slot stride `stride`) as float32:
+// the cache row itself when it already is float32, else a converted copy.
+template <typename T>
+inline const float* rows_as_float(const T* src, int64_t count, int64_t stride, int64_t head_size,
+                                  float* buffer, int64_t& row_stride) {
+  if constexpr (std::is_same_v<T, float>) {
+    row_stride = stride;
+    return src;
+  } else {
+    for (int64_t j = 0; j < count; ++j) to_float(buffer + j * head_size, src + j * stride, head_size, 1.f);
+    row_stride = head_size;
+    return buffer;
+  }
+}
+
+// Attends query tokens [tile.q_begin, tile.q_end) of sequence tile.seq, for
+// every query head of KV heads [tile.kv_head, tile.kv_head + tile.kv_heads),
+// with an online softmax over the blocks the tile may see. Each block is visited
+// once for all of the tile's KV heads: with several heads per tile the reads of
+// a block are one contiguous run instead of head-strided pieces.
+template <typename T>
+void attend_tile(const Problem& p, const Tile& tile, Scratch& s) {
+  constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+  const int64_t group = p.queries_per_kv;
+  const int64_t hs = p.head_size;
+  const int64_t bs = p.block_size;
+  const int64_t tokens = tile.q_end - tile.q_begin;
+  const int64_t head_rows = tokens * group;  // rows per KV head: row t * group + i is token t, head i of the group
+  const int64_t rows = head_rows * tile.kv_heads;
+  const int64_t q_row0 = p.query_start[tile.seq] + tile.q_begin;
+  const int64_t pos0 = p.context_lens[tile.seq] + tile.q_begin;  // position of the tile's first token
+  const int64_t last = pos0 + tokens - 1;
+  const int64_t first = p.window > 0 ? std::max<int64_t>(0, pos0 - p.window + 1) : 0;
+  const T* query = static_cast<const T*>(p.query);
+  const T* cache = static_cast<const T*>(p.cache);
+  auto head_of = [&](int64_t r) { return (tile.kv_head + r / head_rows) * group + r % group; };
+  auto token_of = [&](int64_t r) { return (r % head_rows) / group; };
+
+  float* q = s.q.data();
+  float* acc = s.acc.data();
+  float* score = s.score.data();  // [head_rows, ss], reused per KV head
+  const int64_t ss = (bs + 7) / 8 * 8;  // score row stride: whole vectors
+  // Transposed keys when enough rows share each block to amortise the transpose.
+  const bool transposed = head_rows >= kTransposeRows && bs >= 8;
+  float* row_max = s.row_max.data();
+  float* row_sum = s.row_sum.data();
+  for (int64_t r = 0; r < rows; ++r) {
+    const T* src = query + (q_row0 + token_of(r)) * p.q_token_stride + head_of(r) * p.q_head_stride;
+    to_float(q + r * hs, src, hs, p.scale);
+    row_max[r] = kNegInf;
+    row_sum[r] = 0.f;
+  }
+  std::fill(acc, acc + rows * hs, 0.f);
+
+  const int64_t slot_stride = p.num_kv_heads * hs;  // between consecutive slots of one block
+  const int64_t run_bytes = tile.kv_heads * hs * static_cast<int64_t>(sizeof(T));  // the tile's part of a slot
+  const int32_t* blocks = p.block_table + tile.seq * p.block_table_stride;
+  for (int64_t logical = first / bs; logical <= last / bs; ++logical) {
+    const int64_t start = logical * bs;
+    const int64_t j0 = std::max(first, start) - start;
+    const int64_t j1 = std::min(last + 1, start + bs) - start;
+    const int64_t count = j1 - j0;
+    const T* page = cache + static_cast<int64_t>(blocks[logical]) * 2 * bs * slot_stride + tile.kv_head * hs;
+    if (logical < last / bs) {
+      const T* next = cache + static_cast<int64_t>(blocks[logical + 1]) * 2 * bs * slot_stride + tile.kv_head * hs;
+      prefetch_rows(next, 2 * bs, slot_stride, run_bytes);  // keys, then values
+    }
+    for (int64_t h = 0; h < tile.kv_heads; ++h) {
+      const int64_t r0 = h * head_rows;
+      int64_t v_stride = 0;
+      const float* values =
+          rows_as_float(page + (bs + j0) * slot_stride + h * hs, count, slot_stride, hs, s.values.data(), v_stride);
+      if (transposed) {
+        const int64_t kt_stride = (count + 7) / 8 * 8;
+        transpose_keys(s.keys.data(), kt_stride, page + j0 * slot_stride + h * hs, slot_stride, count, hs);
+        for (int64_t v0 = 0; v0 < kt_stride; v0 += 16) {
+          const float* kt = s.keys.data() + v0;
+          for_row_groups(head_rows, [&](auto group_rows, int64_t r) {
+            constexpr int R = decltype(group_rows)::value;
+            float* dst = score + r * ss + v0;
+            if (kt_stride - v0 >= 16) {
+              scores_transposed<R, 2>(q + (r0 + r) * hs, hs, kt, kt_stride, dst, ss);
+            } else {
+              scores_transposed<R, 1>(q + (r0 + r) * hs, hs, kt, kt_stride, dst, ss);
+            }
+          });
+        }
+      } else {
+        int64_t k_stride = 0;
+        const float* keys =
+            rows_as_float(page + j0 * slot_stride + h * hs, count, slot_stride, hs, s.keys.data(), k_stride);
+        for_row_groups(head_rows, [&](auto group_rows, int64_t r) {
+          scores<decltype(group_rows)::value>(q + (r0 + r) * hs, hs, keys, k_stride, count, score + r * ss, ss);
+        });
+      }
+
+      for (int64_t rr = 0; rr < head_rows; ++rr) {
+        const int64_t r = r0 + rr;
+        const int64_t pos = pos0 + rr / group;
+        float* sr = score + rr * ss;
+        float best = kNegInf;
+        for (int64_t j = 0; j < count; ++j) {
+          const int64_t key_pos = start + j0 + j;
+          float v = sr[j];
+          if (p.soft_cap > 0.f) v = p.soft_cap * std::tanh(v / p.soft_cap);
+          if (p.alibi != nullptr) v += p.alibi[head_of(r)] * static_cast<float>(key_pos - pos);
+          const bool visible = key_pos <= pos && (p.window <= 0 || key_pos > pos - p.window);
+          sr[j] = visible ? v : kNegInf;
+          best = std::max(best, sr[j]);
+        }
+        if (best == kNegInf) {
+          for (int64_t j = 0; j < count; ++j) sr[j] = 0.f;  // nothing visible in this block
+          continue;
+        }
+        const float new_max = std::max(row_max[r], best);
+        const float rescale = std::exp(row_max[r] - new_max);  // 0 while the row was empty
+        float sum = row_sum[r] * rescale;
+        if (rescale != 1.f) scale_in_place(acc + r * hs, rescale, hs);
+        int64_t j = 0;
+        vf8 sums{};
+        for (; j + 8 <= count; j += 8) {
+          const vf8 e = exp8(load8(sr + j) - splat(new_max));
+          store8(sr + j, e);
+          sums += e;
+        }
+        sum += hsum(sums);
+        for (; j < count; ++j) {
+          sr[j] = std::exp(sr[j] - new_max);
+          sum += sr[j];
+        }
+        row_max[r] = new_max;
+        row_sum[r] = sum;
+      }
+
+      for_row_groups(head_rows, [&](auto group_rows, int64_t r) {
+        accumulate<decltype(group_rows)::value>(acc + (r0 + r) * hs, hs, score + r * ss, ss, values, v_stride, count);
+      });
+    }
+  }
+
+  T* out = static_cast<T*>(p.out);
+  for (int64_t r = 0; r < rows; ++r) {
+    T* dst = out + (q_row0 + token_of(r)) * p.o_token_stride + head_of(r) * p.o_head_stride;
+    // row_sum > 0 always: a query always sees its own position.
+    const float inv = row_sum[r] > 0.f ? 1.f / row_sum[r] : 0.f;
+    const float* a = acc + r * hs;
+    for (int64_t d = 0; d < hs; ++d) dst[d] = static_cast<T>(a[d] * inv);
+  }
+}
+
+inline void run_tiles(const Problem& p, const std::vector<Tile>& tiles, int64_t rows_max) {
+  std::atomic<int64_t> next{0};
+  const int64_t n = static_cast<int64_t>(tiles.size());
+  const int64_t workers = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), n));
+  // One chunk per thread that then pulls tiles dynamically: at::parallel_for
+  // splits statically, and prefill tiles cost far more than decode ones.
+  at::parallel_for(0, workers, 1, [&](int64_t, int64_t) {
+    Scratch s(rows_max, p.head_size, p.block_size);
+    for (int64_t i = next.fetch_add(1); i < n; i = next.fetch_add(1)) {
+      switch (p.dtype) {
+        case at::ScalarType::Float: attend_tile<float>(p, tiles[i], s); break;
+        case at::ScalarType::Half: attend_tile<c10::Half>(p, tiles[i], s); break;
+        case at::ScalarType::BFloat16: attend_tile<c10::BFloat16>(p, tiles[i], s); break;
+        default: TORCH_CHECK(false, "kvforge_cpp: unsupported dtype");
+      }
+    }
+  });
+}

@@ -1,0 +1,135 @@
+"""Just-in-time build of the C++ kernel, cached on disk across processes.
+
+The first use compiles `paged_attention.cpp` with `torch.utils.cpp_extension.load`
+(about 30 s on two cores) into a build directory keyed by the torch and Python
+versions; later processes find the library there and only load it. Torch's own
+lock file in that directory keeps concurrent first uses from building twice.
+
+`KVFORGE_CACHE_DIR` moves the cache (default `~/.cache/kvforge`); the build
+lives in its `torch_extensions/` subfolder.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import shutil
+import sys
+import sysconfig
+import threading
+from pathlib import Path
+
+import torch
+
+from kvforge.core.errors import KvforgeError
+
+NAME = "kvforge_cpp_attention"
+HERE = Path(__file__).resolve().parent
+SOURCES = [HERE / "paged_attention.cpp"]
+HEADERS = [HERE / "vector_kernels.h", HERE / "attention_tile.h"]
+CACHE_ENV = "KVFORGE_CACHE_DIR"
+# -O3 vectorises the inner loops; the AVX2+FMA variant is chosen at run time
+# inside the library, so no -march=native (the build must run on any x86-64).
+CFLAGS = ["-O3", "-fopenmp", "-std=c++17"]
+
+_lock = threading.Lock()
+_loaded: str | None = None  # path of the loaded library
+_failure: str | None = None  # why the build failed in this process
+
+
+class CppBuildError(KvforgeError, RuntimeError):
+    """The C++ attention kernel could not be compiled or loaded."""
+
+
+def source_digest() -> str:
+    """Hash of the sources, headers and flags: torch's own check ignores headers."""
+    digest = hashlib.sha256(" ".join(CFLAGS).encode())
+    for path in SOURCES + HEADERS:
+        digest.update(path.read_bytes())
+    return digest.hexdigest()[:16]
+
+
+def build_dir() -> Path:
+    """Where the compiled library lives for this torch, Python and source version."""
+    root = Path(os.environ.get(CACHE_ENV) or Path.home() / ".cache" / "kvforge")
+    tag = f"torch{torch.__version__.replace('+', '_')}-py{sys.version_info[0]}{sys.version_info[1]}"
+    return root / "torch_extensions" / tag / f"{NAME}-{source_digest()}"
+
+
+def find_compiler() -> str | None:
+    """The C++ compiler torch would use ($CXX, else c++), or None if it is not on PATH."""
+    wanted = os.environ.get("CXX", "c++")
+    return shutil.which(wanted.split()[0]) if wanted else None
+
+
+def missing_tools() -> str | None:
+    """Why a build cannot start here, or None. Checks files only; compiles nothing."""
+    compiler = find_compiler()
+    if compiler is None:
+        return f"no C++ compiler ({os.environ.get('CXX', 'c++')!r} not found on PATH; install g++ or set CXX)"
+    if shutil.which("ninja") is None:
+        return "no ninja build tool (torch's JIT build needs it; `pip install ninja`)"
+    if not (Path(sysconfig.get_paths()["include"]) / "Python.h").exists():
+        return "no Python headers (Python.h; install the python3-dev package)"
+    return None
+
+
+def cached_library() -> Path | None:
+    """The library already built from these very sources, else None."""
+    built = sorted(build_dir().glob(f"{NAME}*.so"), key=lambda p: p.stat().st_mtime)
+    return built[-1] if built else None
+
+
+def failure() -> str | None:
+    """Why an earlier build in this process failed, or None."""
+    return _failure
+
+
+def is_loaded() -> bool:
+    return _loaded is not None
+
+
+def load() -> str:
+    """Build (if needed) and load the kernel library; registers `torch.ops.kvforge_cpp`.
+
+    Returns the library path. Raises `CppBuildError` with the compiler's message
+    when the build fails; later calls in the same process fail fast with it.
+    """
+    global _loaded, _failure
+    with _lock:
+        if _loaded is not None:
+            return _loaded
+        if _failure is not None:
+            raise CppBuildError(_failure)
+        from torch.utils import cpp_extension
+
+        directory = build_dir()
+        directory.mkdir(parents=True, exist_ok=True)
+        built = cached_library()
+        if built is not None and not (directory / "lock").exists():
+            # Built earlier from these very sources and no build is running: load it
+            # directly, which needs neither ninja nor a compiler.
+            torch.ops.load_library(str(built))
+            _loaded = str(built)
+            from . import fake  # noqa: F401  (registers the fake implementations)
+
+            return _loaded
+        try:
+            path = cpp_extension.load(
+                name=NAME,
+                sources=[str(s) for s in SOURCES],
+                extra_cflags=CFLAGS,
+                extra_ldflags=["-fopenmp"],
+                extra_include_paths=[str(HERE)],
+                build_directory=str(directory),
+                is_python_module=False,
+                verbose=False,
+            )
+        except Exception as exc:  # compiler errors arrive as RuntimeError / CalledProcessError
+            _failure = (f"building the kvforge C++ attention kernel in {directory} failed: "
+                        f"{type(exc).__name__}: {exc}; fix the toolchain or delete that directory and retry")
+            raise CppBuildError(_failure) from exc
+        _loaded = str(path or cached_library() or directory)
+        from . import fake  # noqa: F401  (registers the fake implementations)
+
+        return _loaded

@@ -1,0 +1,18 @@
+"""Fake (meta) implementations of the `kvforge_cpp` ops, for FakeTensor tracing and
+torch.compile. Both ops only mutate an argument and return nothing, so the fake
+implementations only have to exist; imported by `build.load` once the library is in."""
+
+from __future__ import annotations
+
+import torch
+
+
+@torch.library.register_fake("kvforge_cpp::paged_attention")
+def _paged_attention_fake(query, kv_cache, query_start_loc, seq_lens, context_lens, block_table,
+                          scale, sliding_window, logit_soft_cap, alibi_slopes, out) -> None:
+    return None
+
+
+@torch.library.register_fake("kvforge_cpp::write_kv")
+def _write_kv_fake(key, value, kv_cache, slot_mapping) -> None:
+    return None
