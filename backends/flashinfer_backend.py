@@ -30,7 +30,6 @@ from kvforge.core import (
     hookimpl,
 )
 
-from .slot_write import write_kv_by_slot
 
 WORKSPACE_BYTES = 128 * 1024 * 1024
 _workspaces: dict[torch.device, torch.Tensor] = {}
@@ -127,9 +126,6 @@ class FlashInferAttentionBackend(AttentionBackend):
             return FlashInferPlan(self.decode_wrapper, decode=True)
         self.prefill_wrapper.plan(**plan_arguments(batch, self.layer, self.cache.dtype))
         return FlashInferPlan(self.prefill_wrapper, decode=False)
-
-    def write_kv(self, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
-        write_kv_by_slot(key, value, kv_cache, slot_mapping)
 
     def forward(self, query: torch.Tensor, kv_cache: torch.Tensor, plan: FlashInferPlan,
                 out: torch.Tensor | None = None) -> torch.Tensor:

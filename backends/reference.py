@@ -52,14 +52,6 @@ class ReferenceAttentionBackend(AttentionBackend):
             seq_lens=tuple(batch.seq_lens.tolist()),
         )
 
-    def write_kv(self, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
-        block_size = kv_cache.shape[2]
-        keep = slot_mapping >= 0
-        slots = slot_mapping[keep]
-        blocks, offsets = slots // block_size, slots % block_size
-        kv_cache[blocks, 0, offsets] = key[keep].to(kv_cache.dtype)
-        kv_cache[blocks, 1, offsets] = value[keep].to(kv_cache.dtype)
-
     def forward(self, query: torch.Tensor, kv_cache: torch.Tensor, plan: ReferencePlan,
                 out: torch.Tensor | None = None) -> torch.Tensor:
         if out is None:

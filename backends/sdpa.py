@@ -149,14 +149,6 @@ class SdpaAttentionBackend(AttentionBackend):
         keys = blocks * (2 * block_size) + key_pos % block_size
         return torch.stack([keys, keys + block_size])
 
-    def write_kv(self, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
-        block_size = kv_cache.shape[2]
-        keep = slot_mapping >= 0
-        slots = slot_mapping[keep]
-        blocks, offsets = slots // block_size, slots % block_size
-        kv_cache[blocks, 0, offsets] = key[keep].to(kv_cache.dtype)
-        kv_cache[blocks, 1, offsets] = value[keep].to(kv_cache.dtype)
-
     def _gather(self, flat: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
         """`flat[rows]` into a scratch buffer kept across calls: a fresh multi-megabyte
         tensor per layer costs page faults that were measured to rival the copy itself."""

@@ -30,7 +30,6 @@ import torch
 
 from kvforge.core import AttentionBackend, AttentionBatch, Availability, hookimpl
 
-from .slot_write import write_kv_by_slot
 
 
 def bias_arguments(batch: AttentionBatch) -> dict[str, Any]:
@@ -83,9 +82,6 @@ class XformersAttentionBackend(AttentionBackend):
     def plan(self, batch: AttentionBatch) -> XformersPlan:
         bias_type = self.fmha.attn_bias.PagedBlockDiagonalCausalWithOffsetPaddedKeysMask
         return XformersPlan(bias_type.from_seqlens(**bias_arguments(batch), device=batch.seq_lens.device))
-
-    def write_kv(self, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
-        write_kv_by_slot(key, value, kv_cache, slot_mapping)
 
     def forward(self, query: torch.Tensor, kv_cache: torch.Tensor, plan: XformersPlan,
                 out: torch.Tensor | None = None) -> torch.Tensor:

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from kvforge.core import KINDS
+from kvforge.core import KINDS, Registration
 
 from . import selection
 
@@ -57,8 +57,9 @@ class _Collector:
 
     def pytest_itemcollected(self, item):
         callspec = getattr(item, "callspec", None)
-        if callspec is not None and "registration" in callspec.params:
-            self.implementation_of[item.nodeid] = callspec.params["registration"].name
+        registration = callspec.params.get("registration") if callspec is not None else None
+        if isinstance(registration, Registration):  # an empty parameter set holds a sentinel
+            self.implementation_of[item.nodeid] = registration.name
 
     def pytest_runtest_logreport(self, report):
         if report.when != "call" and not (report.when == "setup" and (report.skipped or report.failed)):
@@ -67,7 +68,9 @@ class _Collector:
         if module not in self.groups:
             return
         kind, group = self.groups[module]
-        implementation = self.implementation_of.get(report.nodeid, "(none)")
+        implementation = self.implementation_of.get(report.nodeid)
+        if implementation is None:  # no implementation of this kind was selected
+            return
         result = self.results.setdefault((implementation, group), GroupResult(kind, implementation, group))
         if report.passed:
             result.passed += 1

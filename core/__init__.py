@@ -27,6 +27,7 @@ from .attention import (
     KVCacheSpec,
     PagedCSR,
     paged_csr,
+    write_kv_by_slot,
 )
 from .block_allocator import AllocatorUsage, BlockAllocator, BlockHash
 from .config import EngineConfig, implementation_names

@@ -147,6 +147,17 @@ def paged_csr(block_table: torch.Tensor, seq_lens: torch.Tensor, block_size: int
     return PagedCSR(indptr=indptr, indices=indices, last_page_len=last_page_len)
 
 
+def write_kv_by_slot(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    """Store token `i`'s key and value at `kv_cache[slot // block_size, 0 or 1, slot % block_size]`
+    in the NHD layout, skipping slots equal to -1; the one plain-PyTorch cache write."""
+    block_size = kv_cache.shape[2]
+    keep = slot_mapping >= 0
+    slots = slot_mapping[keep]
+    blocks, offsets = slots // block_size, slots % block_size
+    kv_cache[blocks, 0, offsets] = key[keep].to(kv_cache.dtype)
+    kv_cache[blocks, 1, offsets] = value[keep].to(kv_cache.dtype)
+
+
 class AttentionBackend(Implementation):
     """An attention kernel over the paged KV cache.
 
@@ -239,9 +250,11 @@ class AttentionBackend(Implementation):
     def plan(self, batch: AttentionBatch) -> Any:
         """Do the shape-dependent work for one step; the result goes to `forward`."""
 
-    @abstractmethod
     def write_kv(self, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
-        """Store `key`/`value` (`[num_tokens, num_kv_heads, head_size]`) at their slots."""
+        """Store `key`/`value` (`[num_tokens, num_kv_heads, head_size]`) at their slots.
+        The default writes the NHD layout in plain PyTorch; a backend with its own
+        write kernel or another layout overrides it."""
+        write_kv_by_slot(key, value, kv_cache, slot_mapping)
 
     @abstractmethod
     def forward(self, query: torch.Tensor, kv_cache: torch.Tensor, plan: Any, out: torch.Tensor | None = None) -> torch.Tensor:

@@ -27,18 +27,30 @@ def run(args: argparse.Namespace) -> int:
     if not results:
         console.print("no conformance checks matched the selection")
         return 1 if args.plugin else int(code not in (0, 5))
-    groups = sorted({r.group for r in results})
-    table = Table("kind", "implementation", *groups, title="kvforge conformance")
-    rows: dict[tuple[str, str], dict[str, str]] = {}
     style = {"pass": "[green]pass[/green]", "fail": "[red]FAIL[/red]", "skipped": "[yellow]skipped[/yellow]"}
-    for result in results:
-        cell = style[result.status]
-        if result.status == "skipped" and result.skip_reasons:
-            cell += f" ({result.skip_reasons[0]})"
-        rows.setdefault((result.kind, result.implementation), {})[result.group] = cell
-    for (kind, implementation), cells in rows.items():
-        table.add_row(kind, implementation, *(cells.get(g, "-") for g in groups))
-    console.print(table)
+    for kind in dict.fromkeys(r.kind for r in results):
+        of_kind = [r for r in results if r.kind == kind]
+        groups = sorted({r.group for r in of_kind})
+        names = list(dict.fromkeys(r.implementation for r in of_kind))
+        # one table per kind keeps the matrix narrow; names never wrap or get cut
+        table = Table(title=f"kvforge conformance: {kind}")
+        table.add_column("implementation", no_wrap=True, min_width=max(len(n) for n in names))
+        for group in groups:
+            table.add_column(group, overflow="fold")
+        cells = {(r.implementation, r.group): r for r in of_kind}
+        for name in names:
+            row = []
+            for group in groups:
+                result = cells.get((name, group))
+                if result is None:
+                    row.append("-")
+                    continue
+                cell = style[result.status]
+                if result.status == "skipped" and result.skip_reasons:
+                    cell += f" ({result.skip_reasons[0]})"
+                row.append(cell)
+            table.add_row(name, *row)
+        console.print(table)
     for result in results:
         for failure in result.failures:
             console.print(f"[red]FAIL[/red] {failure}")

@@ -1,4 +1,4 @@
-"""Shared fixtures: throwaway plugin distributions on a temporary sys.path entry."""
+"""Shared fixtures: one torch thread, and throwaway plugin distributions on a temporary sys.path entry."""
 
 from __future__ import annotations
 
@@ -7,6 +7,17 @@ import textwrap
 from pathlib import Path
 
 import pytest
+import torch
+
+
+@pytest.fixture(autouse=True)
+def one_torch_thread():
+    """The tests use tiny tensors, for which a thread pool only adds waiting (20-40x
+    slower on a busy 2-core machine); tests that exercise parallel code set their own."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
 
 
 class FakeSite:

@@ -109,12 +109,3 @@ class FakeTokenizer:
     def decode(self, ids) -> str:
         return "".join(chr(97 + t % 26) for t in ids)
 
-
-@pytest.fixture(autouse=True, scope="module")
-def one_torch_thread():
-    """Tiny tensors run far faster on one thread on a shared 2-core machine; the
-    setting is restored after the module so other tests are unaffected."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)

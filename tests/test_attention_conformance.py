@@ -24,14 +24,6 @@ def pinned_seed(monkeypatch):
     monkeypatch.setenv(SEED_ENV, "1234")
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
 def registration(cls) -> Registration:
     return Registration(ATTENTION_BACKEND, cls.name, cls, "test", "test", "0", (1, 0))
 

@@ -20,14 +20,6 @@ from kvforge.core import (
 )
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)  # tiny tensors on a shared CPU: a thread pool only adds waiting
-    yield
-    torch.set_num_threads(before)
-
-
 def step(lengths, block_size, kv_heads, head_size, seed=0, dtype=torch.float64):
     """A batch with blocks handed out back to front, the new tokens already in the cache."""
     gen = torch.Generator().manual_seed(seed)

@@ -21,14 +21,6 @@ from kvforge.core import (
 SDPA = Target(SdpaAttentionBackend, "cpu", reduced=False)
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)  # tiny tensors on a shared CPU: a thread pool only adds waiting
-    yield
-    torch.set_num_threads(before)
-
-
 @pytest.fixture
 def sdpa_calls(monkeypatch):
     calls = []

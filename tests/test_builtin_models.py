@@ -20,14 +20,6 @@ BACKEND = cpu_backends()[0]
 DOCS = Path(__file__).resolve().parents[1] / "docs" / "models.md"
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
 def evaluation(name: str) -> dict:
     return json.loads((resolve_model_dir(name) / "eval.json").read_text())
 

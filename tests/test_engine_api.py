@@ -12,8 +12,7 @@ import torch
 from kvforge import LLM, LLMEngine, SamplingParams
 
 sys.path.insert(0, str(Path(__file__).parent))  # the test-local fake model sits beside this file
-from engine_fakes import (  # noqa: E402,F401 (one_torch_thread: autouse fixture)
-    FakeCausalLM, FakeTokenizer, fake_engine, one_torch_thread, reference_greedy)
+from engine_fakes import FakeCausalLM, FakeTokenizer, fake_engine, reference_greedy  # noqa: E402
 
 PROMPT = [5, 9, 2, 7, 1, 3, 3, 8]
 

@@ -13,15 +13,6 @@ from kvforge.cli_generate import percentile
 from kvforge.models import resolve_model_dir
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_torch_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)  # tiny tensors on a shared CPU: a thread pool only adds waiting
-    yield
-    torch.set_num_threads(before)
-
-
-
 def builtin(name: str) -> str:
     if not (resolve_model_dir(name) / "model.safetensors").is_file():
         pytest.skip(f"built-in model {name} is not shipped in this checkout yet")

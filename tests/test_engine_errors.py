@@ -13,7 +13,7 @@ from kvforge import LLM, SamplingParams
 from kvforge.core import RequestError
 
 sys.path.insert(0, str(Path(__file__).parent))  # the test-local fake model sits beside this file
-from engine_fakes import FakeCausalLM, fake_engine, one_torch_thread  # noqa: E402,F401 (autouse fixture)
+from engine_fakes import FakeCausalLM, fake_engine  # noqa: E402
 
 GREEDY = SamplingParams(temperature=0, max_tokens=4)
 

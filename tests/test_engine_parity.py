@@ -18,14 +18,6 @@ MAX_TOKENS = 8
 BUDGET = 16  # tokens per step: every prompt longer than this is chunked
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_torch_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)  # tiny tensors on a shared CPU: a thread pool only adds waiting
-    yield
-    torch.set_num_threads(before)
-
-
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory):
     """A small random Llama (GQA) saved as a Hugging Face directory, its reference

@@ -7,17 +7,12 @@ attention backend `auto` picks: one layer, 16 wide, so it stays fast."""
 from __future__ import annotations
 
 import random
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 
 from kvforge import LLMEngine, SamplingParams
 from kvforge.core import EngineConfig
-
-sys.path.insert(0, str(Path(__file__).parent))  # the test-local helpers sit beside this file
-from engine_fakes import one_torch_thread  # noqa: E402,F401 (autouse fixture)
 
 transformers = pytest.importorskip("transformers")
 EOS = 3

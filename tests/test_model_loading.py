@@ -25,14 +25,6 @@ SMALL = dict(vocab_size=96, hidden_size=64, intermediate_size=96, num_hidden_lay
              num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128)
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
 def save(model, path: Path, **kwargs) -> Path:
     model.save_pretrained(path, **kwargs)
     return path

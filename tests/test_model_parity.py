@@ -46,15 +46,6 @@ CONFIGS = {
 BACKENDS = cpu_backends(torch.float32)
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """Tiny models run fastest on one thread; two spin against each other on a busy CPU."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
 def randomise(model: torch.nn.Module, seed: int) -> None:
     """Biases and norm weights start as zeros and ones; make them matter."""
     generator = torch.Generator().manual_seed(seed)

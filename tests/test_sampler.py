@@ -10,15 +10,6 @@ from kvforge.engine.request import Request
 from kvforge.engine.sampler import Sampler, apply_penalties
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_torch_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)  # tiny tensors on a shared CPU: a thread pool only adds waiting
-    yield
-    torch.set_num_threads(before)
-
-
-
 def req(i=0, prompt=(1, 2), output=(), eos=None, **params) -> Request:
     r = Request(f"r{i}", list(prompt), SamplingParams(**params), eos_token_id=eos)
     r.output_token_ids = list(output)

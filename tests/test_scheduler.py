@@ -15,14 +15,6 @@ from kvforge.engine.scheduler import Scheduler
 REGISTRY = build_registry()
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_torch_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)  # tiny tensors on a shared CPU: a thread pool only adds waiting
-    yield
-    torch.set_num_threads(before)
-
-
 def make(num_blocks=8, block_size=4, policy="fcfs", max_num_seqs=8, budget=64, prefix_caching=False):
     allocator = REGISTRY.get(BLOCK_ALLOCATOR, "default").cls(num_blocks, block_size)
     kv = KVCacheManager(allocator, block_size, prefix_caching)
