@@ -49,7 +49,7 @@ MODELS = {
     "kvforge-tiny": (
         dict(hidden_size=256, intermediate_size=640, num_hidden_layers=3, num_attention_heads=8,
              num_key_value_heads=4),
-        dict(steps=900, batch=8, seq_len=256, lr=3e-3),
+        dict(steps=4000, batch=8, seq_len=256, lr=3e-3),
     ),
 }
 EVAL_BYTES = 131072  # held-out bytes scored for the documented bits per byte
