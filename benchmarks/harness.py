@@ -1,0 +1,191 @@
+"""Run a scenario's configurations side by side, each engine in its own process
+with the Python given for it, and turn their JSON into comparable figures.
+
+    results = run_scenario(scenario, model_dir, out_dir, peers={"vllm": "/work/peers/vllm/bin/python"})
+
+A configuration whose peer has no Python is not run, and says so; one whose
+process fails is reported with the tail of its stderr.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from .scenarios import Scenario, Target, write_workload
+
+PEERS_DIR = Path(__file__).resolve().parent / "peers"
+RUNNERS = {"kvforge": "kvforge_peer.py", "generate": "hf_generate.py", "generate_batch": "hf_generate_batch.py",
+           "vllm": "vllm_peer.py"}
+ALIASES = {"transformers": ("generate", "generate_batch")}  # --peer transformers=PY sets both
+
+
+def peer_pythons(pairs: list[str] | None) -> dict[str, str]:
+    """`["vllm=/path/python", ...]` as a dict; kvforge defaults to this Python."""
+    from kvforge.core import ConfigError
+
+    pythons = {"kvforge": sys.executable}
+    for pair in pairs or []:
+        name, sep, path = pair.partition("=")
+        if not sep or not path:
+            raise ConfigError(f"--peer {pair!r}: write NAME=PATH/TO/python, e.g. vllm=/work/peers/vllm/bin/python")
+        names = ALIASES.get(name, (name,))
+        for one in names:
+            if one not in RUNNERS:
+                raise ConfigError(f"--peer {name!r} is not a known peer; choose from: "
+                                  f"{', '.join(sorted(set(RUNNERS) | set(ALIASES)))}")
+            pythons[one] = path
+    return pythons
+
+
+def percentile(values: list[float], q: float) -> float | None:
+    """Linear-interpolated percentile (numpy's default); None for no values."""
+    if not values:
+        return None
+    ordered = sorted(values)
+    k = (len(ordered) - 1) * q / 100
+    lo, hi = math.floor(k), math.ceil(k)
+    return ordered[lo] + (ordered[hi] - ordered[lo]) * (k - lo)
+
+
+def metrics(result: dict, latency_class: str | None = None) -> dict:
+    """Output tokens/s over the whole run; TTFT and TPOT percentiles over the
+    requests (of `latency_class` only, when given); peak KV in MiB."""
+    requests = result["requests"]
+    tokens = sum(r["output_tokens"] for r in requests)
+    chosen = [r for r in requests if latency_class is None or r.get("cls") == latency_class]
+    ttft = [r["ttft_s"] for r in chosen if r["ttft_s"] is not None]
+    tpot = [(r["latency_s"] - r["ttft_s"]) / (r["output_tokens"] - 1) for r in chosen
+            if r["output_tokens"] > 1 and r["ttft_s"] is not None and r["latency_s"] is not None]
+    elapsed = result["elapsed_s"]
+    peak = result.get("peak_kv_bytes")
+    return {"requests": len(requests), "output_tokens": tokens, "elapsed_s": elapsed,
+            "tokens_per_s": tokens / elapsed if elapsed > 0 else None,
+            "ttft_p50_s": percentile(ttft, 50), "ttft_p99_s": percentile(ttft, 99),
+            "tpot_p50_s": percentile(tpot, 50), "tpot_p99_s": percentile(tpot, 99),
+            "peak_kv_mib": None if peak is None else peak / 2**20}
+
+
+def _ratio(a, b):
+    return a / b if a is not None and b else None
+
+
+def ratios(runs: list[dict], subject: str) -> dict[str, dict]:
+    """For every other run that ran: the subject's throughput over it, and the
+    subject's TTFT p50 over it (below 1 is better)."""
+    base = next((r for r in runs if r["label"] == subject and r["status"] == "ok"), None)
+    if base is None:
+        return {}
+    out = {}
+    for run in runs:
+        if run["label"] == subject or run["status"] != "ok":
+            continue
+        m, s = run["metrics"], base["metrics"]
+        out[run["label"]] = {"throughput": _ratio(s["tokens_per_s"], m["tokens_per_s"]),
+                             "ttft_p50": _ratio(s["ttft_p50_s"], m["ttft_p50_s"])}
+    return out
+
+
+def check_target(target: Target, ratio_table: dict[str, dict]) -> dict:
+    """Measured value of a target and whether it is met; 'not measured' when a side did not run."""
+    entry = ratio_table.get(target.other)
+    row = {"target": target.text, "threshold": target.threshold, "metric": target.metric}
+    value = None
+    if entry is not None:
+        if target.metric == "throughput":
+            value = entry["throughput"]
+        elif target.metric == "ttft_reduction" and entry["ttft_p50"] is not None:
+            value = 1 - entry["ttft_p50"]
+    row["value"] = value
+    row["status"] = "not measured" if value is None else ("met" if value >= target.threshold else "missed")
+    return row
+
+
+def peer_env(peer: str, kv_cache_gib: float, threads: int | None) -> dict:
+    """The environment of a peer process. Every peer gets the same OpenMP thread
+    count: on a small shared machine, spin-waiting OpenMP threads that outnumber
+    the free cores make a run many times slower and its figures noise."""
+    env = dict(os.environ)
+    if threads:
+        env["OMP_NUM_THREADS"] = str(threads)
+    if peer == "vllm":
+        env.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+        env.setdefault("VLLM_CPU_KVCACHE_SPACE", str(max(1, math.ceil(kv_cache_gib))))
+        env.setdefault("HF_HUB_OFFLINE", "1")
+    env.setdefault("TOKENIZERS_PARALLELISM", "false")
+    return env
+
+
+def run_one(python: str, peer: str, workload: Path, config: dict, out: Path, timeout: float, kv_cache_gib: float,
+            threads: int | None = None) -> dict:
+    """Run one configuration in its own process; its result JSON, or a status saying why not."""
+    config_file = out.with_suffix(".config.json")
+    config_file.write_text(json.dumps(config))
+    command = [python, str(PEERS_DIR / RUNNERS[peer]), "--workload", str(workload), "--config", str(config_file),
+               "--out", str(out)]
+    try:
+        proc = subprocess.run(command, capture_output=True, text=True, timeout=timeout, env=peer_env(peer, kv_cache_gib, threads),
+                              cwd=str(out.parent))
+    except FileNotFoundError:
+        return {"status": f"failed: no Python at {python}"}
+    except subprocess.TimeoutExpired:
+        return {"status": f"failed: timed out after {timeout:.0f} s"}
+    out.with_suffix(".log").write_text(proc.stdout + proc.stderr)
+    if proc.returncode < 0:
+        return {"status": f"failed: killed by signal {-proc.returncode} (log: {out.with_suffix('.log').name})"}
+    if proc.returncode != 0 or not out.is_file():
+        lines = (proc.stderr or proc.stdout).strip().splitlines() or ["no output"]
+        return {"status": f"failed (exit {proc.returncode}): {lines[-1][-200:]} (log: {out.with_suffix('.log').name})"}
+    return {"status": "ok", "result": json.loads(out.read_text())}
+
+
+def best_of(repeats: int, run) -> dict:
+    """`run()` `repeats` times; the outcome with the shortest elapsed time (the
+    least disturbed by other load), or the first failure."""
+    best = None
+    for _ in range(max(1, repeats)):
+        outcome = run()
+        if outcome["status"] != "ok":
+            return outcome
+        if best is None or outcome["result"]["elapsed_s"] < best["result"]["elapsed_s"]:
+            best = outcome
+    return best
+
+
+def run_scenario(scenario: Scenario, model_dir: str, out_dir: Path, *, peers: dict[str, str], dtype: str = "float32",
+                 kv_cache_gib: float = 1.0, timeout: float = 1800, threads: int | None = 1, repeats: int = 1,
+                 log=print) -> dict:
+    """Every configuration of `scenario` on one workload, each the best of
+    `repeats` runs; the scenario's results as a dict."""
+    summary = {"scenario": scenario.name, "subject": scenario.subject, "latency_class": scenario.latency_class,
+               "runs": [], "ratios": {}, "targets": []}
+    if scenario.unavailable:
+        summary["status"] = scenario.unavailable
+        return summary
+    out_dir = Path(out_dir) / scenario.name
+    workload = write_workload(scenario, out_dir / "workload.json", model_dir=model_dir, dtype=dtype,
+                              kv_cache_gib=kv_cache_gib)
+    for i, run in enumerate(scenario.runs):
+        entry = {"label": run.label, "peer": run.peer, "options": run.options}
+        python = peers.get(run.peer)
+        if python is None:
+            entry["status"] = "not run: no --peer given"
+        else:
+            log(f"[{scenario.name}] {run.label} ...")
+            config = {"label": run.label, "options": run.options}
+            outcome = best_of(repeats, lambda: run_one(python, run.peer, workload, config, out_dir / f"run{i}.json",
+                                                       timeout, kv_cache_gib, threads))
+            entry["status"] = outcome["status"]
+            if "result" in outcome:
+                entry["metrics"] = metrics(outcome["result"], scenario.latency_class)
+                entry["info"] = outcome["result"].get("info", {})
+            log(f"[{scenario.name}] {run.label}: {entry['status']}")
+        summary["runs"].append(entry)
+    summary["ratios"] = ratios(summary["runs"], scenario.subject)
+    summary["targets"] = [check_target(t, summary["ratios"]) for t in scenario.targets]
+    summary["status"] = "ok"
+    return summary

@@ -1,0 +1,87 @@
+"""Model directories for the benchmarks: Llama-style models built from a
+transformers config with random weights (timing does not need trained weights),
+saved as ordinary Hugging Face directories with a byte-level BPE tokenizer, so
+every peer (kvforge, transformers, vLLM) loads the very same files.
+
+    path = model_dir("bench-llama-50m")    # built once, then reused from the cache
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+# name -> LlamaConfig arguments. ~50M: 10 layers of 512 (31.5M) + untied 16k embeddings (16.8M).
+SYNTHETIC = {
+    "bench-llama-tiny": dict(vocab_size=512, hidden_size=128, intermediate_size=384, num_hidden_layers=4,
+                             num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048),
+    "bench-llama-50m": dict(vocab_size=16384, hidden_size=512, intermediate_size=1536, num_hidden_layers=10,
+                            num_attention_heads=8, num_key_value_heads=4, max_position_embeddings=2048),
+}
+
+
+def cache_root() -> Path:
+    base = os.environ.get("KVFORGE_BENCH_CACHE") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME", os.path.expanduser("~/.cache")), "kvforge", "bench-models")
+    return Path(base)
+
+
+def model_dir(name: str) -> Path:
+    """A local model directory for `name`: a synthetic name (built on first use),
+    a built-in kvforge model, or a path."""
+    if name in SYNTHETIC:
+        path = cache_root() / name
+        if not (path / "model.safetensors").is_file() or not (path / "tokenizer.json").is_file():
+            build(path, SYNTHETIC[name])
+        return path
+    from kvforge.models import resolve_model_dir
+
+    return resolve_model_dir(name)
+
+
+def build(path: Path, arguments: dict, seed: int = 0) -> None:
+    """Save a random-weight Llama and a byte-level BPE tokenizer under `path`."""
+    import torch
+    import transformers
+
+    path.mkdir(parents=True, exist_ok=True)
+    tokenizer = train_tokenizer(arguments["vocab_size"])
+    config = transformers.LlamaConfig(**arguments, bos_token_id=1, eos_token_id=2, pad_token_id=0,
+                                      tie_word_embeddings=False, torch_dtype="float32")
+    torch.manual_seed(seed)
+    model = transformers.LlamaForCausalLM(config)
+    model.save_pretrained(path, safe_serialization=True)
+    tokenizer.save_pretrained(path)
+
+
+def train_tokenizer(vocab_size: int):
+    """A byte-level BPE trained on Python's standard library sources: enough for
+    vLLM and transformers to load a tokenizer; the benchmarks feed token ids."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=["<pad>", "<s>", "</s>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    tokenizer.train_from_iterator(corpus(), trainer=trainer)
+    return PreTrainedTokenizerFast(tokenizer_object=tokenizer, pad_token="<pad>", bos_token="<s>", eos_token="</s>")
+
+
+def corpus(limit: int = 4_000_000):
+    """Lines of the standard library's sources, about `limit` characters."""
+    root = Path(os.__file__).parent
+    total = 0
+    for file in sorted(root.glob("*.py")):
+        text = file.read_text(errors="ignore")
+        yield text
+        total += len(text)
+        if total > limit:
+            return
+
+
+if __name__ == "__main__":
+    for name in sys.argv[1:] or list(SYNTHETIC):
+        print(name, model_dir(name))

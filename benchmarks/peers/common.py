@@ -1,0 +1,54 @@
+"""What every peer runner shares. Standard library only: runners execute in
+other Python environments (a vLLM venv) where kvforge is not installed.
+
+    python <runner>.py --workload W.json --config C.json --out R.json
+
+The result JSON: `label`, `peer`, `elapsed_s` (first request added to last one
+finished, load and warm-up excluded), `peak_kv_bytes` (None where the engine
+does not expose it), `info`, and per request `id`, `cls`, `output_tokens`,
+`ttft_s` (added to first token), `latency_s` (added to last token).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+
+
+def parse() -> tuple[dict, dict, str]:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--workload", required=True)
+    parser.add_argument("--config", required=True)
+    parser.add_argument("--out", required=True)
+    args = parser.parse_args()
+    with open(args.workload) as f:
+        workload = json.load(f)
+    with open(args.config) as f:
+        config = json.load(f)
+    return workload, config, args.out
+
+
+def record(request: dict, added: float, first: float | None, last: float | None, output_tokens: int) -> dict:
+    return {"id": request["id"], "cls": request.get("cls"), "output_tokens": output_tokens,
+            "ttft_s": None if first is None else first - added,
+            "latency_s": None if last is None else last - added}
+
+
+def write(out: str, config: dict, peer: str, elapsed: float, requests: list[dict], peak_kv_bytes=None,
+          info: dict | None = None) -> None:
+    result = {"label": config.get("label", peer), "peer": peer, "elapsed_s": elapsed, "peak_kv_bytes": peak_kv_bytes,
+              "info": info or {}, "requests": requests}
+    with open(out, "w") as f:
+        json.dump(result, f)
+
+
+def warmup_requests(workload: dict, count: int = 4, max_tokens: int = 4) -> list[dict]:
+    """A few short requests to run before timing (first-call costs: allocation, kernels)."""
+    # reversed prompts: the same lengths, but no prefix shared with the timed requests
+    return [dict(r, id=f"warm{i}", prompt_token_ids=r["prompt_token_ids"][::-1],
+                 max_tokens=min(max_tokens, r["max_tokens"]), arrival_step=0)
+            for i, r in enumerate(workload["requests"][:count])]
+
+
+now = time.perf_counter

@@ -1,0 +1,65 @@
+"""kvforge's reference engine on a workload: requests are added at their
+`arrival_step`, the engine is stepped until all finish. Options are engine
+config sections (`{"cache": {...}, "scheduler": {...}}`)."""
+
+from __future__ import annotations
+
+import common
+
+
+def engine_for(workload: dict, options: dict):
+    from kvforge import LLMEngine
+    from kvforge.core import load_config
+
+    sections = {"cache": {"memory_budget": int(workload["kv_cache_gib"] * 2**30)}, "scheduler": {}}
+    for name, values in options.items():
+        sections[name] = {**sections.get(name, {}), **values} if isinstance(values, dict) else values
+    config = load_config(model=workload["model_dir"], device="cpu", dtype=workload["dtype"], **sections).config
+    return LLMEngine(config)
+
+
+def run(engine, requests: list[dict]) -> tuple[float, list[dict], int]:
+    """Step the engine over `requests`; (elapsed, per-request records, peak blocks in use)."""
+    from kvforge import SamplingParams
+
+    pending = sorted(requests, key=lambda r: r["arrival_step"])
+    added: dict[str, float] = {}
+    first: dict[str, float] = {}
+    done: dict[str, tuple[float, int]] = {}
+    step, peak = 0, 0
+    start = common.now()
+    while pending or engine.has_unfinished_requests():
+        while pending and pending[0]["arrival_step"] <= step:
+            r = pending.pop(0)
+            params = SamplingParams(max_tokens=r["max_tokens"], temperature=0.0, ignore_eos=True)
+            engine.add_request(r["id"], prompt_token_ids=r["prompt_token_ids"], params=params, priority=r["priority"])
+            added[r["id"]] = common.now()
+        outputs = engine.step()
+        t = common.now()
+        peak = max(peak, engine.kv.usage().in_use)
+        for out in outputs:
+            n = len(out.outputs[0].token_ids)
+            if n and out.request_id not in first:
+                first[out.request_id] = t
+            if out.finished:
+                done[out.request_id] = (t, n)
+        step += 1
+    elapsed = common.now() - start
+    records = [common.record(r, added[r["id"]], first.get(r["id"]), done[r["id"]][0], done[r["id"]][1])
+               for r in requests]
+    return elapsed, records, peak
+
+
+def main() -> None:
+    workload, config, out = common.parse()
+    engine = engine_for(workload, config.get("options", {}))
+    run(engine, common.warmup_requests(workload))
+    elapsed, records, peak = run(engine, workload["requests"])
+    spec = engine.model.kv_cache_spec(engine.kv.block_size)
+    info = {"num_blocks": engine.num_blocks, "block_size": engine.kv.block_size,
+            "model_class": type(engine.model).__name__, "metrics": engine.metrics()}
+    common.write(out, config, "kvforge", elapsed, records, peak * spec.bytes_per_block(), info)
+
+
+if __name__ == "__main__":
+    main()

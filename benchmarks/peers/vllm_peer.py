@@ -1,0 +1,73 @@
+"""vLLM's CPU build on a workload, run in-process (no engine-core subprocess) so
+its step loop can be timed like kvforge's: requests added at once, the engine
+stepped until all finish. Run it with the Python of the vLLM venv; the harness
+sets VLLM_ENABLE_V1_MULTIPROCESSING=0, VLLM_CPU_KVCACHE_SPACE and HF_HUB_OFFLINE=1.
+Options: `max_num_seqs`, `max_num_batched_tokens`, `enable_prefix_caching`."""
+
+from __future__ import annotations
+
+import os
+
+import common
+
+
+def kv_usage(llm) -> float | None:
+    """The scheduler's fraction of KV blocks in use, where the in-process core exposes it."""
+    try:
+        return float(llm.llm_engine.engine_core.engine_core.scheduler.kv_cache_manager.usage)
+    except AttributeError:
+        return None
+
+
+def run(llm, requests: list[dict]) -> tuple[float, list[dict], float | None]:
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+    from vllm.sampling_params import RequestOutputKind
+
+    engine = llm.llm_engine
+    added, first, done = {}, {}, {}
+    peak = None
+    start = common.now()
+    for r in requests:
+        params = SamplingParams(max_tokens=r["max_tokens"], min_tokens=r["max_tokens"], temperature=0.0,
+                                ignore_eos=True, detokenize=False, output_kind=RequestOutputKind.CUMULATIVE)
+        engine.add_request(r["id"], TokensPrompt(prompt_token_ids=r["prompt_token_ids"]), params)
+        added[r["id"]] = common.now()
+    while engine.has_unfinished_requests():
+        outputs = engine.step()
+        t = common.now()
+        usage = kv_usage(llm)
+        if usage is not None:
+            peak = max(peak or 0.0, usage)
+        for out in outputs:
+            n = len(out.outputs[0].token_ids)
+            if n and out.request_id not in first:
+                first[out.request_id] = t
+            if out.finished:
+                done[out.request_id] = (t, n)
+    elapsed = common.now() - start
+    records = [common.record(r, added[r["id"]], first.get(r["id"]), *done[r["id"]]) for r in requests]
+    return elapsed, records, peak
+
+
+def main() -> None:
+    from vllm import LLM
+
+    workload, config, out = common.parse()
+    options = config.get("options", {})
+    llm = LLM(model=workload["model_dir"], dtype=workload["dtype"], seed=0,
+              max_num_seqs=options.get("max_num_seqs", 128),
+              max_num_batched_tokens=options.get("max_num_batched_tokens", 2048),
+              enable_prefix_caching=options.get("enable_prefix_caching", True))
+    run(llm, common.warmup_requests(workload))
+    elapsed, records, peak = run(llm, workload["requests"])
+    space = float(os.environ.get("VLLM_CPU_KVCACHE_SPACE", "0")) * 2**30
+    peak_bytes = int(peak * space) if peak is not None and space else None
+    import vllm
+
+    common.write(out, config, "vllm", elapsed, records, peak_bytes,
+                 {"vllm_version": vllm.__version__, "kv_cache_space_gib": space / 2**30, "peak_kv_fraction": peak})
+
+
+if __name__ == "__main__":
+    main()

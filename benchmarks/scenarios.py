@@ -1,0 +1,151 @@
+"""The end-to-end scenarios of `kvforge bench`: each is a workload (token ids and
+per-request output lengths drawn from a fixed seed, written once to JSON) and the
+configurations that run it side by side.
+
+A workload request: `id`, `prompt_token_ids`, `max_tokens` (generated exactly,
+greedy, EOS ignored), `priority` (lower runs first), `arrival_step` (the kvforge
+engine step before which it is added; peers add everything at once) and `cls`
+(a class whose latency is reported on its own, e.g. "high").
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from kvforge.core import QUANTIZER, SPECULATIVE_PROPOSER
+
+NAMES = ("mixed", "prefix", "speculative", "priority", "kv-quant")
+
+
+@dataclass
+class Run:
+    """One configuration of a scenario: which peer runs it, and its options."""
+
+    label: str
+    peer: str  # kvforge | generate | generate_batch | vllm
+    options: dict = field(default_factory=dict)
+
+
+@dataclass
+class Target:
+    """`subject` against `other` on `metric` must reach `threshold` (see report.py)."""
+
+    text: str
+    subject: str
+    other: str
+    metric: str  # "throughput" (ratio) or "ttft_reduction" (1 - ratio of TTFT p50)
+    threshold: float
+
+
+@dataclass
+class Scenario:
+    name: str
+    requests: list[dict]
+    runs: list[Run]
+    subject: str  # the run every other run is compared with
+    targets: list[Target] = field(default_factory=list)
+    latency_class: str | None = None  # TTFT/TPOT columns show this class only
+    unavailable: str | None = None  # why the scenario cannot run here
+
+
+def _ids(rng: random.Random, n: int, vocab: int) -> list[int]:
+    # ids 3.. skip the tokenizer's special tokens (pad, bos, eos)
+    return [rng.randrange(3, vocab) for _ in range(n)]
+
+
+def request(i: int, prompt: list[int], max_tokens: int, priority: int = 0, arrival_step: int = 0,
+             cls: str | None = None) -> dict:
+    return {"id": f"r{i}", "prompt_token_ids": prompt, "max_tokens": max_tokens, "priority": priority,
+            "arrival_step": arrival_step, "cls": cls}
+
+
+def mixed(vocab: int, quick: bool, seed: int = 0) -> Scenario:
+    rng = random.Random(seed)
+    n, prompt_max, output_max = (32, 128, 64) if quick else (256, 512, 512)
+    requests = [request(i, _ids(rng, rng.randint(16, prompt_max), vocab), rng.randint(16, output_max))
+                for i in range(n)]
+    runs = [Run("kvforge", "kvforge"), Run("transformers generate", "generate"),
+            Run("transformers generate_batch", "generate_batch"), Run("vLLM CPU", "vllm")]
+    targets = [Target("mixed: >= 1.0x vLLM CPU output tokens/s", "kvforge", "vLLM CPU", "throughput", 1.0),
+               Target("mixed: >= 3x transformers generate", "kvforge", "transformers generate", "throughput", 3.0),
+               Target("mixed: >= 5x transformers generate_batch", "kvforge", "transformers generate_batch",
+                      "throughput", 5.0)]
+    return Scenario("mixed", requests, runs, "kvforge", targets)
+
+
+def prefix(vocab: int, quick: bool, seed: int = 0) -> Scenario:
+    rng = random.Random(seed + 1)
+    n, system_len, output = (16, 256, 16) if quick else (64, 512, 32)
+    system = _ids(rng, system_len, vocab)
+    requests = [request(i, system + _ids(rng, rng.randint(16, 64), vocab), output) for i in range(n)]
+    on = Run("prefix caching on", "kvforge", {"cache": {"enable_prefix_caching": True}})
+    off = Run("prefix caching off", "kvforge", {"cache": {"enable_prefix_caching": False}})
+    targets = [Target("prefix: >= 2.4x throughput, caching on vs off", on.label, off.label, "throughput", 2.4),
+               Target("prefix: >= 50% lower TTFT p50, on vs off", on.label, off.label, "ttft_reduction", 0.5)]
+    return Scenario("prefix", requests, [on, off], on.label, targets)
+
+
+def priority(vocab: int, quick: bool, seed: int = 0) -> Scenario:
+    """Low-priority background requests fill the engine (few slots); high-priority
+    ones arrive every few steps. Reported: the high class's latency."""
+    rng = random.Random(seed + 2)
+    background, high, every = (24, 6, 6) if quick else (64, 16, 8)
+    out_max = 64 if quick else 128
+    requests = [request(i, _ids(rng, rng.randint(64, 256), vocab), rng.randint(32, out_max), priority=1, cls="low")
+                for i in range(background)]
+    requests += [request(background + j, _ids(rng, rng.randint(32, 64), vocab), 32, priority=0,
+                          arrival_step=(j + 1) * every, cls="high") for j in range(high)]
+    scheduler = {"max_num_seqs": 8}
+    runs = [Run("priority", "kvforge", {"scheduler": {**scheduler, "policy": "priority"}}),
+            Run("fcfs", "kvforge", {"scheduler": {**scheduler, "policy": "fcfs"}})]
+    return Scenario("priority", requests, runs, "priority", latency_class="high")
+
+
+def plugin_slot(name: str, kind: str, config_path: str, requests: list[dict]) -> Scenario:
+    """`speculative` / `kv-quant`: every registered implementation of `kind`
+    against none; unavailable while the registry holds none."""
+    from kvforge.core import build_registry
+
+    names = [r.name for r in build_registry().implementations(kind) if r.availability().ok]
+    if not names:
+        return Scenario(name, [], [], "none", unavailable=f"not available: needs a {kind} plugin")
+    section, key = config_path.split(".")
+    runs = [Run("none", "kvforge")] + [Run(impl, "kvforge", {section: {key: impl}}) for impl in names]
+    return Scenario(name, requests, runs, "none")
+
+
+def repetitive(vocab: int, quick: bool, seed: int = 0) -> list[dict]:
+    """Prompts repeating a 16-token motif: what n-gram drafting feeds on."""
+    rng = random.Random(seed + 3)
+    n, output = (8, 32) if quick else (64, 128)
+    motif = _ids(rng, 16, vocab)
+    return [request(i, motif * rng.randint(2, 8), output) for i in range(n)]
+
+
+def build(name: str, vocab: int, quick: bool, seed: int = 0) -> Scenario:
+    """The scenario `name` for a model with `vocab` tokens."""
+    if name == "mixed":
+        return mixed(vocab, quick, seed)
+    if name == "prefix":
+        return prefix(vocab, quick, seed)
+    if name == "priority":
+        return priority(vocab, quick, seed)
+    if name == "speculative":
+        return plugin_slot(name, SPECULATIVE_PROPOSER, "speculative.proposer", repetitive(vocab, quick, seed))
+    if name == "kv-quant":
+        return plugin_slot(name, QUANTIZER, "cache.kv_cache_dtype", mixed(vocab, quick, seed).requests[:64])
+    from kvforge.core import ConfigError
+
+    raise ConfigError(f"unknown scenario {name!r}; choose from: {', '.join(NAMES)}")
+
+
+def write_workload(scenario: Scenario, path: Path, *, model_dir: str, dtype: str, kv_cache_gib: float) -> Path:
+    """The workload file every peer reads: written once, so all see the same tokens."""
+    data = {"scenario": scenario.name, "model_dir": model_dir, "dtype": dtype, "kv_cache_gib": kv_cache_gib,
+            "requests": scenario.requests}
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(data))
+    return path

@@ -1,0 +1,99 @@
+"""`kvforge bench`: the end-to-end scenarios side by side with their peers, the
+machine's limits, a JSON file, a Markdown report and PNG plots.
+
+    kvforge bench --quick
+    kvforge bench mixed --peer vllm=/work/peers/vllm/bin/python --peer transformers=.venv/bin/python
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shlex
+import sys
+import time
+from pathlib import Path
+
+QUICK_MODEL = "bench-llama-tiny"
+FULL_MODEL = "bench-llama-50m"
+
+
+def add_parser(commands) -> None:
+    from kvforge.benchmarks.scenarios import NAMES
+
+    parser = commands.add_parser("bench", help="benchmark kvforge side by side with peers; JSON, Markdown and plots")
+    parser.add_argument("scenarios", nargs="*", metavar="SCENARIO", help=f"any of: {', '.join(NAMES)} (default: all)")
+    parser.add_argument("--quick", action="store_true", help="small workloads and model: minutes on 2 CPU cores")
+    parser.add_argument("--out", default="bench-results", metavar="DIR", help="where results go (default: bench-results)")
+    parser.add_argument("--peer", action="append", metavar="NAME=PYTHON",
+                        help="run peer NAME (vllm, generate, generate_batch; transformers = both) with this "
+                             "Python (repeatable); peers not given are not run")
+    parser.add_argument("--model", help=f"a local HF directory, a built-in name, or {QUICK_MODEL} / {FULL_MODEL} "
+                                        f"(random weights, built on first use; default: {QUICK_MODEL} with --quick, "
+                                        f"else {FULL_MODEL})")
+    parser.add_argument("--machine-model", default=FULL_MODEL, help=f"model of the MFU/overhead figures (default: {FULL_MODEL})")
+    parser.add_argument("--no-machine", action="store_true", help="skip the GEMM, MFU and step-overhead measurements")
+    parser.add_argument("--kv-cache-gib", type=float, default=None, help="KV cache of every engine, GiB (default: 0.5 quick, 2 full)")
+    parser.add_argument("--timeout", type=float, default=3600, help="seconds one configuration may run (default: 3600)")
+    parser.add_argument("--threads", type=int, default=1,
+                        help="OpenMP/torch threads of every engine and of the machine figures (default: 1; 0 leaves "
+                             "each engine its own default)")
+    parser.add_argument("--repeats", type=int, default=1, help="run each configuration N times, keep the fastest (default: 1)")
+    parser.set_defaults(run=run)
+
+
+def bench(scenario_names: list[str], *, quick: bool, out: Path, peers: dict[str, str], model: str,
+          machine_model: str | None, kv_cache_gib: float, timeout: float, command: str, threads: int = 1,
+          repeats: int = 1, log=print) -> dict:
+    """Run the scenarios and the machine measurements; write results.json,
+    report.md and one PNG per scenario under `out`; return the results."""
+    from kvforge.benchmarks import harness, report, scenarios
+    from kvforge.benchmarks.model_dirs import model_dir
+
+    out.mkdir(parents=True, exist_ok=True)
+    path = model_dir(model)
+    vocab = json.loads((path / "config.json").read_text())["vocab_size"]
+    missing = sorted({"generate", "generate_batch", "vllm"} - set(peers))
+    if missing:
+        log(f"peers not given, not run: {', '.join(missing)} (--peer NAME=PATH/TO/python)")
+    results = {"command": command, "model": model, "model_dir": str(path), "dtype": "float32", "quick": quick,
+               "peers": peers, "threads": threads, "repeats": repeats,
+               "started": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()), "scenarios": []}
+    if machine_model:
+        from kvforge.benchmarks import machine
+
+        log("machine: GEMM peak, decode MFU, step overhead ...")
+        results["machine"] = machine.measure(str(model_dir(machine_model)), quick, threads=threads)
+    for name in scenario_names:
+        scenario = scenarios.build(name, vocab, quick)
+        results["scenarios"].append(harness.run_scenario(scenario, str(path), out, peers=peers,
+                                                         kv_cache_gib=kv_cache_gib, timeout=timeout, threads=threads,
+                                                         repeats=repeats, log=log))
+    (out / "results.json").write_text(json.dumps(results, indent=2))
+    text = report.markdown(results)
+    (out / "report.md").write_text(text + "\n")
+    results["plots"] = [str(p) for p in report.plots(results, out)]
+    return results
+
+
+def run(args: argparse.Namespace) -> int:
+    from kvforge.benchmarks import harness, report
+    from kvforge.benchmarks.scenarios import NAMES
+    from kvforge.core import ConfigError
+
+    names = args.scenarios or list(NAMES)
+    unknown = [n for n in names if n not in NAMES]
+    if unknown:
+        raise ConfigError(f"unknown scenario {unknown[0]!r}; choose from: {', '.join(NAMES)}")
+    peers = harness.peer_pythons(args.peer)
+    out = Path(args.out)
+    results = bench(names, quick=args.quick, out=out, peers=peers,
+                    model=args.model or (QUICK_MODEL if args.quick else FULL_MODEL),
+                    machine_model=None if args.no_machine else args.machine_model,
+                    kv_cache_gib=args.kv_cache_gib or (0.5 if args.quick else 2.0), timeout=args.timeout,
+                    threads=args.threads, repeats=args.repeats,
+                    command="kvforge bench " + shlex.join(sys.argv[2:] if sys.argv[1:2] == ["bench"] else names),
+                    log=lambda line: print(line, file=sys.stderr))
+    print(f"wrote {out / 'results.json'}, {out / 'report.md'} and {len(results['plots'])} plot(s)", file=sys.stderr)
+    print(report.markdown(results))
+    return 0

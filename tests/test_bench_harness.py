@@ -1,0 +1,132 @@
+"""The benchmark harness: figures computed right from known inputs, a tiny
+workload end to end through a peer process, reports written, missing peers
+said to be not run. Sizes are tiny: no timing is asserted anywhere."""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import pytest
+import torch
+
+from kvforge.benchmarks import harness, report, scenarios
+from kvforge.benchmarks.scenarios import Run, Scenario, Target
+from kvforge.core import QUANTIZER, SPECULATIVE_PROPOSER, ConfigError, build_registry
+
+transformers = pytest.importorskip("transformers")
+
+
+@pytest.fixture(scope="module")
+def tiny_model(tmp_path_factory) -> str:
+    config = transformers.LlamaConfig(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                                      num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=128,
+                                      bos_token_id=1, eos_token_id=2, pad_token_id=0)
+    torch.manual_seed(0)
+    path = tmp_path_factory.mktemp("bench-llama")
+    transformers.LlamaForCausalLM(config).save_pretrained(path)
+    return str(path)
+
+
+def result(elapsed: float, requests: list[tuple[int, float, float, str | None]], peak=None) -> dict:
+    return {"elapsed_s": elapsed, "peak_kv_bytes": peak,
+            "requests": [{"id": f"r{i}", "output_tokens": n, "ttft_s": ttft, "latency_s": latency, "cls": cls}
+                         for i, (n, ttft, latency, cls) in enumerate(requests)]}
+
+
+def ok_run(label: str, tokens_per_s: float, ttft: float) -> dict:
+    return {"label": label, "status": "ok", "metrics": {"tokens_per_s": tokens_per_s, "ttft_p50_s": ttft}}
+
+
+def test_metrics_count_every_output_token_and_take_latency_of_the_class_only():
+    m = harness.metrics(result(2.0, [(11, 0.1, 1.1, "high"), (21, 0.3, 2.3, "high"), (30, 1.0, 1.5, "low")],
+                               peak=3 * 2**20), latency_class="high")
+    assert m["output_tokens"] == 62 and m["tokens_per_s"] == pytest.approx(31.0)
+    assert m["ttft_p50_s"] == pytest.approx(0.2)  # between 0.1 and 0.3; the low request is left out
+    assert m["tpot_p50_s"] == pytest.approx(0.1)  # (1.1 - 0.1) / 10 and (2.3 - 0.3) / 20
+    assert m["peak_kv_mib"] == pytest.approx(3.0)
+
+
+def test_ratios_divide_the_subject_by_each_peer_that_ran():
+    runs = [ok_run("kvforge", 300.0, 0.2), ok_run("generate", 100.0, 0.8), ok_run("vllm", 600.0, 0.1),
+            {"label": "generate_batch", "status": "not run: no --peer given"}]
+    table = harness.ratios(runs, "kvforge")
+    assert set(table) == {"generate", "vllm"}
+    assert table["generate"]["throughput"] == pytest.approx(3.0)
+    assert table["generate"]["ttft_p50"] == pytest.approx(0.25)
+    assert table["vllm"]["throughput"] == pytest.approx(0.5)
+
+
+def test_targets_are_met_missed_or_not_measured():
+    table = {"off": {"throughput": 2.0, "ttft_p50": 0.4}}
+    missed = harness.check_target(Target("x", "on", "off", "throughput", 2.4), table)
+    met = harness.check_target(Target("y", "on", "off", "ttft_reduction", 0.5), table)
+    absent = harness.check_target(Target("z", "on", "vllm", "throughput", 1.0), table)
+    assert (missed["status"], missed["value"]) == ("missed", 2.0)
+    assert met["status"] == "met" and met["value"] == pytest.approx(0.6)
+    assert absent["status"] == "not measured"
+    assert report._status(missed) == "missed: 83% of the target"
+
+
+def test_peer_arguments_map_names_to_pythons():
+    pythons = harness.peer_pythons(["transformers=/py/a", "vllm=/py/b"])
+    assert pythons == {"kvforge": sys.executable, "generate": "/py/a", "generate_batch": "/py/a", "vllm": "/py/b"}
+    with pytest.raises(ConfigError, match="not a known peer"):
+        harness.peer_pythons(["sglang=/py/c"])
+    with pytest.raises(ConfigError, match="NAME=PATH"):
+        harness.peer_pythons(["vllm"])
+
+
+def test_workloads_are_fixed_by_the_seed():
+    a, b = scenarios.mixed(512, quick=True), scenarios.mixed(512, quick=True)
+    assert a.requests == b.requests and len(a.requests) == 32
+    full = scenarios.mixed(512, quick=False).requests
+    assert len(full) == 256 and all(16 <= len(r["prompt_token_ids"]) <= 512 and 16 <= r["max_tokens"] <= 512
+                                    for r in full)
+    shared = scenarios.prefix(512, quick=False).requests
+    assert len(shared) == 64 and all(r["prompt_token_ids"][:512] == shared[0]["prompt_token_ids"][:512] for r in shared)
+
+
+def test_tiny_workload_runs_end_to_end_and_reports(tmp_path, tiny_model):
+    requests = [scenarios.request(i, [3 + i, 4, 5, 6 + i], 3 + i) for i in range(3)]
+    scenario = Scenario("tiny", requests, [Run("kvforge", "kvforge", {"cache": {"num_blocks": 32}}),
+                                           Run("transformers generate", "generate")], "kvforge",
+                        [Target("tiny: >= 3x generate", "kvforge", "transformers generate", "throughput", 3.0)])
+    summary = harness.run_scenario(scenario, tiny_model, tmp_path, peers=harness.peer_pythons([]),
+                                   kv_cache_gib=0.01, timeout=120, log=lambda line: None)
+    kvforge, generate = summary["runs"]
+    assert kvforge["status"] == "ok", kvforge["status"]
+    assert kvforge["metrics"]["output_tokens"] == 3 + 4 + 5 and kvforge["metrics"]["tokens_per_s"] > 0
+    assert kvforge["metrics"]["peak_kv_mib"] > 0
+    assert generate["status"] == "not run: no --peer given"
+    assert summary["targets"][0]["status"] == "not measured"
+    assert json.loads((tmp_path / "tiny" / "workload.json").read_text())["requests"] == requests
+
+    results = {"command": "test", "model": "tiny", "dtype": "float32", "quick": True, "peers": {"kvforge": "py"},
+               "scenarios": [summary]}
+    text = report.markdown(results)
+    assert "not run: no --peer given" in text and "Peers: none given" in text
+    assert text.rindex("## Comparison") > text.rindex("## tiny")  # the comparison table comes last
+    (png,) = report.plots(results, tmp_path)
+    assert png.read_bytes()[:4] == b"\x89PNG"
+
+
+def test_cli_writes_json_and_markdown_and_reports_missing_plugin_kinds(tmp_path, tiny_model, capsys):
+    from kvforge.cli import main
+
+    assert main(["bench", "speculative", "kv-quant", "--quick", "--no-machine", "--model", tiny_model,
+                 "--out", str(tmp_path)]) == 0
+    results = json.loads((tmp_path / "results.json").read_text())
+    assert [s["scenario"] for s in results["scenarios"]] == ["speculative", "kv-quant"]
+    registry = build_registry()
+    for summary, kind in zip(results["scenarios"], [SPECULATIVE_PROPOSER, QUANTIZER]):
+        if not registry.implementations(kind):
+            assert summary["status"] == f"not available: needs a {kind} plugin"
+    assert (tmp_path / "report.md").read_text().startswith("# kvforge bench")
+    err = capsys.readouterr().err
+    assert "not run: generate, generate_batch, vllm" in err
+
+
+def test_unknown_scenario_lists_the_valid_ones():
+    with pytest.raises(ConfigError, match="mixed, prefix, speculative, priority, kv-quant"):
+        scenarios.build("nope", 64, quick=True)
