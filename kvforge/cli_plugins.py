@@ -91,7 +91,10 @@ def run(args: argparse.Namespace) -> int:
     if data["skipped_plugins"]:
         console.print(f"skipped by allow/deny: {', '.join(data['skipped_plugins'])}")
     for kind, verdict in data.get("explain", {}).items():
-        console.print(f"[bold]{kind}[/bold]: auto picks {verdict['chosen'] or 'nothing'}")
+        if not verdict["candidates"]:
+            console.print(f"[bold]{kind}[/bold]: none registered")
+            continue
+        console.print(f"[bold]{kind}[/bold]: auto picks {verdict['chosen'] or 'nothing usable'}")
         for candidate in verdict["candidates"]:
             if candidate["name"] != verdict["chosen"]:
                 console.print(f"  skipped {candidate['name']}: {candidate['why_not'] or 'lower priority'}")
