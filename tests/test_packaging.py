@@ -25,7 +25,10 @@ def test_wheel_maps_every_folder_under_kvforge(wheel):
     names = set(wheel.namelist())
     for module in ("kvforge/cli.py", "kvforge/core/api.py", "kvforge/core/registry.py", "kvforge/plugins/__init__.py",
                    "kvforge/backends/__init__.py", "kvforge/models/__init__.py", "kvforge/engine/__init__.py",
-                   "kvforge/conformance/runner.py", "kvforge/conformance/conftest.py", "kvforge/benchmarks/__init__.py"):
+                   "kvforge/conformance/runner.py", "kvforge/conformance/conftest.py", "kvforge/benchmarks/__init__.py",
+                   "kvforge/backends/cpp/paged_attention.cpp", "kvforge/backends/cpp/vector_kernels.h",
+                   "kvforge/models/builtin/kvforge-tiny/model.safetensors",
+                   "kvforge/models/builtin/kvforge-tiny-draft/config.json", "kvforge/benchmarks/peers/common.py"):
         assert module in names, module
     assert not any(name.startswith(("core/", "tests/")) for name in names)
 
