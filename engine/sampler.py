@@ -40,6 +40,7 @@ class Sampler:
     def __init__(self, seed: int = 0):
         self.seed = seed
         self.generators: dict[torch.device, torch.Generator] = {}
+        self._cdf: torch.Tensor | None = None
 
     def generator(self, device: torch.device) -> torch.Generator:
         """The stream for unseeded rows, one per device so noise is drawn where it is used."""
@@ -47,27 +48,49 @@ class Sampler:
             self.generators[device] = torch.Generator(device=device).manual_seed(self.seed)
         return self.generators[device]
 
+    def cdf_buffer(self, probs: torch.Tensor) -> torch.Tensor | None:
+        """A float64 CDF buffer kept across steps on CPU: a fresh one each step costs
+        page faults comparable to the cumsum itself. Grows to the largest batch seen."""
+        if probs.device.type != "cpu":
+            return None  # device caching allocators already reuse memory
+        rows, vocab = probs.shape
+        if self._cdf is None or self._cdf.shape[1] != vocab or self._cdf.shape[0] < rows:
+            self._cdf = torch.empty(rows, vocab, dtype=torch.float64)
+        return self._cdf[:rows]
+
     def __call__(self, logits: torch.Tensor, requests: Sequence[Request]) -> SamplerOutput:
         return self.sample(logits, requests)
 
     def sample(self, logits: torch.Tensor, requests: Sequence[Request]) -> SamplerOutput:
         """`logits` float32 `[N, vocab]`, row `i` belonging to `requests[i]`."""
         raw = logits
-        logits = logits.float().clone()
-        mask_stop_tokens(logits, requests)
-        apply_penalties(logits, requests)
+        logits = logits.float()
+        banned = stop_token_entries(requests, logits.shape[-1])
+        uses_penalties = any(r.params.uses_penalties for r in requests)
+        if banned[0] or uses_penalties:  # copy only when something edits the logits in place
+            logits = logits.clone()
+            if banned[0]:
+                logits[banned] = NEG_INF
+            apply_penalties(logits, requests)
         params = [r.params for r in requests]
         device = logits.device
-        token_ids = logits.argmax(dim=-1)
-        if not all(p.greedy for p in params):  # decided on the host: no device sync
-            greedy = torch.tensor([p.greedy for p in params], device=device)
-            temperature = torch.tensor([p.temperature if not p.greedy else 1.0 for p in params],
-                                       device=device, dtype=logits.dtype)
-            scaled = logits / temperature.unsqueeze(1)
+        greedy_rows = [p.greedy for p in params]
+        # Decided on the host (no device sync); the argmax is skipped when no row is greedy.
+        token_ids = logits.argmax(dim=-1) if any(greedy_rows) else None
+        if not all(greedy_rows):
+            temperatures = [p.temperature if not p.greedy else 1.0 for p in params]
+            scaled = logits
+            if any(t != 1.0 for t in temperatures):  # x / 1.0 == x exactly: skip the pass
+                temperature = torch.tensor(temperatures, device=device, dtype=logits.dtype)
+                scaled = logits / temperature.unsqueeze(1)
             scaled = apply_top_k_top_p_min_p(scaled, params)
             probs = torch.softmax(scaled, dim=-1)
             u = uniforms(requests, self.generator(device), device)
-            token_ids = torch.where(greedy, token_ids, inverse_cdf(probs, u))
+            sampled = inverse_cdf(probs, u, self.cdf_buffer(probs))
+            if token_ids is None:
+                token_ids = sampled
+            else:
+                token_ids = torch.where(torch.tensor(greedy_rows, device=device), token_ids, sampled)
         output = SamplerOutput(token_ids=token_ids)
         wanted = [p.logprobs for p in params if p.logprobs is not None]
         if wanted:
@@ -89,20 +112,31 @@ def uniforms(requests: Sequence[Request], generator: torch.Generator, device: to
     return u
 
 
-def inverse_cdf(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
-    """The first token of each row whose cumulative probability exceeds `u * total`."""
-    cdf = probs.double().cumsum(dim=-1)
+def inverse_cdf(probs: torch.Tensor, u: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """The first token of each row whose cumulative probability exceeds `u * total`.
+    `out`, if given, is a float64 buffer of `probs`' shape to hold the CDF."""
+    # Same sums as `.double().cumsum`, one pass less.
+    cdf = torch.cumsum(probs, dim=-1, dtype=torch.float64, out=out) if out is not None else \
+        torch.cumsum(probs, dim=-1, dtype=torch.float64)
     chosen = torch.searchsorted(cdf, (u * cdf[:, -1]).unsqueeze(1), right=True).squeeze(1)
     chosen = chosen.clamp_(max=probs.shape[-1] - 1)
     # Rounding at the very top of the CDF could land on a masked token: take the mode then.
     impossible = probs.gather(1, chosen.unsqueeze(1)).squeeze(1) == 0
+    if probs.device.type == "cpu" and not bool(impossible.any()):  # no sync to avoid on CPU
+        return chosen  # the usual case: skip a full-vocabulary argmax
     return torch.where(impossible, probs.argmax(dim=-1), chosen)
 
 
 def mask_stop_tokens(logits: torch.Tensor, requests: Sequence[Request]) -> None:
     """Forbid EOS and stop token ids while a request has fewer than `min_tokens`."""
+    rows, cols = stop_token_entries(requests, logits.shape[-1])
+    if rows:
+        logits[rows, cols] = NEG_INF
+
+
+def stop_token_entries(requests: Sequence[Request], vocab: int) -> tuple[list[int], list[int]]:
+    """`(rows, cols)` of the EOS and stop token ids forbidden by `min_tokens`."""
     rows, cols = [], []
-    vocab = logits.shape[-1]
     for row, request in enumerate(requests):
         if len(request.output_token_ids) >= request.params.min_tokens:
             continue
@@ -113,8 +147,7 @@ def mask_stop_tokens(logits: torch.Tensor, requests: Sequence[Request]) -> None:
             if 0 <= token < vocab:
                 rows.append(row)
                 cols.append(token)
-    if rows:
-        logits[rows, cols] = NEG_INF
+    return rows, cols
 
 
 def token_counts(sequences: Sequence[Sequence[int]], vocab: int, device: torch.device) -> torch.Tensor:

@@ -150,3 +150,26 @@ def test_top_k_top_p_on_a_large_vocabulary_match_their_definition(scale):
         kept = set(torch.nonzero(out[row] > float("-inf")).flatten().tolist())
         assert kept == naive_keep(logits[row], k, p), (k, p)
         assert torch.equal(out[row][list(kept)], logits[row][list(kept)])
+
+
+def test_sampling_leaves_the_callers_logits_unchanged():
+    logits = torch.randn(4, 30, generator=torch.Generator().manual_seed(3))
+    before = logits.clone()
+    requests = [req(0), req(1, temperature=0), req(2, output=(1,), eos=5, min_tokens=3),
+                req(3, output=(4, 4), presence_penalty=0.5)]
+    Sampler().sample(logits, requests)
+    assert torch.equal(logits, before)
+    # Without min_tokens or penalties the logits are not copied: truncation must not write them.
+    Sampler().sample(logits, [req(0, top_k=3), req(1, top_p=0.5), req(2, min_p=0.1, temperature=0.5), req(3)])
+    assert torch.equal(logits, before)
+
+
+def test_a_sampler_gives_the_same_tokens_after_larger_and_smaller_batches():
+    # The CDF buffer a sampler keeps between steps must not leak one batch into the next.
+    gen = torch.Generator().manual_seed(4)
+    small, large = torch.randn(3, 64, generator=gen), torch.randn(9, 64, generator=gen)
+    fresh = Sampler(7).sample(small, [req(i, seed=i) for i in range(3)]).token_ids
+    used = Sampler(7)
+    used.sample(large, [req(i, seed=i) for i in range(9)])
+    used.sample(small[:1], [req(0, seed=0)])
+    assert torch.equal(used.sample(small, [req(i, seed=i) for i in range(3)]).token_ids, fresh)
