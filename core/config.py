@@ -85,6 +85,8 @@ class EngineConfig(Section):
     device: Literal["auto", "cpu", "cuda"] = "auto"
     dtype: Literal["auto", "float32", "float16", "bfloat16"] = "auto"
     seed: int = 0
+    linear_kernel: Literal["auto", "torch", "onednn"] = Field(
+        "auto", description="kernel of the model's linear layers: onednn (CPU, weights packed once), torch, or auto")
     attention: AttentionConfig = Field(default_factory=AttentionConfig)
     cache: CacheConfig = Field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = Field(default_factory=SchedulerConfig)

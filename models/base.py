@@ -235,6 +235,9 @@ class CausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Float32 logits `[N, vocab_size]` for the rows of `hidden` the caller wants."""
+        packed_head = getattr(self, "packed_lm_head", None)  # set by `pack_linears`
+        if packed_head is not None:
+            return packed_head(hidden).float()
         return F.linear(hidden, self.lm_head_weight()).float()
 
     @staticmethod

@@ -16,9 +16,10 @@ from safetensors import safe_open
 from torch import nn
 
 from kvforge.core import AttentionBackend, AttentionLayerSpec
-from kvforge.core.errors import ConfigError
+from kvforge.core.errors import ConfigError, UnsupportedConfigurationError
 
 from .base import CausalLM, ModelConfig
+from .packed_linear import LINEAR_KERNELS, onednn_unavailable, pack_linears
 from .registry import model_class
 
 BUILTIN_DIR = Path(__file__).resolve().parent / "builtin"
@@ -115,11 +116,13 @@ def attention_specs(name_or_path: str | Path) -> list[AttentionLayerSpec]:
 
 
 def load_model(name_or_path: str | Path, *, dtype: torch.dtype | str = torch.float32, device: str | torch.device = "cpu",
-               attention_backend: type[AttentionBackend] | None = None) -> CausalLM:
+               attention_backend: type[AttentionBackend] | None = None, linear_kernel: str = "auto") -> CausalLM:
     """Build and load a model; attention runs through instances of `attention_backend`.
 
     `name_or_path` is a built-in name (`kvforge-tiny`, `kvforge-tiny-draft`) or a
     local Hugging Face directory. `dtype` is float32, bfloat16, float16 or "auto".
+    `linear_kernel` is "torch" (`F.linear`), "onednn" (weights packed once, see
+    `packed_linear`; an error where unavailable) or "auto" (onednn where available).
     """
     model_dir = resolve_model_dir(name_or_path)
     config = load_config(model_dir)
@@ -130,6 +133,23 @@ def load_model(name_or_path: str | Path, *, dtype: torch.dtype | str = torch.flo
         model = cls(config)
     load_weights(model, checkpoint_files(model_dir), dtype, device)
     model.eval()
+    use_linear_kernel(model, linear_kernel)
     if attention_backend is not None:
         model.set_attention_backend(attention_backend)
     return model
+
+
+def use_linear_kernel(model: CausalLM, kernel: str) -> str:
+    """Run `model`'s linear layers with `kernel` (see `load_model`); the kernel used."""
+    if kernel not in LINEAR_KERNELS:
+        raise ConfigError(f"unknown linear kernel {kernel!r}; choose from: {', '.join(LINEAR_KERNELS)}")
+    if kernel == "torch":
+        return "torch"
+    why_not = onednn_unavailable(model.dtype, model.device)
+    if why_not is None:
+        pack_linears(model)
+        return "onednn"
+    if kernel == "onednn":
+        raise UnsupportedConfigurationError(f"linear kernel 'onednn' is unavailable: {why_not}; "
+                                            "use linear_kernel 'torch' or 'auto'")
+    return "torch"

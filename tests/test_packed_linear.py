@@ -1,0 +1,93 @@
+"""oneDNN-packed linear layers: exact enough against float64, every linear of a
+model packed (the head once, even when tied), and clear refusals."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import transformers
+from torch import nn
+
+from kvforge.core import ConfigError, UnsupportedConfigurationError
+from kvforge.models import load_model
+from kvforge.models.packed_linear import PackedLinear, onednn_unavailable, pack_linears
+
+CPU = torch.device("cpu")
+TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 1e-2}
+DTYPES = [d for d in TOLERANCE if onednn_unavailable(d, CPU) is None]
+pytestmark = pytest.mark.skipif(not DTYPES, reason=str(onednn_unavailable(torch.float32, CPU)))
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("rows", [0, 1, 7, 97])
+@pytest.mark.parametrize("bias", [False, True])
+def test_packed_linear_matches_float64(dtype, rows, bias):
+    generator = torch.Generator().manual_seed(rows)
+    weight = torch.randn(96, 80, generator=generator).to(dtype)
+    b = torch.randn(96, generator=generator).to(dtype) if bias else None
+    x = torch.randn(rows, 80, generator=generator).to(dtype)
+    out = PackedLinear(weight, b)(x)
+    ref = x.double() @ weight.double().T + (b.double() if bias else 0)
+    assert out.shape == (rows, 96) and out.dtype == dtype
+    if rows:
+        assert float((out.double() - ref).norm() / ref.norm()) <= TOLERANCE[dtype]
+
+
+def test_packed_linear_takes_strided_and_batched_input():
+    weight = torch.randn(32, 16)
+    layer = PackedLinear(weight, None)
+    x = torch.randn(16, 10).T  # not contiguous
+    torch.testing.assert_close(layer(x), x @ weight.T, rtol=1e-5, atol=1e-5)
+    y = torch.randn(2, 3, 16)
+    torch.testing.assert_close(layer(y), y @ weight.T, rtol=1e-5, atol=1e-5)
+
+
+def save_llama(path, tied: bool):
+    config = transformers.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=tied)
+    torch.manual_seed(0)
+    transformers.LlamaForCausalLM(config).save_pretrained(path)
+    return path
+
+
+@pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])
+def test_pack_linears_replaces_every_linear_and_the_head_once(tmp_path, tied):
+    path = save_llama(tmp_path, tied)
+    plain = load_model(path, linear_kernel="torch")
+    model = load_model(path, linear_kernel="torch")
+    embedding = model.model.embed_tokens
+    count = pack_linears(model)
+    assert not any(isinstance(m, nn.Linear) for m in model.modules())
+    assert count == 2 * 7 + 1  # q, k, v, o, gate, up, down per layer, and the head
+    assert model.model.embed_tokens is embedding  # a tied head never replaces the embedding
+    if not tied:
+        assert model.lm_head is model.packed_lm_head  # one packed copy, not two
+    hidden = torch.randn(5, 32)
+    torch.testing.assert_close(model.compute_logits(hidden), plain.compute_logits(hidden), rtol=1e-5, atol=1e-5)
+    layer = model.model.layers[1].mlp
+    x = torch.randn(3, 32)
+    torch.testing.assert_close(layer(x), plain.model.layers[1].mlp(x), rtol=1e-5, atol=1e-5)
+
+
+def test_linear_kernel_choices(tmp_path):
+    path = save_llama(tmp_path, tied=False)
+    assert isinstance(load_model(path, linear_kernel="torch").model.layers[0].mlp.up_proj, nn.Linear)
+    assert isinstance(load_model(path, linear_kernel="onednn").model.layers[0].mlp.up_proj, PackedLinear)
+    assert isinstance(load_model(path).model.layers[0].mlp.up_proj, PackedLinear)  # auto, where available
+    with pytest.raises(ConfigError, match="unknown linear kernel 'mkl'.*auto, torch, onednn"):
+        load_model(path, linear_kernel="mkl")
+
+
+def test_unavailable_onednn_is_refused_with_the_reason(tmp_path):
+    path = save_llama(tmp_path, tied=False)
+    reason = onednn_unavailable(torch.float16, CPU)
+    if reason is None:
+        pytest.skip("this CPU runs float16 through oneDNN")
+    with pytest.raises(UnsupportedConfigurationError, match="'onednn' is unavailable: .*float16.*'torch' or 'auto'"):
+        load_model(path, dtype="float16", linear_kernel="onednn")
+    # auto falls back to torch's kernel
+    assert isinstance(load_model(path, dtype="float16").model.layers[0].mlp.up_proj, nn.Linear)
+
+
+def test_onednn_unavailable_off_the_cpu():
+    assert "CPU" in onednn_unavailable(torch.float32, torch.device("cuda"))
