@@ -67,6 +67,21 @@ inline const float* rows_as_float(const T* src, int64_t count, int64_t stride, i
   }
 }
 
+// The tile's normalised rows into `out`: row r is token token_of(r), head head_of(r).
+template <typename T, typename HeadOf, typename TokenOf>
+inline void write_rows(const Problem& p, int64_t q_row0, int64_t rows, const float* acc, const float* row_sum,
+                       HeadOf head_of, TokenOf token_of) {
+  T* out = static_cast<T*>(p.out);
+  const int64_t hs = p.head_size;
+  for (int64_t r = 0; r < rows; ++r) {
+    T* dst = out + (q_row0 + token_of(r)) * p.o_token_stride + head_of(r) * p.o_head_stride;
+    // row_sum > 0 always: a query always sees its own position.
+    const float inv = row_sum[r] > 0.f ? 1.f / row_sum[r] : 0.f;
+    const float* a = acc + r * hs;
+    for (int64_t d = 0; d < hs; ++d) dst[d] = static_cast<T>(a[d] * inv);
+  }
+}
+
 // Attends query tokens [tile.q_begin, tile.q_end) of sequence tile.seq, for
 // every query head of KV heads [tile.kv_head, tile.kv_head + tile.kv_heads),
 // with an online softmax over the blocks the tile may see. Each block is visited
@@ -192,17 +207,12 @@ void attend_tile(const Problem& p, const Tile& tile, Scratch& s) {
     }
   }
 
-  T* out = static_cast<T*>(p.out);
-  for (int64_t r = 0; r < rows; ++r) {
-    T* dst = out + (q_row0 + token_of(r)) * p.o_token_stride + head_of(r) * p.o_head_stride;
-    // row_sum > 0 always: a query always sees its own position.
-    const float inv = row_sum[r] > 0.f ? 1.f / row_sum[r] : 0.f;
-    const float* a = acc + r * hs;
-    for (int64_t d = 0; d < hs; ++d) dst[d] = static_cast<T>(a[d] * inv);
-  }
+  write_rows<T>(p, q_row0, rows, acc, row_sum, head_of, token_of);
 }
 
-inline void run_tiles(const Problem& p, const std::vector<Tile>& tiles, int64_t rows_max) {
+// Runs attend(tile, scratch, TypeTag<T>{}) for every tile on the thread pool.
+template <typename Attend>
+inline void run_tiles_with(const Problem& p, const std::vector<Tile>& tiles, int64_t rows_max, Attend&& attend) {
   std::atomic<int64_t> next{0};
   const int64_t n = static_cast<int64_t>(tiles.size());
   const int64_t workers = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), n));
@@ -212,11 +222,17 @@ inline void run_tiles(const Problem& p, const std::vector<Tile>& tiles, int64_t 
     Scratch s(rows_max, p.head_size, p.block_size);
     for (int64_t i = next.fetch_add(1); i < n; i = next.fetch_add(1)) {
       switch (p.dtype) {
-        case at::ScalarType::Float: attend_tile<float>(p, tiles[i], s); break;
-        case at::ScalarType::Half: attend_tile<c10::Half>(p, tiles[i], s); break;
-        case at::ScalarType::BFloat16: attend_tile<c10::BFloat16>(p, tiles[i], s); break;
+        case at::ScalarType::Float: attend(tiles[i], s, TypeTag<float>{}); break;
+        case at::ScalarType::Half: attend(tiles[i], s, TypeTag<c10::Half>{}); break;
+        case at::ScalarType::BFloat16: attend(tiles[i], s, TypeTag<c10::BFloat16>{}); break;
         default: TORCH_CHECK(false, "kvforge_cpp: unsupported dtype");
       }
     }
+  });
+}
+
+inline void run_tiles(const Problem& p, const std::vector<Tile>& tiles, int64_t rows_max) {
+  run_tiles_with(p, tiles, rows_max, [&](const Tile& tile, Scratch& s, auto type) {
+    attend_tile<typename decltype(type)::type>(p, tile, s);
   });
 }

@@ -23,6 +23,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <limits>
+#include <string>
 #include <type_traits>
 #include <vector>
 
@@ -61,9 +62,15 @@ struct Tile {
 struct Scratch {
   std::vector<float> q, acc, score, row_max, row_sum, keys, values;
   Scratch(int64_t rows, int64_t head_size, int64_t block_size)
-      : q(rows * head_size), acc(rows * head_size), score(rows * round8(block_size)), row_max(rows), row_sum(rows),
+      : q(rows * head_size), acc(rows * head_size), score(rows * std::max<int64_t>(round8(block_size), 16)),
+        row_max(rows), row_sum(rows),
         keys(round8(block_size) * head_size), values(block_size * head_size) {}
   static int64_t round8(int64_t n) { return (n + 7) / 8 * 8; }
+};
+
+template <typename T>
+struct TypeTag {
+  using type = T;
 };
 
 // Rows per KV head from which a tile transposes each key block (see
@@ -76,30 +83,47 @@ namespace base {
 }  // namespace base
 
 #if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)  // clang lacks `#pragma GCC target`
-#define KVFORGE_HAS_AVX2_PATH 1
+#define KVFORGE_HAS_X86_PATHS 1
+#define KVFORGE_F16C 1
 #pragma GCC push_options
 #pragma GCC target("avx2,fma,f16c")
-#define KVFORGE_F16C 1
 namespace avx2 {
 #include "vector_kernels.h"
 #include "attention_tile.h"
 }  // namespace avx2
-#undef KVFORGE_F16C
 #pragma GCC pop_options
+#pragma GCC push_options
+#pragma GCC target("avx512f,avx512bw,avx512dq,avx512vl,avx2,fma,f16c")
+namespace avx512 {
+#include "vector_kernels.h"
+#include "attention_tile.h"
+#include "decode_tile.h"
+}  // namespace avx512
+#pragma GCC pop_options
+#undef KVFORGE_F16C
 #endif
 
 namespace {
 
-// KVFORGE_CPP_PORTABLE=1 forces the baseline path (tests run both); read per
-// call, which costs nothing next to the attention itself.
-bool use_avx2() {
-#ifdef KVFORGE_HAS_AVX2_PATH
-  static const bool supported = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
-                                __builtin_cpu_supports("f16c");
+enum class Isa { kBaseline, kAvx2, kAvx512 };
+
+// The best instruction set this CPU runs, capped by KVFORGE_CPP_ISA (baseline,
+// avx2 or avx512; tests run every level). KVFORGE_CPP_PORTABLE=1 still means
+// baseline. Read per call, which costs nothing next to the attention itself.
+Isa isa() {
+#ifdef KVFORGE_HAS_X86_PATHS
+  static const bool avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
+                           __builtin_cpu_supports("f16c");
+  static const bool avx512 = avx2 && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+                             __builtin_cpu_supports("avx512dq") && __builtin_cpu_supports("avx512vl");
   const char* portable = std::getenv("KVFORGE_CPP_PORTABLE");
-  return supported && !(portable != nullptr && portable[0] == '1');
+  const char* cap = std::getenv("KVFORGE_CPP_ISA");
+  const std::string limit = portable != nullptr && portable[0] == '1' ? "baseline" : (cap != nullptr ? cap : "");
+  if (limit == "baseline" || !avx2) return Isa::kBaseline;
+  if (limit == "avx2" || !avx512) return Isa::kAvx2;
+  return Isa::kAvx512;
 #else
-  return false;
+  return Isa::kBaseline;
 #endif
 }
 
@@ -203,10 +227,11 @@ void paged_attention(const at::Tensor& query, const at::Tensor& kv_cache, const 
             static_cast<float>(scale), sliding_window, static_cast<float>(logit_soft_cap),
             slopes.defined() ? slopes.data_ptr<float>() : nullptr, out.data_ptr(), out.stride(0), out.stride(1)};
   const int64_t rows_max = std::max(tile_tokens * group, many_seqs ? kTileRows : int64_t{0});
-#ifdef KVFORGE_HAS_AVX2_PATH
-  if (use_avx2()) {
-    avx2::run_tiles(p, tiles, rows_max);
-    return;
+#ifdef KVFORGE_HAS_X86_PATHS
+  switch (isa()) {
+    case Isa::kAvx512: avx512::run_tiles_fast(p, tiles, rows_max); return;
+    case Isa::kAvx2: avx2::run_tiles(p, tiles, rows_max); return;
+    case Isa::kBaseline: break;
   }
 #endif
   base::run_tiles(p, tiles, rows_max);
@@ -255,7 +280,18 @@ void write_kv(const at::Tensor& key, const at::Tensor& value, const at::Tensor& 
   });
 }
 
+// The instruction set paged_attention runs with here and now (see isa()).
+std::string isa_name() {
+  switch (isa()) {
+    case Isa::kAvx512: return "avx512";
+    case Isa::kAvx2: return "avx2";
+    case Isa::kBaseline: break;
+  }
+  return "baseline";
+}
+
 TORCH_LIBRARY(kvforge_cpp, m) {
+  m.def("isa() -> str");
   m.def(
       "paged_attention(Tensor query, Tensor kv_cache, Tensor query_start_loc, Tensor seq_lens, "
       "Tensor context_lens, Tensor block_table, float scale, int sliding_window, float logit_soft_cap, "
@@ -266,6 +302,10 @@ TORCH_LIBRARY(kvforge_cpp, m) {
 TORCH_LIBRARY_IMPL(kvforge_cpp, CPU, m) {
   m.impl("paged_attention", &paged_attention);
   m.impl("write_kv", &write_kv);
+}
+
+TORCH_LIBRARY_IMPL(kvforge_cpp, CompositeExplicitAutograd, m) {
+  m.impl("isa", &isa_name);
 }
 
 }  // namespace kvforge_cpp

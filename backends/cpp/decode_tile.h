@@ -1,0 +1,249 @@
+// AVX-512 kernel for tiles with few query rows per KV head: decodes and short
+// chunks, the bulk of a serving engine's attention. The generic tile
+// (attention_tile.h) spends most of such a tile on horizontal sums, scalar
+// masking and eight-wide vectors; here each row's scores for 16 keys come out
+// as one 16-float vector (per-key partial sums folded together in four shuffle
+// levels), masking is a bit mask per group of 16 keys, and the softmax and the
+// value sums run sixteen wide.
+//
+// Included by paged_attention.cpp inside namespace avx512, after
+// vector_kernels.h and attention_tile.h, under
+// `#pragma GCC target("avx512f,avx512bw,avx512dq,avx512vl,fma,f16c")`. Serves
+// head sizes that are a multiple of 16, without soft-cap or ALiBi (those tiles
+// take the generic kernel); sliding windows are masks like causality.
+
+typedef float vf16 __attribute__((vector_size(64), aligned(4), may_alias));
+typedef int32_t vi16 __attribute__((vector_size(64), aligned(4), may_alias));
+
+// Rows per KV head up to which a tile takes this kernel: above it the generic
+// kernel's transposed keys amortise better.
+constexpr int64_t kFastRows = 16;
+
+
+inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+inline __m512 load16(const c10::Half* p) {
+  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+}
+inline __m512 load16(const c10::BFloat16* p) {  // bfloat16 is the top half of a float32
+  const __m512i wide = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16));
+}
+
+// Folding 16 vectors of per-key partial sums into one vector of 16 sums, key j
+// in lane j. Level 1 pairs keys within 128-bit lanes, level 2 makes each lane
+// hold four keys' lane-local sums, levels 3 and 4 add across lanes.
+inline __m512 fold_pair(__m512 a, __m512 b) {
+  return _mm512_add_ps(_mm512_unpacklo_ps(a, b), _mm512_unpackhi_ps(a, b));
+}
+inline __m512 fold_quad(__m512 ab, __m512 cd) {
+  return _mm512_add_ps(_mm512_shuffle_ps(ab, cd, 0x44), _mm512_shuffle_ps(ab, cd, 0xEE));
+}
+inline __m512 fold_lanes(__m512 x, __m512 y) {
+  return _mm512_add_ps(_mm512_shuffle_f32x4(x, y, 0x88), _mm512_shuffle_f32x4(x, y, 0xDD));
+}
+
+// Scores of RQ query rows (`q`, rows `hs` = 16 * C apart, held in registers)
+// against keys [0, n) (n <= 16) at `keys`, `stride` elements apart: out[r]
+// lane j is row r . key j; lanes from n on are 0. Keys come four at a time,
+// every row's partial sums folded as they complete, so that the registers hold
+// the rows, four partial sums per row and the folded quads.
+template <int C, int RQ, typename T>
+inline void scores16(const float* q, const T* keys, int64_t stride, int64_t n, __m512* out) {
+  __m512 rows[RQ][C];
+  for (int r = 0; r < RQ; ++r) {
+    for (int c = 0; c < C; ++c) rows[r][c] = _mm512_loadu_ps(q + r * 16 * C + 16 * c);
+  }
+  __m512 quad[RQ][4];
+  for (int i = 0; i < 4; ++i) {
+    __m512 part[RQ][4];
+    for (int k = 0; k < 4; ++k) {
+      const T* key = keys + (4 * i + k) * stride;
+      if (4 * i + k >= n) {
+        for (int r = 0; r < RQ; ++r) part[r][k] = _mm512_setzero_ps();
+        continue;
+      }
+      __m512 slice = load16(key);
+      for (int r = 0; r < RQ; ++r) part[r][k] = _mm512_mul_ps(rows[r][0], slice);
+      for (int c = 1; c < C; ++c) {
+        slice = load16(key + 16 * c);
+        for (int r = 0; r < RQ; ++r) part[r][k] = _mm512_fmadd_ps(rows[r][c], slice, part[r][k]);
+      }
+    }
+    for (int r = 0; r < RQ; ++r) {
+      quad[r][i] = fold_quad(fold_pair(part[r][0], part[r][1]), fold_pair(part[r][2], part[r][3]));
+    }
+  }
+  for (int r = 0; r < RQ; ++r) out[r] = fold_lanes(fold_lanes(quad[r][0], quad[r][1]), fold_lanes(quad[r][2], quad[r][3]));
+}
+
+// scores16 for a head size known only at run time: two rows at once where the
+// registers allow it.
+template <int RQ, typename T>
+inline void scores16_any(const float* q, int64_t hs, const T* keys, int64_t stride, int64_t n, __m512* out) {
+  switch (hs / 16) {
+    case 4: scores16<4, RQ>(q, keys, stride, n, out); return;
+    case 5: scores16<5, RQ>(q, keys, stride, n, out); return;
+    case 6: scores16<6, RQ>(q, keys, stride, n, out); return;
+    case 8: scores16<8, RQ>(q, keys, stride, n, out); return;
+    default: break;
+  }
+  for (int r = 0; r < RQ; ++r) {  // other sizes (up to 256): one row at a time, 16 slices
+    if (hs == 256) {
+      scores16<16, 1>(q + r * hs, keys, stride, n, out + r);
+    } else {
+      TORCH_CHECK(hs % 16 == 0 && hs > 0 && hs <= 256, "kvforge_cpp: head size ", hs, " in the AVX-512 tile");
+      __m512 sum = _mm512_setzero_ps();
+      for (int64_t d = 0; d < hs; d += 16) {
+        __m512 lane_d;
+        scores16<1, 1>(q + r * hs + d, keys + d, stride, n, &lane_d);
+        sum = _mm512_add_ps(sum, lane_d);
+      }
+      out[r] = sum;
+    }
+  }
+}
+
+inline __m512 exp16(__m512 x) {
+  const vf16 e = exp_of<vf16, vi16>(reinterpret_cast<const vf16&>(x));
+  return reinterpret_cast<const __m512&>(e);
+}
+
+// Bits of the keys [start, start + n) that position `pos` sees: causal, and
+// within the window when there is one.
+inline __mmask16 visible_keys(int64_t start, int64_t n, int64_t pos, int64_t window) {
+  const int64_t lo = std::max(start, window > 0 ? pos - window + 1 : start);
+  const int64_t hi = std::min(start + n - 1, pos);
+  if (hi < lo) return 0;
+  const uint32_t upto = (uint32_t{1} << (hi - start + 1)) - 1;  // hi - start + 1 <= 16
+  return static_cast<__mmask16>(upto & ~((uint32_t{1} << (lo - start)) - 1));
+}
+
+// acc[r] += sum_j w[r * 16 + j] * value_j over R rows and n keys, for one
+// 16-float slice of the head.
+template <int R, typename T>
+inline void accumulate16(float* __restrict__ acc, int64_t hs, const float* __restrict__ w, const T* values,
+                         int64_t stride, int64_t n) {
+  __m512 a[R];
+  for (int r = 0; r < R; ++r) a[r] = _mm512_loadu_ps(acc + r * hs);
+  for (int64_t j = 0; j < n; ++j) {
+    const __m512 v = load16(values + j * stride);
+    for (int r = 0; r < R; ++r) a[r] = _mm512_fmadd_ps(_mm512_set1_ps(w[r * 16 + j]), v, a[r]);
+  }
+  for (int r = 0; r < R; ++r) _mm512_storeu_ps(acc + r * hs, a[r]);
+}
+
+// One group of 16 keys into row r's online softmax: the visible keys' weights
+// go to w (the others 0), and the row's max, sum and accumulator are rescaled.
+inline void softmax_step(__m512 score, __mmask16 seen, float& row_max, float& row_sum, float* acc, int64_t hs,
+                         float* w) {
+  if (seen == 0) {
+    _mm512_storeu_ps(w, _mm512_setzero_ps());
+    return;
+  }
+  score = _mm512_mask_blend_ps(seen, _mm512_set1_ps(-std::numeric_limits<float>::infinity()), score);
+  const float new_max = std::max(row_max, _mm512_reduce_max_ps(score));
+  const float rescale = std::exp(row_max - new_max);  // 0 while the row was empty
+  const __m512 e = _mm512_maskz_mov_ps(seen, exp16(_mm512_sub_ps(score, _mm512_set1_ps(new_max))));
+  _mm512_storeu_ps(w, e);
+  row_sum = row_sum * rescale + _mm512_reduce_add_ps(e);
+  row_max = new_max;
+  if (rescale != 1.f) scale_in_place(acc, rescale, hs);
+}
+
+// The tile of attend_tile (same contract), for tiles of at most kFastRows rows
+// per KV head.
+template <typename T>
+void attend_tile_fast(const Problem& p, const Tile& tile, Scratch& s) {
+  const int64_t group = p.queries_per_kv;
+  const int64_t hs = p.head_size;
+  const int64_t bs = p.block_size;
+  const int64_t tokens = tile.q_end - tile.q_begin;
+  const int64_t head_rows = tokens * group;  // row t * group + i: token t, head i of the group
+  const int64_t rows = head_rows * tile.kv_heads;
+  const int64_t q_row0 = p.query_start[tile.seq] + tile.q_begin;
+  const int64_t pos0 = p.context_lens[tile.seq] + tile.q_begin;
+  const int64_t last = pos0 + tokens - 1;
+  const int64_t first = p.window > 0 ? std::max<int64_t>(0, pos0 - p.window + 1) : 0;
+  const T* query = static_cast<const T*>(p.query);
+  const T* cache = static_cast<const T*>(p.cache);
+  auto head_of = [&](int64_t r) { return (tile.kv_head + r / head_rows) * group + r % group; };
+  auto token_of = [&](int64_t r) { return (r % head_rows) / group; };
+
+  float* q = s.q.data();
+  float* acc = s.acc.data();
+  float* weights = s.score.data();  // [head_rows, 16] for the current group of keys
+  float* row_max = s.row_max.data();
+  float* row_sum = s.row_sum.data();
+  for (int64_t r = 0; r < rows; ++r) {
+    const T* src = query + (q_row0 + token_of(r)) * p.q_token_stride + head_of(r) * p.q_head_stride;
+    to_float(q + r * hs, src, hs, p.scale);
+    row_max[r] = -std::numeric_limits<float>::infinity();
+    row_sum[r] = 0.f;
+  }
+  std::fill(acc, acc + rows * hs, 0.f);
+
+  const int64_t slot_stride = p.num_kv_heads * hs;
+  const int64_t run_bytes = tile.kv_heads * hs * static_cast<int64_t>(sizeof(T));
+  const int32_t* blocks = p.block_table + tile.seq * p.block_table_stride;
+  for (int64_t logical = first / bs; logical <= last / bs; ++logical) {
+    const T* page = cache + static_cast<int64_t>(blocks[logical]) * 2 * bs * slot_stride + tile.kv_head * hs;
+    const int64_t block_start = logical * bs;
+    const int64_t j_begin = std::max(first, block_start) - block_start;
+    const int64_t j_end = std::min(last + 1, block_start + bs) - block_start;
+    if (logical < last / bs) {
+      const T* next = cache + static_cast<int64_t>(blocks[logical + 1]) * 2 * bs * slot_stride + tile.kv_head * hs;
+      prefetch_rows(next, 2 * bs, slot_stride, run_bytes);  // keys, then values
+    }
+    for (int64_t j0 = j_begin; j0 < j_end; j0 += 16) {
+      const int64_t n = std::min<int64_t>(16, j_end - j0);
+      const int64_t key0 = block_start + j0;  // position of the group's first key
+      for (int64_t h = 0; h < tile.kv_heads; ++h) {
+        const T* keys = page + j0 * slot_stride + h * hs;
+        const T* values = page + (bs + j0) * slot_stride + h * hs;
+        const int64_t r0 = h * head_rows;
+        bool any = false;
+        for (int64_t rr = 0; rr < head_rows; rr += 2) {
+          const int64_t pair = std::min<int64_t>(2, head_rows - rr);
+          __mmask16 seen[2] = {visible_keys(key0, n, pos0 + rr / group, p.window), 0};
+          if (pair == 2) seen[1] = visible_keys(key0, n, pos0 + (rr + 1) / group, p.window);
+          if ((seen[0] | seen[1]) == 0) {
+            for (int64_t i = 0; i < pair; ++i) _mm512_storeu_ps(weights + (rr + i) * 16, _mm512_setzero_ps());
+            continue;
+          }
+          any = true;
+          __m512 score[2];
+          if (pair == 2) {
+            scores16_any<2>(q + (r0 + rr) * hs, hs, keys, slot_stride, n, score);
+          } else {
+            scores16_any<1>(q + (r0 + rr) * hs, hs, keys, slot_stride, n, score);
+          }
+          for (int64_t i = 0; i < pair; ++i) {
+            softmax_step(score[i], seen[i], row_max[r0 + rr + i], row_sum[r0 + rr + i], acc + (r0 + rr + i) * hs, hs,
+                         weights + (rr + i) * 16);
+          }
+        }
+        if (!any) continue;
+        for (int64_t d = 0; d < hs; d += 16) {
+          for_row_groups(head_rows, [&](auto group_rows, int64_t rr) {
+            constexpr int R = decltype(group_rows)::value;
+            accumulate16<R>(acc + (r0 + rr) * hs + d, hs, weights + rr * 16, values + d, slot_stride, n);
+          });
+        }
+      }
+    }
+  }
+  write_rows<T>(p, q_row0, rows, acc, row_sum, head_of, token_of);
+}
+
+// The fast kernel when the problem allows it, else the generic one, per tile.
+inline void run_tiles_fast(const Problem& p, const std::vector<Tile>& tiles, int64_t rows_max) {
+  const bool fast = p.soft_cap <= 0.f && p.alibi == nullptr && p.head_size % 16 == 0;
+  run_tiles_with(p, tiles, rows_max, [&](const Tile& tile, Scratch& s, auto type) {
+    using T = typename decltype(type)::type;
+    if (fast && (tile.q_end - tile.q_begin) * p.queries_per_kv <= kFastRows) {
+      attend_tile_fast<T>(p, tile, s);
+    } else {
+      attend_tile<T>(p, tile, s);
+    }
+  });
+}
