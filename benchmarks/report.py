@@ -117,7 +117,9 @@ def markdown(results: dict) -> str:
     head = ["# kvforge bench", "", f"Command: `{results['command']}`", "",
             f"Model: `{results['model']}` ({results['dtype']}); {'quick' if results['quick'] else 'full'} sizes; "
             f"{results.get('threads') or 'default'} thread(s) per engine; each configuration the best of "
-            f"{results.get('repeats', 1)} run(s).", ""]
+            f"{results.get('repeats', 1)} run(s)"
+            + (f"; only the first {results['max_requests']} requests of each workload." if results.get("max_requests")
+               else "."), ""]
     peers_line = ", ".join(f"{k}={v}" for k, v in results["peers"].items() if k != "kvforge")
     head += [f"Peers: {peers_line}." if peers_line else
              "Peers: none given (`--peer NAME=PATH/TO/python`); only kvforge configurations ran.", ""]

@@ -39,12 +39,15 @@ def add_parser(commands) -> None:
                         help="OpenMP/torch threads of every engine and of the machine figures (default: 1; 0 leaves "
                              "each engine its own default)")
     parser.add_argument("--repeats", type=int, default=1, help="run each configuration N times, keep the fastest (default: 1)")
+    parser.add_argument("--max-requests", type=int, default=None, metavar="N",
+                        help="keep the first N requests of each workload (the same N for every engine), for "
+                             "peers too slow for the whole workload")
     parser.set_defaults(run=run)
 
 
 def bench(scenario_names: list[str], *, quick: bool, out: Path, peers: dict[str, str], model: str,
           machine_model: str | None, kv_cache_gib: float, timeout: float, command: str, threads: int = 1,
-          repeats: int = 1, log=print) -> dict:
+          repeats: int = 1, max_requests: int | None = None, log=print) -> dict:
     """Run the scenarios and the machine measurements; write results.json,
     report.md and one PNG per scenario under `out`; return the results."""
     from kvforge.benchmarks import harness, report, scenarios
@@ -57,7 +60,7 @@ def bench(scenario_names: list[str], *, quick: bool, out: Path, peers: dict[str,
     if missing:
         log(f"peers not given, not run: {', '.join(missing)} (--peer NAME=PATH/TO/python)")
     results = {"command": command, "model": model, "model_dir": str(path), "dtype": "float32", "quick": quick,
-               "peers": peers, "threads": threads, "repeats": repeats,
+               "peers": peers, "threads": threads, "repeats": repeats, "max_requests": max_requests,
                "started": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()), "scenarios": []}
     if machine_model:
         from kvforge.benchmarks import machine
@@ -66,6 +69,8 @@ def bench(scenario_names: list[str], *, quick: bool, out: Path, peers: dict[str,
         results["machine"] = machine.measure(str(model_dir(machine_model)), quick, threads=threads)
     for name in scenario_names:
         scenario = scenarios.build(name, vocab, quick)
+        if max_requests is not None:
+            scenario.requests = scenario.requests[:max_requests]
         results["scenarios"].append(harness.run_scenario(scenario, str(path), out, peers=peers,
                                                          kv_cache_gib=kv_cache_gib, timeout=timeout, threads=threads,
                                                          repeats=repeats, log=log))
@@ -81,6 +86,8 @@ def run(args: argparse.Namespace) -> int:
     from kvforge.benchmarks.scenarios import NAMES
     from kvforge.core import ConfigError
 
+    if args.max_requests is not None and args.max_requests < 1:
+        raise ConfigError(f"--max-requests must be at least 1, got {args.max_requests}")
     names = args.scenarios or list(NAMES)
     unknown = [n for n in names if n not in NAMES]
     if unknown:
@@ -91,7 +98,7 @@ def run(args: argparse.Namespace) -> int:
                     model=args.model or (QUICK_MODEL if args.quick else FULL_MODEL),
                     machine_model=None if args.no_machine else args.machine_model,
                     kv_cache_gib=args.kv_cache_gib or (0.5 if args.quick else 2.0), timeout=args.timeout,
-                    threads=args.threads, repeats=args.repeats,
+                    threads=args.threads, repeats=args.repeats, max_requests=args.max_requests,
                     command="kvforge bench " + shlex.join(sys.argv[2:] if sys.argv[1:2] == ["bench"] else names),
                     log=lambda line: print(line, file=sys.stderr))
     print(f"wrote {out / 'results.json'}, {out / 'report.md'} and {len(results['plots'])} plot(s)", file=sys.stderr)

@@ -5,6 +5,7 @@ said to be not run. Sizes are tiny: no timing is asserted anywhere."""
 from __future__ import annotations
 
 import json
+from pathlib import Path
 import sys
 
 import pytest
@@ -125,6 +126,25 @@ def test_cli_writes_json_and_markdown_and_reports_missing_plugin_kinds(tmp_path,
     assert (tmp_path / "report.md").read_text().startswith("# kvforge bench")
     err = capsys.readouterr().err
     assert "not run: generate, generate_batch, vllm" in err
+
+
+def test_max_requests_keeps_the_first_requests_of_every_workload(tmp_path, tiny_model):
+    from kvforge.cli import main
+
+    assert main(["bench", "mixed", "--quick", "--no-machine", "--model", tiny_model, "--max-requests", "3",
+                 "--out", str(tmp_path)]) == 0
+    written = json.loads((tmp_path / "mixed" / "workload.json").read_text())["requests"]
+    assert written == scenarios.mixed(json.loads((Path(tiny_model) / "config.json").read_text())["vocab_size"],
+                                      quick=True).requests[:3]
+    results = json.loads((tmp_path / "results.json").read_text())
+    assert results["max_requests"] == 3 and results["scenarios"][0]["runs"][0]["metrics"]["requests"] == 3
+    assert "only the first 3 requests of each workload" in (tmp_path / "report.md").read_text()
+
+def test_max_requests_below_one_is_refused(capsys):
+    from kvforge.cli import main
+
+    assert main(["bench", "mixed", "--quick", "--max-requests", "0"]) != 0
+    assert "--max-requests must be at least 1, got 0" in capsys.readouterr().err
 
 
 def test_unknown_scenario_lists_the_valid_ones():
