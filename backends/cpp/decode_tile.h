@@ -183,17 +183,12 @@ void attend_tile_fast(const Problem& p, const Tile& tile, Scratch& s) {
   std::fill(acc, acc + rows * hs, 0.f);
 
   const int64_t slot_stride = p.num_kv_heads * hs;
-  const int64_t run_bytes = tile.kv_heads * hs * static_cast<int64_t>(sizeof(T));
   const int32_t* blocks = p.block_table + tile.seq * p.block_table_stride;
   for (int64_t logical = first / bs; logical <= last / bs; ++logical) {
     const T* page = cache + static_cast<int64_t>(blocks[logical]) * 2 * bs * slot_stride + tile.kv_head * hs;
     const int64_t block_start = logical * bs;
     const int64_t j_begin = std::max(first, block_start) - block_start;
     const int64_t j_end = std::min(last + 1, block_start + bs) - block_start;
-    if (logical < last / bs) {
-      const T* next = cache + static_cast<int64_t>(blocks[logical + 1]) * 2 * bs * slot_stride + tile.kv_head * hs;
-      prefetch_rows(next, 2 * bs, slot_stride, run_bytes);  // keys, then values
-    }
     for (int64_t j0 = j_begin; j0 < j_end; j0 += 16) {
       const int64_t n = std::min<int64_t>(16, j_end - j0);
       const int64_t key0 = block_start + j0;  // position of the group's first key
