@@ -110,13 +110,13 @@ def test_portable_switch_still_selects_the_baseline(monkeypatch):
     assert torch.ops.kvforge_cpp.isa() == "baseline"
 
 
-# Tiles of up to 16 rows per KV head take the AVX-512 kernel: decodes, short
-# chunks (3 tokens x 4 heads), block sizes below, at and above its 16-key groups,
-# every head size it serves, windows that cut groups, and a long context.
+# The AVX-512 tile against the generic one: decodes, short chunks, block sizes
+# below, at and above its 16-key groups, every head size it serves, windows that
+# cut groups, and a long context.
 @pytest.mark.parametrize("isa", ["avx2", "avx512"])
 @pytest.mark.parametrize("head_size", [64, 80, 96, 128, 256])
 @pytest.mark.parametrize("block_size", [1, 8, 16, 32])
-def test_small_tiles_match_reference_on_every_block_and_head_size(monkeypatch, isa, head_size, block_size):
+def test_tiles_match_reference_on_every_block_and_head_size(monkeypatch, isa, head_size, block_size):
     isa_or_skip(monkeypatch, isa)
     layer = AttentionLayerSpec(num_heads=8, num_kv_heads=2, head_size=head_size)
     out, expected = run_case(layer, torch.float32, [1, 1, 3, 4, 1], [0, 47, 29, 16, 130], block_size, seed=head_size)
@@ -126,7 +126,7 @@ def test_small_tiles_match_reference_on_every_block_and_head_size(monkeypatch, i
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("window", [None, 7, 16])
-def test_small_tiles_with_windows_and_16_bit_caches_match_reference(monkeypatch, dtype, window):
+def test_tiles_with_windows_and_16_bit_caches_match_reference(monkeypatch, dtype, window):
     isa_or_skip(monkeypatch, "avx512")
     layer = AttentionLayerSpec(num_heads=8, num_kv_heads=4, head_size=64, sliding_window=window)
     out, expected = run_case(layer, dtype, [1, 2, 1, 3], [40, 18, 3, 33], block_size=16, seed=7)
