@@ -114,18 +114,38 @@ inline __mmask16 visible_keys(int64_t start, int64_t n, int64_t pos, int64_t win
   return static_cast<__mmask16>(upto & ~((uint32_t{1} << (lo - start)) - 1));
 }
 
-// acc[r] += sum_j w[r * 16 + j] * value_j over R rows and n keys, for one
-// 16-float slice of the head.
-template <int R, typename T>
+// acc[r] += sum_j w[r * 16 + j] * value_j over R rows and n keys, for NC
+// 16-float slices of the head at once: R * NC independent FMA chains, where one
+// slice of one row would leave the FMA units waiting on each chain's latency.
+template <int R, int NC, typename T>
 inline void accumulate16(float* __restrict__ acc, int64_t hs, const float* __restrict__ w, const T* values,
                          int64_t stride, int64_t n) {
-  __m512 a[R];
-  for (int r = 0; r < R; ++r) a[r] = _mm512_loadu_ps(acc + r * hs);
-  for (int64_t j = 0; j < n; ++j) {
-    const __m512 v = load16(values + j * stride);
-    for (int r = 0; r < R; ++r) a[r] = _mm512_fmadd_ps(_mm512_set1_ps(w[r * 16 + j]), v, a[r]);
+  __m512 a[R][NC];
+  for (int r = 0; r < R; ++r) {
+    for (int c = 0; c < NC; ++c) a[r][c] = _mm512_loadu_ps(acc + r * hs + 16 * c);
   }
-  for (int r = 0; r < R; ++r) _mm512_storeu_ps(acc + r * hs, a[r]);
+  for (int64_t j = 0; j < n; ++j) {
+    for (int c = 0; c < NC; ++c) {
+      const __m512 v = load16(values + j * stride + 16 * c);
+      for (int r = 0; r < R; ++r) a[r][c] = _mm512_fmadd_ps(_mm512_set1_ps(w[r * 16 + j]), v, a[r][c]);
+    }
+  }
+  for (int r = 0; r < R; ++r) {
+    for (int c = 0; c < NC; ++c) _mm512_storeu_ps(acc + r * hs + 16 * c, a[r][c]);
+  }
+}
+
+// accumulate16 over the whole head: slices four at a time, then the rest.
+template <int R, typename T>
+inline void accumulate_head(float* acc, int64_t hs, const float* w, const T* values, int64_t stride, int64_t n) {
+  int64_t d = 0;
+  for (; d + 64 <= hs; d += 64) accumulate16<R, 4>(acc + d, hs, w, values + d, stride, n);
+  switch ((hs - d) / 16) {
+    case 3: accumulate16<R, 3>(acc + d, hs, w, values + d, stride, n); break;
+    case 2: accumulate16<R, 2>(acc + d, hs, w, values + d, stride, n); break;
+    case 1: accumulate16<R, 1>(acc + d, hs, w, values + d, stride, n); break;
+    default: break;
+  }
 }
 
 // One group of 16 keys into row r's online softmax: the visible keys' weights
@@ -213,12 +233,10 @@ void attend_tile_fast(const Problem& p, const Tile& tile, Scratch& s) {
           }
         }
         if (!any) continue;
-        for (int64_t d = 0; d < hs; d += 16) {
-          for_row_groups(head_rows, [&](auto group_rows, int64_t rr) {
-            constexpr int R = decltype(group_rows)::value;
-            accumulate16<R>(acc + (r0 + rr) * hs + d, hs, weights + rr * 16, values + d, slot_stride, n);
-          });
-        }
+        for_row_groups(head_rows, [&](auto group_rows, int64_t rr) {
+          constexpr int R = decltype(group_rows)::value;
+          accumulate_head<R>(acc + (r0 + rr) * hs, hs, weights + rr * 16, values, slot_stride, n);
+        });
       }
     }
   }
