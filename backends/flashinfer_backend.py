@@ -133,7 +133,8 @@ class FlashInferAttentionBackend(AttentionBackend):
             out = torch.empty_like(query)
         if query.shape[0] == 0:
             return out
-        plan.wrapper.run(query, kv_cache, out=out)
+        # Models may hand over views (q of a fused qkv projection); the kernels want dense rows.
+        plan.wrapper.run(query.contiguous(), kv_cache, out=out)
         return out
 
 

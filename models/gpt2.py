@@ -8,6 +8,7 @@ from torch import nn
 from kvforge.core import AttentionLayerSpec
 
 from .base import CausalLM, ModelConfig, ModelPlan, PagedAttention, activation
+from .packed_linear import linear_act, linear_add
 
 
 class Conv1D(nn.Module):
@@ -29,12 +30,12 @@ class GPT2Attention(nn.Module):
         self.c_proj = Conv1D(hidden, hidden)
         self.attn = PagedAttention(spec)
 
-    def forward(self, x, kv_cache, plan):
+    def forward(self, x, kv_cache, plan, residual=None):
         spec = self.attn.spec
         tokens = x.shape[0]
         q, k, v = self.c_attn(x).view(tokens, 3, spec.num_heads, spec.head_size).unbind(1)
         out = self.attn(q, k, v, kv_cache, plan)
-        return self.c_proj(out.reshape(tokens, -1))
+        return linear_add(self.c_proj, out.reshape(tokens, -1), residual)
 
 
 class GPT2MLP(nn.Module):
@@ -42,10 +43,11 @@ class GPT2MLP(nn.Module):
         super().__init__()
         self.c_fc = Conv1D(hidden, inner)
         self.c_proj = Conv1D(inner, hidden)
-        self.act = activation(act)
+        self.act = act
+        activation(act)  # refuse an unknown activation at construction
 
-    def forward(self, x):
-        return self.c_proj(self.act(self.c_fc(x)))
+    def forward(self, x, residual=None):
+        return linear_add(self.c_proj, linear_act(self.c_fc, x, self.act), residual)
 
 
 class GPT2Block(nn.Module):
@@ -58,8 +60,8 @@ class GPT2Block(nn.Module):
         self.mlp = GPT2MLP(hidden, config.value("n_inner", 4 * hidden), config.value("activation_function", "gelu_new"))
 
     def forward(self, x, kv_cache, plan):
-        x = x + self.attn(self.ln_1(x), kv_cache, plan)
-        return x + self.mlp(self.ln_2(x))
+        x = self.attn(self.ln_1(x), kv_cache, plan, residual=x)
+        return self.mlp(self.ln_2(x), residual=x)
 
 
 class GPT2Transformer(nn.Module):

@@ -7,17 +7,24 @@ import torch
 from torch import nn
 
 from kvforge.core import AttentionLayerSpec
+from kvforge.core.errors import ConfigError
 
-from .base import CausalLM, ModelConfig, ModelPlan, PagedAttention, RMSNorm, RotaryEmbedding, activation, rope_inv_freq
+from .base import (CausalLM, ModelConfig, ModelPlan, PagedAttention, RMSNorm, RotaryEmbedding, activation,
+                   rope_inv_freq, rotate)
+from .packed_linear import linear_act, linear_add, linear_mul
 
 
 class LlamaAttention(nn.Module):
+    """Attention with the checkpoint's q_proj, k_proj and v_proj, which `fuse_qkv`
+    (run by the loader once the weights are in) merges into one `qkv_proj`."""
+
     def __init__(self, config: ModelConfig, spec: AttentionLayerSpec, qkv_bias: bool, o_bias: bool, qk_norm: bool):
         super().__init__()
         hidden, heads, kv_heads, head = config["hidden_size"], spec.num_heads, spec.num_kv_heads, spec.head_size
         self.q_proj = nn.Linear(hidden, heads * head, bias=qkv_bias)
         self.k_proj = nn.Linear(hidden, kv_heads * head, bias=qkv_bias)
         self.v_proj = nn.Linear(hidden, kv_heads * head, bias=qkv_bias)
+        self.qkv_proj: nn.Module | None = None
         self.o_proj = nn.Linear(heads * head, hidden, bias=o_bias)
         if qk_norm:
             eps = config.value("rms_norm_eps", 1e-6)
@@ -25,17 +32,37 @@ class LlamaAttention(nn.Module):
         self.qk_norm = qk_norm
         self.attn = PagedAttention(spec)
 
-    def forward(self, x, cos_sin, kv_cache, plan):
+    @torch.no_grad()
+    def fuse_qkv(self) -> None:
+        """Replace q_proj, k_proj and v_proj by `qkv_proj`, their weights (and biases)
+        stacked: one GEMM instead of three, and q and k side by side for rotary."""
+        if self.qkv_proj is not None:
+            return
+        parts = (self.q_proj, self.k_proj, self.v_proj)
+        bias = parts[0].bias is not None
+        fused = nn.Linear(parts[0].in_features, sum(p.out_features for p in parts), bias=bias, device="meta")
+        fused.weight = nn.Parameter(torch.cat([p.weight for p in parts]), requires_grad=False)
+        if bias:
+            fused.bias = nn.Parameter(torch.cat([p.bias for p in parts]), requires_grad=False)
+        del self.q_proj, self.k_proj, self.v_proj
+        self.qkv_proj = fused
+
+    def forward(self, x, cos_sin, kv_cache, plan, residual=None):
+        """The attention output, plus `residual` when given (added inside the o_proj GEMM when packed)."""
         spec = self.attn.spec
-        tokens = x.shape[0]
-        q = self.q_proj(x).view(tokens, spec.num_heads, spec.head_size)
-        k = self.k_proj(x).view(tokens, spec.num_kv_heads, spec.head_size)
-        v = self.v_proj(x).view(tokens, spec.num_kv_heads, spec.head_size)
+        tokens, heads, kv_heads, head = x.shape[0], spec.num_heads, spec.num_kv_heads, spec.head_size
+        if self.qkv_proj is None:
+            raise ConfigError("q, k and v are not fused yet: call the model's finish_loading() once its weights "
+                              "are in (load_model does)")
+        qkv = self.qkv_proj(x).view(tokens, heads + 2 * kv_heads, head)
+        v = qkv[:, heads + kv_heads:]
         if self.qk_norm:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = RotaryEmbedding.apply(q, k, cos_sin)
+            q = rotate(self.q_norm(qkv[:, :heads]), *cos_sin)
+            k = rotate(self.k_norm(qkv[:, heads:heads + kv_heads]), *cos_sin)
+        else:  # q and k sit side by side: one rotation for both
+            q, k = rotate(qkv[:, :heads + kv_heads], *cos_sin).split([heads, kv_heads], dim=1)
         out = self.attn(q, k, v, kv_cache, plan)
-        return self.o_proj(out.reshape(tokens, spec.num_heads * spec.head_size))
+        return linear_add(self.o_proj, out.reshape(tokens, heads * head), residual)
 
 
 class LlamaMLP(nn.Module):
@@ -45,10 +72,13 @@ class LlamaMLP(nn.Module):
         self.gate_proj = nn.Linear(hidden, inner, bias=bias)
         self.up_proj = nn.Linear(hidden, inner, bias=bias)
         self.down_proj = nn.Linear(inner, hidden, bias=bias)
-        self.act = activation(config.value("hidden_act", "silu"))
+        self.act = config.value("hidden_act", "silu")
+        activation(self.act)  # refuse an unknown activation at construction
 
-    def forward(self, x):
-        return self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x))
+    def forward(self, x, residual=None):
+        """`down(act(gate(x)) * up(x))`, plus `residual` when given; packed, no pass outside the GEMMs."""
+        gated = linear_mul(self.up_proj, x, linear_act(self.gate_proj, x, self.act))
+        return linear_add(self.down_proj, gated, residual)
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -61,8 +91,8 @@ class LlamaDecoderLayer(nn.Module):
         self.mlp = LlamaMLP(config, bool(config.value("mlp_bias", False)))
 
     def forward(self, x, cos_sin, kv_cache, plan):
-        x = x + self.self_attn(self.input_layernorm(x), cos_sin, kv_cache, plan)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        x = self.self_attn(self.input_layernorm(x), cos_sin, kv_cache, plan, residual=x)
+        return self.mlp(self.post_attention_layernorm(x), residual=x)
 
 
 class LlamaModel(nn.Module):
@@ -122,6 +152,11 @@ class LlamaForCausalLM(CausalLM):
 
     def lm_head_weight(self) -> torch.Tensor:
         return self.model.embed_tokens.weight if self.tied else self.lm_head.weight
+
+    def finish_loading(self) -> None:
+        """Fuse each layer's q, k and v projections (see `LlamaAttention.fuse_qkv`)."""
+        for layer in self.model.layers:
+            layer.self_attn.fuse_qkv()
 
 
 class MistralForCausalLM(LlamaForCausalLM):

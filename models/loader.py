@@ -132,6 +132,7 @@ def load_model(name_or_path: str | Path, *, dtype: torch.dtype | str = torch.flo
     with torch.device("meta"):  # no memory and no random init for weights about to be overwritten
         model = cls(config)
     load_weights(model, checkpoint_files(model_dir), dtype, device)
+    model.finish_loading()
     model.eval()
     use_linear_kernel(model, linear_kernel)
     if attention_backend is not None:

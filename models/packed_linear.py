@@ -8,6 +8,11 @@ Measured here (one AMD EPYC core, float32): 105–115 GFLOP/s against 75–100 f
 swaps every `nn.Linear` (and GPT-2's transposed `Conv1D`) of a loaded model
 for a `PackedLinear`; the language-model head is packed too.
 
+oneDNN also applies an activation, or a multiply or add with another tensor,
+to the GEMM's output before writing it ("post-ops"), which saves the model a
+pass over memory per fused op. The models reach these through `linear_act`,
+`linear_mul` and `linear_add`, which fall back to plain torch for `nn.Linear`.
+
 The packed copy replaces the weight: nothing keeps the original.
 """
 
@@ -16,7 +21,19 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from .base import activation
+
 LINEAR_KERNELS = ("auto", "torch", "onednn")
+# Activations (Hugging Face names) that oneDNN applies inside the GEMM: its post-op and algorithm.
+POST_OPS = {
+    "silu": ("swish", ""),
+    "swish": ("swish", ""),
+    "relu": ("relu", ""),
+    "gelu": ("gelu", "none"),
+    "gelu_new": ("gelu", "tanh"),
+    "gelu_pytorch_tanh": ("gelu", "tanh"),
+    "gelu_fast": ("gelu", "tanh"),
+}
 
 
 def onednn_unavailable(dtype: torch.dtype, device: torch.device) -> str | None:
@@ -45,11 +62,39 @@ class PackedLinear(nn.Module):
         self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach().contiguous(), None)
         self.bias = None if bias is None else bias.detach().contiguous()
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.ops.mkldnn._linear_pointwise(x.contiguous(), self.packed, self.bias, "none", [], "")
+    def forward(self, x: torch.Tensor, post_op: str = "none", algorithm: str = "") -> torch.Tensor:
+        """`x W^T + b`, then oneDNN's elementwise `post_op` (see `POST_OPS`) in the same pass."""
+        return torch.ops.mkldnn._linear_pointwise(x.contiguous(), self.packed, self.bias, post_op, [], algorithm)
+
+    def binary(self, x: torch.Tensor, other: torch.Tensor, op: str) -> torch.Tensor:
+        """`(x W^T + b) op other` for op "mul" or "add", `other` shaped like the output."""
+        return torch.ops.mkldnn._linear_pointwise.binary(x.contiguous(), other.contiguous(), self.packed, self.bias, op)
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, oneDNN"
+
+
+def linear_act(layer: nn.Module, x: torch.Tensor, act: str) -> torch.Tensor:
+    """`act(layer(x))` for an activation named as in `base.ACTIVATIONS`; one GEMM when packed."""
+    if isinstance(layer, PackedLinear) and act in POST_OPS:
+        return layer(x, *POST_OPS[act])
+    return activation(act)(layer(x))
+
+
+def linear_mul(layer: nn.Module, x: torch.Tensor, other: torch.Tensor) -> torch.Tensor:
+    """`layer(x) * other`; one GEMM when packed."""
+    if isinstance(layer, PackedLinear):
+        return layer.binary(x, other, "mul")
+    return layer(x).mul_(other)  # products commute, so this rounds like `other * layer(x)`
+
+
+def linear_add(layer: nn.Module, x: torch.Tensor, other: torch.Tensor | None) -> torch.Tensor:
+    """`layer(x) + other` (a residual), or `layer(x)` when `other` is None; one GEMM when packed."""
+    if other is None:
+        return layer(x)
+    if isinstance(layer, PackedLinear):
+        return layer.binary(x, other, "add")
+    return layer(x).add_(other)
 
 
 def packed(module: nn.Module) -> PackedLinear | None:

@@ -58,7 +58,7 @@ def test_pack_linears_replaces_every_linear_and_the_head_once(tmp_path, tied):
     embedding = model.model.embed_tokens
     count = pack_linears(model)
     assert not any(isinstance(m, nn.Linear) for m in model.modules())
-    assert count == 2 * 7 + 1  # q, k, v, o, gate, up, down per layer, and the head
+    assert count == 2 * 5 + 1  # qkv (fused at load), o, gate, up, down per layer, and the head
     assert model.model.embed_tokens is embedding  # a tied head never replaces the embedding
     if not tied:
         assert model.lm_head is model.packed_lm_head  # one packed copy, not two
