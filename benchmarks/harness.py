@@ -16,6 +16,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from kvforge.engine import heap
+
 from .scenarios import Scenario, Target, write_workload
 
 PEERS_DIR = Path(__file__).resolve().parent / "peers"
@@ -110,6 +112,10 @@ def peer_env(peer: str, kv_cache_gib: float, threads: int | None) -> dict:
     count: on a small shared machine, spin-waiting OpenMP threads that outnumber
     the free cores make a run many times slower and its figures noise."""
     env = dict(os.environ)
+    # The glibc malloc settings the kvforge engine applies to itself, for every
+    # engine alike (vLLM's CPU guide suggests tcmalloc for the same reason).
+    for key, value in heap.ENV.items():
+        env.setdefault(key, value)
     if threads:
         env["OMP_NUM_THREADS"] = str(threads)
     if peer == "vllm":

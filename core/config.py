@@ -87,6 +87,9 @@ class EngineConfig(Section):
     seed: int = 0
     linear_kernel: Literal["auto", "torch", "onednn"] = Field(
         "auto", description="kernel of the model's linear layers: onednn (CPU, weights packed once), torch, or auto")
+    keep_freed_memory: bool = Field(
+        True, description="CPU, glibc: keep freed heap memory for reuse (no page faults on each step's activations); "
+                          "process-wide")
     attention: AttentionConfig = Field(default_factory=AttentionConfig)
     cache: CacheConfig = Field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = Field(default_factory=SchedulerConfig)

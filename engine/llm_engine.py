@@ -16,7 +16,7 @@ import torch
 
 from kvforge.core import EngineConfig, RequestError, build_registry
 
-from . import components
+from . import components, heap
 from .detokenizer import IncrementalDetokenizer
 from .kv_cache_manager import KVCacheManager
 from .metrics import EngineMetrics, prometheus_text
@@ -48,6 +48,8 @@ class LLMEngine:
         self.registry = registry or build_registry(allow=plugins.allow, deny=plugins.deny, strict=plugins.strict)
         self.device = components.resolve_device(config)
         self.dtype = components.resolve_dtype(config, self.device)
+        if self.device.type == "cpu" and config.keep_freed_memory:
+            heap.keep_freed_memory()
         components.check_supported(config, self.dtype)
         if model is None:
             from kvforge.models import load_model, load_tokenizer
