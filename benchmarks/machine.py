@@ -1,6 +1,7 @@
 """The machine's own limits, and how close the engine gets to them.
 
-* `gemm_gflops`: a large float32 matmul, the practical peak of this machine.
+* `gemm_gflops`: a large float32 matmul, the practical peak of this machine: the
+  best of `torch.mm` and the oneDNN packed-weight linear the models run.
 * `decode_profile`: decode steps of the reference engine at a given batch, split
   into time inside the model (plan + forward + logits) and time outside it
   (scheduling, batch building, sampling, bookkeeping), with the model FLOPs
@@ -36,16 +37,32 @@ def describe() -> dict:
             "load_average": os.getloadavg() if hasattr(os, "getloadavg") else None}
 
 
-def gemm_gflops(n: int = 2048, repeats: int = 5) -> float:
-    """Best-of-`repeats` float32 GFLOP/s of an n x n x n matmul."""
+def gemm_gflops(n: int = 2048, repeats: int = 5, kernel: str = "torch") -> float:
+    """Best-of-`repeats` float32 GFLOP/s of an n x n x n matmul: `torch.mm`
+    ("torch") or the oneDNN packed-weight linear the models run ("onednn")."""
     a, b = torch.randn(n, n), torch.randn(n, n)
-    torch.mm(a, b)  # first-call costs
+    if kernel == "onednn":
+        from kvforge.models.packed_linear import PackedLinear
+
+        layer = PackedLinear(b, None)
+        call = lambda: layer(a)  # noqa: E731
+    else:
+        call = lambda: torch.mm(a, b)  # noqa: E731
+    call()  # first-call costs
     best = float("inf")
     for _ in range(repeats):
         start = time.perf_counter()
-        torch.mm(a, b)
+        call()
         best = min(best, time.perf_counter() - start)
     return 2 * n**3 / best / 1e9
+
+
+def gemm_peak(sizes) -> dict[str, float]:
+    """The best GFLOP/s of each GEMM kernel available here over `sizes`."""
+    from kvforge.models.packed_linear import onednn_unavailable
+
+    kernels = ["torch"] + ([] if onednn_unavailable(torch.float32, torch.device("cpu")) else ["onednn"])
+    return {k: max(gemm_gflops(n, kernel=k) for n in sizes) for k in kernels}
 
 
 def decode_flops(hf_config: dict, batch: int, context: int) -> float:
@@ -129,10 +146,11 @@ def measure(model_dir: str, quick: bool = False, batches=(1, 32, 128), mfu_batch
     if threads:
         torch.set_num_threads(threads)
     steps = 3 if quick else 10
-    peak = max(gemm_gflops(n) for n in ((1024, 2048) if quick else (1024, 2048, 4096)))
+    kernels = gemm_peak((1024, 2048) if quick else (1024, 2048, 4096))
+    peak = max(kernels.values())  # MFU against the fastest GEMM here, whichever the model uses
     profiles = {b: decode_profile(model_dir, b, steps) for b in sorted(set(batches) | {mfu_batch})}
     at = profiles[mfu_batch]
-    return {"machine": describe(), "gemm_gflops": peak, "model_dir": model_dir,
+    return {"machine": describe(), "gemm_gflops": peak, "gemm_kernels": kernels, "model_dir": model_dir,
             "decode": {"batch": mfu_batch, "step_ms": at["step_s"] * 1e3,
                        "achieved_gflops": at["flops_per_step"] / at["step_s"] / 1e9, "mfu": mfu(at, peak),
                        "mfu_model_only": at["flops_per_step"] / at["model_s"] / (peak * 1e9)},

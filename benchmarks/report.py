@@ -27,7 +27,9 @@ def machine_section(machine: dict | None) -> list[str]:
     lines = ["## Machine", "",
              f"{m['cpu']}, {m['cores']} cores, torch {m['torch']} ({m['torch_threads']} threads), "
              f"Python {m['python']}; load average at the start {_load(m.get('load_average'))}.", "",
-             f"- float32 GEMM: **{machine['gemm_gflops']:.1f} GFLOP/s**",
+             f"- float32 GEMM: **{machine['gemm_gflops']:.1f} GFLOP/s**"
+             + (" (" + ", ".join(f"{k} {v:.1f}" for k, v in machine["gemm_kernels"].items()) + ")"
+                if machine.get("gemm_kernels") else ""),
              f"- decode at batch {machine['decode']['batch']} ({Path(machine['model_dir']).name}): "
              f"{machine['decode']['step_ms']:.1f} ms/step, {machine['decode']['achieved_gflops']:.1f} GFLOP/s, "
              f"MFU **{machine['decode']['mfu']:.1%}** (model time only: {machine['decode']['mfu_model_only']:.1%})", "",

@@ -150,3 +150,18 @@ def test_max_requests_below_one_is_refused(capsys):
 def test_unknown_scenario_lists_the_valid_ones():
     with pytest.raises(ConfigError, match="mixed, prefix, speculative, priority, kv-quant"):
         scenarios.build("nope", 64, quick=True)
+
+
+def test_gemm_peak_measures_every_gemm_kernel_the_models_can_use():
+    from kvforge.benchmarks import machine
+    from kvforge.models.packed_linear import onednn_unavailable
+
+    kernels = machine.gemm_peak((64,))
+    expected = {"torch"} | (set() if onednn_unavailable(torch.float32, torch.device("cpu")) else {"onednn"})
+    assert set(kernels) == expected and all(v > 0 for v in kernels.values())
+    results = {"machine": {"cpu": "x", "cores": 2, "torch": "t", "torch_threads": 1, "python": "3", "load_average": None},
+               "gemm_gflops": max(kernels.values()), "gemm_kernels": kernels, "model_dir": "/m",
+               "decode": {"batch": 64, "step_ms": 1.0, "achieved_gflops": 1.0, "mfu": 0.5, "mfu_model_only": 0.6},
+               "overhead": {}}
+    text = "\n".join(report.machine_section(results))
+    assert "(torch " in text
