@@ -67,17 +67,48 @@ inline const float* rows_as_float(const T* src, int64_t count, int64_t stride, i
   }
 }
 
-// The tile's normalised rows into `out`: row r is token token_of(r), head head_of(r).
-template <typename T, typename HeadOf, typename TokenOf>
-inline void write_rows(const Problem& p, int64_t q_row0, int64_t rows, const float* acc, const float* row_sum,
-                       HeadOf head_of, TokenOf token_of) {
+// A tile's rows: row r is token token_of(r) of the tile and query head
+// head_of(r); the head_rows rows of one KV head are contiguous.
+struct TileRows {
+  int64_t group, head_rows, rows, q_row0, pos0, last, first, kv_head;
+
+  TileRows(const Problem& p, const Tile& tile)
+      : group(p.queries_per_kv),
+        head_rows((tile.q_end - tile.q_begin) * p.queries_per_kv),
+        rows(head_rows * tile.kv_heads),
+        q_row0(p.query_start[tile.seq] + tile.q_begin),
+        pos0(p.context_lens[tile.seq] + tile.q_begin),  // position of the tile's first token
+        last(pos0 + tile.q_end - tile.q_begin - 1),
+        first(p.window > 0 ? std::max<int64_t>(0, pos0 - p.window + 1) : 0),  // first key any row sees
+        kv_head(tile.kv_head) {}
+  int64_t head_of(int64_t r) const { return (kv_head + r / head_rows) * group + r % group; }
+  int64_t token_of(int64_t r) const { return (r % head_rows) / group; }
+};
+
+// The tile's queries, scaled, into s.q as float32; its softmax state emptied.
+template <typename T>
+inline void begin_rows(const Problem& p, const TileRows& t, Scratch& s) {
+  const int64_t hs = p.head_size;
+  const T* query = static_cast<const T*>(p.query);
+  for (int64_t r = 0; r < t.rows; ++r) {
+    const T* src = query + (t.q_row0 + t.token_of(r)) * p.q_token_stride + t.head_of(r) * p.q_head_stride;
+    to_float(s.q.data() + r * hs, src, hs, p.scale);
+    s.row_max[r] = -std::numeric_limits<float>::infinity();
+    s.row_sum[r] = 0.f;
+  }
+  std::fill(s.acc.data(), s.acc.data() + t.rows * hs, 0.f);
+}
+
+// The tile's normalised rows (s.acc / s.row_sum) into `out`.
+template <typename T>
+inline void write_rows(const Problem& p, const TileRows& t, const Scratch& s) {
   T* out = static_cast<T*>(p.out);
   const int64_t hs = p.head_size;
-  for (int64_t r = 0; r < rows; ++r) {
-    T* dst = out + (q_row0 + token_of(r)) * p.o_token_stride + head_of(r) * p.o_head_stride;
+  for (int64_t r = 0; r < t.rows; ++r) {
+    T* dst = out + (t.q_row0 + t.token_of(r)) * p.o_token_stride + t.head_of(r) * p.o_head_stride;
     // row_sum > 0 always: a query always sees its own position.
-    const float inv = row_sum[r] > 0.f ? 1.f / row_sum[r] : 0.f;
-    const float* a = acc + r * hs;
+    const float inv = s.row_sum[r] > 0.f ? 1.f / s.row_sum[r] : 0.f;
+    const float* a = s.acc.data() + r * hs;
     for (int64_t d = 0; d < hs; ++d) dst[d] = static_cast<T>(a[d] * inv);
   }
 }
@@ -90,21 +121,12 @@ inline void write_rows(const Problem& p, int64_t q_row0, int64_t rows, const flo
 template <typename T>
 void attend_tile(const Problem& p, const Tile& tile, Scratch& s) {
   constexpr float kNegInf = -std::numeric_limits<float>::infinity();
-  const int64_t group = p.queries_per_kv;
+  const TileRows t(p, tile);
+  const int64_t group = t.group, head_rows = t.head_rows, pos0 = t.pos0, last = t.last, first = t.first;
   const int64_t hs = p.head_size;
   const int64_t bs = p.block_size;
-  const int64_t tokens = tile.q_end - tile.q_begin;
-  const int64_t head_rows = tokens * group;  // rows per KV head: row t * group + i is token t, head i of the group
-  const int64_t rows = head_rows * tile.kv_heads;
-  const int64_t q_row0 = p.query_start[tile.seq] + tile.q_begin;
-  const int64_t pos0 = p.context_lens[tile.seq] + tile.q_begin;  // position of the tile's first token
-  const int64_t last = pos0 + tokens - 1;
-  const int64_t first = p.window > 0 ? std::max<int64_t>(0, pos0 - p.window + 1) : 0;
-  const T* query = static_cast<const T*>(p.query);
   const T* cache = static_cast<const T*>(p.cache);
-  auto head_of = [&](int64_t r) { return (tile.kv_head + r / head_rows) * group + r % group; };
-  auto token_of = [&](int64_t r) { return (r % head_rows) / group; };
-
+  begin_rows<T>(p, t, s);
   float* q = s.q.data();
   float* acc = s.acc.data();
   float* score = s.score.data();  // [head_rows, ss], reused per KV head
@@ -113,13 +135,6 @@ void attend_tile(const Problem& p, const Tile& tile, Scratch& s) {
   const bool transposed = head_rows >= kTransposeRows && bs >= 8;
   float* row_max = s.row_max.data();
   float* row_sum = s.row_sum.data();
-  for (int64_t r = 0; r < rows; ++r) {
-    const T* src = query + (q_row0 + token_of(r)) * p.q_token_stride + head_of(r) * p.q_head_stride;
-    to_float(q + r * hs, src, hs, p.scale);
-    row_max[r] = kNegInf;
-    row_sum[r] = 0.f;
-  }
-  std::fill(acc, acc + rows * hs, 0.f);
 
   const int64_t slot_stride = p.num_kv_heads * hs;  // between consecutive slots of one block
   const int64_t run_bytes = tile.kv_heads * hs * static_cast<int64_t>(sizeof(T));  // the tile's part of a slot
@@ -172,7 +187,7 @@ void attend_tile(const Problem& p, const Tile& tile, Scratch& s) {
           const int64_t key_pos = start + j0 + j;
           float v = sr[j];
           if (p.soft_cap > 0.f) v = p.soft_cap * std::tanh(v / p.soft_cap);
-          if (p.alibi != nullptr) v += p.alibi[head_of(r)] * static_cast<float>(key_pos - pos);
+          if (p.alibi != nullptr) v += p.alibi[t.head_of(r)] * static_cast<float>(key_pos - pos);
           const bool visible = key_pos <= pos && (p.window <= 0 || key_pos > pos - p.window);
           sr[j] = visible ? v : kNegInf;
           best = std::max(best, sr[j]);
@@ -207,7 +222,7 @@ void attend_tile(const Problem& p, const Tile& tile, Scratch& s) {
     }
   }
 
-  write_rows<T>(p, q_row0, rows, acc, row_sum, head_of, token_of);
+  write_rows<T>(p, t, s);
 }
 
 // Runs attend(tile, scratch, TypeTag<T>{}) for every tile on the thread pool.

@@ -169,33 +169,17 @@ inline void softmax_step(__m512 score, __mmask16 seen, float& row_max, float& ro
 // The tile of attend_tile (same contract).
 template <typename T>
 void attend_tile_fast(const Problem& p, const Tile& tile, Scratch& s) {
-  const int64_t group = p.queries_per_kv;
+  const TileRows t(p, tile);
+  const int64_t group = t.group, head_rows = t.head_rows, pos0 = t.pos0, last = t.last, first = t.first;
   const int64_t hs = p.head_size;
   const int64_t bs = p.block_size;
-  const int64_t tokens = tile.q_end - tile.q_begin;
-  const int64_t head_rows = tokens * group;  // row t * group + i: token t, head i of the group
-  const int64_t rows = head_rows * tile.kv_heads;
-  const int64_t q_row0 = p.query_start[tile.seq] + tile.q_begin;
-  const int64_t pos0 = p.context_lens[tile.seq] + tile.q_begin;
-  const int64_t last = pos0 + tokens - 1;
-  const int64_t first = p.window > 0 ? std::max<int64_t>(0, pos0 - p.window + 1) : 0;
-  const T* query = static_cast<const T*>(p.query);
   const T* cache = static_cast<const T*>(p.cache);
-  auto head_of = [&](int64_t r) { return (tile.kv_head + r / head_rows) * group + r % group; };
-  auto token_of = [&](int64_t r) { return (r % head_rows) / group; };
-
+  begin_rows<T>(p, t, s);
   float* q = s.q.data();
   float* acc = s.acc.data();
   float* weights = s.score.data();  // [head_rows, 16] for the current group of keys
   float* row_max = s.row_max.data();
   float* row_sum = s.row_sum.data();
-  for (int64_t r = 0; r < rows; ++r) {
-    const T* src = query + (q_row0 + token_of(r)) * p.q_token_stride + head_of(r) * p.q_head_stride;
-    to_float(q + r * hs, src, hs, p.scale);
-    row_max[r] = -std::numeric_limits<float>::infinity();
-    row_sum[r] = 0.f;
-  }
-  std::fill(acc, acc + rows * hs, 0.f);
 
   const int64_t slot_stride = p.num_kv_heads * hs;
   const int32_t* blocks = p.block_table + tile.seq * p.block_table_stride;
@@ -240,7 +224,7 @@ void attend_tile_fast(const Problem& p, const Tile& tile, Scratch& s) {
       }
     }
   }
-  write_rows<T>(p, q_row0, rows, acc, row_sum, head_of, token_of);
+  write_rows<T>(p, t, s);
 }
 
 // The fast kernel when the problem allows it, else the generic one, per tile.
