@@ -96,7 +96,8 @@ class LLMEngine:
             Request(request_id if i == 0 else f"{request_id}#{i}", token_ids, params, priority=priority,
                     arrival_index=arrival_index, arrival_time=arrival_time, group_id=request_id, sample_index=i,
                     prompt=text, eos_token_id=None if params.ignore_eos else self.eos_token_id,
-                    detokenizer=IncrementalDetokenizer(self.tokenizer) if self.tokenizer is not None else None)
+                    detokenizer=IncrementalDetokenizer(self.tokenizer)
+                    if self.tokenizer is not None and params.detokenize else None)
             for i in range(params.n)
         ]
         self.groups[request_id] = _Group(samples, [0] * params.n, [0] * params.n)

@@ -31,6 +31,8 @@ class SamplingParams:
     * `logprobs`: also return the log-probabilities of the `logprobs` most
       likely tokens at each step (and of the chosen one); None for none.
     * `n` samples per prompt; they share the prompt's KV blocks.
+    * `detokenize=False` leaves the output text empty (token ids only) and skips
+      the per-token decoding; `stop` strings need the text, so they need it on.
     """
 
     n: int = 1
@@ -48,6 +50,7 @@ class SamplingParams:
     min_tokens: int = 0
     ignore_eos: bool = False
     logprobs: int | None = None
+    detokenize: bool = True
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -91,6 +94,8 @@ class SamplingParams:
               f"stop_token_ids must be non-negative integers, got {self.stop_token_ids!r}")
         check(self.logprobs is None or (_is_int(self.logprobs) and self.logprobs >= 0),
               f"logprobs must be None or an integer >= 0 (how many top tokens), got {self.logprobs!r}")
+        check(self.detokenize or not self.stop,
+              f"stop strings {self.stop!r} need the output text: set detokenize=True or use stop_token_ids")
         return found
 
     @property

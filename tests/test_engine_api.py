@@ -38,6 +38,12 @@ def test_text_prompts_are_encoded_and_outputs_decoded():
     assert all(o.text == FakeTokenizer().decode(o.token_ids) and len(o.token_ids) == 6 for o in out)
 
 
+def test_detokenize_off_gives_the_same_tokens_and_no_text():
+    on, off = llm().generate(["hello", "abc"], [greedy(6), greedy(6, detokenize=False)])
+    assert on.token_ids == llm().generate(["hello"], greedy(6))[0].token_ids and on.text
+    assert off.token_ids == llm().generate(["abc"], greedy(6))[0].token_ids and off.text == ""
+
+
 def test_stop_token_ends_the_request_and_is_left_out_of_the_text():
     model = FakeCausalLM()
     expected = reference_greedy(model, PROMPT, 12)

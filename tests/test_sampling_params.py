@@ -24,6 +24,7 @@ from kvforge.core import RequestError
     ({"seed": 1.5}, "seed"),
     ({"stop": [""]}, "stop"),
     ({"stop_token_ids": [-1]}, "stop_token_ids"),
+    ({"stop": ["x"], "detokenize": False}, "need the output text: set detokenize=True"),
 ])
 def test_rejects_invalid_setting_naming_it(kwargs, named):
     with pytest.raises(RequestError, match=named):

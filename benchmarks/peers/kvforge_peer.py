@@ -31,7 +31,8 @@ def run(engine, requests: list[dict]) -> tuple[float, list[dict], int]:
     while pending or engine.has_unfinished_requests():
         while pending and pending[0]["arrival_step"] <= step:
             r = pending.pop(0)
-            params = SamplingParams(max_tokens=r["max_tokens"], temperature=0.0, ignore_eos=True)
+            # token ids only, no text: like the vLLM peer (detokenize=False)
+            params = SamplingParams(max_tokens=r["max_tokens"], temperature=0.0, ignore_eos=True, detokenize=False)
             engine.add_request(r["id"], prompt_token_ids=r["prompt_token_ids"], params=params, priority=r["priority"])
             added[r["id"]] = common.now()
         outputs = engine.step()
