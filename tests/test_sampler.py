@@ -4,10 +4,12 @@ import math
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from kvforge import SamplingParams
 from kvforge.engine.request import Request
-from kvforge.engine.sampler import Sampler, apply_penalties
+from kvforge.engine.sampler import Sampler, apply_penalties, row_argmax
 
 
 def req(i=0, prompt=(1, 2), output=(), eos=None, **params) -> Request:
@@ -173,3 +175,17 @@ def test_a_sampler_gives_the_same_tokens_after_larger_and_smaller_batches():
     used.sample(large, [req(i, seed=i) for i in range(9)])
     used.sample(small[:1], [req(0, seed=0)])
     assert torch.equal(used.sample(small, [req(i, seed=i) for i in range(3)]).token_ids, fresh)
+
+
+@settings(max_examples=200, deadline=None)
+@given(rows=st.integers(0, 4), width=st.integers(1, 1100), block=st.sampled_from([4, 16, 256]),
+       seed=st.integers(0, 2**31 - 1), specials=st.lists(st.sampled_from(["inf", "-inf", "nan"]), max_size=3))
+def test_row_argmax_is_torch_argmax_with_ties_infinities_and_nan(rows, width, block, seed, specials):
+    generator = torch.Generator().manual_seed(seed)
+    x = torch.randint(-3, 3, (rows, width), generator=generator).float()  # few values: many ties
+    for i, special in enumerate(specials):
+        if rows:
+            x[i % rows, torch.randint(0, width, (1,), generator=generator)] = float(special)
+    if rows > 1:
+        x[-1] = float("-inf")  # a row with nothing but -inf
+    assert torch.equal(row_argmax(x, block), x.argmax(dim=-1))
