@@ -114,7 +114,7 @@ def test_portable_switch_still_selects_the_baseline(monkeypatch):
 # below, at and above its 16-key groups, every head size it serves, windows that
 # cut groups, and a long context.
 @pytest.mark.parametrize("isa", ["avx2", "avx512"])
-@pytest.mark.parametrize("head_size", [64, 80, 96, 128, 256])
+@pytest.mark.parametrize("head_size", [32, 64, 80, 96, 128, 256, 288])
 @pytest.mark.parametrize("block_size", [1, 8, 16, 32])
 def test_tiles_match_reference_on_every_block_and_head_size(monkeypatch, isa, head_size, block_size):
     isa_or_skip(monkeypatch, isa)

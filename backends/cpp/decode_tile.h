@@ -14,8 +14,6 @@
 typedef float vf16 __attribute__((vector_size(64), aligned(4), may_alias));
 typedef int32_t vi16 __attribute__((vector_size(64), aligned(4), may_alias));
 
-
-
 inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
 inline __m512 load16(const c10::Half* p) {
   return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
@@ -83,11 +81,10 @@ inline void scores16_any(const float* q, int64_t hs, const T* keys, int64_t stri
     case 8: scores16<8, RQ>(q, keys, stride, n, out); return;
     default: break;
   }
-  for (int r = 0; r < RQ; ++r) {  // other sizes (up to 256): one row at a time, 16 slices
+  for (int r = 0; r < RQ; ++r) {  // other multiples of 16: one row at a time
     if (hs == 256) {
       scores16<16, 1>(q + r * hs, keys, stride, n, out + r);
-    } else {
-      TORCH_CHECK(hs % 16 == 0 && hs > 0 && hs <= 256, "kvforge_cpp: head size ", hs, " in the AVX-512 tile");
+    } else {  // slice by slice, the slices' scores added up
       __m512 sum = _mm512_setzero_ps();
       for (int64_t d = 0; d < hs; d += 16) {
         __m512 lane_d;
