@@ -249,4 +249,3 @@ def row_argmax(x: torch.Tensor, block: int = 256) -> torch.Tensor:
     # Past the end, a short last run repeats the last entry: after its true position, so never first.
     index = (start[:, None] + torch.arange(block, device=x.device)[None, :]).clamp_(max=width - 1)
     return start + x.gather(1, index).argmax(dim=-1)
-

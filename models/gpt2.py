@@ -14,6 +14,8 @@ from .packed_linear import linear_act, linear_add
 class Conv1D(nn.Module):
     """GPT-2's linear layer: the weight is stored `[in, out]`, as in its checkpoints."""
 
+    weight_is_in_by_out = True  # so `packed_linear` packs its transpose
+
     def __init__(self, size_in: int, size_out: int):
         super().__init__()
         self.weight = nn.Parameter(torch.empty(size_in, size_out))

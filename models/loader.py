@@ -140,17 +140,15 @@ def load_model(name_or_path: str | Path, *, dtype: torch.dtype | str = torch.flo
     return model
 
 
-def use_linear_kernel(model: CausalLM, kernel: str) -> str:
-    """Run `model`'s linear layers with `kernel` (see `load_model`); the kernel used."""
+def use_linear_kernel(model: CausalLM, kernel: str) -> None:
+    """Run `model`'s linear layers with `kernel` (see `load_model`)."""
     if kernel not in LINEAR_KERNELS:
         raise ConfigError(f"unknown linear kernel {kernel!r}; choose from: {', '.join(LINEAR_KERNELS)}")
     if kernel == "torch":
-        return "torch"
+        return
     why_not = onednn_unavailable(model.dtype, model.device)
     if why_not is None:
         pack_linears(model)
-        return "onednn"
-    if kernel == "onednn":
+    elif kernel == "onednn":
         raise UnsupportedConfigurationError(f"linear kernel 'onednn' is unavailable: {why_not}; "
                                             "use linear_kernel 'torch' or 'auto'")
-    return "torch"

@@ -57,7 +57,6 @@ class PackedLinear(nn.Module):
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None):
         super().__init__()
         self.in_features, self.out_features = weight.shape[1], weight.shape[0]
-        self.weight_dtype = weight.dtype
         # The batch size hint only tunes the layout; the packed weight serves any row count.
         self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach().contiguous(), None)
         self.bias = None if bias is None else bias.detach().contiguous()
@@ -101,7 +100,7 @@ def packed(module: nn.Module) -> PackedLinear | None:
     """`module` as a PackedLinear, if it is a linear layer this module knows."""
     if isinstance(module, nn.Linear):
         return PackedLinear(module.weight, module.bias)
-    if type(module).__name__ == "Conv1D" and module.weight.dim() == 2:  # GPT-2: weight stored [in, out]
+    if getattr(module, "weight_is_in_by_out", False):  # GPT-2's Conv1D: weight stored [in, out]
         return PackedLinear(module.weight.t(), module.bias)
     return None
 

@@ -35,6 +35,33 @@ def record(request: dict, added: float, first: float | None, last: float | None,
             "latency_s": None if last is None else last - added}
 
 
+class Progress:
+    """When each request was added, produced its first token and finished, seen
+    through the cumulative outputs an engine step returns (kvforge's and vLLM's
+    `RequestOutput` share `request_id`, `outputs[0].token_ids` and `finished`)."""
+
+    def __init__(self) -> None:
+        self.added: dict[str, float] = {}
+        self.first: dict[str, float] = {}
+        self.done: dict[str, tuple[float, int]] = {}
+
+    def add(self, request_id: str) -> None:
+        self.added[request_id] = now()
+
+    def observe(self, outputs) -> None:
+        """Call right after each step with what it returned."""
+        t = now()
+        for out in outputs:
+            n = len(out.outputs[0].token_ids)
+            if n and out.request_id not in self.first:
+                self.first[out.request_id] = t
+            if out.finished:
+                self.done[out.request_id] = (t, n)
+
+    def records(self, requests: list[dict]) -> list[dict]:
+        return [record(r, self.added[r["id"]], self.first.get(r["id"]), *self.done[r["id"]]) for r in requests]
+
+
 def write(out: str, config: dict, peer: str, elapsed: float, requests: list[dict], peak_kv_bytes=None,
           info: dict | None = None) -> None:
     result = {"label": config.get("label", peer), "peer": peer, "elapsed_s": elapsed, "peak_kv_bytes": peak_kv_bytes,

@@ -23,9 +23,7 @@ def run(engine, requests: list[dict]) -> tuple[float, list[dict], int]:
     from kvforge import SamplingParams
 
     pending = sorted(requests, key=lambda r: r["arrival_step"])
-    added: dict[str, float] = {}
-    first: dict[str, float] = {}
-    done: dict[str, tuple[float, int]] = {}
+    progress = common.Progress()
     step, peak = 0, 0
     start = common.now()
     while pending or engine.has_unfinished_requests():
@@ -34,21 +32,11 @@ def run(engine, requests: list[dict]) -> tuple[float, list[dict], int]:
             # token ids only, no text: like the vLLM peer (detokenize=False)
             params = SamplingParams(max_tokens=r["max_tokens"], temperature=0.0, ignore_eos=True, detokenize=False)
             engine.add_request(r["id"], prompt_token_ids=r["prompt_token_ids"], params=params, priority=r["priority"])
-            added[r["id"]] = common.now()
-        outputs = engine.step()
-        t = common.now()
+            progress.add(r["id"])
+        progress.observe(engine.step())
         peak = max(peak, engine.kv.usage().in_use)
-        for out in outputs:
-            n = len(out.outputs[0].token_ids)
-            if n and out.request_id not in first:
-                first[out.request_id] = t
-            if out.finished:
-                done[out.request_id] = (t, n)
         step += 1
-    elapsed = common.now() - start
-    records = [common.record(r, added[r["id"]], first.get(r["id"]), done[r["id"]][0], done[r["id"]][1])
-               for r in requests]
-    return elapsed, records, peak
+    return common.now() - start, progress.records(requests), peak
 
 
 def main() -> None:

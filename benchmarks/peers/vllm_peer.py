@@ -25,29 +25,20 @@ def run(llm, requests: list[dict]) -> tuple[float, list[dict], float | None]:
     from vllm.sampling_params import RequestOutputKind
 
     engine = llm.llm_engine
-    added, first, done = {}, {}, {}
+    progress = common.Progress()
     peak = None
     start = common.now()
     for r in requests:
         params = SamplingParams(max_tokens=r["max_tokens"], min_tokens=r["max_tokens"], temperature=0.0,
                                 ignore_eos=True, detokenize=False, output_kind=RequestOutputKind.CUMULATIVE)
         engine.add_request(r["id"], TokensPrompt(prompt_token_ids=r["prompt_token_ids"]), params)
-        added[r["id"]] = common.now()
+        progress.add(r["id"])
     while engine.has_unfinished_requests():
-        outputs = engine.step()
-        t = common.now()
+        progress.observe(engine.step())
         usage = kv_usage(llm)
         if usage is not None:
             peak = max(peak or 0.0, usage)
-        for out in outputs:
-            n = len(out.outputs[0].token_ids)
-            if n and out.request_id not in first:
-                first[out.request_id] = t
-            if out.finished:
-                done[out.request_id] = (t, n)
-    elapsed = common.now() - start
-    records = [common.record(r, added[r["id"]], first.get(r["id"]), *done[r["id"]]) for r in requests]
-    return elapsed, records, peak
+    return common.now() - start, progress.records(requests), peak
 
 
 def main() -> None:
