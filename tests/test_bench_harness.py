@@ -112,6 +112,22 @@ def test_tiny_workload_runs_end_to_end_and_reports(tmp_path, tiny_model):
     assert png.read_bytes()[:4] == b"\x89PNG"
 
 
+def test_transformers_peers_sweep_their_batch_settings_and_generate_every_token(tmp_path, tiny_model):
+    requests = [scenarios.request(i, [3 + i, 4, 5, 6 + i], 3 + i) for i in range(3)]
+    scenario = Scenario("tiny", requests, [Run("generate", "generate", {"batch_sizes": [1, 2]}),
+                                           Run("generate_batch", "generate_batch", {"max_requests_per_batch": [1, 2]})],
+                        "generate")
+    summary = harness.run_scenario(scenario, tiny_model, tmp_path, peers=harness.peer_pythons([f"transformers={sys.executable}"]),
+                                   kv_cache_gib=0.01, timeout=300, log=lambda line: None)
+    generate, generate_batch = summary["runs"]
+    for run in summary["runs"]:
+        assert run["status"] == "ok", run["status"]
+        assert run["metrics"]["output_tokens"] == 3 + 4 + 5
+    assert generate["info"]["batch_size"] in (1, 2) and set(generate["info"]["sweep_tokens_per_s"]) == {"1", "2"}
+    info = generate_batch["info"]
+    assert info["max_requests_per_batch"] in (1, 2) and set(info["sweep_tokens_per_s"]) == {"1", "2"}
+
+
 def test_cli_writes_json_and_markdown_and_reports_missing_plugin_kinds(tmp_path, tiny_model, capsys):
     from kvforge.cli import main
 
