@@ -27,7 +27,8 @@ ALIASES = {"transformers": ("generate", "generate_batch")}  # --peer transformer
 
 
 def peer_pythons(pairs: list[str] | None) -> dict[str, str]:
-    """`["vllm=/path/python", ...]` as a dict; kvforge defaults to this Python."""
+    """`["vllm=/path/python", ...]` as a dict; kvforge defaults to this Python.
+    A path with a directory in it is made absolute; a bare name is found on PATH."""
     from kvforge.core import ConfigError
 
     pythons = {"kvforge": sys.executable}
@@ -35,6 +36,8 @@ def peer_pythons(pairs: list[str] | None) -> dict[str, str]:
         name, sep, path = pair.partition("=")
         if not sep or not path:
             raise ConfigError(f"--peer {pair!r}: write NAME=PATH/TO/python, e.g. vllm=/work/peers/vllm/bin/python")
+        if os.sep in path:  # peers run from their output folder: a relative path must not move with them
+            path = os.path.abspath(path)
         names = ALIASES.get(name, (name,))
         for one in names:
             if one not in RUNNERS:

@@ -78,6 +78,14 @@ def test_peer_arguments_map_names_to_pythons():
         harness.peer_pythons(["vllm"])
 
 
+def test_relative_peer_paths_are_taken_from_where_the_bench_starts(tmp_path, monkeypatch):
+    # each peer runs from its scenario's output folder, where ".venv/bin/python" would name nothing
+    monkeypatch.chdir(tmp_path)
+    pythons = harness.peer_pythons(["transformers=.venv/bin/python", "vllm=python3"])
+    assert pythons["generate"] == pythons["generate_batch"] == str(tmp_path / ".venv" / "bin" / "python")
+    assert pythons["vllm"] == "python3"  # a bare name is looked up on PATH, as given
+
+
 def test_workloads_are_fixed_by_the_seed():
     a, b = scenarios.mixed(512, quick=True), scenarios.mixed(512, quick=True)
     assert a.requests == b.requests and len(a.requests) == 32
