@@ -73,7 +73,7 @@ def main() -> None:
         return max(rates, key=rates.get), rates
 
     run(common.warmup_requests(workload), 4)
-    sizes = options.get("max_requests_per_batch", [4, 8, 16, 32])
+    sizes = options.get("max_requests_per_batch", [2, 4, 8, 16, 32])
     sizes = [sizes] if isinstance(sizes, int) else sizes
     size, rates = best_max_requests(sizes) if len(sizes) > 1 else (sizes[0], {})
     elapsed, records = run(workload["requests"], size)
