@@ -86,7 +86,8 @@ class EngineConfig(Section):
     dtype: Literal["auto", "float32", "float16", "bfloat16"] = "auto"
     seed: int = 0
     linear_kernel: Literal["auto", "torch", "onednn"] = Field(
-        "auto", description="kernel of the model's linear layers: onednn (CPU, weights packed once), torch, or auto")
+        "auto", description="kernel of the model's linear layers: onednn (CPU, weights packed once), torch, or auto "
+                        "(onednn for weights of at least 512 x 512 where available)")
     keep_freed_memory: bool = Field(
         True, description="CPU, glibc: keep freed heap memory for reuse (no page faults on each step's activations); "
                           "process-wide")

@@ -19,7 +19,7 @@ from kvforge.core import AttentionBackend, AttentionLayerSpec
 from kvforge.core.errors import ConfigError, UnsupportedConfigurationError
 
 from .base import CausalLM, ModelConfig
-from .packed_linear import LINEAR_KERNELS, onednn_unavailable, pack_linears
+from .packed_linear import AUTO_MIN_WEIGHT, LINEAR_KERNELS, onednn_unavailable, pack_linears
 from .registry import model_class
 
 BUILTIN_DIR = Path(__file__).resolve().parent / "builtin"
@@ -122,7 +122,8 @@ def load_model(name_or_path: str | Path, *, dtype: torch.dtype | str = torch.flo
     `name_or_path` is a built-in name (`kvforge-tiny`, `kvforge-tiny-draft`) or a
     local Hugging Face directory. `dtype` is float32, bfloat16, float16 or "auto".
     `linear_kernel` is "torch" (`F.linear`), "onednn" (weights packed once, see
-    `packed_linear`; an error where unavailable) or "auto" (onednn where available).
+    `packed_linear`; an error where unavailable) or "auto" (onednn where available,
+    for weights of at least `AUTO_MIN_WEIGHT` elements, where packing pays).
     """
     model_dir = resolve_model_dir(name_or_path)
     config = load_config(model_dir)
@@ -148,7 +149,7 @@ def use_linear_kernel(model: CausalLM, kernel: str) -> None:
         return
     why_not = onednn_unavailable(model.dtype, model.device)
     if why_not is None:
-        pack_linears(model)
+        pack_linears(model, min_weight=AUTO_MIN_WEIGHT if kernel == "auto" else 0)
     elif kernel == "onednn":
         raise UnsupportedConfigurationError(f"linear kernel 'onednn' is unavailable: {why_not}; "
                                             "use linear_kernel 'torch' or 'auto'")

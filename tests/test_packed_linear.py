@@ -10,7 +10,7 @@ from torch import nn
 
 from kvforge.core import ConfigError, UnsupportedConfigurationError
 from kvforge.models import load_model
-from kvforge.models.packed_linear import PackedLinear, onednn_unavailable, pack_linears
+from kvforge.models.packed_linear import AUTO_MIN_WEIGHT, PackedLinear, onednn_unavailable, pack_linears
 
 CPU = torch.device("cpu")
 TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 1e-2}
@@ -73,9 +73,24 @@ def test_linear_kernel_choices(tmp_path):
     path = save_llama(tmp_path, tied=False)
     assert isinstance(load_model(path, linear_kernel="torch").model.layers[0].mlp.up_proj, nn.Linear)
     assert isinstance(load_model(path, linear_kernel="onednn").model.layers[0].mlp.up_proj, PackedLinear)
-    assert isinstance(load_model(path).model.layers[0].mlp.up_proj, PackedLinear)  # auto, where available
     with pytest.raises(ConfigError, match="unknown linear kernel 'mkl'.*auto, torch, onednn"):
         load_model(path, linear_kernel="mkl")
+
+
+def test_auto_packs_only_the_weights_large_enough_to_gain(tmp_path):
+    # hidden 512: every layer's weight is at least 512 x 512, the 64-token head is not
+    config = transformers.LlamaConfig(vocab_size=64, hidden_size=512, intermediate_size=640, num_hidden_layers=1,
+                                      num_attention_heads=8, num_key_value_heads=4)
+    transformers.LlamaForCausalLM(config).save_pretrained(tmp_path / "wide")
+    wide = load_model(tmp_path / "wide")
+    layer = wide.model.layers[0]
+    assert all(isinstance(m, PackedLinear) for m in (layer.self_attn.o_proj, layer.mlp.gate_proj, layer.mlp.down_proj))
+    assert isinstance(wide.lm_head, nn.Linear) and getattr(wide, "packed_lm_head", None) is None
+    assert 64 * 512 < AUTO_MIN_WEIGHT <= 512 * 512
+    small = load_model(save_llama(tmp_path / "small", tied=False))  # 32 x 48 weights
+    assert not any(isinstance(m, PackedLinear) for m in small.modules())
+    hidden = torch.randn(3, 512)
+    torch.testing.assert_close(wide.compute_logits(hidden), hidden @ wide.lm_head.weight.T, rtol=1e-5, atol=1e-5)
 
 
 def test_unavailable_onednn_is_refused_with_the_reason(tmp_path):
