@@ -28,7 +28,7 @@ template <typename T>
 inline void prefetch_rows(const T* rows, int64_t count, int64_t stride, int64_t bytes) {
   for (int64_t j = 0; j < count; ++j) {
     const char* row = reinterpret_cast<const char*>(rows + j * stride);
-    for (int64_t offset = 0; offset < bytes; offset += 64) __builtin_prefetch(row + offset);
+    for (int64_t offset = 0; offset < bytes; offset += 64) __builtin_prefetch(row + offset, 0, 2);  // into L2
   }
 }
 
@@ -137,7 +137,7 @@ void attend_tile(const Problem& p, const Tile& tile, Scratch& s) {
   float* row_sum = s.row_sum.data();
 
   const int64_t slot_stride = p.num_kv_heads * hs;  // between consecutive slots of one block
-  const int64_t run_bytes = tile.kv_heads * hs * static_cast<int64_t>(sizeof(T));  // the tile's part of a slot
+  const int64_t head_bytes = hs * static_cast<int64_t>(sizeof(T));  // one head's part of a slot
   const int32_t* blocks = p.block_table + tile.seq * p.block_table_stride;
   for (int64_t logical = first / bs; logical <= last / bs; ++logical) {
     const int64_t start = logical * bs;
@@ -145,11 +145,12 @@ void attend_tile(const Problem& p, const Tile& tile, Scratch& s) {
     const int64_t j1 = std::min(last + 1, start + bs) - start;
     const int64_t count = j1 - j0;
     const T* page = cache + static_cast<int64_t>(blocks[logical]) * 2 * bs * slot_stride + tile.kv_head * hs;
-    if (logical < last / bs) {
-      const T* next = cache + static_cast<int64_t>(blocks[logical + 1]) * 2 * bs * slot_stride + tile.kv_head * hs;
-      prefetch_rows(next, 2 * bs, slot_stride, run_bytes);  // keys, then values
-    }
+    // The next block's keys and values, asked for head by head as this block's
+    // heads are computed (these again when there is no next block).
+    const int64_t ahead = logical < last / bs ? logical + 1 : logical;
+    const T* next = cache + static_cast<int64_t>(blocks[ahead]) * 2 * bs * slot_stride + tile.kv_head * hs;
     for (int64_t h = 0; h < tile.kv_heads; ++h) {
+      prefetch_rows(next + h * hs, 2 * bs, slot_stride, head_bytes);  // keys, then values
       const int64_t r0 = h * head_rows;
       int64_t v_stride = 0;
       const float* values =
