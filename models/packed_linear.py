@@ -27,9 +27,9 @@ LINEAR_KERNELS = ("auto", "torch", "onednn")
 # "auto" packs a weight of at least this many elements. A packed call costs about
 # 13 us more than `F.linear` before any work (measured here, one core), so small
 # weights run faster unpacked: a 128 x 384 layer takes 5 us unpacked against
-# 19 us packed at one row, and the 3.6M-parameter bench model decodes 1.4x as
-# fast with `torch` as with every layer packed. From 512 x 512 on, packing wins
-# from 8 rows up, and ties at one.
+# 19 us packed at one row, and the quick `mixed` bench on the 3.6M-parameter
+# model ran 1.4x as fast with `torch` as with every layer packed. At 512 x 512,
+# packing loses 9 us at one row and wins from 8 rows up (58 against 72 us).
 AUTO_MIN_WEIGHT = 512 * 512
 # Activations (Hugging Face names) that oneDNN applies inside the GEMM: its post-op and algorithm.
 POST_OPS = {

@@ -85,6 +85,15 @@ struct TileRows {
   int64_t token_of(int64_t r) const { return (r % head_rows) / group; }
 };
 
+// Where block `logical` of the tile's sequence begins, at the tile's first KV
+// head: its keys are block_size slots from here, its values the block_size after.
+template <typename T>
+inline const T* page_of(const Problem& p, const Tile& tile, int64_t logical) {
+  const int64_t block = p.block_table[tile.seq * p.block_table_stride + logical];
+  const int64_t slot = p.num_kv_heads * p.head_size;
+  return static_cast<const T*>(p.cache) + block * 2 * p.block_size * slot + tile.kv_head * p.head_size;
+}
+
 // The tile's queries, scaled, into s.q as float32; its softmax state emptied.
 template <typename T>
 inline void begin_rows(const Problem& p, const TileRows& t, Scratch& s) {
@@ -125,7 +134,6 @@ void attend_tile(const Problem& p, const Tile& tile, Scratch& s) {
   const int64_t group = t.group, head_rows = t.head_rows, pos0 = t.pos0, last = t.last, first = t.first;
   const int64_t hs = p.head_size;
   const int64_t bs = p.block_size;
-  const T* cache = static_cast<const T*>(p.cache);
   begin_rows<T>(p, t, s);
   float* q = s.q.data();
   float* acc = s.acc.data();
@@ -138,17 +146,16 @@ void attend_tile(const Problem& p, const Tile& tile, Scratch& s) {
 
   const int64_t slot_stride = p.num_kv_heads * hs;  // between consecutive slots of one block
   const int64_t head_bytes = hs * static_cast<int64_t>(sizeof(T));  // one head's part of a slot
-  const int32_t* blocks = p.block_table + tile.seq * p.block_table_stride;
   for (int64_t logical = first / bs; logical <= last / bs; ++logical) {
     const int64_t start = logical * bs;
     const int64_t j0 = std::max(first, start) - start;
     const int64_t j1 = std::min(last + 1, start + bs) - start;
     const int64_t count = j1 - j0;
-    const T* page = cache + static_cast<int64_t>(blocks[logical]) * 2 * bs * slot_stride + tile.kv_head * hs;
+    const T* page = page_of<T>(p, tile, logical);
     // The next block's keys and values, asked for head by head as this block's
     // heads are computed (these again when there is no next block).
     const int64_t ahead = logical < last / bs ? logical + 1 : logical;
-    const T* next = cache + static_cast<int64_t>(blocks[ahead]) * 2 * bs * slot_stride + tile.kv_head * hs;
+    const T* next = page_of<T>(p, tile, ahead);
     for (int64_t h = 0; h < tile.kv_heads; ++h) {
       prefetch_rows(next + h * hs, 2 * bs, slot_stride, head_bytes);  // keys, then values
       const int64_t r0 = h * head_rows;

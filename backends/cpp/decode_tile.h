@@ -190,7 +190,6 @@ void attend_tile_fast(const Problem& p, const Tile& tile, Scratch& s) {
   const int64_t group = t.group, head_rows = t.head_rows, pos0 = t.pos0, last = t.last, first = t.first;
   const int64_t hs = p.head_size;
   const int64_t bs = p.block_size;
-  const T* cache = static_cast<const T*>(p.cache);
   begin_rows<T>(p, t, s);
   float* q = s.q.data();
   float* acc = s.acc.data();
@@ -199,9 +198,8 @@ void attend_tile_fast(const Problem& p, const Tile& tile, Scratch& s) {
   float* row_sum = s.row_sum.data();
 
   const int64_t slot_stride = p.num_kv_heads * hs;
-  const int32_t* blocks = p.block_table + tile.seq * p.block_table_stride;
   for (int64_t logical = first / bs; logical <= last / bs; ++logical) {
-    const T* page = cache + static_cast<int64_t>(blocks[logical]) * 2 * bs * slot_stride + tile.kv_head * hs;
+    const T* page = page_of<T>(p, tile, logical);
     const int64_t block_start = logical * bs;
     const int64_t j_begin = std::max(first, block_start) - block_start;
     const int64_t j_end = std::min(last + 1, block_start + bs) - block_start;
@@ -210,7 +208,7 @@ void attend_tile_fast(const Problem& p, const Tile& tile, Scratch& s) {
       const int64_t key0 = block_start + j0;  // position of the group's first key
       // The next group of keys (fetch_ahead); these keys again when there is none.
       const int64_t next0 = key0 + 16 <= last ? key0 + 16 : key0;
-      const T* next_page = cache + static_cast<int64_t>(blocks[next0 / bs]) * 2 * bs * slot_stride + tile.kv_head * hs;
+      const T* next_page = page_of<T>(p, tile, next0 / bs);
       for (int64_t h = 0; h < tile.kv_heads; ++h) {
         const T* keys = page + j0 * slot_stride + h * hs;
         const T* values = page + (bs + j0) * slot_stride + h * hs;
