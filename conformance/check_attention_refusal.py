@@ -119,11 +119,11 @@ def test_forward_without_out_returns_a_fresh_tensor(registration):
     assert problem is None, problem
 
 
-def test_undeclared_kv_cache_dtypes_are_refused(registration):
+def test_undeclared_quantized_kv_dtypes_are_refused(registration):
     cls = registration.cls
-    for kv_cache_dtype in ("fp8", "fp8_e4m3", "fp8_e5m2", "int8"):
-        reasons = cls.unsupported_reasons(SelectionRequest(kv_cache_dtype=kv_cache_dtype))
-        if kv_cache_dtype in cls.kv_cache_dtypes:
-            assert not reasons, f"declares kv cache dtype {kv_cache_dtype!r} yet refuses it: {reasons}"
+    for storage in (torch.int8, torch.float8_e4m3fn, torch.float8_e5m2, torch.uint8):
+        reasons = cls.unsupported_reasons(SelectionRequest(kv_storage_dtype=storage))
+        if storage in cls.quantized_kv_dtypes:
+            assert not reasons, f"declares KV quantized to {storage} yet refuses it: {reasons}"
         else:
-            assert reasons, f"kv cache dtype {kv_cache_dtype!r} is not declared, yet nothing refuses it"
+            assert reasons, f"KV quantized to {storage} is not declared, yet nothing refuses it"

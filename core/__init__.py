@@ -25,9 +25,15 @@ from .attention import (
     AttentionBatch,
     AttentionLayerSpec,
     KVCacheSpec,
+    SCALE_DTYPE,
     PagedCSR,
+    cdiv,
+    dequantize_kv_blocks,
+    dtype_name,
     paged_csr,
+    quantized_kv_views,
     write_kv_by_slot,
+    write_quantized_kv_by_slot,
 )
 from .block_allocator import AllocatorUsage, BlockAllocator, BlockHash
 from .config import EngineConfig, implementation_names
@@ -40,13 +46,14 @@ from .errors import (
     KvforgeError,
     OutOfBlocksError,
     PluginError,
+    QuantizationError,
     RequestError,
     SelectionError,
     UnsupportedConfigurationError,
 )
 from .hookspecs import hookimpl, hookspec
 from .implementation import Availability, Implementation, SelectionRequest
-from .quantizer import QuantizedTensor, Quantizer
+from .quantizer import GRANULARITIES, PER_CHANNEL, PER_TENSOR, PER_TOKEN, QuantizedTensor, Quantizer
 from .registry import AUTO, Candidate, LoadError, PluginFilter, Registration, Registry, build_registry
 from .scheduler_policy import RequestView, SchedulerPolicy
 from .speculative import DraftProposal, ProposalRequest, SpeculativeProposer

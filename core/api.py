@@ -1,8 +1,11 @@
 """The version of the contract and the canonical names of the five kinds."""
 
-API_VERSION: tuple[int, int] = (1, 0)
+API_VERSION: tuple[int, int] = (1, 1)
 """(major, minor). A plugin written for another major is refused; one that needs a
-newer minor than this host offers is refused too."""
+newer minor than this host offers is refused too.
+
+1.1: quantized KV caches (`KVCacheSpec.quantizer`, `AttentionBackend.quantized_kv_dtypes`,
+`SelectionRequest.kv_storage_dtype`)."""
 
 ENTRY_POINT_GROUP = "kvforge.plugins"
 

@@ -22,6 +22,7 @@ import torch
 
 from .api import ATTENTION_BACKEND
 from .implementation import Implementation, SelectionRequest
+from .quantizer import Quantizer
 
 SLIDING_WINDOW = "sliding_window"
 LOGIT_SOFT_CAP = "logit_soft_cap"
@@ -36,18 +37,79 @@ and xformers all read it without copying."""
 
 @dataclass(frozen=True)
 class KVCacheSpec:
-    """The shape of one layer's paged KV cache, and how many layers there are."""
+    """The shape of one layer's paged KV cache, and how many layers there are.
+
+    With a `quantizer`, keys and values are stored in its `storage_dtype` with one
+    float32 scale per (token, KV head) (`x ≈ data * scale`), and `dtype` is what
+    attention computes in. Each block then holds its data and its scales together
+    in one row of bytes (see `quantized_kv_views`), so a block id covers both:
+    allocation, prefix sharing, copy-on-write and eviction never know the
+    difference."""
 
     block_size: int
     num_kv_heads: int
     head_size: int
     dtype: torch.dtype
     num_layers: int = 1
+    quantizer: Quantizer | None = None
+
+    @property
+    def quantized(self) -> bool:
+        return self.quantizer is not None
+
+    @property
+    def storage_dtype(self) -> torch.dtype:
+        """The dtype keys and values are stored in."""
+        return self.quantizer.storage_dtype if self.quantizer is not None else self.dtype
+
+    @property
+    def tensor_dtype(self) -> torch.dtype:
+        """The dtype of one layer's cache tensor: raw bytes when quantized."""
+        return torch.uint8 if self.quantized else self.dtype
+
+    def data_bytes(self) -> int:
+        """Bytes of one layer's keys and values in one block (scales excluded)."""
+        element = torch.empty((), dtype=self.storage_dtype).element_size()
+        return 2 * self.block_size * self.num_kv_heads * self.head_size * element
+
+    def scale_offset(self) -> int:
+        """Where a quantized block's scales start in its row of bytes (16-byte aligned)."""
+        return cdiv(self.data_bytes(), 16) * 16
+
+    def layer_block_bytes(self) -> int:
+        """Bytes of one layer's block; a quantized block is padded to 64 bytes so
+        every block starts on a cache line."""
+        if not self.quantized:
+            return self.data_bytes()
+        scales = 2 * self.block_size * self.num_kv_heads * SCALE_DTYPE.itemsize
+        return cdiv(self.scale_offset() + scales, 64) * 64
 
     def bytes_per_block(self) -> int:
-        """Bytes one block costs across all layers (keys and values)."""
-        element = torch.empty((), dtype=self.dtype).element_size()
-        return 2 * self.block_size * self.num_kv_heads * self.head_size * element * self.num_layers
+        """Bytes one block costs across all layers (keys, values and any scales)."""
+        return self.layer_block_bytes() * self.num_layers
+
+
+SCALE_DTYPE = torch.float32
+"""The dtype of a quantized KV cache's per-(token, KV head) scales."""
+
+
+def cdiv(a: int, b: int) -> int:
+    """Ceiling division of non-negative integers."""
+    return -(-a // b)
+
+
+def quantized_kv_views(kv_cache: torch.Tensor, spec: KVCacheSpec) -> tuple[torch.Tensor, torch.Tensor]:
+    """The two views of one layer's quantized cache (`[num_blocks, layer_block_bytes]`
+    uint8): data `[num_blocks, 2, block_size, num_kv_heads, head_size]` in the
+    storage dtype (the NHD layout, with a block stride of `layer_block_bytes`), and
+    scales `[num_blocks, 2, block_size, num_kv_heads]` float32. Writing through
+    either writes the cache."""
+    num_blocks = kv_cache.shape[0]
+    shape = (num_blocks, 2, spec.block_size, spec.num_kv_heads)
+    data = kv_cache[:, :spec.data_bytes()].view(spec.storage_dtype).view(*shape, spec.head_size)
+    offset = spec.scale_offset()
+    scales = kv_cache[:, offset:offset + 2 * spec.block_size * spec.num_kv_heads * SCALE_DTYPE.itemsize]
+    return data, scales.view(SCALE_DTYPE).view(shape)
 
 
 @dataclass(frozen=True)
@@ -134,6 +196,10 @@ class PagedCSR:
     last_page_len: torch.Tensor
 
 
+def dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
 def paged_csr(block_table: torch.Tensor, seq_lens: torch.Tensor, block_size: int) -> PagedCSR:
     """Derive the CSR view from the dense block table; the one place this is done."""
     seq_lens = seq_lens.to(torch.int32)
@@ -158,6 +224,29 @@ def write_kv_by_slot(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Ten
     kv_cache[blocks, 1, offsets] = value[keep].to(kv_cache.dtype)
 
 
+def write_quantized_kv_by_slot(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
+                               slot_mapping: torch.Tensor, spec: KVCacheSpec) -> None:
+    """`write_kv_by_slot` for a quantized cache: `spec.quantizer` quantizes each
+    token's key and value per KV head, and data and scale land at the same slot."""
+    keep = slot_mapping >= 0
+    slots = slot_mapping[keep]
+    blocks, offsets = slots // spec.block_size, slots % spec.block_size
+    data, scales = quantized_kv_views(kv_cache, spec)
+    for index, x in ((0, key), (1, value)):
+        q = spec.quantizer.quantize(x[keep])
+        data[blocks, index, offsets] = q.data
+        scales[blocks, index, offsets] = q.scale.reshape(q.data.shape[:-1]).to(SCALE_DTYPE)
+
+
+def dequantize_kv_blocks(kv_cache: torch.Tensor, spec: KVCacheSpec, blocks: torch.Tensor,
+                         dtype: torch.dtype) -> torch.Tensor:
+    """The keys and values of `blocks` (int64 block ids) as `dtype`, `[len(blocks), 2,
+    block_size, num_kv_heads, head_size]`: a copy of just those blocks, for backends
+    that compute over float keys (never a copy of the whole cache)."""
+    data, scales = quantized_kv_views(kv_cache, spec)
+    return (data[blocks].to(torch.float32) * scales[blocks].unsqueeze(-1)).to(dtype)
+
+
 class AttentionBackend(Implementation):
     """An attention kernel over the paged KV cache.
 
@@ -177,12 +266,19 @@ class AttentionBackend(Implementation):
          reused by `forward` for every layer and is not modified by it.
       5. Physical block ids may be in any order; blocks never referenced by the
          block table are never read.
+      6. With a quantized KV cache (`cache.quantizer`, a storage dtype in
+         `quantized_kv_dtypes`), `write_kv` stores what the quantizer returns and
+         `forward` attends over the dequantized keys and values (`data * scale`),
+         matching the float64 reference over those dequantized values within
+         guarantee 3's tolerance.
     """
 
     kind: ClassVar[str] = ATTENTION_BACKEND
     devices: ClassVar[frozenset[str]] = frozenset({"cpu"})
     dtypes: ClassVar[frozenset[torch.dtype]] = frozenset({torch.float32, torch.float16, torch.bfloat16})
-    kv_cache_dtypes: ClassVar[frozenset[str]] = frozenset({"auto"})
+    quantized_kv_dtypes: ClassVar[frozenset[torch.dtype]] = frozenset()
+    """Storage dtypes of a quantized KV cache (per-(token, KV head) float32 scales,
+    the layout of `quantized_kv_views`) this backend reads; empty: float KV only."""
     head_sizes: ClassVar[frozenset[int] | None] = None  # None: any head size
     block_sizes: ClassVar[frozenset[int] | None] = None  # None: any block size
     features: ClassVar[frozenset[str]] = frozenset()
@@ -199,6 +295,7 @@ class AttentionBackend(Implementation):
             num_heads=layer.num_heads,
             num_kv_heads=layer.num_kv_heads,
             features=layer.required_features(),
+            kv_storage_dtype=cache.storage_dtype if cache.quantized else None,
         )
         reasons = self.unsupported_reasons(request)
         if reasons:
@@ -216,8 +313,10 @@ class AttentionBackend(Implementation):
             reasons.append(f"device {request.device!r} not in {sorted(cls.devices)}")
         if request.dtype is not None and request.dtype not in cls.dtypes:
             reasons.append(f"dtype {request.dtype} not in {sorted(str(d) for d in cls.dtypes)}")
-        if request.kv_cache_dtype not in (None, "auto") and request.kv_cache_dtype not in cls.kv_cache_dtypes:
-            reasons.append(f"kv cache dtype {request.kv_cache_dtype!r} not in {sorted(cls.kv_cache_dtypes)}")
+        if request.kv_storage_dtype is not None and request.kv_storage_dtype not in cls.quantized_kv_dtypes:
+            reads = sorted(dtype_name(d) for d in cls.quantized_kv_dtypes) or "none"
+            reasons.append(f"cannot read a KV cache quantized to {dtype_name(request.kv_storage_dtype)} "
+                           f"(quantized KV dtypes it reads: {reads})")
         if request.head_size is not None and cls.head_sizes is not None and request.head_size not in cls.head_sizes:
             reasons.append(f"head size {request.head_size} not in {sorted(cls.head_sizes)}")
         if request.block_size is not None and cls.block_sizes is not None and request.block_size not in cls.block_sizes:
@@ -234,7 +333,7 @@ class AttentionBackend(Implementation):
         return {
             "devices": sorted(cls.devices),
             "dtypes": sorted(str(d).removeprefix("torch.") for d in cls.dtypes),
-            "kv_cache_dtypes": sorted(cls.kv_cache_dtypes),
+            "kv_cache_dtypes": ["auto", *sorted(dtype_name(d) for d in cls.quantized_kv_dtypes)],
             "head_sizes": sorted(cls.head_sizes) if cls.head_sizes is not None else "any",
             "block_sizes": sorted(cls.block_sizes) if cls.block_sizes is not None else "any",
             "features": sorted(cls.features),
@@ -243,7 +342,10 @@ class AttentionBackend(Implementation):
 
     @classmethod
     def kv_cache_shape(cls, num_blocks: int, cache: KVCacheSpec) -> tuple[int, ...]:
-        """Shape of one layer's cache tensor. Override only for another layout."""
+        """Shape of one layer's cache tensor (dtype `cache.tensor_dtype`): NHD, or
+        one row of bytes per block when quantized. Override only for another layout."""
+        if cache.quantized:
+            return (num_blocks, cache.layer_block_bytes())
         return (num_blocks, 2, cache.block_size, cache.num_kv_heads, cache.head_size)
 
     @abstractmethod
@@ -251,10 +353,13 @@ class AttentionBackend(Implementation):
         """Do the shape-dependent work for one step; the result goes to `forward`."""
 
     def write_kv(self, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
-        """Store `key`/`value` (`[num_tokens, num_kv_heads, head_size]`) at their slots.
-        The default writes the NHD layout in plain PyTorch; a backend with its own
-        write kernel or another layout overrides it."""
-        write_kv_by_slot(key, value, kv_cache, slot_mapping)
+        """Store `key`/`value` (`[num_tokens, num_kv_heads, head_size]`) at their slots,
+        quantized by `self.cache.quantizer` when there is one. The default does it in
+        plain PyTorch; a backend with its own write kernel or another layout overrides it."""
+        if self.cache.quantized:
+            write_quantized_kv_by_slot(key, value, kv_cache, slot_mapping, self.cache)
+        else:
+            write_kv_by_slot(key, value, kv_cache, slot_mapping)
 
     @abstractmethod
     def forward(self, query: torch.Tensor, kv_cache: torch.Tensor, plan: Any, out: torch.Tensor | None = None) -> torch.Tensor:

@@ -43,3 +43,7 @@ class BlockStateError(KvforgeError, ValueError):
 
 class RequestError(KvforgeError, ValueError):
     """A request is invalid; only that request is affected."""
+
+
+class QuantizationError(KvforgeError, ValueError):
+    """A quantizer was given input it cannot represent (NaN or infinity)."""

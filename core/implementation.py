@@ -47,6 +47,7 @@ class SelectionRequest:
     num_kv_heads: int | None = None
     features: frozenset[str] = field(default_factory=frozenset)
     prefix_caching: bool | None = None
+    kv_storage_dtype: Any = None  # torch.dtype of a quantized KV cache; None for a float one
 
 
 class Implementation(ABC):

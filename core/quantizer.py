@@ -9,6 +9,7 @@ from typing import Any, ClassVar
 import torch
 
 from .api import QUANTIZER
+from .errors import QuantizationError
 from .implementation import Implementation
 
 PER_TENSOR = "per_tensor"
@@ -19,8 +20,10 @@ GRANULARITIES = frozenset({PER_TENSOR, PER_TOKEN, PER_CHANNEL})
 
 @dataclass
 class QuantizedTensor:
-    """Quantized `data` with the `scale` that maps it back: `x ≈ data * scale`,
-    `scale` broadcastable against `data` at the quantizer's granularity."""
+    """Quantized `data` with the `scale` that maps it back: `x ≈ data.float() * scale`,
+    `scale` float32 and broadcastable against `data` at the quantizer's granularity:
+    `per_token` `[..., 1]` (one scale per row of the last dimension), `per_channel`
+    `[rows, 1]` for a 2-D weight (one per output channel), `per_tensor` `[]`."""
 
     data: torch.Tensor
     scale: torch.Tensor
@@ -33,7 +36,14 @@ class Quantizer(Implementation):
          the largest magnitude in x's scale group, elementwise.
       2. The scale has the declared granularity's shape, and is finite and positive.
       3. Zeros, constant inputs and inputs with very large or tiny magnitudes do
-         not produce NaN or infinity.
+         not produce NaN or infinity; all-zero groups come back as exact zeros.
+      4. NaN or infinite input raises `QuantizationError` naming the quantizer
+         (`check_finite` does it), never silent garbage.
+
+    The dequantization is always the linear map `data * scale`, so a host can
+    dequantize inside its own kernels knowing only `storage_dtype`: a KV-cache
+    quantizer (`cache.kv_cache_dtype = NAME`) must be `per_token`, and any
+    attention backend that reads its storage dtype serves it unchanged.
     """
 
     kind: ClassVar[str] = QUANTIZER
@@ -48,6 +58,15 @@ class Quantizer(Implementation):
             "granularity": cls.granularity,
             "error_bound": cls.error_bound,
         }
+
+    def check_finite(self, x: torch.Tensor) -> None:
+        """Raise `QuantizationError` if `x` holds NaN or infinity."""
+        if not bool(torch.isfinite(x).all()):
+            bad = int((~torch.isfinite(x)).sum())
+            raise QuantizationError(
+                f"quantizer {self.name!r} was given {bad} NaN or infinite value(s) in a tensor of shape "
+                f"{tuple(x.shape)}; quantized, they would turn into garbage. Find where they come from "
+                "(an overflow in the model's dtype, or bad input) before quantizing")
 
     @abstractmethod
     def quantize(self, x: torch.Tensor) -> QuantizedTensor:
