@@ -56,7 +56,7 @@ from .implementation import Availability, Implementation, SelectionRequest
 from .quantizer import GRANULARITIES, PER_CHANNEL, PER_TENSOR, PER_TOKEN, QuantizedTensor, Quantizer
 from .registry import AUTO, Candidate, LoadError, PluginFilter, Registration, Registry, build_registry
 from .scheduler_policy import RequestView, SchedulerPolicy
-from .speculative import DraftProposal, ProposalRequest, SpeculativeProposer
+from .speculative import DraftProposal, ProposalRequest, ProposerTarget, SpeculativeProposer
 
 INTERFACES: dict[str, type[Implementation]] = {
     ATTENTION_BACKEND: AttentionBackend,

@@ -8,7 +8,7 @@ Where values come from, and how they override each other, lives in
 from __future__ import annotations
 
 import re
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
@@ -70,6 +70,9 @@ class QuantizationConfig(Section):
 class SpeculativeConfig(Section):
     proposer: str | None = Field(None, description="speculative_proposer name, or none")
     num_tokens: int = Field(4, ge=1, le=32, description="draft tokens per step")
+    options: dict[str, Any] = Field(default_factory=dict, description="the proposer's own options (see its docs)")
+    disable_above_batch_size: int | None = Field(
+        None, ge=1, description="no drafts while more requests than this run (decode is compute-bound there)")
 
 
 class PluginsConfig(Section):

@@ -15,10 +15,23 @@ from .implementation import Implementation
 
 @dataclass(frozen=True)
 class ProposalRequest:
-    """One request to draft for: every token it has so far (prompt and output)."""
+    """One request to draft for: every token it has so far (prompt and output),
+    and its sampling temperature (0: greedy), for proposers that sample drafts."""
 
     request_id: str
     token_ids: Sequence[int]
+    temperature: float = 0.0
+
+
+@dataclass(frozen=True)
+class ProposerTarget:
+    """What the engine tells a proposer about the model it drafts for (`setup`)."""
+
+    model: str  # the target's config.model: a built-in name or a local directory
+    vocab_size: int
+    max_model_len: int
+    device: torch.device
+    dtype: torch.dtype
 
 
 @dataclass
@@ -42,6 +55,19 @@ class SpeculativeProposer(Implementation):
     """
 
     kind: ClassVar[str] = SPECULATIVE_PROPOSER
+
+    def __init__(self, **options):
+        """`options` are `speculative.options` from the config; each proposer names
+        and documents its own, and refuses unknown ones with a ConfigError."""
+        if options:
+            from .errors import ConfigError
+
+            raise ConfigError(f"speculative proposer {self.name!r} takes no options, got {sorted(options)}; "
+                              "remove speculative.options")
+
+    def setup(self, target: ProposerTarget) -> None:
+        """Called once by the engine, before the first `propose`, with the target
+        model's facts. Default: nothing to prepare."""
 
     @abstractmethod
     def propose(self, requests: Sequence[ProposalRequest], num_tokens: int) -> list[DraftProposal]:
