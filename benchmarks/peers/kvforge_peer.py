@@ -4,14 +4,29 @@ config sections (`{"cache": {...}, "scheduler": {...}}`)."""
 
 from __future__ import annotations
 
+import json
+
 import common
+
+
+def float32_kv_bytes_per_token(model_dir: str) -> int:
+    """Keys and values of every layer for one token in float32, from the model's config."""
+    with open(f"{model_dir}/config.json") as f:
+        config = json.load(f)
+    heads = config["num_attention_heads"]
+    head = config.get("head_dim") or config["hidden_size"] // heads
+    return config["num_hidden_layers"] * 2 * (config.get("num_key_value_heads") or heads) * head * 4
 
 
 def engine_for(workload: dict, options: dict):
     from kvforge import LLMEngine
     from kvforge.core import load_config
 
-    sections = {"cache": {"memory_budget": int(workload["kv_cache_gib"] * 2**30)}, "scheduler": {}}
+    options = dict(options)
+    budget = int(workload["kv_cache_gib"] * 2**30)
+    if "kv_tokens_float32" in options:  # one budget in bytes for every KV dtype of a scenario
+        budget = options.pop("kv_tokens_float32") * float32_kv_bytes_per_token(workload["model_dir"])
+    sections = {"cache": {"memory_budget": budget}, "scheduler": {}}
     for name, values in options.items():
         sections[name] = {**sections.get(name, {}), **values} if isinstance(values, dict) else values
     config = load_config(model=workload["model_dir"], device="cpu", dtype=workload["dtype"], **sections).config

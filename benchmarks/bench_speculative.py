@@ -1,0 +1,152 @@
+"""Speculative decoding figures: every proposer against none, on the same model
+and requests, measured back to back in one process (1 thread), greedy:
+
+* output tokens/s with and without speculation, and their ratio (the speedup);
+* drafts proposed, accepted, the acceptance rate and the mean tokens a
+  verification step emits;
+* whether greedy output is token for token the same as without speculation;
+
+at batch 1 (one request at a time, where decode reads every weight for one token)
+and batch 32 (with `disable_above_batch_size` set below 32, so speculation turns
+itself off, and without it), on repetitive text (the output repeats or edits
+what came before: what prompt lookup feeds on) and on free text.
+
+    python -m kvforge.benchmarks.bench_speculative --model kvforge-tiny --model bench-llama-50m
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import time
+
+import torch
+
+from kvforge.core import SPECULATIVE_PROPOSER, build_registry
+
+REPETITIVE_TEXT = [
+    "def area(w, h):\n    return w * h\n\n\ndef area(w, h):\n    return w * h\n\n\ndef area(",
+    "for i in range(10):\n    print(i)\nfor i in range(10):\n    print(i)\nfor i in range(10):\n",
+    "x = x + 1\ny = y + 1\nx = x + 1\ny = y + 1\nx = x + 1\ny = y + 1\n",
+    "the cat sat on the mat. the cat sat on the mat. the cat sat on the mat. the cat",
+]
+FREE_TEXT = [
+    "Once upon a time, there was a little ",
+    "import os\nimport sys\n\n\ndef main():\n",
+    "The weather today is ",
+    "class Stack:\n    def __init__(self):\n",
+]
+
+
+def proposers() -> list[str]:
+    return [r.name for r in build_registry().implementations(SPECULATIVE_PROPOSER) if r.availability().ok]
+
+
+def prompts(model: str, tokenizer, vocab: int, repetitive: bool, count: int, seed: int = 0) -> list[list[int]]:
+    """Text prompts for the built-in (trained) models; token ids for random-weight ones: a
+    16-token motif repeated (repetitive) or random ids (free)."""
+    if model.startswith("kvforge-"):
+        texts = REPETITIVE_TEXT if repetitive else FREE_TEXT
+        return [list(tokenizer.encode(texts[i % len(texts)])) for i in range(count)]
+    rng = random.Random(seed)
+    if repetitive:
+        return [[rng.randrange(3, vocab) for _ in range(16)] * 4 for _ in range(count)]
+    return [[rng.randrange(3, vocab) for _ in range(64)] for _ in range(count)]
+
+
+def engine_for(model: str, batch: int, speculative: dict):
+    from kvforge import LLMEngine
+    from kvforge.core import load_config
+
+    config = load_config(model=model, device="cpu", dtype="float32", cache={"memory_budget": 2**29},
+                         scheduler={"max_num_seqs": batch}, speculative=speculative).config
+    return LLMEngine(config)
+
+
+def run(engine, requests: list[list[int]], tokens: int) -> tuple[float, list[list[int]]]:
+    from kvforge import SamplingParams
+
+    params = SamplingParams(max_tokens=tokens, temperature=0.0, ignore_eos=True, detokenize=False)
+    start = time.perf_counter()
+    for i, prompt in enumerate(requests):
+        engine.add_request(f"s{i}", prompt_token_ids=prompt, params=params)
+    done = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step(final_only=True):
+            done[out.request_id] = list(out.outputs[0].token_ids)
+    return time.perf_counter() - start, [done[f"s{i}"] for i in range(len(requests))]
+
+
+def draft_metrics(engine) -> dict:
+    return {k: v for k, v in engine.metrics().items() if "draft" in k or "accept" in k or "spec" in k}
+
+
+def measure(model: str, path: str, *, batch: int, repetitive: bool, tokens: int, num_tokens: int) -> list[dict]:
+    """Every proposer against none for one (model, text, batch)."""
+    probe = engine_for(path, batch, {})
+    requests = prompts(model, probe.tokenizer, int(probe.model.vocab_size), repetitive, 4 if batch == 1 else batch)
+    run(probe, requests[:1], 4)  # first-call costs
+    base_s, base_out = run(probe, requests, tokens)
+    rows = [{"model": model, "text": "repetitive" if repetitive else "free", "batch": batch, "proposer": "none",
+             "tokens_per_s": len(requests) * tokens / base_s}]
+    settings = [(name, {}) for name in proposers()]
+    if batch > 1:
+        settings += [(name, {"disable_above_batch_size": batch // 2}) for name in proposers()]
+    for name, extra in settings:
+        speculative = {"proposer": name, "num_tokens": num_tokens, **extra}
+        try:
+            engine = engine_for(path, batch, speculative)
+        except Exception as exc:  # noqa: BLE001 - a proposer that cannot serve this model is reported, not fatal
+            rows.append({**rows[0], "proposer": name, "error": f"{type(exc).__name__}: {exc}"[:200]})
+            continue
+        run(engine, requests[:1], 4)
+        seconds, out = run(engine, requests, tokens)
+        label = name + (f", off above {extra['disable_above_batch_size']}" if extra else "")
+        rows.append({**rows[0], "proposer": label, "tokens_per_s": len(requests) * tokens / seconds,
+                     "speedup": base_s / seconds, "identical": out == base_out, **draft_metrics(engine)})
+    return rows
+
+
+def markdown(rows: list[dict]) -> str:
+    lines = ["| model | text | batch | proposer | tok/s | speedup | acceptance | tokens/verification | identical |",
+             "|---|---|---:|---|---:|---:|---:|---:|---|"]
+    for r in rows:
+        if "error" in r:
+            lines.append(f"| {r['model']} | {r['text']} | {r['batch']} | {r['proposer']} | {r['error']} | | | | |")
+            continue
+        rate = next((v for k, v in r.items() if "acceptance" in k), None)
+        per_step = next((v for k, v in r.items() if "per_verification" in k or "per_step" in k), None)
+        lines.append(f"| {r['model']} | {r['text']} | {r['batch']} | {r['proposer']} | {r['tokens_per_s']:.1f} | "
+                     f"{r.get('speedup', 1.0):.2f}x | {'' if rate is None else f'{rate:.2f}'} | "
+                     f"{'' if per_step is None else f'{per_step:.2f}'} | {r.get('identical', '')} |")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> None:
+    from kvforge.benchmarks.model_dirs import model_dir
+
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", action="append", help="default: kvforge-tiny and bench-llama-50m")
+    parser.add_argument("--tokens", type=int, default=64, help="output tokens per request")
+    parser.add_argument("--num-tokens", type=int, default=4, help="draft tokens per step (speculative.num_tokens)")
+    parser.add_argument("--batch", type=int, action="append", help="default: 1 and 32")
+    parser.add_argument("--json", help="also write the rows here")
+    args = parser.parse_args(argv)
+    torch.set_num_threads(1)
+    rows = []
+    for model in args.model or ["kvforge-tiny", "bench-llama-50m"]:
+        path = str(model_dir(model))
+        for repetitive in (True, False):
+            for batch in args.batch or [1, 32]:
+                rows += measure(model, path, batch=batch, repetitive=repetitive, tokens=args.tokens,
+                                num_tokens=args.num_tokens)
+                print(markdown(rows[-1:]).splitlines()[-1], flush=True)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(rows, f, indent=2)
+    print(markdown(rows))
+
+
+if __name__ == "__main__":
+    main()
