@@ -27,7 +27,6 @@ from kvforge.conformance.quantizer_cases import (
 )
 from kvforge.core import (
     GRANULARITIES,
-    PER_CHANNEL,
     PER_TENSOR,
     PER_TOKEN,
     QUANTIZER,
@@ -46,14 +45,12 @@ def quantizer(registration):
     return registration.cls()
 
 
-def expected_scale_shape(granularity: str, shape: tuple[int, ...]) -> str:
-    return {PER_TOKEN: f"{(*shape[:-1], 1)}", PER_CHANNEL: f"{(shape[0], 1)}", PER_TENSOR: "one element"}[granularity]
-
-
-def scale_shape_ok(granularity: str, shape: tuple[int, ...], scale: torch.Tensor) -> bool:
+def scale_shape_problem(granularity: str, shape: tuple[int, ...], scale: torch.Tensor) -> str | None:
+    """What is wrong with the scale's shape for an input of `shape`, or None."""
     if granularity == PER_TENSOR:
-        return scale.numel() == 1
-    return tuple(scale.shape) == ((*shape[:-1], 1) if granularity == PER_TOKEN else (shape[0], 1))
+        return None if scale.numel() == 1 else f"{scale.numel()} scales; expected one element"
+    expected = (*shape[:-1], 1) if granularity == PER_TOKEN else (shape[0], 1)
+    return None if tuple(scale.shape) == expected else f"scale shape {tuple(scale.shape)}; expected {expected}"
 
 
 def test_declares_a_storage_dtype_a_known_granularity_and_an_error_bound_in_0_1(registration):
@@ -79,9 +76,8 @@ def test_quantize_returns_storage_dtype_data_of_the_input_shape_and_scales_of_th
             f"{quantizer.name}: data is {q.data.dtype}, but storage_dtype declares {quantizer.storage_dtype}")
         assert tuple(q.data.shape) == shape, f"{quantizer.name}: data shape {tuple(q.data.shape)} for input {shape}"
         assert q.scale.dtype == torch.float32, f"{quantizer.name}: scale is {q.scale.dtype}, not torch.float32"
-        assert scale_shape_ok(quantizer.granularity, shape, q.scale), (
-            f"{quantizer.name} ({quantizer.granularity}): scale shape {tuple(q.scale.shape)} for input {shape}; "
-            f"expected {expected_scale_shape(quantizer.granularity, shape)}")
+        problem = scale_shape_problem(quantizer.granularity, shape, q.scale)
+        assert problem is None, f"{quantizer.name} ({quantizer.granularity}), input {shape}: {problem}"
         assert bool((torch.isfinite(q.scale) & (q.scale > 0)).all()), f"{quantizer.name}: scales not finite and positive"
         assert q.original_dtype == dtype
 

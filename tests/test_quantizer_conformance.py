@@ -211,7 +211,7 @@ def test_each_round_trip_failure_names_quantizer_case_seed_and_worst_element():
 # The contract
 
 def test_a_wrong_scale_shape_is_caught():
-    with pytest.raises(AssertionError, match=r"scale shape \(5, 2\) for input \(5, 2, 16\); expected \(5, 2, 1\)"):
+    with pytest.raises(AssertionError, match=r"input \(5, 2, 16\): scale shape \(5, 2\); expected \(5, 2, 1\)"):
         contract.test_quantize_returns_storage_dtype_data_of_the_input_shape_and_scales_of_the_granularity_shape(
             SqueezedScales(), torch.float32)
 
@@ -270,8 +270,9 @@ def test_weight_quantizers_are_not_stored_as_kv():
 # Through the runner and the command line
 
 def kvforge(*args, env=None, cwd=None):
+    # wide enough that rich wraps neither a matrix row nor a failure line
     return subprocess.run([sys.executable, "-m", "kvforge", *args], capture_output=True, text=True,
-                          env={**os.environ, "COLUMNS": "200", **(env or {})}, cwd=cwd, timeout=300)
+                          env={**os.environ, "COLUMNS": "1000", **(env or {})}, cwd=cwd, timeout=300)
 
 
 def test_every_builtin_quantizer_passes_every_quantizer_check_group(tmp_path):
@@ -285,9 +286,9 @@ def test_every_builtin_quantizer_passes_every_quantizer_check_group(tmp_path):
         assert row.count("pass") == len(groups), row
 
 
-BROKEN_PLUGIN = '''
+THIRD_PARTY_PLUGIN = '''
 import torch
-from kvforge.core import PER_TOKEN, QuantizedTensor, Quantizer, hookimpl
+from kvforge.core import PER_TENSOR, PER_TOKEN, QuantizedTensor, Quantizer, hookimpl
 
 class SloppyInt8(Quantizer):
     """Skips check_finite and scales zeros by 0."""
@@ -303,17 +304,34 @@ class SloppyInt8(Quantizer):
     def dequantize(self, q, dtype=None):
         return (q.data.float() * q.scale).to(dtype or q.original_dtype)
 
+class TensorInt8(SloppyInt8):
+    """A correct per_tensor int8: one scale for the whole tensor."""
+    name = "tensor-int8"
+    granularity = PER_TENSOR
+
+    def quantize(self, x):
+        self.check_finite(x)
+        amax = x.abs().amax().float()
+        scale = torch.where(amax > 0, (amax / 127).clamp_min(torch.finfo(torch.float32).tiny), torch.ones_like(amax))
+        return QuantizedTensor((x.float() / scale).round().clamp(-127, 127).to(torch.int8), scale, x.dtype)
+
 @hookimpl
 def kvforge_implementations():
-    return [SloppyInt8]
+    return [SloppyInt8, TensorInt8]
 '''
 
 
-def test_a_broken_third_party_quantizer_fails_kvforge_conformance(fake_site, tmp_path):
-    fake_site.add("fakeplug-sloppy", "0.1", {"fakeplug_sloppy": BROKEN_PLUGIN}, {"sloppy": "fakeplug_sloppy"})
-    result = kvforge("conformance", "--kind", QUANTIZER, "--plugin", "sloppy-int8",
+def test_third_party_quantizers_are_judged_by_kvforge_conformance(fake_site, tmp_path):
+    fake_site.add("fakeplug-quant", "0.1", {"fakeplug_quant": THIRD_PARTY_PLUGIN}, {"quant": "fakeplug_quant"})
+    result = kvforge("conformance", "--kind", QUANTIZER, "--plugin", "sloppy-int8", "--plugin", "tensor-int8",
                      env={"PYTHONPATH": str(fake_site.root)}, cwd=tmp_path)
     assert result.returncode == 1, result.stdout + result.stderr
-    assert "sloppy-int8" in result.stdout and "int8_weight" not in result.stdout
-    assert "test_nan_or_infinity_anywhere_raises" in result.stdout
-    assert "test_all_zero_groups_come_back_as_exact_zeros" in result.stdout
+    assert "int8_weight" not in result.stdout
+    (good,) = [line for line in result.stdout.splitlines() if " tensor-int8 " in line]
+    assert good.count("pass") == 2, result.stdout
+    failures = [line for line in result.stdout.splitlines() if line.startswith("FAIL")]
+    assert failures and all("[sloppy-int8-" in line for line in failures)  # each failure names its implementation
+    assert any("check_quantizer_contract::test_nan_or_infinity_anywhere_raises" in line
+               and "DID NOT RAISE QuantizationError" in line for line in failures)
+    assert any("check_quantizer_roundtrip::test_all_zero_groups_come_back_as_exact_zeros" in line
+               and "scales are not finite and positive" in line for line in failures)
