@@ -7,6 +7,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -321,14 +322,23 @@ def kvforge_implementations():
 '''
 
 
+def documented_example() -> str:
+    """The quantizer plugin written out in docs/quantization.md."""
+    text = (Path(__file__).resolve().parents[1] / "docs" / "quantization.md").read_text()
+    (block,) = [b.split("\n", 1)[1] for b in text.split("```")[1::2] if b.startswith("python") and "@hookimpl" in b]
+    return block
+
+
 def test_third_party_quantizers_are_judged_by_kvforge_conformance(fake_site, tmp_path):
     fake_site.add("fakeplug-quant", "0.1", {"fakeplug_quant": THIRD_PARTY_PLUGIN}, {"quant": "fakeplug_quant"})
+    fake_site.add("fakeplug-int4", "0.1", {"fakeplug_int4": documented_example()}, {"int4": "fakeplug_int4"})
     result = kvforge("conformance", "--kind", QUANTIZER, "--plugin", "sloppy-int8", "--plugin", "tensor-int8",
-                     env={"PYTHONPATH": str(fake_site.root)}, cwd=tmp_path)
+                     "--plugin", "int4", env={"PYTHONPATH": str(fake_site.root)}, cwd=tmp_path)
     assert result.returncode == 1, result.stdout + result.stderr
     assert "int8_weight" not in result.stdout
-    (good,) = [line for line in result.stdout.splitlines() if " tensor-int8 " in line]
-    assert good.count("pass") == 2, result.stdout
+    for name in ("tensor-int8", "int4_unpacked"):  # a correct per_tensor one, and the documented example
+        (good,) = [line for line in result.stdout.splitlines() if f" {name} " in line]
+        assert good.count("pass") == 2, result.stdout
     failures = [line for line in result.stdout.splitlines() if line.startswith("FAIL")]
     assert failures and all("[sloppy-int8-" in line for line in failures)  # each failure names its implementation
     assert any("check_quantizer_contract::test_nan_or_infinity_anywhere_raises" in line
