@@ -76,7 +76,8 @@ def quantizer_table(quantizers: list[dict]) -> Table:
     for item in quantizers:
         capabilities = item["capabilities"]  # a plugin may override capabilities(): show what is there
         bound = capabilities.get("error_bound")
-        table.add_row(item["name"], str(capabilities.get("storage_dtype", "?")), str(capabilities.get("granularity", "?")),
+        table.add_row(item["name"], str(capabilities.get("storage_dtype", "?")),
+                      str(capabilities.get("granularity", "?")),
                       f"{bound:.3g}" if isinstance(bound, float) else str(bound),
                       "yes" if capabilities.get("granularity") == PER_TOKEN else "no")
     return table

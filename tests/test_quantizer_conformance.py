@@ -78,6 +78,15 @@ class AcceptsNaN(Int8Quantizer):
         pass
 
 
+class ChecksFirstRowOnly(Int8Quantizer):
+    """Looks for NaN only where it is cheap: the first row."""
+
+    name = "checks-first-row"
+
+    def check_finite(self, x):
+        super().check_finite(x.reshape(-1, x.shape[-1])[0])
+
+
 class NamelessError(Int8Quantizer):
     """Refuses NaN, but its message does not say which quantizer refused."""
 
@@ -174,7 +183,8 @@ class ExactClaim(Int8Quantizer):
 def test_scales_that_overflow_to_inf_are_caught_at_the_float32_edges():
     with pytest.raises(AssertionError, match="not finite and positive"):
         roundtrip.test_group_maxima_at_the_edges_of_float32_round_trip_within_the_bound(SquaredScales(), torch.float32)
-    roundtrip.test_error_stays_within_the_bound_at_every_magnitude(SquaredScales(), torch.float32)  # ordinary data hides it
+    # ordinary data hides it
+    roundtrip.test_error_stays_within_the_bound_at_every_magnitude(SquaredScales(), torch.float32)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
@@ -185,7 +195,8 @@ def test_an_error_bound_that_is_not_kept_is_caught(dtype):
 
 def test_zeros_that_come_back_nan_are_caught():
     with pytest.raises(AssertionError, match="not exact zeros") as caught:
-        roundtrip.test_all_zero_groups_come_back_as_exact_zeros_with_finite_positive_scales(ZeroScaleForZeros(), torch.float32)
+        roundtrip.test_all_zero_groups_come_back_as_exact_zeros_with_finite_positive_scales(
+            ZeroScaleForZeros(), torch.float32)
     assert "nan" in str(caught.value) and "scales are not finite and positive" in str(caught.value)
 
 
@@ -224,6 +235,12 @@ def test_nan_or_inf_accepted_silently_is_caught(bad):
             AcceptsNaN(), bad, torch.float32)
 
 
+def test_nan_outside_the_rows_a_quantizer_inspects_is_caught():
+    with pytest.raises(pytest.fail.Exception, match="DID NOT RAISE"):
+        contract.test_nan_or_infinity_anywhere_raises_a_quantization_error_naming_the_quantizer(
+            ChecksFirstRowOnly(), float("nan"), torch.float32)
+
+
 def test_a_refusal_that_does_not_name_the_quantizer_is_caught():
     with pytest.raises(AssertionError, match="Regex pattern did not match"):
         contract.test_nan_or_infinity_anywhere_raises_a_quantization_error_naming_the_quantizer(
@@ -243,19 +260,23 @@ def test_changing_the_input_is_caught():
 
 
 def test_a_zero_point_is_caught_by_the_linear_map_and_the_kv_layout():
-    roundtrip.test_error_stays_within_the_bound_at_every_magnitude(ZeroPointUint8(), torch.float32)  # its own round trip is fine
+    # its own round trip is fine
+    roundtrip.test_error_stays_within_the_bound_at_every_magnitude(ZeroPointUint8(), torch.float32)
     with pytest.raises(AssertionError, match="differs from data \\* scale"):
         contract.test_dequantize_is_data_times_scale(ZeroPointUint8(), torch.float32)
     with pytest.raises(AssertionError, match="stored in the KV cache layout"):
-        contract.test_kv_capable_quantizers_round_trip_through_the_kv_cache_block_layout(ZeroPointUint8(), torch.float32)
+        contract.test_kv_capable_quantizers_round_trip_through_the_kv_cache_block_layout(
+            ZeroPointUint8(), torch.float32)
 
 
 def test_ignoring_the_dtype_asked_for_is_caught():
     with pytest.raises(AssertionError, match="not the input's torch.bfloat16"):
-        contract.test_dequantize_returns_the_input_dtype_by_default_and_the_dtype_asked_for(AlwaysFloat32(), torch.bfloat16)
+        contract.test_dequantize_returns_the_input_dtype_by_default_and_the_dtype_asked_for(
+            AlwaysFloat32(), torch.bfloat16)
 
 
-@pytest.mark.parametrize("cls, fragment", [(UnknownGranularity, "granularity 'per_row'"), (ExactClaim, "error_bound 0.0")],
+@pytest.mark.parametrize("cls, fragment",
+                         [(UnknownGranularity, "granularity 'per_row'"), (ExactClaim, "error_bound 0.0")],
                          ids=["granularity", "error-bound"])
 def test_impossible_declarations_are_caught(cls, fragment):
     with pytest.raises(AssertionError, match=fragment):

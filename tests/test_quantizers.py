@@ -87,4 +87,5 @@ def test_kvforge_plugins_shows_each_quantizer_format_and_whether_it_serves_the_k
                             env=env, cwd=tmp_path, timeout=120)
     capabilities = {i["name"]: i["capabilities"] for i in json.loads(listed.stdout)["implementations"]
                     if i["kind"] == QUANTIZER}
-    assert capabilities["int8_weight"] == {"storage_dtype": "int8", "granularity": "per_channel", "error_bound": 1 / 252}
+    assert capabilities["int8_weight"] == {"storage_dtype": "int8", "granularity": "per_channel",
+                                           "error_bound": 1 / 252}
