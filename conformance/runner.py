@@ -82,7 +82,16 @@ class _Collector:
                 result.skip_reasons.append(reason)
         else:
             result.failed += 1
-            result.failures.append(f"{report.nodeid}: {report.longreprtext.strip().splitlines()[-1] if report.longreprtext else ''}")
+            # module::test[params]: the nodeid alone loses the module when run outside the rootdir
+            result.failures.append(f"{module}::{report.location[2]}: {first_error_line(report.longreprtext)}")
+
+
+def first_error_line(longrepr: str) -> str:
+    """The first `E ` line of a failure (the assertion message or the exception),
+    else its last line: the location line alone says only `Failed`."""
+    lines = longrepr.strip().splitlines()
+    errors = [line[1:].strip() for line in lines if line.startswith("E ")]
+    return errors[0] if errors else (lines[-1] if lines else "")
 
 
 def run_conformance(kinds: list[str] | None = None, plugins: list[str] | None = None, quick: bool = False,

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
 from kvforge.core import KINDS
@@ -53,6 +54,6 @@ def run(args: argparse.Namespace) -> int:
         console.print(table)
     for result in results:
         for failure in result.failures:
-            console.print(f"[red]FAIL[/red] {failure}")
+            console.print(f"[red]FAIL[/red] {escape(failure)}")  # test ids hold [params], not markup
     failed = any(r.status == "fail" for r in results)
     return 1 if failed or code not in (0, 5) else 0

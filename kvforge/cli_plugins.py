@@ -21,7 +21,7 @@ from dataclasses import asdict
 from rich.console import Console
 from rich.table import Table
 
-from kvforge.core import API_VERSION, KINDS, SelectionRequest
+from kvforge.core import API_VERSION, KINDS, PER_TOKEN, QUANTIZER, SelectionRequest
 
 from .cli_options import add_config_options, config_from_args, registry_from_config
 
@@ -69,6 +69,20 @@ def report(registry, request: SelectionRequest | None, explain: bool) -> dict:
     return data
 
 
+def quantizer_table(quantizers: list[dict]) -> Table:
+    """What a user picks a quantizer by: its storage dtype, granularity, error bound,
+    and whether `cache.kv_cache_dtype` may name it (only per_token ones)."""
+    table = Table("quantizer", "storage dtype", "granularity", "error bound", "KV-capable", title="quantizers")
+    for item in quantizers:
+        capabilities = item["capabilities"]  # a plugin may override capabilities(): show what is there
+        bound = capabilities.get("error_bound")
+        table.add_row(item["name"], str(capabilities.get("storage_dtype", "?")),
+                      str(capabilities.get("granularity", "?")),
+                      f"{bound:.3g}" if isinstance(bound, float) else str(bound),
+                      "yes" if capabilities.get("granularity") == PER_TOKEN else "no")
+    return table
+
+
 def run(args: argparse.Namespace) -> int:
     loaded = config_from_args(args)
     registry = registry_from_config(loaded)
@@ -83,6 +97,9 @@ def run(args: argparse.Namespace) -> int:
         table.add_row(item["kind"], item["name"], item["distribution"], item["version"],
                       ".".join(map(str, item["api_version"])), status)
     console.print(table)
+    quantizers = [item for item in data["implementations"] if item["kind"] == QUANTIZER]
+    if quantizers:
+        console.print(quantizer_table(quantizers))
     if data["errors"]:
         errors = Table("plugin", "distribution", "stage", "error", title="plugin load errors")
         for error in data["errors"]:
