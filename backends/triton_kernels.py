@@ -47,8 +47,8 @@ def stored_bytes_to_float(raw, KV_FORMAT: tl.constexpr):
     compiles e4m3 (`fp8e4nv`) loads only for compute capability 8.9 and newer, and
     this one path runs the same on every GPU and in the interpreter. e5m2 is the
     top byte of an IEEE half; e4m3 (bias 7) placed in a half's bits is the value
-    times 2^-8 (bias 15), subnormals included. The NaN codes of either format
-    (absmax quantizers never write them) decode to finite or infinite values.
+    times 2^-8 (bias 15), subnormals included. e5m2's infinity and NaN codes stay
+    so; e4m3's NaN codes decode to +-480 (absmax quantizers write none of them).
     """
     if KV_FORMAT == INT8_KV:
         return raw.to(tl.int8, bitcast=True).to(tl.float32)
