@@ -7,6 +7,12 @@ wrapper once per step: the decode wrapper when every sequence has one new
 token, else the prefill wrapper (causal, aligned bottom-right, which is exactly
 "query `i` sits at position `context_len + i`"). `forward` runs it per layer.
 
+Reads float KV only. FlashInfer's fp8 paged kernels take one scale for all keys
+and one for all values (`run(k_scale=..., v_scale=...)` floats, folded into the
+softmax scale and the output), while a kvforge quantized cache carries one
+scale per (token, KV head): the two cannot be folded into each other, so a
+quantized cache is refused with that reason (the `triton` backend reads it).
+
 Needs CUDA. Without it, `availability()` says so without importing flashinfer,
 and `auto` never picks it. Validated only on a GPU (benchmarks/gpu_check.sh);
 on CPU only the argument conversion is tested.
@@ -27,6 +33,7 @@ from kvforge.core import (
     AttentionBatch,
     AttentionLayerSpec,
     Availability,
+    SelectionRequest,
     hookimpl,
 )
 
@@ -101,6 +108,15 @@ class FlashInferAttentionBackend(AttentionBackend):
     dtypes = frozenset({torch.float16, torch.bfloat16})
     head_sizes = frozenset({64, 128, 256})
     features = frozenset({SLIDING_WINDOW, LOGIT_SOFT_CAP})
+    quantized_kv_dtypes = frozenset()  # see the module docstring and unsupported_reasons
+
+    @classmethod
+    def unsupported_reasons(cls, request: SelectionRequest) -> list[str]:
+        reasons = super().unsupported_reasons(request)
+        if request.kv_storage_dtype is not None and request.kv_storage_dtype not in cls.quantized_kv_dtypes:
+            reasons.append("FlashInfer's fp8 KV kernels take one per-tensor k_scale/v_scale, not kvforge's "
+                           "per-(token, KV head) scales; use attention.backend = 'triton' for a quantized KV cache")
+        return reasons
 
     @classmethod
     def availability(cls) -> Availability:

@@ -5,6 +5,11 @@ decodes alike); the kernel reads the block table itself, packs the query heads
 that share a KV head into one tile (GQA), and splits long decodes over the keys
 (a second kernel merges the splits). Kernels: `kvforge.backends.triton_kernels`.
 
+A quantized KV cache (int8, fp8 e4m3, fp8 e5m2 with per-(token, KV head)
+scales, `kvforge.core.quantized_kv_views`) is read in place: the kernel loads
+the stored bytes and the scales and dequantizes each tile in registers. Its
+`write_kv` is the interface's default (the quantizer in PyTorch, then a scatter).
+
 Runs on CUDA. On a CPU-only machine it is available only under
 `TRITON_INTERPRET=1` (set before triton is first imported), where Triton's
 interpreter runs the same kernels, slowly: the conformance suite then runs
@@ -26,9 +31,12 @@ from kvforge.core import (
     AttentionBackend,
     AttentionBatch,
     Availability,
+    KVCacheSpec,
     SelectionRequest,
     UnsupportedConfigurationError,
+    dtype_name,
     hookimpl,
+    quantized_kv_views,
 )
 
 INTERPRET_ENV = "TRITON_INTERPRET"
@@ -69,6 +77,8 @@ class TritonAttentionBackend(AttentionBackend):
     priority = -90 if interpreting() else 30
     devices = frozenset({"cuda", "cpu"})  # cpu only under TRITON_INTERPRET=1; see unsupported_reasons
     dtypes = frozenset({torch.float32, torch.float16, torch.bfloat16})
+    # Read as bytes and decoded in the kernel, so every GPU and the interpreter take the same path.
+    quantized_kv_dtypes = frozenset({torch.int8, torch.float8_e4m3fn, torch.float8_e5m2})
     head_sizes = frozenset({32, 64, 80, 96, 128, 256})
     features = frozenset({SLIDING_WINDOW, LOGIT_SOFT_CAP, ALIBI})
     # The interpreter takes about a second per launch: the shared suite runs a subset.
@@ -148,7 +158,10 @@ class TritonAttentionBackend(AttentionBackend):
         num_tokens, num_kv_heads, head_size = key.shape
         if num_tokens == 0:
             return
-        check_cache(kv_cache)
+        check_cache(kv_cache, self.cache)
+        if self.cache.quantized:
+            super().write_kv(key, value, kv_cache, slot_mapping)
+            return
         key, value = dense_rows(key), dense_rows(value)
         self.kernels.write_kv_kernel[(num_tokens,)](
             key, value, kv_cache, slot_mapping,
@@ -165,7 +178,7 @@ class TritonAttentionBackend(AttentionBackend):
         num_tokens, num_heads, head_size = query.shape
         if num_tokens == 0:
             return out
-        check_cache(kv_cache)
+        check_cache(kv_cache, self.cache)
         if out.stride(2) != 1:  # the kernel writes rows of head_size contiguous elements
             out.copy_(self.forward(query, kv_cache, plan))
             return out
@@ -178,21 +191,21 @@ class TritonAttentionBackend(AttentionBackend):
             part_ml = torch.empty(plan.num_splits, num_tokens, num_heads, 2, dtype=torch.float32, device=query.device)
         else:
             part_acc = part_ml = out  # never touched when not splitting
+        data, scales, kv_format = self.stored_kv(kv_cache)
         grid = (plan.tile_seq.shape[0], layer.num_kv_heads, plan.num_splits)
         self.kernels.paged_attention_kernel[grid](
-            query, kv_cache, out, part_acc, part_ml,
+            query, data, scales, out, part_acc, part_ml,
             batch.block_table, batch.context_lens, batch.query_start_loc,
             plan.tile_seq, plan.tile_start, self.alibi,
             layer.softmax_scale, float(layer.logit_soft_cap or 0.0), int(layer.sliding_window or 0),
             plan.split_len, num_tokens, num_heads,
             query.stride(0), query.stride(1), out.stride(0), out.stride(1),
-            kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2), kv_cache.stride(3),
-            batch.block_table.stride(0),
+            *data.stride()[:4], *scales.stride()[:4], batch.block_table.stride(0),
             HEAD_SIZE=head_size, HEAD_PAD=self.head_pad, QPK=layer.queries_per_kv, QPK_PAD=self.qpk_pad,
-            BLOCK_Q=plan.block_q, BLOCK_N=plan.block_n, PAGE=kv_cache.shape[2],
+            BLOCK_Q=plan.block_q, BLOCK_N=plan.block_n, PAGE=data.shape[2],
             USE_SOFT_CAP=layer.logit_soft_cap is not None, USE_WINDOW=layer.sliding_window is not None,
             USE_ALIBI=layer.alibi_slopes is not None, SPLIT=split,
-            DOT_FP32=self.interpret or query.dtype == torch.float32,
+            DOT_FP32=self.interpret or query.dtype == torch.float32, KV_FORMAT=kv_format,
             num_warps=8 if plan.block_q * self.qpk_pad >= 64 and self.head_pad >= 128 else 4,
         )
         if split:
@@ -202,13 +215,31 @@ class TritonAttentionBackend(AttentionBackend):
             )
         return out
 
+    def stored_kv(self, kv_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, int]:
+        """(data, scales, KV_FORMAT) as the attention kernel reads them: a quantized cache's
+        NHD data viewed as bytes and its float32 scales (views, no copy), or the float
+        cache itself with no scales (the kernel then never touches that argument)."""
+        if not self.cache.quantized:
+            return kv_cache, kv_cache, self.kernels.FLOAT_KV.value
+        data, scales = quantized_kv_views(kv_cache, self.cache)
+        return data.view(torch.uint8), scales, self.kernels.KV_FORMAT_OF_STORAGE[self.cache.storage_dtype]
+
 
 def dense_rows(tensor: torch.Tensor) -> torch.Tensor:
     """`tensor` with its last dimension contiguous (the kernels index it with stride 1)."""
     return tensor if tensor.stride(-1) == 1 else tensor.contiguous()
 
 
-def check_cache(kv_cache: torch.Tensor) -> None:
+def check_cache(kv_cache: torch.Tensor, spec: KVCacheSpec) -> None:
+    if spec.quantized:
+        if kv_cache.dim() != 2 or kv_cache.dtype != torch.uint8 or kv_cache.shape[1] != spec.layer_block_bytes() \
+                or kv_cache.stride(1) != 1:
+            raise UnsupportedConfigurationError(
+                f"triton attention reads a KV cache quantized to {dtype_name(spec.storage_dtype)} as one row of "
+                f"bytes per block, uint8 [num_blocks, {spec.layer_block_bytes()}] with contiguous rows; got "
+                f"{dtype_name(kv_cache.dtype)} shape {tuple(kv_cache.shape)} strides {kv_cache.stride()}: allocate "
+                f"it with the shape from kv_cache_shape() and dtype spec.tensor_dtype")
+        return
     if kv_cache.dim() != 5 or kv_cache.stride(4) != 1:
         raise UnsupportedConfigurationError(
             f"triton attention reads the NHD cache [num_blocks, 2, block_size, num_kv_heads, head_size] with "

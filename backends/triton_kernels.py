@@ -11,6 +11,12 @@
 * `write_kv_kernel`: one program per new token, storing its keys and values at
   the slot its slot-mapping entry names (-1: skipped).
 
+A quantized cache (`KV_FORMAT` not `FLOAT_KV`) is read in place: `cache_ptr` is
+its data as bytes (NHD, block stride `layer_block_bytes`), `scale_ptr` its
+float32 (token, KV head) scales. Each key and value tile is converted from its
+storage format to float in registers and scaled there; no dequantized copy of
+the cache is ever made.
+
 Importing this module imports triton, so the backend imports it only when it is
 built. Every load is masked and every index clamped: under `TRITON_INTERPRET=1`
 an out-of-bounds access crashes the process instead of raising.
@@ -18,23 +24,52 @@ an out-of-bounds access crashes the process instead of raising.
 
 from __future__ import annotations
 
+import torch
 import triton
 import triton.language as tl
 
 LOG2E = tl.constexpr(1.4426950408889634)  # jit code may read only constexpr globals
 
+# Storage formats of the KV cache (the KV_FORMAT constexpr).
+FLOAT_KV = tl.constexpr(0)  # the compute dtype itself, no scales
+INT8_KV = tl.constexpr(1)
+FP8_E4M3_KV = tl.constexpr(2)  # torch.float8_e4m3fn
+FP8_E5M2_KV = tl.constexpr(3)  # torch.float8_e5m2
+KV_FORMAT_OF_STORAGE = {torch.int8: INT8_KV.value, torch.float8_e4m3fn: FP8_E4M3_KV.value,
+                        torch.float8_e5m2: FP8_E5M2_KV.value}
+
+
+@triton.jit
+def stored_bytes_to_float(raw, KV_FORMAT: tl.constexpr):
+    """The float32 values of the 8-bit codes `raw` (uint8), before scaling.
+
+    fp8 is decoded with bit operations rather than loaded as an fp8 type: Triton
+    compiles e4m3 (`fp8e4nv`) loads only for compute capability 8.9 and newer, and
+    this one path runs the same on every GPU and in the interpreter. e5m2 is the
+    top byte of an IEEE half; e4m3 (bias 7) placed in a half's bits is the value
+    times 2^-8 (bias 15), subnormals included. e5m2's infinity and NaN codes stay
+    so; e4m3's NaN codes decode to +-480 (absmax quantizers write none of them).
+    """
+    if KV_FORMAT == INT8_KV:
+        return raw.to(tl.int8, bitcast=True).to(tl.float32)
+    wide = raw.to(tl.uint16)
+    if KV_FORMAT == FP8_E5M2_KV:
+        return (wide << 8).to(tl.float16, bitcast=True).to(tl.float32)
+    half = ((wide & 0x80) << 8) | ((wide & 0x7F) << 7)
+    return half.to(tl.float16, bitcast=True).to(tl.float32) * 256.0
+
 
 @triton.jit
 def paged_attention_kernel(
-    q_ptr, cache_ptr, out_ptr, part_acc_ptr, part_ml_ptr,
+    q_ptr, cache_ptr, scale_ptr, out_ptr, part_acc_ptr, part_ml_ptr,
     block_table_ptr, context_lens_ptr, query_start_ptr, tile_seq_ptr, tile_start_ptr, alibi_ptr,
     scale, soft_cap, window, split_len, num_tokens, num_heads,
     stride_qt, stride_qh, stride_ot, stride_oh,
-    stride_cb, stride_ckv, stride_cs, stride_ch, stride_bt,
+    stride_cb, stride_ckv, stride_cs, stride_ch, stride_sb, stride_skv, stride_ss, stride_sh, stride_bt,
     HEAD_SIZE: tl.constexpr, HEAD_PAD: tl.constexpr, QPK: tl.constexpr, QPK_PAD: tl.constexpr,
     BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr, PAGE: tl.constexpr,
     USE_SOFT_CAP: tl.constexpr, USE_WINDOW: tl.constexpr, USE_ALIBI: tl.constexpr,
-    SPLIT: tl.constexpr, DOT_FP32: tl.constexpr,
+    SPLIT: tl.constexpr, DOT_FP32: tl.constexpr, KV_FORMAT: tl.constexpr,
 ):
     tile = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -79,6 +114,7 @@ def paged_attention_kernel(
     l = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_PAD], tl.float32)
     kv_offset = kv_head.to(tl.int64) * stride_ch
+    scale_offset = kv_head.to(tl.int64) * stride_sh
     for start in range(lo, hi, BLOCK_N):
         key_pos = start + tl.arange(0, BLOCK_N)
         key_ok = key_pos < hi
@@ -86,12 +122,22 @@ def paged_attention_kernel(
         physical = tl.load(block_table_ptr + seq.to(tl.int64) * stride_bt + logical, mask=key_ok, other=0)
         slot = physical.to(tl.int64) * stride_cb + (key_pos % PAGE).to(tl.int64) * stride_cs + kv_offset
         kv_mask = key_ok[:, None] & dim_ok[None, :]
-        k = tl.load(cache_ptr + slot[:, None] + dims[None, :], mask=kv_mask, other=0.0)
-        v = tl.load(cache_ptr + stride_ckv + slot[:, None] + dims[None, :], mask=kv_mask, other=0.0)
+        k = tl.load(cache_ptr + slot[:, None] + dims[None, :], mask=kv_mask, other=0)
+        v = tl.load(cache_ptr + stride_ckv + slot[:, None] + dims[None, :], mask=kv_mask, other=0)
+        if KV_FORMAT != FLOAT_KV:
+            # Keys stay unscaled through the dot (every code is exact in 16-bit floats) and
+            # their per-token scale multiplies the scores; values are scaled before theirs.
+            scale_slot = physical.to(tl.int64) * stride_sb + (key_pos % PAGE).to(tl.int64) * stride_ss + scale_offset
+            k_scale = tl.load(scale_ptr + scale_slot, mask=key_ok, other=0.0)
+            v_scale = tl.load(scale_ptr + stride_skv + scale_slot, mask=key_ok, other=0.0)
+            k = stored_bytes_to_float(k, KV_FORMAT).to(q_ptr.dtype.element_ty)
+            v = (stored_bytes_to_float(v, KV_FORMAT) * v_scale[:, None]).to(q_ptr.dtype.element_ty)
         if DOT_FP32:
             s = tl.dot(q, tl.trans(k.to(tl.float32)), input_precision="ieee")
         else:
             s = tl.dot(q, tl.trans(k))
+        if KV_FORMAT != FLOAT_KV:
+            s = s * k_scale[None, :]
         s = s * scale
         if USE_SOFT_CAP:  # cap * tanh(s / cap), tanh written with exp for portability
             s = soft_cap * (1.0 - 2.0 / (tl.exp(2.0 * s / soft_cap) + 1.0))

@@ -12,6 +12,12 @@ The bias is causal with an offset per sequence (the queries are the last
 `query_len` of `seq_len` positions), which is exactly our masking. GQA: the
 query heads sharing a KV head form one xformers group (BMGHK, keys expanded).
 
+Reads float KV only. xformers' one quantized-KV path (its Triton split-K kernel)
+wants fp8 e4m3 or int4 codes packed into int32 and, per row, an fp16 scale and
+shift packed into another int32, in its own page layout; a kvforge quantized
+cache (int8/fp8 codes and float32 scales in one row of bytes per block) is
+neither, so it is refused with that reason (the `triton` backend reads it).
+
 Needs CUDA. Without it, `availability()` says so without importing xformers,
 and `auto` never picks it. Validated only on a GPU (benchmarks/gpu_check.sh);
 on CPU only the bias arguments are tested. Which xformers kernel serves the
@@ -28,7 +34,7 @@ from typing import Any
 
 import torch
 
-from kvforge.core import AttentionBackend, AttentionBatch, Availability, hookimpl
+from kvforge.core import AttentionBackend, AttentionBatch, Availability, SelectionRequest, hookimpl
 
 
 
@@ -64,6 +70,15 @@ class XformersAttentionBackend(AttentionBackend):
     devices = frozenset({"cuda"})
     dtypes = frozenset({torch.float16, torch.bfloat16})
     head_sizes = frozenset({64, 80, 96, 128, 256})
+    quantized_kv_dtypes = frozenset()  # see the module docstring and unsupported_reasons
+
+    @classmethod
+    def unsupported_reasons(cls, request: SelectionRequest) -> list[str]:
+        reasons = super().unsupported_reasons(request)
+        if request.kv_storage_dtype is not None and request.kv_storage_dtype not in cls.quantized_kv_dtypes:
+            reasons.append("xformers reads quantized KV only in its own packed-int32 layout with fp16 scale and "
+                           "shift per row; use attention.backend = 'triton' for a kvforge quantized KV cache")
+        return reasons
 
     @classmethod
     def availability(cls) -> Availability:

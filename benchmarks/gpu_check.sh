@@ -4,7 +4,8 @@
 # Installs nothing. Runs, in a few minutes:
 #   1. the full conformance grid of every attention backend
 #      (kvforge conformance --kind attention_backend),
-#   2. the attention kernel benchmarks (benchmarks/bench_attention.py),
+#   2. the attention kernel benchmarks (benchmarks/bench_attention.py), and the decode shape over
+#      each quantized KV dtype a backend declares (int8, fp8: triton), against its float-KV time,
 #   3. a device-copy bandwidth probe,
 # and prints a short table last. Logs go to $GPU_CHECK_DIR (default /tmp/kvforge_gpu_check).
 #
@@ -75,6 +76,55 @@ timeout "$BENCH_TIMEOUT" "$PYTHON" -m kvforge.benchmarks.bench_attention --repea
 bench_rc=$?
 tail -n 3 "$OUT/bench.log"
 
+# 2b. Quantized KV: the decode shape once per (backend, per-token quantizer it reads), beside the
+# same backend over float KV. GB/s counts the bytes the kernel must read: codes and scales.
+echo "== quantized-KV decode (log: $OUT/quantized_bench.log)"
+timeout "$BENCH_TIMEOUT" "$PYTHON" - > "$OUT/quantized_bench.log" 2>&1 <<'EOF'
+import torch
+from kvforge.benchmarks.bench_attention import shapes, skip_reason, workload
+from kvforge.core import (ATTENTION_BACKEND, PER_TOKEN, QUANTIZER, AttentionLayerSpec, KVCacheSpec, build_registry,
+                          write_quantized_kv_by_slot)
+registry, shape = build_registry(), shapes("cuda")[0]
+w = workload(shape, "cuda")
+layer = AttentionLayerSpec(shape.num_heads, shape.num_kv_heads, shape.head_size)
+keys, values = (w.cache[:, i].flatten(0, 1) for i in (0, 1))  # every slot of the float cache, quantized below
+slots = torch.arange(keys.shape[0], device="cuda")
+quantizers = [r.cls() for r in registry.implementations(QUANTIZER) if r.cls.granularity == PER_TOKEN]
+
+def median_ms(call, repeat=20):
+    call()
+    times = []
+    for _ in range(repeat):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record(); call(); end.record(); torch.cuda.synchronize()
+        times.append(start.elapsed_time(end))
+    return sorted(times)[len(times) // 2]
+
+print(f"{'shape':<8} {'backend':<18} {'time (ms)':>10} {'GB/s':>8} {'vs float KV':>12}")
+for cls in (r.cls for r in registry.implementations(ATTENTION_BACKEND)):
+    readable = [q for q in quantizers if q.storage_dtype in cls.quantized_kv_dtypes]
+    if not readable or skip_reason(cls, shape, "cuda"):
+        continue
+    float_ms = None
+    for q in [None, *readable]:
+        spec = KVCacheSpec(shape.block_size, shape.num_kv_heads, shape.head_size, shape.dtype, quantizer=q)
+        cache = w.cache
+        if q is not None:
+            cache = torch.zeros(cls.kv_cache_shape(w.cache.shape[0], spec), dtype=spec.tensor_dtype, device="cuda")
+            write_quantized_kv_by_slot(keys, values, cache, slots, spec)
+        backend, out = cls(layer, spec, "cuda"), torch.empty_like(w.query)
+        plan = backend.plan(w.batch)
+        ms = median_ms(lambda: backend.forward(w.query, cache, plan, out=out))
+        float_ms = float_ms or ms
+        row = shape.head_size * spec.storage_dtype.itemsize + (4 if q else 0)  # one token's K or V of one head
+        read = 2 * shape.num_seqs * shape.seq_len * shape.num_kv_heads * row
+        print(f"{shape.name:<8} {cls.name + '+' + (q.name if q else 'float'):<18} {ms:>10.3f} {read / ms / 1e6:>8.1f} "
+              f"{ms / float_ms:>11.2f}x")
+EOF
+quantized_bench_rc=$?
+tail -n 4 "$OUT/quantized_bench.log"
+[ "$quantized_bench_rc" -eq 0 ] || bench_rc=1
+
 # 3. Memory bandwidth the kernels are judged against: a large device-to-device copy.
 "$PYTHON" - > "$OUT/bandwidth.txt" 2>&1 <<'EOF'
 import torch
@@ -121,6 +171,14 @@ for name, groups in sorted(by_backend.items()):
     for g in groups:
         for failure in g["failures"][:2]:
             print(f"      {g['group']}: {failure[:150]}")
+quantized = {name: [g for g in groups if "quantiz" in g["group"]] for name, groups in by_backend.items()}
+print("\nquantized-KV conformance (groups named *quantiz*):")
+if not any(quantized.values()):
+    print("  none ran: this kvforge has no quantized-KV attention check (conformance/check_attention_quantized_kv.py)")
+for name, groups in sorted(quantized.items()):
+    for g in groups:
+        why = f"  ({g['skip_reasons'][0][:70]})" if g["status"] == "skipped" and g["skip_reasons"] else ""
+        print(f"  {name:<12} {g['status']:<8} {g['group']}: pass {g['passed']}  fail {g['failed']}{why}")
 try:
     bandwidth = float(open(os.path.join(out, "bandwidth.txt")).read().split()[-1])
     print(f"\nmemory bandwidth (1 GiB device copy): {bandwidth:.0f} GB/s")
@@ -132,6 +190,11 @@ start = next((i for i, line in enumerate(lines) if line.startswith("shape")), No
 print(f"\nattention benchmarks (exit {bench_rc}):")
 table = lines[start:] if start is not None else [f"  no table: see {out}/bench.log"]
 print("\n".join("  " + line for line in table))
+print("\nquantized-KV decode (bytes read: codes + float32 scales):")
+quantized_lines = open(os.path.join(out, "quantized_bench.log")).read().splitlines()
+start = next((i for i, line in enumerate(quantized_lines) if line.startswith("shape")), None)
+print("\n".join("  " + line for line in (quantized_lines[start:] if start is not None
+                                          else [f"no table: see {out}/quantized_bench.log"])))
 rows = {}
 for line in table[1:]:
     parts = line.split()

@@ -6,6 +6,7 @@ validated only on a GPU, by the conformance suite (benchmarks/gpu_check.sh)."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import subprocess
@@ -16,12 +17,15 @@ import torch
 
 from kvforge.core import (
     ATTENTION_BACKEND,
+    QUANTIZER,
     AttentionBatch,
     AttentionLayerSpec,
     KVCacheSpec,
     SelectionError,
     SelectionRequest,
+    UnsupportedConfigurationError,
     build_registry,
+    dtype_name,
 )
 
 no_cuda = pytest.mark.skipif(torch.cuda.is_available(), reason="a CUDA device is present")
@@ -70,6 +74,25 @@ def test_declares_cuda_only_and_half_precision(name):
     assert cls.devices == frozenset({"cuda"})
     assert cls.dtypes == frozenset({torch.float16, torch.bfloat16})
     assert any("float32" in r for r in cls.unsupported_reasons(SelectionRequest(device="cuda", dtype=torch.float32)))
+
+
+@pytest.mark.parametrize("quantizer_name", ["int8", "fp8_e4m3", "fp8_e5m2"])
+@pytest.mark.parametrize("name", sorted(MODULES))
+def test_refuses_a_quantized_kv_cache_naming_its_dtype_and_the_way_out(name, quantizer_name):
+    """Neither library reads per-(token, KV head) scales: declaring the dtypes would compute wrongly."""
+    cls = build_registry().get(ATTENTION_BACKEND, name).cls
+    quantizer = build_registry().get(QUANTIZER, quantizer_name).cls()
+    assert not cls.quantized_kv_dtypes
+    storage = dtype_name(quantizer.storage_dtype)
+    request = SelectionRequest(device="cuda", dtype=torch.bfloat16, head_size=128, block_size=16, num_heads=8,
+                               num_kv_heads=2, kv_storage_dtype=quantizer.storage_dtype)
+    reasons = cls.unsupported_reasons(request)
+    assert any(f"quantized to {storage}" in r for r in reasons), reasons
+    assert any("'triton'" in r for r in reasons), reasons
+    assert cls.unsupported_reasons(dataclasses.replace(request, kv_storage_dtype=None)) == []
+    spec = KVCacheSpec(16, 2, 128, torch.bfloat16, quantizer=quantizer)
+    with pytest.raises(UnsupportedConfigurationError, match=f"quantized to {storage}"):
+        cls(AttentionLayerSpec(8, 2, 128), spec, "cuda")  # refused before the library is imported or CUDA touched
 
 
 def test_flashinfer_prefill_plan_arguments_are_the_csr_view_of_the_batch():

@@ -3,7 +3,8 @@
 `TRITON_INTERPRET=1` must be set before triton is first imported, and the test
 suite shares one process, so the kernel checks run once in a subprocess (this
 file run as a script) and each test asserts one scenario's outcome. Shapes are
-tiny: the interpreter takes about a second per launch.
+tiny: the interpreter takes up to a second per launch. Quantized-KV scenarios
+(`quantized_*`) read int8 and fp8 caches through the same kernel.
 """
 
 from __future__ import annotations
@@ -20,11 +21,19 @@ import torch
 
 from kvforge.core import (
     ATTENTION_BACKEND,
+    QUANTIZER,
     AttentionBatch,
     AttentionLayerSpec,
     KVCacheSpec,
+    PER_TOKEN,
+    Quantizer,
     SelectionRequest,
+    UnsupportedConfigurationError,
     build_registry,
+    dequantize_kv_blocks,
+    dtype_name,
+    quantized_kv_views,
+    write_quantized_kv_by_slot,
 )
 
 # Scenarios run in the subprocess; each returns an error message or None
@@ -195,18 +204,201 @@ def scenario_interpreter_class_settings():
     return None
 
 
-# Compiling for a GPU needs no GPU: Triton's own ptxas builds Hopper (sm_90) code here,
-# which checks the compiled path the interpreter never takes (tensor-core dots, constexpr globals).
+# Quantized KV: the kernel reads the stored bytes and scales (kvforge.core.quantized_kv_views) in place.
 
-HOPPER_SHARED_MEMORY = 227 * 1024
+KV_QUANTIZERS = ("int8", "fp8_e4m3", "fp8_e5m2")
+
+
+def quantized_spec(layer, block_size, dtype, quantizer_name) -> KVCacheSpec:
+    quantizer = build_registry().select(QUANTIZER, quantizer_name).cls()
+    return KVCacheSpec(block_size, layer.num_kv_heads, layer.head_size, dtype, quantizer=quantizer)
+
+
+def make_quantized_step(lengths, layer, block_size, dtype, quantizer_name, seed):
+    """`make_step` over a quantized cache: random bytes everywhere, NaN scales in every slot
+    no token was written to (reading one would poison the output), the context quantized by
+    the core's write. Keys and values span magnitudes 1e-2..1e2 per (token, head), so
+    ignoring or misplacing a scale changes the result far beyond the tolerance."""
+    batch, query, new_k, new_v, float_cache = make_step(lengths, layer, block_size, dtype, seed)
+    spec = quantized_spec(layer, block_size, dtype, quantizer_name)
+    gen = torch.Generator().manual_seed(seed + 1000)
+    cache = torch.randint(0, 256, (float_cache.shape[0], spec.layer_block_bytes()), dtype=torch.uint8, generator=gen)
+    quantized_kv_views(cache, spec)[1].fill_(float("nan"))
+
+    def spread(x):
+        return (x.float() * 10.0 ** (4 * torch.rand(*x.shape[:2], 1, generator=gen) - 2)).to(dtype)
+
+    pos = [torch.arange(c) for c, _ in lengths]
+    slots = torch.cat([batch.block_table[b, p // block_size].long() * block_size + p % block_size
+                       for b, p in enumerate(pos)])
+    context = float_cache[slots // block_size, :, slots % block_size]  # [tokens, 2, kvh, d]
+    write_quantized_kv_by_slot(spread(context[:, 0]), spread(context[:, 1]), cache, slots, spec)
+    return batch, query, spread(new_k), spread(new_v), cache, spec
+
+
+def attend_quantized(lengths, layer, block_size, dtype, quantizer_name, seed, force_split=False):
+    """The kernel over a quantized cache against the float64 reference over the dequantized
+    KV (`dequantize_kv_blocks`); also checks that a kernel ignoring the scales would fail."""
+    from kvforge.backends.triton_attention import TritonAttentionBackend
+
+    batch, query, new_k, new_v, cache, spec = make_quantized_step(lengths, layer, block_size, dtype,
+                                                                  quantizer_name, seed)
+    backend = TritonAttentionBackend(layer, spec, "cpu")
+    if force_split:
+        backend.split_min_len, backend.num_sms = 8, 64
+    backend.write_kv(new_k, new_v, cache, batch.slot_mapping)
+    plan = backend.plan(batch)
+    if force_split and plan.num_splits < 2:
+        return f"expected a split-KV plan, got {plan.num_splits} split(s)"
+    out = torch.full_like(query, float("nan"))
+    backend.forward(query, cache, plan, out=out)
+    if not torch.isfinite(out).all():
+        return f"{int((~torch.isfinite(out)).sum())} output elements not written or not finite"
+    blocks = torch.arange(cache.shape[0])
+    expected = reference(query, dequantize_kv_blocks(cache, spec, blocks, torch.float64), batch, layer)
+    error = float((out.double() - expected).norm() / expected.norm())
+    if error > TOLERANCE[dtype]:
+        return f"relative error {error:.3g} > {TOLERANCE[dtype]:g} against the dequantized KV"
+    unscaled = reference(query, quantized_kv_views(cache, spec)[0].double(), batch, layer)
+    blind = float((unscaled - expected).norm() / expected.norm())
+    return None if blind > 10 * TOLERANCE[dtype] else f"ignoring the scales would pass too ({blind:.3g})"
+
+
+def scenario_quantized_decode_int8_fp32():
+    return attend_quantized([(9, 1), (17, 1), (3, 1)], AttentionLayerSpec(8, 2, 64), 16, torch.float32, "int8", 11)
+
+
+def scenario_quantized_decode_fp8_e4m3_bf16_split_kv():
+    return attend_quantized([(70, 1), (41, 1)], AttentionLayerSpec(8, 2, 64), 16, torch.bfloat16, "fp8_e4m3", 12,
+                            force_split=True)
+
+
+def scenario_quantized_decode_fp8_e5m2_fp16():
+    return attend_quantized([(12, 1), (5, 1)], AttentionLayerSpec(4, 4, 32), 4, torch.float16, "fp8_e5m2", 13)
+
+
+def scenario_quantized_prefill_int8_bf16():
+    return attend_quantized([(0, 7), (0, 3)], AttentionLayerSpec(4, 2, 32), 4, torch.bfloat16, "int8", 14)
+
+
+def scenario_quantized_prefill_fp8_e4m3_fp32():
+    return attend_quantized([(0, 9), (0, 2)], AttentionLayerSpec(8, 2, 64), 8, torch.float32, "fp8_e4m3", 15)
+
+
+def scenario_quantized_prefill_fp8_e5m2_bf16():
+    return attend_quantized([(0, 5), (0, 6)], AttentionLayerSpec(2, 1, 64), 16, torch.bfloat16, "fp8_e5m2", 16)
+
+
+def scenario_quantized_mixed_int8_fp16():
+    return attend_quantized([(0, 6), (13, 1), (5, 4)], AttentionLayerSpec(16, 2, 80), 8, torch.float16, "int8", 17)
+
+
+def scenario_quantized_mixed_fp8_e4m3_fp16():
+    return attend_quantized([(0, 5), (21, 1), (7, 3)], AttentionLayerSpec(8, 2, 96), 4, torch.float16, "fp8_e4m3", 18)
+
+
+def scenario_quantized_mixed_fp8_e5m2_fp32():
+    layer = AttentionLayerSpec(4, 2, 64, sliding_window=6, logit_soft_cap=3.0)
+    return attend_quantized([(0, 4), (19, 1), (6, 5)], layer, 8, torch.float32, "fp8_e5m2", 19)
+
+
+def scenario_quantized_every_byte_code_decodes_exactly():
+    """Each finite 8-bit code of each storage dtype, times a power-of-two scale, comes out of
+    the kernel exactly as torch decodes it: every sequence has one key, so its output is its
+    value. Covers signs, subnormals and the largest finite codes of the bit-level decoding."""
+    from kvforge.backends.triton_attention import TritonAttentionBackend
+
+    layer = AttentionLayerSpec(1, 1, 32)
+    codes = torch.arange(256, dtype=torch.uint8).view(8, 1, 32)  # 8 sequences x 32 dims
+    batch = AttentionBatch(torch.arange(9, dtype=torch.int32), torch.ones(8, dtype=torch.int32),
+                           torch.zeros(8, dtype=torch.int32), torch.arange(8, dtype=torch.int32).view(8, 1),
+                           torch.arange(8), block_size=1, max_query_len=1, max_seq_len=1)
+    for name in KV_QUANTIZERS:
+        spec = quantized_spec(layer, 1, torch.float32, name)
+        cache = torch.zeros(8, spec.layer_block_bytes(), dtype=torch.uint8)
+        data, scales = quantized_kv_views(cache, spec)
+        values = codes.view(spec.storage_dtype).float()
+        stored = torch.where(values.isfinite(), codes, torch.zeros_like(codes))  # no NaN/Inf codes: never written
+        data.view(torch.uint8)[:, 1] = stored.view(8, 1, 1, 32)
+        scales[:, 0] = 1.0
+        scales[:, 1] = 2.0 ** torch.arange(-3, 5, dtype=torch.float32).view(8, 1, 1)
+        backend = TritonAttentionBackend(layer, spec, "cpu")
+        out = backend.forward(torch.ones(8, 1, 32), cache, backend.plan(batch))  # one key: any query
+        expected = stored.view(spec.storage_dtype).float() * scales[:, 1].view(8, 1, 1)
+        if not torch.equal(out, expected):
+            wrong = (out != expected).nonzero()[0].tolist()
+            return f"{name}: code {int(stored[wrong[0], 0, wrong[2]])} decoded to {out[tuple(wrong)]}, not " \
+                   f"{expected[tuple(wrong)]}"
+    return None
+
+
+def scenario_quantized_write_kv_stores_what_the_quantizer_returns():
+    from kvforge.backends.triton_attention import TritonAttentionBackend
+
+    layer = AttentionLayerSpec(4, 2, 32)
+    slots = torch.tensor([7, -1, 0, 14, 12, -1, 3])
+    gen = torch.Generator().manual_seed(3)
+    keys, values = (torch.randn(7, 2, 32, generator=gen) for _ in range(2))
+    for name in KV_QUANTIZERS:
+        spec = quantized_spec(layer, 4, torch.float32, name)
+        cache = torch.randint(0, 256, (5, spec.layer_block_bytes()), dtype=torch.uint8, generator=gen)
+        before = cache.clone()
+        TritonAttentionBackend(layer, spec, "cpu").write_kv(keys, values, cache, slots)
+        data, scales = quantized_kv_views(cache, spec)
+        keep = slots >= 0
+        for index, x in ((0, keys), (1, values)):
+            q = spec.quantizer.quantize(x[keep])
+            at = (slots[keep] // 4, index, slots[keep] % 4)
+            if not (torch.equal(data[at].view(torch.uint8), q.data.view(torch.uint8))
+                    and torch.equal(scales[at], q.scale.squeeze(-1))):
+                return f"{name}: slot contents differ from the quantizer's output"
+        touched = (cache != before).any(1).nonzero().flatten().tolist()
+        if not set(touched) <= {0, 1, 3}:  # blocks of slots 7, 0, 14, 12, 3; -1 must not reach block 4 (or 2)
+            return f"{name}: wrote blocks {touched}"
+    return None
+
+
+def scenario_quantized_cache_of_the_wrong_shape_is_refused():
+    from kvforge.backends.triton_attention import TritonAttentionBackend
+
+    layer = AttentionLayerSpec(4, 2, 32)
+    spec = quantized_spec(layer, 4, torch.float32, "int8")
+    backend = TritonAttentionBackend(layer, spec, "cpu")
+    batch, query, *_ = make_step([(3, 1)], layer, 4, torch.float32, 0)
+    float_cache = torch.zeros(2, 2, 4, 2, 32)
+    try:
+        backend.forward(query, float_cache, backend.plan(batch))
+    except UnsupportedConfigurationError as exc:
+        return None if "int8" in str(exc) and "kv_cache_shape()" in str(exc) else f"unclear message: {exc}"
+    return "a float NHD cache was read as a quantized one"
+
+
+def scenario_kernel_decodes_exactly_the_declared_dtypes():
+    from kvforge.backends import triton_kernels
+    from kvforge.backends.triton_attention import TritonAttentionBackend
+
+    declared, decoded = TritonAttentionBackend.quantized_kv_dtypes, set(triton_kernels.KV_FORMAT_OF_STORAGE)
+    return None if declared == decoded else f"declared {sorted(map(str, declared))}, decoded {sorted(map(str, decoded))}"
+
+
+# Compiling for a GPU needs no GPU: Triton's own ptxas builds Hopper (sm_90) and Ampere (sm_80)
+# code here, which checks the compiled path the interpreter never takes (tensor-core dots,
+# constexpr globals, fp8 decoding on a GPU without fp8 conversions).
+
+SHARED_MEMORY = {80: 163 * 1024, 90: 227 * 1024}  # bytes per block: A100, H100/H200
 COMPILED = {  # label: (dtype, head_size, queries_per_kv, block_q, block_n, split, (soft_cap, window, alibi), warps)
     "bf16 decode, split-KV": ("bf16", 128, 4, 4, 64, True, (False, False, False), 4),
     "fp16 prefill, GQA 8, every feature": ("fp16", 80, 8, 8, 64, False, (True, True, True), 8),
     "fp32 prefill": ("fp32", 128, 1, 64, 32, False, (False, False, False), 8),
 }
+COMPILED_QUANTIZED = {  # label: (the COMPILED configuration it reuses, KV quantizer, compute capability)
+    "bf16 decode, split-KV, fp8_e4m3 KV, sm_80": ("bf16 decode, split-KV", "fp8_e4m3", 80),
+    "bf16 decode, split-KV, fp8_e5m2 KV": ("bf16 decode, split-KV", "fp8_e5m2", 90),
+    "fp16 prefill, GQA 8, every feature, int8 KV": ("fp16 prefill, GQA 8, every feature", "int8", 90),
+}
 
 
-def compile_for_hopper() -> dict[str, str | None]:
+def compile_for_gpus() -> dict[str, str | None]:
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -214,7 +406,7 @@ def compile_for_hopper() -> dict[str, str | None]:
     from kvforge.backends import triton_kernels as kernels
     from kvforge.backends.triton_attention import next_power_of_2
 
-    def compile_one(fn, constexprs, pointer, num_warps=4):
+    def compile_one(fn, constexprs, pointer, num_warps=4, capability=90):
         def arg_type(name):
             if name in constexprs:
                 return "constexpr"
@@ -223,21 +415,31 @@ def compile_for_hopper() -> dict[str, str | None]:
             return "fp32" if name in ("scale", "soft_cap") else "i32"
 
         signature = {name: arg_type(name) for name in fn.arg_names}
-        return triton.compile(ASTSource(fn, signature, constexprs), target=GPUTarget("cuda", 90, 32),
+        return triton.compile(ASTSource(fn, signature, constexprs), target=GPUTarget("cuda", capability, 32),
                               options=dict(num_warps=num_warps, num_stages=3))
 
-    def attention_pointer(dtype):
-        return lambda name: (f"*{dtype}" if name in ("q_ptr", "cache_ptr", "out_ptr")
-                             else "*fp32" if name in ("part_acc_ptr", "part_ml_ptr", "alibi_ptr") else "*i32")
+    def attention_pointer(dtype, quantized):
+        return lambda name: ("*u8" if name == "cache_ptr" and quantized
+                             else f"*{dtype}" if name in ("q_ptr", "cache_ptr", "out_ptr")
+                             else "*fp32" if name in ("scale_ptr", "part_acc_ptr", "part_ml_ptr", "alibi_ptr")
+                             else "*i32")
 
+    configurations = {label: (label, None, 90) for label in COMPILED} | COMPILED_QUANTIZED
     results = {}
-    for label, (dtype, head, qpk, block_q, block_n, split, (cap, window, alibi), warps) in COMPILED.items():
+    for label, (base, quantizer_name, capability) in configurations.items():
+        dtype, head, qpk, block_q, block_n, split, (cap, window, alibi), warps = COMPILED[base]
+        kv_format = kernels.FLOAT_KV.value
+        if quantizer_name is not None:
+            storage = build_registry().get(QUANTIZER, quantizer_name).cls.storage_dtype
+            kv_format = kernels.KV_FORMAT_OF_STORAGE[storage]
         constexprs = dict(HEAD_SIZE=head, HEAD_PAD=next_power_of_2(head), QPK=qpk, QPK_PAD=next_power_of_2(qpk),
                           BLOCK_Q=block_q, BLOCK_N=block_n, PAGE=16, USE_SOFT_CAP=cap, USE_WINDOW=window,
-                          USE_ALIBI=alibi, SPLIT=split, DOT_FP32=dtype == "fp32")
+                          USE_ALIBI=alibi, SPLIT=split, DOT_FP32=dtype == "fp32", KV_FORMAT=kv_format)
         try:
-            shared = compile_one(kernels.paged_attention_kernel, constexprs, attention_pointer(dtype), warps).metadata.shared
-            results[label] = None if shared <= HOPPER_SHARED_MEMORY else f"needs {shared} bytes of shared memory"
+            pointer = attention_pointer(dtype, quantizer_name is not None)
+            shared = compile_one(kernels.paged_attention_kernel, constexprs, pointer, warps, capability).metadata.shared
+            limit = SHARED_MEMORY[capability]
+            results[label] = None if shared <= limit else f"needs {shared} bytes of shared memory (> {limit})"
         except Exception as exc:
             results[label] = f"{type(exc).__name__}: {str(exc)[:500]}"
     others = {"reduce": (kernels.reduce_splits_kernel, dict(HEAD_SIZE=128, HEAD_PAD=128, SPLITS_PAD=8),
@@ -287,8 +489,8 @@ def compiled():
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
-@pytest.mark.parametrize("label", sorted(COMPILED) + ["reduce", "write_kv"])
-def test_kernels_compile_for_hopper_without_a_gpu(compiled, label):
+@pytest.mark.parametrize("label", sorted(COMPILED) + sorted(COMPILED_QUANTIZED) + ["reduce", "write_kv"])
+def test_kernels_compile_for_gpus_without_a_gpu(compiled, label):
     assert compiled[label] is None, f"{label}: {compiled[label]}"
 
 
@@ -333,11 +535,48 @@ def test_auto_never_picks_triton_on_cpu_without_interpreter(monkeypatch):
     assert registry.select(ATTENTION_BACKEND, "auto", request).name != "triton"
 
 
+class PackedUint8Quantizer(Quantizer):
+    """A third-party KV quantizer storing codes no Triton kernel here decodes."""
+
+    name = "packed_uint8"
+    storage_dtype = torch.uint8
+    granularity = PER_TOKEN
+    error_bound = 0.1
+
+    def quantize(self, x):
+        raise NotImplementedError
+
+    def dequantize(self, q, dtype=None):
+        raise NotImplementedError
+
+
+@pytest.mark.parametrize("quantizer_name", KV_QUANTIZERS)
+def test_serves_int8_and_both_fp8_kv_caches(quantizer_name):
+    from kvforge.backends.triton_attention import TritonAttentionBackend
+
+    storage = build_registry().select(QUANTIZER, quantizer_name).cls.storage_dtype
+    request = SelectionRequest(device="cuda", dtype=torch.bfloat16, head_size=128, block_size=16,
+                               num_heads=8, num_kv_heads=2, kv_storage_dtype=storage)
+    assert TritonAttentionBackend.unsupported_reasons(request) == []
+    assert dtype_name(storage) in TritonAttentionBackend.capabilities()["kv_cache_dtypes"]
+
+
+def test_refuses_a_kv_storage_dtype_it_cannot_decode_and_names_it():
+    from kvforge.backends.triton_attention import TritonAttentionBackend
+
+    reasons = TritonAttentionBackend.unsupported_reasons(SelectionRequest(device="cuda", kv_storage_dtype=torch.uint8))
+    assert len(reasons) == 1 and "uint8" in reasons[0] and "float8_e4m3fn" in reasons[0], reasons
+    layer = AttentionLayerSpec(8, 2, 128)
+    spec = KVCacheSpec(16, 2, 128, torch.bfloat16, quantizer=PackedUint8Quantizer())
+    with pytest.raises(UnsupportedConfigurationError, match="quantized to uint8"):
+        TritonAttentionBackend(layer, spec, "cuda")  # refused before any kernel or CUDA is touched
+
+
 if __name__ == "__main__":
     if sys.argv[1:] == ["--compile"]:
         if importlib.util.find_spec("triton") is None:
             print("triton is not installed")
             sys.exit(3)
-        print(json.dumps(compile_for_hopper()))
+        print(json.dumps(compile_for_gpus()))
     else:
         print(json.dumps(run_scenarios()))
