@@ -19,9 +19,12 @@ Gathers land in a scratch buffer the instance keeps (fresh multi-megabyte tensor
 per layer cost page faults), so one instance must not run two forwards at once.
 Only slots inside a sequence are gathered (padding points at the sequence's own
 first slot and is masked), so unreferenced blocks and stale slots are never read.
-Logit soft-cap is not expressible through SDPA and is refused. ALiBi goes in as
-a float mask, computed in float32 for half-precision layers, since a bias of
-`slope * distance` loses whole units in bfloat16.
+A quantized cache (int8, fp8 e4m3 or e5m2 data with one float32 scale per token
+and KV head) is read through the same rows: just their data and scales are
+fetched and dequantized (`data * scale`) into the compute dtype, never the whole
+cache. Logit soft-cap is not expressible through SDPA and is refused. ALiBi goes
+in as a float mask, computed in float32 for half-precision layers, since a bias
+of `slope * distance` loses whole units in bfloat16.
 """
 
 from __future__ import annotations
@@ -39,6 +42,7 @@ from kvforge.core import (
     AttentionLayerSpec,
     KVCacheSpec,
     hookimpl,
+    quantized_kv_views,
 )
 
 
@@ -75,6 +79,7 @@ class SdpaAttentionBackend(AttentionBackend):
     devices = frozenset({"cpu", "cuda"})
     dtypes = frozenset({torch.float64, torch.float32, torch.float16, torch.bfloat16})
     features = frozenset({SLIDING_WINDOW, ALIBI})
+    quantized_kv_dtypes = frozenset({torch.int8, torch.float8_e4m3fn, torch.float8_e5m2})
 
     def __init__(self, layer: AttentionLayerSpec, cache: KVCacheSpec, device: str | torch.device = "cpu"):
         super().__init__(layer, cache, device)
@@ -159,6 +164,23 @@ class SdpaAttentionBackend(AttentionBackend):
         gathered = scratch[:need].view(rows.numel(), *flat.shape[1:])
         return torch.index_select(flat, 0, rows.flatten(), out=gathered).view(*rows.shape, *flat.shape[1:])
 
+    def _dequantize(self, kv_cache: torch.Tensor, rows: torch.Tensor, compute: torch.dtype) -> torch.Tensor:
+        """`[*rows.shape, kv_heads, head_size]` dequantized keys/values at the flat rows
+        `rows` (numbered as in `_rows`) of a quantized cache: only those rows' data and
+        scales are read. Splitting a row number into (block, row in block) per layer is
+        two integer ops over the index, small next to gathering `kv_heads * head_size`."""
+        data, scales = quantized_kv_views(kv_cache, self.cache)
+        per_block = 2 * self.cache.block_size
+        blocks, within = rows // per_block, rows % per_block
+        values = data.flatten(1, 2)[blocks, within].to(torch.float32)  # [N, 2*bs, ...] is a view, no copy
+        return values.mul_(scales.flatten(1, 2)[blocks, within].unsqueeze(-1)).to(compute)
+
+    def _keys_values(self, kv_cache: torch.Tensor, rows: torch.Tensor, compute: torch.dtype) -> torch.Tensor:
+        """The cache at `rows` (`[2, ...]`: keys, then values) in `compute`, `[*rows.shape, kv_heads, head_size]`."""
+        if self.cache.quantized:
+            return self._dequantize(kv_cache, rows, compute)
+        return self._gather(kv_cache.view(-1, self.layer.num_kv_heads, self.layer.head_size), rows).to(compute)
+
     def forward(self, query: torch.Tensor, kv_cache: torch.Tensor, plan: SdpaPlan,
                 out: torch.Tensor | None = None) -> torch.Tensor:
         if out is None:
@@ -166,16 +188,15 @@ class SdpaAttentionBackend(AttentionBackend):
         kv_heads, head_size = self.layer.num_kv_heads, self.layer.head_size
         heads, group, scale = self.layer.num_heads, self.layer.queries_per_kv, self.layer.softmax_scale
         compute = self._compute_dtype()
-        flat = kv_cache.view(-1, kv_heads, head_size)
         for group_plan in plan.decodes:
             n = group_plan.tokens.numel()
-            keys, values = self._gather(flat, group_plan.rows).transpose(2, 3).to(compute)  # [n, kv_heads, L, d]
+            keys, values = self._keys_values(kv_cache, group_plan.rows, compute).transpose(2, 3)  # [n, kv_heads, L, d]
             q = query.index_select(0, group_plan.tokens).view(n, kv_heads, group, head_size)
             result = F.scaled_dot_product_attention(q.to(compute), keys, values, attn_mask=group_plan.mask,
                                                     scale=scale)
             out.index_copy_(0, group_plan.tokens, result.reshape(n, heads, head_size).to(out.dtype))
         for seq in plan.prefills:
-            keys, values = self._gather(flat, seq.rows).transpose(1, 2).unsqueeze(1).to(compute)  # [1, kv_heads, L, d]
+            keys, values = self._keys_values(kv_cache, seq.rows, compute).transpose(1, 2).unsqueeze(1)  # [1, kv_heads, L, d]
             q = query[seq.start:seq.end].transpose(0, 1).unsqueeze(0)  # [1, heads, q, d]
             result = F.scaled_dot_product_attention(
                 q.to(compute), keys, values, attn_mask=seq.mask, is_causal=seq.mask is None, scale=scale,
