@@ -29,6 +29,7 @@ of `slope * distance` loses whole units in bfloat16.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -40,9 +41,9 @@ from kvforge.core import (
     AttentionBackend,
     AttentionBatch,
     AttentionLayerSpec,
+    SCALE_DTYPE,
     KVCacheSpec,
     hookimpl,
-    quantized_kv_views,
 )
 
 
@@ -167,13 +168,23 @@ class SdpaAttentionBackend(AttentionBackend):
     def _dequantize(self, kv_cache: torch.Tensor, rows: torch.Tensor, compute: torch.dtype) -> torch.Tensor:
         """`[*rows.shape, kv_heads, head_size]` dequantized keys/values at the flat rows
         `rows` (numbered as in `_rows`) of a quantized cache: only those rows' data and
-        scales are read. Splitting a row number into (block, row in block) per layer is
-        two integer ops over the index, small next to gathering `kv_heads * head_size`."""
-        data, scales = quantized_kv_views(kv_cache, self.cache)
-        per_block = 2 * self.cache.block_size
-        blocks, within = rows // per_block, rows % per_block
-        values = data.flatten(1, 2)[blocks, within].to(torch.float32)  # [N, 2*bs, ...] is a view, no copy
-        return values.mul_(scales.flatten(1, 2)[blocks, within].unsqueeze(-1)).to(compute)
+        scales are read, then multiplied (`data * scale`) in float32."""
+        spec, kv_heads, head_size = self.cache, self.layer.num_kv_heads, self.layer.head_size
+        per_block, row_bytes = 2 * spec.block_size, kv_heads * head_size * spec.storage_dtype.itemsize
+        blocks, within = rows.flatten() // per_block, rows.flatten() % per_block
+        block_start = blocks * spec.layer_block_bytes()  # in bytes; the layout is `quantized_kv_views`'
+        # A view in which every byte offset starts a row, so one index_select fetches rows
+        # wherever they sit in a block's bytes (measured ~2x faster than indexing the 5-D view).
+        data = _rows_at(kv_cache.view(-1), block_start + within * row_bytes, row_bytes)
+        scale_start = (block_start + spec.scale_offset()) // SCALE_DTYPE.itemsize + within * kv_heads
+        scales = _rows_at(kv_cache.view(-1).view(SCALE_DTYPE), scale_start, kv_heads)
+        decode = _byte_table(spec.storage_dtype, kv_cache.device)
+        if decode is not None:  # a 256-entry table: torch's fp8 -> float32 cast is ~4x slower on CPU
+            values = decode.index_select(0, data.flatten().int()).view(-1, kv_heads, head_size)
+        else:
+            values = data.view(spec.storage_dtype).to(torch.float32).view(-1, kv_heads, head_size)
+        values.mul_(scales.unsqueeze(-1))
+        return values.view(*rows.shape, kv_heads, head_size).to(compute)
 
     def _keys_values(self, kv_cache: torch.Tensor, rows: torch.Tensor, compute: torch.dtype) -> torch.Tensor:
         """The cache at `rows` (`[2, ...]`: keys, then values) in `compute`, `[*rows.shape, kv_heads, head_size]`."""
@@ -203,6 +214,21 @@ class SdpaAttentionBackend(AttentionBackend):
                 enable_gqa=group > 1)
             out[seq.start:seq.end] = result[0].transpose(0, 1).to(out.dtype)
         return out
+
+
+def _rows_at(flat: torch.Tensor, starts: torch.Tensor, width: int) -> torch.Tensor:
+    """`[len(starts), width]`: the `width` elements of the 1-D `flat` from each start."""
+    windows = flat.as_strided((flat.numel() - width + 1, width), (1, 1))
+    return torch.index_select(windows, 0, starts)
+
+
+@functools.lru_cache(maxsize=None)
+def _byte_table(storage: torch.dtype, device: torch.device) -> torch.Tensor | None:
+    """Every value of a 1-byte floating storage dtype as float32, indexed by its bits;
+    None for other dtypes (int8 converts fast enough directly)."""
+    if not storage.is_floating_point or storage.itemsize != 1:
+        return None
+    return torch.arange(256, dtype=torch.uint8, device=device).view(storage).to(torch.float32)
 
 
 @hookimpl
