@@ -19,8 +19,9 @@ prefill, chunked and mixed batches, in every dtype it declares:
     (`q . k / sqrt(d)`, about unit variance) by at most `4 * error_bound`, which
     moves the output by about as much relative to itself. The two are
     independent, so together at most `sqrt(2) * 4 ≈ 5.7` times `error_bound`;
-    `DRIFT_FACTOR` is 6. (Measured on 2026-11-30: int8 1.7x, fp8 about 0.5x
-    `error_bound`.) A backend that drops the scales or reads the wrong rows is
+    `DRIFT_FACTOR` is 6. (Measured 2026-11-30 over 200 `sdpa` cases per
+    quantizer, head sizes 64 and 128: at most 2.3x `error_bound` for int8 and
+    0.6x for fp8.) A backend that drops the scales or reads the wrong rows is
     far outside it;
 (c) `write_kv` stores what the quantizer gives: read back through
     `quantized_kv_views`, each written slot's scale equals the quantizer's (to
