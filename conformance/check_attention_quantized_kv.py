@@ -82,10 +82,12 @@ def quantized_cases(tgt: Target, kind: str, dtype: torch.dtype) -> list[Case]:
     first declared head size, four query heads per KV head."""
     block_size = sorted(tgt.block_sizes(), key=lambda b: abs(b - 16))[0]
     layer = make_layer(tgt.head_sizes()[0], 4)
-    seed = fresh_seed()
-    return [dataclasses.replace(case, quantizer=q, label=f"{case.label} kv_cache_dtype={q.name}")
-            for i, q in enumerate(kv_quantizers(tgt))
-            for case in [make_case(kind, layer, block_size, dtype, seed + i, tgt.reduced)]]
+    seed, cases = fresh_seed(), []
+    for i, quantizer in enumerate(kv_quantizers(tgt)):
+        case = make_case(kind, layer, block_size, dtype, seed + i, tgt.reduced)
+        cases.append(dataclasses.replace(case, quantizer=quantizer,
+                                         label=f"{case.label} kv_cache_dtype={quantizer.name}"))
+    return cases
 
 
 def declared_dtype(tgt: Target, dtype: torch.dtype) -> None:
