@@ -207,7 +207,8 @@ class SdpaAttentionBackend(AttentionBackend):
                                                     scale=scale)
             out.index_copy_(0, group_plan.tokens, result.reshape(n, heads, head_size).to(out.dtype))
         for seq in plan.prefills:
-            keys, values = self._keys_values(kv_cache, seq.rows, compute).transpose(1, 2).unsqueeze(1)  # [1, kv_heads, L, d]
+            # [1, kv_heads, L, d] each
+            keys, values = self._keys_values(kv_cache, seq.rows, compute).transpose(1, 2).unsqueeze(1)
             q = query[seq.start:seq.end].transpose(0, 1).unsqueeze(0)  # [1, heads, q, d]
             result = F.scaled_dot_product_attention(
                 q.to(compute), keys, values, attn_mask=seq.mask, is_causal=seq.mask is None, scale=scale,

@@ -72,7 +72,8 @@ def resolve_kv_quantizer(registry: Registry, config: EngineConfig) -> Quantizer 
     except SelectionError as exc:
         floats = ", ".join(d for d in FLOAT_KV_DTYPES if d != "auto")
         raise SelectionError(f"cache.kv_cache_dtype = {name!r}: {exc}; or a float KV dtype: {floats}") from exc
-    check_kv_quantizer(cls, sorted(r.name for r in registry.implementations(QUANTIZER) if r.cls.granularity == PER_TOKEN))
+    check_kv_quantizer(cls, sorted(r.name for r in registry.implementations(QUANTIZER)
+                                   if r.cls.granularity == PER_TOKEN))
     return cls()
 
 

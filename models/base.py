@@ -165,7 +165,9 @@ def check_kv_quantizer(quantizer: type[Quantizer] | Quantizer, qualifying: Seque
     (names of the registered ones that do) goes into the message when given."""
     if quantizer.granularity == PER_TOKEN:
         return
-    choices = f"; quantizers that qualify: {', '.join(qualifying) or 'none registered'}" if qualifying is not None else ""
+    choices = ""
+    if qualifying is not None:
+        choices = f"; quantizers that qualify: {', '.join(qualifying) or 'none registered'}"
     raise ConfigError(
         f"quantizer {quantizer.name!r} has granularity {quantizer.granularity!r}, but a KV cache needs a "
         f"{PER_TOKEN!r} quantizer: the KV layout keeps one scale per token and KV head{choices}; "

@@ -49,7 +49,8 @@ def test_a_quantized_cache_holds_over_3_5_times_the_float32_blocks_at_head_size_
 
 
 def test_a_quantized_block_costs_its_data_and_its_scales():
-    spec = KVCacheSpec(16, 4, 8, torch.float32, num_layers=2, quantizer=build_registry().select(QUANTIZER, "int8").cls())
+    int8 = build_registry().select(QUANTIZER, "int8").cls()
+    spec = KVCacheSpec(16, 4, 8, torch.float32, num_layers=2, quantizer=int8)
     data, scales = 2 * 16 * 4 * 8, 2 * 16 * 4 * 4  # int8 keys and values, float32 scales: 1024 + 512 bytes
     assert spec.bytes_per_block() == 2 * (data + scales)
     assert num_blocks_for(CacheConfig(memory_budget=10 * spec.bytes_per_block(), kv_cache_dtype="int8"), spec) == 10
