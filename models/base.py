@@ -165,13 +165,13 @@ def check_kv_quantizer(quantizer: type[Quantizer] | Quantizer, qualifying: Seque
     (names of the registered ones that do) goes into the message when given."""
     if quantizer.granularity == PER_TOKEN:
         return
-    choices = ""
+    what_next = "use a per_token quantizer for the KV cache, or none"
     if qualifying is not None:
-        choices = f"; quantizers that qualify: {', '.join(qualifying) or 'none registered'}"
+        what_next = (f"quantizers that qualify: {', '.join(qualifying) or 'none registered'}; "
+                     "set cache.kv_cache_dtype to one of those, or to 'auto'")
     raise ConfigError(
         f"quantizer {quantizer.name!r} has granularity {quantizer.granularity!r}, but a KV cache needs a "
-        f"{PER_TOKEN!r} quantizer: the KV layout keeps one scale per token and KV head{choices}; "
-        "set cache.kv_cache_dtype to one of those, or to 'auto'")
+        f"{PER_TOKEN!r} quantizer: the KV layout keeps one scale per token and KV head; {what_next}")
 
 
 @dataclass

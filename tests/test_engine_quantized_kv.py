@@ -307,3 +307,12 @@ def test_same_budget_holds_over_3_5_times_the_blocks_at_head_size_64(llama_dir):
     for quantizer in KV_QUANTIZERS:
         quantized = llama(llama_dir, quantizer, **budget).engine
         assert quantized.num_blocks >= 3.5 * float32.num_blocks, quantizer
+
+
+def test_a_model_refuses_a_per_channel_kv_quantizer():
+    from kvforge.models import load_model
+
+    model = load_model("kvforge-tiny")
+    with pytest.raises(ConfigError, match="one scale per token and KV head; use a per_token quantizer"):
+        model.set_kv_quantizer(build_registry().select(QUANTIZER, "int8_weight").cls())
+    assert model.kv_quantizer is None
