@@ -265,6 +265,15 @@ def test_a_model_refuses_a_quantizer_its_backend_cannot_read(fake_site):
     assert model.kv_quantizer is None and not model.kv_cache_spec(8).quantized  # left as it was
 
 
+def test_a_model_refuses_a_per_channel_kv_quantizer():
+    from kvforge.models import load_model
+
+    model = load_model("kvforge-tiny")
+    with pytest.raises(ConfigError, match="one scale per token and KV head; use a per_token quantizer"):
+        model.set_kv_quantizer(build_registry().select(QUANTIZER, "int8_weight").cls())
+    assert model.kv_quantizer is None
+
+
 # A model built from a transformers config, head size 64
 
 @pytest.fixture(scope="module")
@@ -308,11 +317,3 @@ def test_same_budget_holds_over_3_5_times_the_blocks_at_head_size_64(llama_dir):
         quantized = llama(llama_dir, quantizer, **budget).engine
         assert quantized.num_blocks >= 3.5 * float32.num_blocks, quantizer
 
-
-def test_a_model_refuses_a_per_channel_kv_quantizer():
-    from kvforge.models import load_model
-
-    model = load_model("kvforge-tiny")
-    with pytest.raises(ConfigError, match="one scale per token and KV head; use a per_token quantizer"):
-        model.set_kv_quantizer(build_registry().select(QUANTIZER, "int8_weight").cls())
-    assert model.kv_quantizer is None
