@@ -5,7 +5,9 @@ over being fast: each sequence's keys and values are gathered through the block
 table into a contiguous tensor, every score is materialised, and the masks are
 spelled out exactly as `kvforge.core.attention`'s module docstring defines them.
 Given float64 inputs it computes in float64; float16 and bfloat16 are computed
-in float32 and rounded once at the end.
+in float32 and rounded once at the end. A quantized cache (int8, fp8 e4m3 or
+e5m2, any per_token quantizer) is read by dequantizing just the blocks each
+sequence references (`dequantize_kv_blocks`), in that same compute dtype.
 """
 
 from __future__ import annotations
@@ -21,6 +23,9 @@ from kvforge.core import (
     AttentionBackend,
     AttentionBatch,
     AttentionLayerSpec,
+    KVCacheSpec,
+    cdiv,
+    dequantize_kv_blocks,
     hookimpl,
 )
 
@@ -43,6 +48,7 @@ class ReferenceAttentionBackend(AttentionBackend):
     devices = frozenset({"cpu", "cuda"})
     dtypes = frozenset({torch.float64, torch.float32, torch.float16, torch.bfloat16})
     features = frozenset({SLIDING_WINDOW, LOGIT_SOFT_CAP, ALIBI})
+    quantized_kv_dtypes = frozenset({torch.int8, torch.float8_e4m3fn, torch.float8_e5m2})
 
     def plan(self, batch: AttentionBatch) -> ReferencePlan:
         return ReferencePlan(
@@ -61,16 +67,22 @@ class ReferenceAttentionBackend(AttentionBackend):
             start, end = plan.query_starts[b], plan.query_starts[b + 1]
             if end == start:
                 continue
-            keys, values = gather_sequence(kv_cache, block_table[b], seq_len)
+            keys, values = gather_sequence(kv_cache, block_table[b], seq_len, self.cache)
             out[start:end] = attend(query[start:end], keys, values, context_len, self.layer).to(out.dtype)
         return out
 
 
-def gather_sequence(kv_cache: torch.Tensor, blocks: torch.Tensor, seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Keys and values `[seq_len, num_kv_heads, head_size]` of one sequence, in order."""
-    block_size = kv_cache.shape[2]
-    used = blocks[: (seq_len + block_size - 1) // block_size].long()
-    pages = kv_cache[used]  # [n, 2, block_size, kv_heads, head_size]
+def gather_sequence(kv_cache: torch.Tensor, blocks: torch.Tensor, seq_len: int,
+                    cache: KVCacheSpec | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Keys and values `[seq_len, num_kv_heads, head_size]` of one sequence, in order;
+    dequantized (to float32, or float64 for a float64 layer) when `cache` is quantized."""
+    quantized = cache is not None and cache.quantized
+    block_size = cache.block_size if quantized else kv_cache.shape[2]
+    used = blocks[: cdiv(seq_len, block_size)].long()
+    if quantized:
+        pages = dequantize_kv_blocks(kv_cache, cache, used, torch.promote_types(cache.dtype, torch.float32))
+    else:
+        pages = kv_cache[used]  # [n, 2, block_size, kv_heads, head_size]
     keys = pages[:, 0].reshape(-1, *pages.shape[3:])[:seq_len]
     values = pages[:, 1].reshape(-1, *pages.shape[3:])[:seq_len]
     return keys, values

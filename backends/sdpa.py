@@ -19,13 +19,17 @@ Gathers land in a scratch buffer the instance keeps (fresh multi-megabyte tensor
 per layer cost page faults), so one instance must not run two forwards at once.
 Only slots inside a sequence are gathered (padding points at the sequence's own
 first slot and is masked), so unreferenced blocks and stale slots are never read.
-Logit soft-cap is not expressible through SDPA and is refused. ALiBi goes in as
-a float mask, computed in float32 for half-precision layers, since a bias of
-`slope * distance` loses whole units in bfloat16.
+A quantized cache (int8, fp8 e4m3 or e5m2 data with one float32 scale per token
+and KV head) is read through the same rows: just their data and scales are
+fetched and dequantized (`data * scale`) into the compute dtype, never the whole
+cache. Logit soft-cap is not expressible through SDPA and is refused. ALiBi goes
+in as a float mask, computed in float32 for half-precision layers, since a bias
+of `slope * distance` loses whole units in bfloat16.
 """
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -37,6 +41,7 @@ from kvforge.core import (
     AttentionBackend,
     AttentionBatch,
     AttentionLayerSpec,
+    SCALE_DTYPE,
     KVCacheSpec,
     hookimpl,
 )
@@ -75,6 +80,7 @@ class SdpaAttentionBackend(AttentionBackend):
     devices = frozenset({"cpu", "cuda"})
     dtypes = frozenset({torch.float64, torch.float32, torch.float16, torch.bfloat16})
     features = frozenset({SLIDING_WINDOW, ALIBI})
+    quantized_kv_dtypes = frozenset({torch.int8, torch.float8_e4m3fn, torch.float8_e5m2})
 
     def __init__(self, layer: AttentionLayerSpec, cache: KVCacheSpec, device: str | torch.device = "cpu"):
         super().__init__(layer, cache, device)
@@ -159,6 +165,33 @@ class SdpaAttentionBackend(AttentionBackend):
         gathered = scratch[:need].view(rows.numel(), *flat.shape[1:])
         return torch.index_select(flat, 0, rows.flatten(), out=gathered).view(*rows.shape, *flat.shape[1:])
 
+    def _dequantize(self, kv_cache: torch.Tensor, rows: torch.Tensor, compute: torch.dtype) -> torch.Tensor:
+        """`[*rows.shape, kv_heads, head_size]` dequantized keys/values at the flat rows
+        `rows` (numbered as in `_rows`) of a quantized cache: only those rows' data and
+        scales are read, then multiplied (`data * scale`) in float32."""
+        spec, kv_heads, head_size = self.cache, self.layer.num_kv_heads, self.layer.head_size
+        per_block, row_bytes = 2 * spec.block_size, kv_heads * head_size * spec.storage_dtype.itemsize
+        blocks, within = rows.flatten() // per_block, rows.flatten() % per_block
+        block_start = blocks * spec.layer_block_bytes()  # in bytes; the layout is `quantized_kv_views`'
+        # A view in which every byte offset starts a row, so one index_select fetches rows
+        # wherever they sit in a block's bytes (measured ~2x faster than indexing the 5-D view).
+        data = _rows_at(kv_cache.view(-1), block_start + within * row_bytes, row_bytes)
+        scale_start = (block_start + spec.scale_offset()) // SCALE_DTYPE.itemsize + within * kv_heads
+        scales = _rows_at(kv_cache.view(-1).view(SCALE_DTYPE), scale_start, kv_heads)
+        decode = _byte_table(spec.storage_dtype, kv_cache.device)
+        if decode is not None:  # a 256-entry table: torch's fp8 -> float32 cast is ~4x slower on CPU
+            values = decode.index_select(0, data.flatten().int()).view(-1, kv_heads, head_size)
+        else:
+            values = data.view(spec.storage_dtype).to(torch.float32).view(-1, kv_heads, head_size)
+        values.mul_(scales.unsqueeze(-1))
+        return values.view(*rows.shape, kv_heads, head_size).to(compute)
+
+    def _keys_values(self, kv_cache: torch.Tensor, rows: torch.Tensor, compute: torch.dtype) -> torch.Tensor:
+        """The cache at `rows` (`[2, ...]`: keys, then values) in `compute`, `[*rows.shape, kv_heads, head_size]`."""
+        if self.cache.quantized:
+            return self._dequantize(kv_cache, rows, compute)
+        return self._gather(kv_cache.view(-1, self.layer.num_kv_heads, self.layer.head_size), rows).to(compute)
+
     def forward(self, query: torch.Tensor, kv_cache: torch.Tensor, plan: SdpaPlan,
                 out: torch.Tensor | None = None) -> torch.Tensor:
         if out is None:
@@ -166,22 +199,37 @@ class SdpaAttentionBackend(AttentionBackend):
         kv_heads, head_size = self.layer.num_kv_heads, self.layer.head_size
         heads, group, scale = self.layer.num_heads, self.layer.queries_per_kv, self.layer.softmax_scale
         compute = self._compute_dtype()
-        flat = kv_cache.view(-1, kv_heads, head_size)
         for group_plan in plan.decodes:
             n = group_plan.tokens.numel()
-            keys, values = self._gather(flat, group_plan.rows).transpose(2, 3).to(compute)  # [n, kv_heads, L, d]
+            keys, values = self._keys_values(kv_cache, group_plan.rows, compute).transpose(2, 3)  # [n, kv_heads, L, d]
             q = query.index_select(0, group_plan.tokens).view(n, kv_heads, group, head_size)
             result = F.scaled_dot_product_attention(q.to(compute), keys, values, attn_mask=group_plan.mask,
                                                     scale=scale)
             out.index_copy_(0, group_plan.tokens, result.reshape(n, heads, head_size).to(out.dtype))
         for seq in plan.prefills:
-            keys, values = self._gather(flat, seq.rows).transpose(1, 2).unsqueeze(1).to(compute)  # [1, kv_heads, L, d]
+            # [1, kv_heads, L, d] each
+            keys, values = self._keys_values(kv_cache, seq.rows, compute).transpose(1, 2).unsqueeze(1)
             q = query[seq.start:seq.end].transpose(0, 1).unsqueeze(0)  # [1, heads, q, d]
             result = F.scaled_dot_product_attention(
                 q.to(compute), keys, values, attn_mask=seq.mask, is_causal=seq.mask is None, scale=scale,
                 enable_gqa=group > 1)
             out[seq.start:seq.end] = result[0].transpose(0, 1).to(out.dtype)
         return out
+
+
+def _rows_at(flat: torch.Tensor, starts: torch.Tensor, width: int) -> torch.Tensor:
+    """`[len(starts), width]`: the `width` elements of the 1-D `flat` from each start."""
+    windows = flat.as_strided((flat.numel() - width + 1, width), (1, 1))
+    return torch.index_select(windows, 0, starts)
+
+
+@functools.lru_cache(maxsize=None)
+def _byte_table(storage: torch.dtype, device: torch.device) -> torch.Tensor | None:
+    """Every value of a 1-byte floating storage dtype as float32, indexed by its bits;
+    None for other dtypes (int8 converts fast enough directly)."""
+    if not storage.is_floating_point or storage.itemsize != 1:
+        return None
+    return torch.arange(256, dtype=torch.uint8, device=device).view(storage).to(torch.float32)
 
 
 @hookimpl

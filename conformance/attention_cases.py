@@ -11,6 +11,9 @@ element the backend never writes is caught.
 The oracle is the `reference` backend, found through an unfiltered registry and
 run on the CPU in float64 over the same values the backend sees (inputs are
 rounded to the backend's dtype first, so only the backend's arithmetic is judged).
+A case may carry a KV `quantizer`: the backend's cache is then quantized (its
+never-referenced blocks hold NaN scales) and the oracle reads the dequantized
+keys and values, `data * scale`, exactly as the backend should.
 """
 
 from __future__ import annotations
@@ -29,8 +32,10 @@ from kvforge.core import (
     AttentionBatch,
     AttentionLayerSpec,
     KVCacheSpec,
+    Quantizer,
     Registration,
     Registry,
+    quantized_kv_views,
 )
 
 from .selection import quick
@@ -75,12 +80,14 @@ class Target:
     def dtypes(self) -> list[torch.dtype]:
         return [d for d in DTYPES if d in self.cls.dtypes]
 
-    def reasons(self, layer: AttentionLayerSpec, block_size: int, dtype: torch.dtype) -> list[str]:
+    def reasons(self, layer: AttentionLayerSpec, block_size: int, dtype: torch.dtype,
+                kv_storage_dtype: torch.dtype | None = None) -> list[str]:
         from kvforge.core import SelectionRequest
 
         return self.cls.unsupported_reasons(SelectionRequest(
             device=self.device, dtype=dtype, head_size=layer.head_size, block_size=block_size,
-            num_heads=layer.num_heads, num_kv_heads=layer.num_kv_heads, features=layer.required_features()))
+            num_heads=layer.num_heads, num_kv_heads=layer.num_kv_heads, features=layer.required_features(),
+            kv_storage_dtype=kv_storage_dtype))
 
 
 def target(registration: Registration) -> Target:
@@ -176,9 +183,19 @@ class Case:
     context_values: torch.Tensor
     context_slots: torch.Tensor  # [C]
     garbage: torch.Tensor  # the whole NHD cache before anything is written (finite; unused blocks NaN)
+    quantizer: Quantizer | None = None  # the KV cache's (a per_token quantizer), None for a float cache
 
     def cache_spec(self) -> KVCacheSpec:
-        return KVCacheSpec(self.block_size, self.layer.num_kv_heads, self.layer.head_size, self.dtype)
+        return KVCacheSpec(self.block_size, self.layer.num_kv_heads, self.layer.head_size, self.dtype,
+                           quantizer=self.quantizer)
+
+    def stored(self, x: torch.Tensor) -> torch.Tensor:
+        """What the cache gives back for keys or values `x` (float64): `x` itself, or
+        for a quantized cache its quantizer's `data * scale` (float32, as backends compute it)."""
+        if self.quantizer is None:
+            return x
+        q = self.quantizer.quantize(x.to(self.dtype))
+        return (q.data.to(torch.float32) * q.scale).to(torch.float64)
 
 
 def make_layer(head_size: int, queries_per_kv: int, *, num_kv_heads: int = NUM_KV_HEADS, sliding_window=None,
@@ -276,18 +293,27 @@ def oracle(case: Case) -> torch.Tensor:
     spec = KVCacheSpec(case.block_size, case.layer.num_kv_heads, case.layer.head_size, torch.float64)
     backend = oracle_class()(case.layer, spec, "cpu")
     cache = case.garbage.clone()
-    scatter(cache, case.context_keys, case.context_values, case.context_slots)
-    scatter(cache, case.new_keys, case.new_values, case.batch.slot_mapping)
+    scatter(cache, case.stored(case.context_keys), case.stored(case.context_values), case.context_slots)
+    scatter(cache, case.stored(case.new_keys), case.stored(case.new_values), case.batch.slot_mapping)
     return backend.forward(case.query, cache, backend.plan(case.batch))
 
 
 def prepared_cache(backend, case: Case, device: str) -> torch.Tensor:
     """The backend's own cache holding garbage and the context (written by its `write_kv`);
     never-referenced blocks hold NaN whatever the layout (block is always dim 0)."""
-    shape = type(backend).kv_cache_shape(case.num_blocks, case.cache_spec())
+    spec = case.cache_spec()
+    shape = type(backend).kv_cache_shape(case.num_blocks, spec)
     gen = torch.Generator().manual_seed(case.num_blocks)
-    cache = torch.randn(shape, generator=gen).to(case.dtype)
-    cache[case.unused_blocks] = float("nan")
+    if spec.quantized:  # finite quantized garbage; all-ones bytes are NaN scales (and NaN fp8 data)
+        cache = torch.randint(0, 256, shape, generator=gen, dtype=torch.uint8)
+        data, scales = quantized_kv_views(cache, spec)
+        q = spec.quantizer.quantize(case.garbage.nan_to_num(0.0).to(case.dtype))
+        data.copy_(q.data)
+        scales.copy_(q.scale.squeeze(-1))
+        cache[case.unused_blocks] = 255
+    else:
+        cache = torch.randn(shape, generator=gen).to(case.dtype)
+        cache[case.unused_blocks] = float("nan")
     cache = cache.to(device)
     backend.write_kv(case.context_keys.to(device, case.dtype), case.context_values.to(device, case.dtype), cache,
                      case.context_slots.to(device))
@@ -335,7 +361,8 @@ def check_case(tgt: Target, case: Case) -> str | None:
     declares unsupported must instead be refused by its constructor."""
     from kvforge.core import UnsupportedConfigurationError
 
-    reasons = tgt.reasons(case.layer, case.block_size, case.dtype)
+    spec = case.cache_spec()
+    reasons = tgt.reasons(case.layer, case.block_size, case.dtype, spec.storage_dtype if spec.quantized else None)
     if reasons:
         try:
             tgt.cls(case.layer, case.cache_spec(), tgt.device)

@@ -3,7 +3,9 @@
 `cache.num_blocks` wins when set. Otherwise `cache.memory_budget` is bytes
 (>= 1) or a fraction (0, 1) of the memory available on the device, and the
 pool gets as many blocks as fit: `budget // kv_cache_spec.bytes_per_block()`,
-where a block's bytes cover keys and values of every layer in the cache dtype.
+where a block's bytes cover keys and values of every layer in the cache dtype
+(for a quantized cache: the storage dtype plus one float32 scale per token and
+KV head, padded to 64 bytes per layer).
 With neither set, the budget is 90% of free CUDA memory, or a fixed
 `DEFAULT_CPU_BUDGET` on CPU (CPU runs are for tests and small models).
 """
@@ -41,9 +43,18 @@ def available_memory(device: str | torch.device = "cpu") -> int:
 
 def cache_spec(cache_config: CacheConfig, kv_cache_spec: KVCacheSpec) -> KVCacheSpec:
     """`kv_cache_spec` in the cache dtype: a float `kv_cache_dtype` replaces the model
-    dtype; `auto` or a quantizer name keeps the spec's (pass the quantized storage dtype)."""
+    dtype; for a quantizer name the spec must already carry that quantizer (its
+    `bytes_per_block` then counts the storage dtype and the scales)."""
     dtype = _FLOAT_DTYPES.get(cache_config.kv_cache_dtype)
-    return dataclasses.replace(kv_cache_spec, dtype=dtype) if dtype is not None else kv_cache_spec
+    if dtype is not None:
+        return dataclasses.replace(kv_cache_spec, dtype=dtype)
+    name = cache_config.kv_cache_dtype
+    if name != "auto" and getattr(kv_cache_spec.quantizer, "name", None) != name:
+        held = f"quantizer {kv_cache_spec.quantizer.name!r}" if kv_cache_spec.quantized else "no quantizer"
+        raise ConfigError(f"cache.kv_cache_dtype names quantizer {name!r} but the KV cache spec has {held}; "
+                          "size the cache with the model's spec (load_model(..., kv_quantizer=...), then "
+                          "model.kv_cache_spec(block_size))")
+    return kv_cache_spec
 
 
 def num_blocks_for(cache_config: CacheConfig, kv_cache_spec: KVCacheSpec, available_bytes: int | None = None, *,
@@ -71,8 +82,10 @@ def num_blocks_for(cache_config: CacheConfig, kv_cache_spec: KVCacheSpec, availa
     per_block = spec.bytes_per_block()
     blocks = int(budget // per_block)
     if blocks < 1:
+        scales = " with scales" if spec.quantized else ""
         raise ConfigError(f"cache.memory_budget gives {int(budget)} bytes, less than one KV block "
                           f"({per_block} bytes: {spec.num_layers} layers x 2 x {spec.block_size} tokens x "
-                          f"{spec.num_kv_heads} heads x {spec.head_size} x {spec.dtype}); raise cache.memory_budget, "
+                          f"{spec.num_kv_heads} heads x {spec.head_size} x {spec.storage_dtype}{scales}); "
+                          f"raise cache.memory_budget, "
                           f"lower cache.block_size, or set cache.num_blocks")
     return min(blocks, max_blocks) if max_blocks is not None else blocks

@@ -3,33 +3,29 @@ through the registry (`Registry.select`), never imported by name."""
 
 from __future__ import annotations
 
+import dataclasses
 import logging
-from dataclasses import dataclass
 
 import torch
 
 from kvforge.core import (
     ATTENTION_BACKEND,
     BLOCK_ALLOCATOR,
+    PER_TOKEN,
+    QUANTIZER,
     SCHEDULER_POLICY,
+    AttentionLayerSpec,
     EngineConfig,
+    Quantizer,
     Registry,
+    SelectionError,
     SelectionRequest,
     UnsupportedConfigurationError,
 )
+from kvforge.core.config import FLOAT_KV_DTYPES
 
 log = logging.getLogger(__name__)
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
-
-
-@dataclass
-class ModelShape:
-    """What backend selection needs to know about a model before it is loaded."""
-
-    num_heads: int | None = None
-    num_kv_heads: int | None = None
-    head_size: int | None = None
-    features: frozenset[str] = frozenset()
 
 
 def resolve_device(config: EngineConfig) -> torch.device:
@@ -49,28 +45,57 @@ def resolve_dtype(config: EngineConfig, device: torch.device) -> torch.dtype:
     return torch.float32
 
 
-def model_shape(name_or_path: str) -> ModelShape:
-    """Heads, head size and attention features (sliding window, soft-cap, ALiBi) of
-    the model's layers, read without loading weights; empty when they cannot be
-    read (then `load_model` raises the precise error)."""
+def model_layers(name_or_path: str) -> list[AttentionLayerSpec]:
+    """Every layer's attention spec (heads, head size, sliding window, soft-cap,
+    ALiBi), read without loading weights; empty when it cannot be read (then
+    `load_model` raises the precise error)."""
     from kvforge.models.loader import attention_specs
 
     try:
-        specs = attention_specs(name_or_path)
+        return attention_specs(name_or_path)
     except Exception:  # noqa: BLE001 - any failure here resurfaces, explained, in load_model
-        return ModelShape()
-    if not specs:
-        return ModelShape()
-    first = specs[0]
-    features = frozenset().union(*(spec.required_features() for spec in specs))
-    return ModelShape(first.num_heads, first.num_kv_heads, first.head_size, features)
+        return []
 
 
-def select_backend(registry: Registry, config: EngineConfig, shape: ModelShape, device: torch.device,
-                   dtype: torch.dtype) -> type:
-    request = SelectionRequest(device=device.type, dtype=dtype, kv_cache_dtype=config.cache.kv_cache_dtype,
-                               head_size=shape.head_size, block_size=config.cache.block_size,
-                               num_heads=shape.num_heads, num_kv_heads=shape.num_kv_heads, features=shape.features)
+def resolve_kv_quantizer(registry: Registry, config: EngineConfig) -> Quantizer | None:
+    """The quantizer `cache.kv_cache_dtype` names, as an instance; None for a float
+    KV cache (`auto` or a float dtype). Any registered `per_token` quantizer works by
+    name, third-party ones included; an unknown name gets the registry's list of
+    valid ones, and a quantizer of another granularity is refused with the reason."""
+    name = config.cache.kv_cache_dtype
+    if name in FLOAT_KV_DTYPES:
+        return None
+    from kvforge.models.base import check_kv_quantizer
+
+    try:
+        cls = registry.select(QUANTIZER, name).cls
+    except SelectionError as exc:
+        floats = ", ".join(d for d in FLOAT_KV_DTYPES if d != "auto")
+        raise SelectionError(f"cache.kv_cache_dtype = {name!r}: {exc}; or a float KV dtype: {floats}") from exc
+    check_kv_quantizer(cls, sorted(r.name for r in registry.implementations(QUANTIZER)
+                                   if r.cls.granularity == PER_TOKEN))
+    return cls()
+
+
+def use_kv_quantizer(model, quantizer: Quantizer) -> None:
+    """Give a model handed to the engine ready-made the configured KV quantizer."""
+    if not hasattr(model, "set_kv_quantizer"):
+        raise UnsupportedConfigurationError(
+            f"cache.kv_cache_dtype = {quantizer.name!r} asks for a quantized KV cache, but the given model "
+            f"({type(model).__name__}) has no set_kv_quantizer (a kvforge CausalLM has); set cache.kv_cache_dtype "
+            "= 'auto' or pass a CausalLM")
+    model.set_kv_quantizer(quantizer)
+
+
+def select_backend(registry: Registry, config: EngineConfig, layers: list[AttentionLayerSpec], device: torch.device,
+                   dtype: torch.dtype, kv_quantizer: Quantizer | None = None) -> type:
+    """The attention backend class for the model's `layers`, judged also on whether it
+    reads the KV cache as `kv_quantizer` stores it."""
+    from kvforge.models.base import backend_request
+
+    request = backend_request(layers, device.type, dtype, block_size=config.cache.block_size,
+                              kv_quantizer=kv_quantizer)
+    request = dataclasses.replace(request, kv_cache_dtype=config.cache.kv_cache_dtype)
     return registry.select(ATTENTION_BACKEND, config.attention.backend, request).cls
 
 
@@ -98,8 +123,8 @@ def num_blocks(config: EngineConfig, spec, device: torch.device, max_model_len: 
 
 def check_supported(config: EngineConfig, dtype: torch.dtype) -> None:
     """Refuse, with the reason, settings the reference engine does not implement."""
-    kv_dtype = config.cache.kv_cache_dtype
-    if kv_dtype != "auto" and DTYPES.get(kv_dtype) != dtype:
+    kv_dtype = config.cache.kv_cache_dtype  # a quantizer name is resolved by resolve_kv_quantizer
+    if kv_dtype in DTYPES and DTYPES[kv_dtype] != dtype:
         raise UnsupportedConfigurationError(
             f"cache.kv_cache_dtype = {kv_dtype!r} differs from the model dtype {str(dtype).removeprefix('torch.')}; "
             "the reference engine keeps the KV cache in the model dtype; set cache.kv_cache_dtype = 'auto'")

@@ -51,14 +51,17 @@ class LLMEngine:
         if self.device.type == "cpu" and config.keep_freed_memory:
             heap.keep_freed_memory()
         components.check_supported(config, self.dtype)
+        kv_quantizer = components.resolve_kv_quantizer(self.registry, config)
         if model is None:
             from kvforge.models import load_model, load_tokenizer
 
-            shape = components.model_shape(config.model)
-            backend = components.select_backend(self.registry, config, shape, self.device, self.dtype)
+            layers = components.model_layers(config.model)
+            backend = components.select_backend(self.registry, config, layers, self.device, self.dtype, kv_quantizer)
             model = load_model(config.model, dtype=self.dtype, device=self.device, attention_backend=backend,
-                               linear_kernel=config.linear_kernel)
+                               linear_kernel=config.linear_kernel, kv_quantizer=kv_quantizer)
             tokenizer = tokenizer if tokenizer is not None else load_tokenizer(config.model)
+        elif kv_quantizer is not None:
+            components.use_kv_quantizer(model, kv_quantizer)
         self.model, self.tokenizer = model, tokenizer
         block_size = config.cache.block_size
         spec = model.kv_cache_spec(block_size)

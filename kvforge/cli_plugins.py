@@ -15,6 +15,7 @@ The `--json` schema (version 1) is stable:
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 from dataclasses import asdict
 
@@ -36,15 +37,21 @@ def add_parser(commands) -> None:
     parser.set_defaults(run=run)
 
 
-def selection_request(config) -> SelectionRequest:
+def selection_request(config, registry) -> SelectionRequest:
     """What `auto` is asked for when no model is loaded: the configured device,
-    dtype and block size (model shape is unknown until a model is)."""
+    dtype, block size and, when `cache.kv_cache_dtype` names a quantizer, the
+    storage dtype it keeps the KV cache in (model shape is unknown until a model is)."""
     import torch
+
+    from kvforge.engine.components import resolve_kv_quantizer
+    from kvforge.models.base import backend_request
 
     device = config.device if config.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
     dtype = getattr(torch, config.dtype) if config.dtype != "auto" else None
-    return SelectionRequest(device=device, dtype=dtype, block_size=config.cache.block_size,
-                            prefix_caching=config.cache.enable_prefix_caching or None)
+    request = backend_request([], device, dtype, block_size=config.cache.block_size,
+                              kv_quantizer=resolve_kv_quantizer(registry, config))
+    return dataclasses.replace(request, kv_cache_dtype=config.cache.kv_cache_dtype,
+                               prefix_caching=config.cache.enable_prefix_caching or None)
 
 
 def report(registry, request: SelectionRequest | None, explain: bool) -> dict:
@@ -86,7 +93,8 @@ def quantizer_table(quantizers: list[dict]) -> Table:
 def run(args: argparse.Namespace) -> int:
     loaded = config_from_args(args)
     registry = registry_from_config(loaded)
-    data = report(registry, selection_request(loaded.config), args.explain)
+    request = selection_request(loaded.config, registry) if args.explain else None
+    data = report(registry, request, args.explain)
     if args.json:
         print(json.dumps(data, indent=2))
         return 0

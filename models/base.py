@@ -14,6 +14,7 @@ engine, or a test driver) owns the cache tensors and the `AttentionBatch`:
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -21,7 +22,15 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kvforge.core import AttentionBackend, AttentionBatch, AttentionLayerSpec, KVCacheSpec, SelectionRequest
+from kvforge.core import (
+    PER_TOKEN,
+    AttentionBackend,
+    AttentionBatch,
+    AttentionLayerSpec,
+    KVCacheSpec,
+    Quantizer,
+    SelectionRequest,
+)
 from kvforge.core.errors import ConfigError, UnsupportedConfigurationError
 
 
@@ -134,6 +143,37 @@ def activation(name: str):
     return ACTIVATIONS[name]
 
 
+def backend_request(layers: Sequence[AttentionLayerSpec], device: str, dtype: torch.dtype | None, *,
+                    block_size: int | None = None, kv_quantizer: Quantizer | None = None) -> SelectionRequest:
+    """What an attention backend is asked when it is to serve `layers` (the first
+    one's heads and head size, every one's features) over a KV cache quantized by
+    `kv_quantizer` (None: a float cache). `layers` may be empty when the model's
+    shape is not known yet; the one place a host builds this request from layers."""
+    first = layers[0] if layers else None
+    return SelectionRequest(
+        device=device, dtype=dtype, block_size=block_size,
+        head_size=first.head_size if first else None,
+        num_heads=first.num_heads if first else None,
+        num_kv_heads=first.num_kv_heads if first else None,
+        features=frozenset().union(*(layer.required_features() for layer in layers)),
+        kv_storage_dtype=kv_quantizer.storage_dtype if kv_quantizer is not None else None)
+
+
+def check_kv_quantizer(quantizer: type[Quantizer] | Quantizer, qualifying: Sequence[str] | None = None) -> None:
+    """Refuse a quantizer that cannot quantize a KV cache: the KV layout keeps one
+    scale per (token, KV head), so only a `per_token` quantizer fits. `qualifying`
+    (names of the registered ones that do) goes into the message when given."""
+    if quantizer.granularity == PER_TOKEN:
+        return
+    what_next = "use a per_token quantizer for the KV cache, or none"
+    if qualifying is not None:
+        what_next = (f"quantizers that qualify: {', '.join(qualifying) or 'none registered'}; "
+                     "set cache.kv_cache_dtype to one of those, or to 'auto'")
+    raise ConfigError(
+        f"quantizer {quantizer.name!r} has granularity {quantizer.granularity!r}, but a KV cache needs a "
+        f"{PER_TOKEN!r} quantizer: the KV layout keeps one scale per token and KV head; {what_next}")
+
+
 @dataclass
 class ModelPlan:
     """One step's batch and, per distinct layer spec, its backend and that backend's plan."""
@@ -176,22 +216,37 @@ class CausalLM(nn.Module):
         self.eos_token_id: int | None = config.eos_token_id()
         self.layer_specs: list[AttentionLayerSpec] = []
         self.attention_backend: type[AttentionBackend] | None = None
+        self.kv_quantizer: Quantizer | None = None  # set through set_kv_quantizer
         self._backends: dict[tuple[AttentionLayerSpec, int], AttentionBackend] = {}
 
     # Backends
 
     def set_attention_backend(self, backend_cls: type[AttentionBackend]) -> None:
-        """Use `backend_cls` for every layer; refuses, with reasons, a backend that cannot serve a layer."""
+        """Use `backend_cls` for every layer; refuses, with reasons, a backend that cannot
+        serve a layer, or cannot read the KV cache as `kv_quantizer` stores it."""
         for spec in dict.fromkeys(self.layer_specs):
-            reasons = backend_cls.unsupported_reasons(SelectionRequest(
-                device=self.device.type, dtype=self.dtype, head_size=spec.head_size, num_heads=spec.num_heads,
-                num_kv_heads=spec.num_kv_heads, features=spec.required_features()))
+            reasons = backend_cls.unsupported_reasons(
+                backend_request([spec], self.device.type, self.dtype, kv_quantizer=self.kv_quantizer))
             if reasons:
                 raise UnsupportedConfigurationError(
                     f"attention backend {backend_cls.name!r} cannot serve this model: {'; '.join(reasons)}; "
-                    "choose another attention backend (see `kvforge plugins`)")
+                    "choose another attention backend (see `kvforge plugins --explain`)")
         self.attention_backend = backend_cls
         self._backends = {}
+
+    def set_kv_quantizer(self, quantizer: Quantizer | None) -> None:
+        """Store keys and values quantized by `quantizer` (a `per_token` Quantizer
+        instance; None: in the model dtype). Call before allocating the cache; an
+        attention backend already set is checked again against the new storage dtype."""
+        if quantizer is not None:
+            check_kv_quantizer(quantizer)
+        previous, self.kv_quantizer = self.kv_quantizer, quantizer
+        if self.attention_backend is not None:
+            try:
+                self.set_attention_backend(self.attention_backend)
+            except UnsupportedConfigurationError:
+                self.kv_quantizer = previous
+                raise
 
     def backend_for(self, spec: AttentionLayerSpec, block_size: int) -> AttentionBackend:
         """The one backend instance serving every layer with this spec at this block size."""
@@ -211,13 +266,14 @@ class CausalLM(nn.Module):
     def kv_cache_spec(self, block_size: int) -> KVCacheSpec:
         first = self.layer_specs[0]
         return KVCacheSpec(block_size=block_size, num_kv_heads=first.num_kv_heads, head_size=first.head_size,
-                           dtype=self.dtype, num_layers=len(self.layer_specs))
+                           dtype=self.dtype, num_layers=len(self.layer_specs), quantizer=self.kv_quantizer)
 
     def allocate_kv_cache(self, num_blocks: int, block_size: int) -> list[torch.Tensor]:
-        """One zeroed cache tensor per layer, in the backend's `kv_cache_shape`."""
+        """One zeroed cache tensor per layer, in the backend's `kv_cache_shape` and the
+        spec's `tensor_dtype` (raw bytes holding data and scales when quantized)."""
         spec = self.kv_cache_spec(block_size)
         shape = self.backend_class().kv_cache_shape(num_blocks, spec)
-        return [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in self.layer_specs]
+        return [torch.zeros(shape, dtype=spec.tensor_dtype, device=self.device) for _ in self.layer_specs]
 
     # One step
 

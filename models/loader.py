@@ -15,7 +15,7 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
-from kvforge.core import AttentionBackend, AttentionLayerSpec
+from kvforge.core import AttentionBackend, AttentionLayerSpec, Quantizer
 from kvforge.core.errors import ConfigError, UnsupportedConfigurationError
 
 from .base import CausalLM, ModelConfig
@@ -116,7 +116,8 @@ def attention_specs(name_or_path: str | Path) -> list[AttentionLayerSpec]:
 
 
 def load_model(name_or_path: str | Path, *, dtype: torch.dtype | str = torch.float32, device: str | torch.device = "cpu",
-               attention_backend: type[AttentionBackend] | None = None, linear_kernel: str = "auto") -> CausalLM:
+               attention_backend: type[AttentionBackend] | None = None, linear_kernel: str = "auto",
+               kv_quantizer: Quantizer | None = None) -> CausalLM:
     """Build and load a model; attention runs through instances of `attention_backend`.
 
     `name_or_path` is a built-in name (`kvforge-tiny`, `kvforge-tiny-draft`) or a
@@ -124,6 +125,8 @@ def load_model(name_or_path: str | Path, *, dtype: torch.dtype | str = torch.flo
     `linear_kernel` is "torch" (`F.linear`), "onednn" (weights packed once, see
     `packed_linear`; an error where unavailable) or "auto" (onednn where available,
     for weights of at least `AUTO_MIN_WEIGHT` elements, where packing pays).
+    `kv_quantizer` (a `per_token` Quantizer instance) stores the KV cache quantized;
+    `attention_backend` must then read its storage dtype (see `CausalLM.set_kv_quantizer`).
     """
     model_dir = resolve_model_dir(name_or_path)
     config = load_config(model_dir)
@@ -136,6 +139,7 @@ def load_model(name_or_path: str | Path, *, dtype: torch.dtype | str = torch.flo
     model.finish_loading()
     model.eval()
     use_linear_kernel(model, linear_kernel)
+    model.set_kv_quantizer(kv_quantizer)
     if attention_backend is not None:
         model.set_attention_backend(attention_backend)
     return model

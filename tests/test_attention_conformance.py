@@ -12,10 +12,11 @@ from kvforge.conformance import (
     check_attention_kv_write,
     check_attention_mixed,
     check_attention_prefill,
+    check_attention_quantized_kv,
     check_attention_refusal,
 )
 from kvforge.conformance.attention_cases import SEED_ENV, Target, check_case, make_case, make_layer
-from kvforge.core import ATTENTION_BACKEND, SLIDING_WINDOW, Registration
+from kvforge.core import ATTENTION_BACKEND, SLIDING_WINDOW, Registration, quantized_kv_views
 
 
 @pytest.fixture(autouse=True)
@@ -149,6 +150,45 @@ class AcceptsAnything(ReferenceAttentionBackend):
         self.layer, self.cache, self.device = layer, cache, torch.device(device)
 
 
+class IgnoresScales(ReferenceAttentionBackend):
+    """Reads a quantized cache's data as if every scale were 1."""
+
+    name = "ignores-scales"
+
+    def forward(self, query, kv_cache, plan, out=None):
+        if not self.cache.quantized:
+            return super().forward(query, kv_cache, plan, out)
+        _, scales = quantized_kv_views(kv_cache, self.cache)
+        saved = scales.clone()
+        scales.fill_(1.0)
+        try:
+            return super().forward(query, kv_cache, plan, out)
+        finally:
+            scales.copy_(saved)
+
+
+class StoresUnscaled(ReferenceAttentionBackend):
+    """Writes quantized data but leaves the scale slots as they were."""
+
+    name = "stores-unscaled"
+
+    def write_kv(self, key, value, kv_cache, slot_mapping):
+        _, scales = quantized_kv_views(kv_cache, self.cache)
+        saved = scales.clone()
+        super().write_kv(key, value, kv_cache, slot_mapping)
+        scales.copy_(saved)
+
+
+class QuantizedWritesMinusOne(ReferenceAttentionBackend):
+    """Quantized write that sends slot -1 to the cache's last slot (Python indexing)."""
+
+    name = "quantized-writes-minus-one"
+
+    def write_kv(self, key, value, kv_cache, slot_mapping):
+        last = kv_cache.shape[0] * self.cache.block_size - 1
+        super().write_kv(key, value, kv_cache, torch.where(slot_mapping < 0, last, slot_mapping))
+
+
 def target(cls) -> Target:
     return Target(cls, "cpu", reduced=False)
 
@@ -211,3 +251,34 @@ def test_check_modules_fail_as_a_whole_on_a_broken_backend():
     with pytest.raises(AssertionError):
         check_attention_features.test_feature_matches_float64_reference(registration(IgnoresWindow), SLIDING_WINDOW,
                                                                         torch.float32)
+
+
+def test_ignoring_quantization_scales_is_caught():
+    with pytest.raises(AssertionError, match="relative error"):
+        check_attention_quantized_kv.test_quantized_kv_matches_reference_over_dequantized_values(
+            registration(IgnoresScales), "mixed", torch.float32)
+    with pytest.raises(AssertionError, match="from attention over the float KV"):
+        check_attention_quantized_kv.test_quantized_kv_stays_near_attention_over_float_kv(
+            registration(IgnoresScales), "decode", torch.float32)
+
+
+def test_a_quantized_write_without_scales_is_caught():
+    with pytest.raises(AssertionError, match="scales differ"):
+        check_attention_quantized_kv.test_write_kv_stores_what_the_quantizer_gives_and_nothing_else(
+            registration(StoresUnscaled), 0)
+
+
+def test_a_quantized_write_to_slot_minus_one_is_caught():
+    check_attention_quantized_kv.test_write_kv_stores_what_the_quantizer_gives_and_nothing_else(
+        registration(QuantizedWritesMinusOne), 0)  # nothing skipped: indistinguishable from correct
+    with pytest.raises(AssertionError, match="scales differ|outside the written slots changed"):
+        check_attention_quantized_kv.test_write_kv_stores_what_the_quantizer_gives_and_nothing_else(
+            registration(QuantizedWritesMinusOne), 3)
+
+
+def test_a_backend_declaring_no_quantized_kv_is_skipped_with_the_reason():
+    float_only = type("FloatOnly", (ReferenceAttentionBackend,), {"name": "float-only",
+                                                                  "quantized_kv_dtypes": frozenset()})
+    with pytest.raises(pytest.skip.Exception, match="declares no quantized KV dtypes"):
+        check_attention_quantized_kv.test_write_kv_stores_what_the_quantizer_gives_and_nothing_else(
+            registration(float_only), 0)
