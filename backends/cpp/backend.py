@@ -4,7 +4,11 @@ The kernel (`paged_attention.cpp`) is a `torch.library` custom op,
 `torch.ops.kvforge_cpp.paged_attention`, that reads the paged cache straight
 through the block table: tiles of (sequence, KV head, up to 64 query rows) run in
 parallel, every query head sharing a KV head is handled together, and an online
-softmax accumulates in float32. `torch.ops.kvforge_cpp.write_kv` fills the cache.
+softmax accumulates in float32. A quantized cache (int8, float8_e4m3fn,
+float8_e5m2) is read as the two views of `quantized_kv_views` and dequantized
+inside the tiles, as each block is read. `torch.ops.kvforge_cpp.write_kv` fills
+a float cache; a quantized one is written by the base class through the spec's
+quantizer, so any per-token quantizer with those storage dtypes works.
 The library is compiled on first construction and cached on disk (see `build`).
 """
 
@@ -23,6 +27,7 @@ from kvforge.core import (
     AttentionLayerSpec,
     Availability,
     KVCacheSpec,
+    quantized_kv_views,
 )
 
 from . import build
@@ -49,6 +54,7 @@ class CppAttentionBackend(AttentionBackend):
     priority = 25  # above `sdpa` (10): faster on CPU, and passes the same conformance suite
     devices = frozenset({"cpu"})
     dtypes = frozenset({torch.float32, torch.float16, torch.bfloat16})
+    quantized_kv_dtypes = frozenset({torch.int8, torch.float8_e4m3fn, torch.float8_e5m2})
     features = frozenset({SLIDING_WINDOW, LOGIT_SOFT_CAP, ALIBI})
 
     def __init__(self, layer: AttentionLayerSpec, cache: KVCacheSpec, device: str | torch.device = "cpu"):
@@ -79,6 +85,9 @@ class CppAttentionBackend(AttentionBackend):
         )
 
     def write_kv(self, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+        if self.cache.quantized:
+            super().write_kv(key, value, kv_cache, slot_mapping)
+            return
         torch.ops.kvforge_cpp.write_kv(key.to(kv_cache.dtype), value.to(kv_cache.dtype), kv_cache,
                                        slot_mapping.to(torch.int64))
 
@@ -87,9 +96,12 @@ class CppAttentionBackend(AttentionBackend):
         if query.stride(-1) != 1:
             query = query.contiguous()
         target = out if out is not None and out.stride(-1) == 1 else torch.empty_like(query)
+        scales = None
+        if self.cache.quantized:
+            kv_cache, scales = quantized_kv_views(kv_cache, self.cache)
         torch.ops.kvforge_cpp.paged_attention(
             query, kv_cache, plan.query_start_loc, plan.seq_lens, plan.context_lens, plan.block_table,
-            self.scale, self.window, self.soft_cap, self.alibi, target)
+            self.scale, self.window, self.soft_cap, self.alibi, target, scales)
         if out is not None and target is not out:
             out.copy_(target)
             return out

@@ -9,7 +9,7 @@ import torch
 
 @torch.library.register_fake("kvforge_cpp::paged_attention")
 def _paged_attention_fake(query, kv_cache, query_start_loc, seq_lens, context_lens, block_table,
-                          scale, sliding_window, logit_soft_cap, alibi_slopes, out) -> None:
+                          scale, sliding_window, logit_soft_cap, alibi_slopes, out, kv_scales=None) -> None:
     return None
 
 
