@@ -228,3 +228,28 @@ def test_the_op_refuses_a_quantized_cache_without_scales():
     with pytest.raises(RuntimeError, match="needs its kv_scales"):
         torch.ops.kvforge_cpp.paged_attention(query, data, plan.query_start_loc, plan.seq_lens, plan.context_lens,
                                               plan.block_table, 0.25, 0, 0.0, None, torch.empty_like(query))
+
+
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("name", QUANTIZERS)
+def test_every_stored_byte_is_read_as_its_exact_value(monkeypatch, isa, name):
+    """A sequence of one token attends with weight exactly 1 to its own value, so
+    the output is that value as the kernel dequantized it: one head of 256
+    elements holding every byte pattern (NaN and infinity ones set to 0) shows
+    each conversion bit-exact, float8 e4m3fn's 2^8 unit included."""
+    isa_or_skip(monkeypatch, isa)
+    layer = AttentionLayerSpec(num_heads=1, num_kv_heads=1, head_size=256)
+    spec = KVCacheSpec(1, 1, 256, torch.float32, quantizer=quantizer(name))
+    backend = CppAttentionBackend(layer, spec)
+    batch = make_batch([1], [0], 1, 3, torch.Generator().manual_seed(0))
+    cache = torch.zeros(backend.kv_cache_shape(3, spec), dtype=spec.tensor_dtype)
+    data, scales = quantized_kv_views(cache, spec)
+    patterns = torch.arange(256, dtype=torch.int32).to(torch.uint8)
+    patterns[~torch.isfinite(patterns.view(spec.storage_dtype).float())] = 0
+    patterns = patterns.view(spec.storage_dtype)
+    block = int(batch.block_table[0, 0])
+    data[block, 1, 0, 0] = patterns
+    scales[block, :, 0, 0] = 0.125  # a power of two: the products stay exact
+    query = torch.randn(1, 1, 256)
+    out = backend.forward(query, cache, backend.plan(batch))
+    assert torch.equal(out[0, 0], patterns.float() * 0.125)

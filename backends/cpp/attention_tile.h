@@ -43,9 +43,11 @@ inline void to_float(float* __restrict__ dst, const T* __restrict__ src, int64_t
 #ifdef KVFORGE_F16C
   // The portable conversions do not vectorise; F16C and AVX2 convert 8 at once.
   // Both float8 formats widen to fp16 bit patterns: e5m2 is an fp16's top byte;
-  // e4m3fn's exponent and mantissa, shifted into an fp16's, read as that value
-  // times 2^-8 (normals and subnormals alike: both formats' exponent fields
-  // line up and only the biases, 7 and 15, differ), so 256 joins the scale.
+  // e4m3fn's exponent and mantissa, shifted into an fp16's (b & 0x7F) << 7, sign
+  // on bit 15, read as that value times 2^-8 (normals and subnormals alike: the
+  // exponent fields line up and only the biases, 7 and 15, differ), so 256
+  // joins the scale. (e4m3fn's NaN, 0x7F, would read as 480; quantizers never
+  // store it.)
   if constexpr (std::is_same_v<T, c10::Half> || kScaled<T>) {  // float32 and bfloat16 vectorise below
   const __m256 factor = _mm256_set1_ps(std::is_same_v<T, c10::Float8_e4m3fn> ? scale * 256.f : scale);
   for (; d + 8 <= n; d += 8) {
@@ -59,9 +61,10 @@ inline void to_float(float* __restrict__ dst, const T* __restrict__ src, int64_t
       x = _mm256_cvtph_ps(_mm_slli_epi16(bytes, 8));
     } else {
       static_assert(std::is_same_v<T, c10::Float8_e4m3fn>);
-      const __m128i bytes = _mm_cvtepu8_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(src + d)));
-      x = _mm256_cvtph_ps(_mm_or_si128(_mm_slli_epi16(_mm_and_si128(bytes, _mm_set1_epi16(0x7F)), 7),
-                                       _mm_slli_epi16(_mm_and_si128(bytes, _mm_set1_epi16(0x80)), 8)));
+      // Sign-extended and shifted by 7, the sign lands on bit 15 and again on
+      // bit 14, which the mask clears: ((b & 0x7F) << 7) | ((b & 0x80) << 8).
+      const __m128i words = _mm_cvtepi8_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(src + d)));
+      x = _mm256_cvtph_ps(_mm_and_si128(_mm_slli_epi16(words, 7), _mm_set1_epi16(static_cast<int16_t>(0xBFFF))));
     }
     _mm256_storeu_ps(dst + d, _mm256_mul_ps(x, factor));
   }
