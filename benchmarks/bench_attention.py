@@ -317,11 +317,17 @@ def main(argv=None) -> None:
     parser.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
     parser.add_argument("--kv-dtypes", action="store_true",
                         help="the decodes over every KV-cache dtype instead of the decode and prefill shapes")
+    parser.add_argument("--clock", choices=["wall", "cpu"], default="wall",
+                        help="cpu: on-CPU time of this thread (time.thread_time; with --threads 1), which leaves "
+                             "out the time a shared machine gives other processes; pytest: --benchmark-timer")
     parser.add_argument("--backend", action="append", default=None, metavar="NAME",
                         help=f"only this backend (repeatable; {BASELINE!r} is the unpaged floor); default: all")
     args = parser.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
+    if args.clock == "cpu" and (device_here() != "cpu" or torch.get_num_threads() > 1):
+        parser.error("--clock cpu times only the calling thread: use it on the CPU with --threads 1")
+    clock = time.thread_time if args.clock == "cpu" else time.perf_counter
     device, times = device_here(), {}
     known = [BASELINE] + [r.name for r in registry().implementations(ATTENTION_BACKEND)]
     unknown = sorted(set(args.backend or ()) - set(known))
@@ -338,9 +344,9 @@ def main(argv=None) -> None:
             call()
             samples = []
             for _ in range(args.repeat):
-                start = time.perf_counter()
+                start = clock()
                 call()
-                samples.append(time.perf_counter() - start)
+                samples.append(clock() - start)
             times[(shape.name, name)] = statistics.median(samples)
         del w  # the larger shapes hold hundreds of MB
     print("\n".join(table(times, device)))

@@ -253,3 +253,32 @@ def test_every_stored_byte_is_read_as_its_exact_value(monkeypatch, isa, name):
     query = torch.randn(1, 1, 256)
     out = backend.forward(query, cache, backend.plan(batch))
     assert torch.equal(out[0, 0], patterns.float() * 0.125)
+
+
+@pytest.mark.parametrize("name", QUANTIZERS)
+def test_the_op_over_quantized_views_passes_opcheck(name):
+    layer = AttentionLayerSpec(num_heads=4, num_kv_heads=2, head_size=32)
+    outcome = run_case(layer, torch.float32, name, [1, 6], [9, 3], block_size=4)
+    data, scales = quantized_kv_views(outcome.cache, outcome.spec)
+    b = outcome.batch
+    query = torch.randn(b.num_tokens, 4, 32)
+    args = (query, data, b.query_start_loc, b.seq_lens, b.context_lens, b.block_table, 0.125, 0, 0.0, None,
+            torch.empty_like(query), scales)
+    checks = ["test_schema", "test_autograd_registration", "test_faketensor", "test_aot_dispatch_dynamic"]
+    if data.dtype != torch.int8:
+        checks.remove("test_schema")  # it multiplies the inputs itself, which torch cannot do in float8
+    torch.library.opcheck(torch.ops.kvforge_cpp.paged_attention.default, args, test_utils=checks)
+
+
+@pytest.mark.parametrize("name", QUANTIZERS)
+def test_benchmark_decodes_the_quantized_copy_of_the_data_it_times_unpaged(name):
+    # The KV-dtype rows of bench_attention are only comparable if each attends over
+    # the same keys and values, quantized, and counts the bytes it must read.
+    from kvforge.benchmarks.bench_attention import Shape, backend_call, contiguous_call, workload
+
+    shape = Shape("tiny", 3, 37, 1, 8, 2, 64, 8, torch.float32, name)
+    w = workload(shape, "cpu", seed=3)
+    paged = backend_call(CppAttentionBackend, w, "cpu")()
+    contiguous = contiguous_call(w)().reshape(3, 8, 64)
+    assert relative_error(paged, contiguous.double()) <= VERSUS_FLOAT[name]
+    assert shape.kv_bytes() == 2 * 3 * 38 * 2 * (64 * 1 + 4)  # one byte per element, a float32 scale per head
