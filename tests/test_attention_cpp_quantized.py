@@ -19,10 +19,12 @@ from kvforge.core import (
     AttentionBatch,
     AttentionLayerSpec,
     KVCacheSpec,
+    QuantizationError,
     SelectionRequest,
     build_registry,
     dequantize_kv_blocks,
     quantized_kv_views,
+    write_quantized_kv_by_slot,
 )
 
 pytest.importorskip("kvforge.backends.cpp")
@@ -282,3 +284,71 @@ def test_benchmark_decodes_the_quantized_copy_of_the_data_it_times_unpaged(name)
     contiguous = contiguous_call(w)().reshape(3, 8, 64)
     assert relative_error(paged, contiguous.double()) <= VERSUS_FLOAT[name]
     assert shape.kv_bytes() == 2 * 3 * 38 * 2 * (64 * 1 + 4)  # one byte per element, a float32 scale per head
+
+
+def awkward_rows(dtype, generator) -> torch.Tensor:
+    """[24, 2, 64] keys or values: normal rows, and rows that test the edges of
+    absmax scaling: zeros, one nonzero, constants, subnormal and huge magnitudes,
+    and int8 half-way points (a row of amax 127 whose other elements end in .5)."""
+    rows = torch.randn(24, 2, 64, generator=generator) * torch.logspace(-3, 3, 24).view(24, 1, 1)
+    rows[0] = 0
+    rows[1, :, 1:] = 0
+    rows[2] = 3.5
+    rows[5] = torch.randint(-126, 127, (2, 64), generator=generator) + 0.5  # scale 1: x.5 stays x.5
+    rows[5, :, 0] = 127
+    rows = rows.to(dtype)
+    limits = torch.finfo(dtype)
+    rows[3] = (torch.randn(2, 64, generator=generator) * limits.tiny).to(dtype)  # subnormals of `dtype`
+    rows[4] = (torch.randn(2, 64, generator=generator).clamp(-4, 4) * (limits.max / 8)).to(dtype)
+    assert torch.isfinite(rows).all()
+    return rows
+
+
+@pytest.mark.parametrize("name", QUANTIZERS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_the_cpp_quantized_write_is_bit_identical_to_the_quantizer(name, dtype):
+    generator = torch.Generator().manual_seed(9)
+    layer = AttentionLayerSpec(num_heads=2, num_kv_heads=2, head_size=64)
+    spec = KVCacheSpec(4, 2, 64, dtype, quantizer=quantizer(name))
+    backend = CppAttentionBackend(layer, spec)
+    assert backend.writes_quantized_in_cpp
+    key, value = awkward_rows(dtype, generator), awkward_rows(dtype, generator).flip(0)
+    slots = torch.randperm(40, generator=generator)[:24]
+    slots[7] = -1
+    fast = torch.full(backend.kv_cache_shape(10, spec), POISON, dtype=torch.uint8)
+    python = fast.clone()
+    backend.write_kv(key, value, fast, slots)
+    write_quantized_kv_by_slot(key, value, python, slots, spec)  # the base class's write
+    assert torch.equal(fast, python)
+    assert not torch.equal(fast, torch.full_like(fast, POISON))
+
+
+def test_a_nan_key_raises_the_quantizers_error_and_writes_nothing():
+    layer = AttentionLayerSpec(num_heads=2, num_kv_heads=2, head_size=16)
+    spec = KVCacheSpec(4, 2, 16, torch.float32, quantizer=quantizer("int8"))
+    backend = CppAttentionBackend(layer, spec)
+    cache = torch.zeros(backend.kv_cache_shape(3, spec), dtype=torch.uint8)
+    key = torch.randn(3, 2, 16)
+    key[2, 1, 5] = float("nan")
+    with pytest.raises(QuantizationError, match="int8"):
+        backend.write_kv(key, torch.randn(3, 2, 16), cache, torch.tensor([0, 1, 2]))
+    assert not cache.any()
+
+
+def test_only_kvforges_own_quantizers_take_the_cpp_write():
+    class Int8Subclass(type(quantizer("int8"))):
+        pass  # same name, same arithmetic, yet not the registered class: written through Python
+
+    layer = AttentionLayerSpec(num_heads=2, num_kv_heads=2, head_size=16)
+    assert not CppAttentionBackend(layer, KVCacheSpec(4, 2, 16, torch.float32,
+                                                      quantizer=Int8Subclass())).writes_quantized_in_cpp
+    assert not CppAttentionBackend(layer, KVCacheSpec(4, 2, 16, torch.float32)).writes_quantized_in_cpp
+
+
+def test_the_quantized_write_op_passes_opcheck():
+    spec = KVCacheSpec(4, 2, 16, torch.float32, quantizer=quantizer("int8"))
+    cache = torch.zeros(spec.layer_block_bytes() * 3, dtype=torch.uint8).view(3, -1)
+    data, scales = quantized_kv_views(cache, spec)
+    key, value = torch.randn(5, 2, 16), torch.randn(5, 2, 16)
+    torch.library.opcheck(torch.ops.kvforge_cpp.write_quantized_kv.default,
+                          (key, value, data, scales, torch.tensor([0, 3, -1, 9, 4])))

@@ -7,8 +7,9 @@ parallel, every query head sharing a KV head is handled together, and an online
 softmax accumulates in float32. A quantized cache (int8, float8_e4m3fn,
 float8_e5m2) is read as the two views of `quantized_kv_views` and dequantized
 inside the tiles, as each block is read. `torch.ops.kvforge_cpp.write_kv` fills
-a float cache; a quantized one is written by the base class through the spec's
-quantizer, so any per-token quantizer with those storage dtypes works.
+a float cache; `write_quantized_kv` quantizes and fills one for kvforge's own
+quantizers (bit-identical to them), and any other per-token quantizer with
+those storage dtypes is written by the base class, through the quantizer.
 The library is compiled on first construction and cached on disk (see `build`).
 """
 
@@ -26,7 +27,11 @@ from kvforge.core import (
     AttentionBatch,
     AttentionLayerSpec,
     Availability,
+    QUANTIZER,
     KVCacheSpec,
+    Quantizer,
+    SelectionError,
+    build_registry,
     quantized_kv_views,
 )
 
@@ -47,6 +52,22 @@ def as_int32(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.to(device="cpu", dtype=torch.int32).contiguous()
 
 
+BUILTIN_KV_QUANTIZERS = frozenset({"int8", "fp8_e4m3", "fp8_e5m2"})
+"""kvforge's own absmax KV quantizers, whose arithmetic `write_quantized_kv` repeats."""
+
+
+def is_builtin_kv_quantizer(quantizer: Quantizer | None) -> bool:
+    """Whether `quantizer` is exactly one of BUILTIN_KV_QUANTIZERS as the kvforge
+    distribution registers it (not a subclass, not a namesake from elsewhere)."""
+    if quantizer is None or quantizer.name not in BUILTIN_KV_QUANTIZERS:
+        return False
+    try:
+        registration = build_registry().get(QUANTIZER, quantizer.name)
+    except SelectionError:
+        return False
+    return type(quantizer) is registration.cls and registration.distribution == "kvforge"
+
+
 class CppAttentionBackend(AttentionBackend):
     """Paged attention by a custom C++ CPU kernel (no gather copy, online softmax)."""
 
@@ -65,6 +86,7 @@ class CppAttentionBackend(AttentionBackend):
         self.soft_cap = float(layer.logit_soft_cap or 0.0)
         self.alibi = (torch.tensor(layer.alibi_slopes, dtype=torch.float32)
                       if layer.alibi_slopes is not None else None)
+        self.writes_quantized_in_cpp = is_builtin_kv_quantizer(cache.quantizer)
 
     @classmethod
     def availability(cls) -> Availability:
@@ -85,6 +107,15 @@ class CppAttentionBackend(AttentionBackend):
         )
 
     def write_kv(self, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+        if self.writes_quantized_in_cpp:
+            data, scales = quantized_kv_views(kv_cache, self.cache)
+            try:
+                torch.ops.kvforge_cpp.write_quantized_kv(key, value, data, scales, slot_mapping.to(torch.int64))
+            except RuntimeError:
+                for x in (key, value):  # NaN or infinity: the quantizer's own QuantizationError
+                    self.cache.quantizer.check_finite(x)
+                raise
+            return
         if self.cache.quantized:
             super().write_kv(key, value, kv_cache, slot_mapping)
             return

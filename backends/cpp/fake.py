@@ -16,3 +16,8 @@ def _paged_attention_fake(query, kv_cache, query_start_loc, seq_lens, context_le
 @torch.library.register_fake("kvforge_cpp::write_kv")
 def _write_kv_fake(key, value, kv_cache, slot_mapping) -> None:
     return None
+
+
+@torch.library.register_fake("kvforge_cpp::write_quantized_kv")
+def _write_quantized_kv_fake(key, value, kv_data, kv_scales, slot_mapping) -> None:
+    return None

@@ -4,6 +4,7 @@
 //                                block_table, scale, sliding_window, logit_soft_cap,
 //                                alibi_slopes, out!, kv_scales=None) -> ()
 //   kvforge_cpp::write_kv(key, value, kv_cache!, slot_mapping) -> ()
+//   kvforge_cpp::write_quantized_kv(key, value, kv_data!, kv_scales!, slot_mapping) -> ()
 //
 // The cache is [num_blocks, 2, block_size, num_kv_heads, head_size] (NHD), dense
 // within a block; blocks may lie further apart than their size. It holds either
@@ -359,6 +360,8 @@ void write_kv(const at::Tensor& key, const at::Tensor& value, const at::Tensor& 
   });
 }
 
+#include "quantized_write.h"
+
 // The instruction set paged_attention runs with here and now (see isa()).
 std::string isa_name() {
   switch (isa()) {
@@ -376,11 +379,14 @@ TORCH_LIBRARY(kvforge_cpp, m) {
       "Tensor context_lens, Tensor block_table, float scale, int sliding_window, float logit_soft_cap, "
       "Tensor? alibi_slopes, Tensor(a!) out, Tensor? kv_scales=None) -> ()");
   m.def("write_kv(Tensor key, Tensor value, Tensor(a!) kv_cache, Tensor slot_mapping) -> ()");
+  m.def("write_quantized_kv(Tensor key, Tensor value, Tensor(a!) kv_data, Tensor(b!) kv_scales, "
+        "Tensor slot_mapping) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(kvforge_cpp, CPU, m) {
   m.impl("paged_attention", &paged_attention);
   m.impl("write_kv", &write_kv);
+  m.impl("write_quantized_kv", &write_quantized_kv);
 }
 
 TORCH_LIBRARY_IMPL(kvforge_cpp, CompositeExplicitAutograd, m) {
