@@ -352,3 +352,17 @@ def test_the_quantized_write_op_passes_opcheck():
     key, value = torch.randn(5, 2, 16), torch.randn(5, 2, 16)
     torch.library.opcheck(torch.ops.kvforge_cpp.write_quantized_kv.default,
                           (key, value, data, scales, torch.tensor([0, 3, -1, 9, 4])))
+
+
+@pytest.mark.parametrize("name", QUANTIZERS)
+@pytest.mark.parametrize("block_size,kv_heads,head_size", [(1, 1, 32), (16, 4, 64), (32, 3, 40)])
+def test_the_backends_fast_views_are_the_cores_views(name, block_size, kv_heads, head_size):
+    from kvforge.backends.cpp.quantized_views import QuantizedViews
+
+    spec = KVCacheSpec(block_size, kv_heads, head_size, torch.float32, quantizer=quantizer(name))
+    cache = torch.randint(0, 256, (5, spec.layer_block_bytes()), dtype=torch.uint8)
+    for fast, core in zip(QuantizedViews(spec).views(cache), quantized_kv_views(cache, spec)):
+        assert (fast.dtype, fast.shape, fast.stride(), fast.data_ptr()) == (
+            core.dtype, core.shape, core.stride(), core.data_ptr())
+    with pytest.raises(ValueError, match=rf"uint8 tensor \[num_blocks, {spec.layer_block_bytes()}\]"):
+        QuantizedViews(spec).views(cache[:, 1:])

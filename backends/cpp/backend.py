@@ -32,10 +32,10 @@ from kvforge.core import (
     Quantizer,
     SelectionError,
     build_registry,
-    quantized_kv_views,
 )
 
 from . import build
+from .quantized_views import QuantizedViews
 
 
 @dataclass(frozen=True)
@@ -87,6 +87,7 @@ class CppAttentionBackend(AttentionBackend):
         self.alibi = (torch.tensor(layer.alibi_slopes, dtype=torch.float32)
                       if layer.alibi_slopes is not None else None)
         self.writes_quantized_in_cpp = is_builtin_kv_quantizer(cache.quantizer)
+        self.quantized_views = QuantizedViews(cache) if cache.quantized else None
 
     @classmethod
     def availability(cls) -> Availability:
@@ -108,7 +109,7 @@ class CppAttentionBackend(AttentionBackend):
 
     def write_kv(self, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
         if self.writes_quantized_in_cpp:
-            data, scales = quantized_kv_views(kv_cache, self.cache)
+            data, scales = self.quantized_views.views(kv_cache)
             try:
                 torch.ops.kvforge_cpp.write_quantized_kv(key, value, data, scales, slot_mapping.to(torch.int64))
             except RuntimeError:
@@ -128,8 +129,8 @@ class CppAttentionBackend(AttentionBackend):
             query = query.contiguous()
         target = out if out is not None and out.stride(-1) == 1 else torch.empty_like(query)
         scales = None
-        if self.cache.quantized:
-            kv_cache, scales = quantized_kv_views(kv_cache, self.cache)
+        if self.quantized_views is not None:
+            kv_cache, scales = self.quantized_views.views(kv_cache)
         torch.ops.kvforge_cpp.paged_attention(
             query, kv_cache, plan.query_start_loc, plan.seq_lens, plan.context_lens, plan.block_table,
             self.scale, self.window, self.soft_cap, self.alibi, target, scales)
