@@ -366,3 +366,14 @@ def test_the_backends_fast_views_are_the_cores_views(name, block_size, kv_heads,
             core.dtype, core.shape, core.stride(), core.data_ptr())
     with pytest.raises(ValueError, match=rf"uint8 tensor \[num_blocks, {spec.layer_block_bytes()}\]"):
         QuantizedViews(spec).views(cache[:, 1:])
+
+
+@pytest.mark.parametrize("name", QUANTIZERS)
+def test_two_threads_give_the_one_thread_result(name):
+    # Each thread pulls tiles from a shared counter into its own scratch buffers.
+    layer = AttentionLayerSpec(num_heads=8, num_kv_heads=2, head_size=64)
+    one = run_case(layer, torch.float32, name, **MIXED, block_size=16, seed=13)
+    torch.set_num_threads(2)  # the autouse fixture restores it
+    two = one.run()
+    assert torch.allclose(two, one.out, rtol=1e-6, atol=1e-6)
+    assert relative_error(two, one.over_dequantized) <= 1e-5

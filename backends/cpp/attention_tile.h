@@ -49,25 +49,25 @@ inline void to_float(float* __restrict__ dst, const T* __restrict__ src, int64_t
   // joins the scale. (e4m3fn's NaN, 0x7F, would read as 480; quantizers never
   // store it.)
   if constexpr (std::is_same_v<T, c10::Half> || kScaled<T>) {  // float32 and bfloat16 vectorise below
-  const __m256 factor = _mm256_set1_ps(std::is_same_v<T, c10::Float8_e4m3fn> ? scale * 256.f : scale);
-  for (; d + 8 <= n; d += 8) {
-    __m256 x;
-    if constexpr (std::is_same_v<T, c10::Half>) {
-      x = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src + d)));
-    } else if constexpr (std::is_same_v<T, int8_t>) {
-      x = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(src + d))));
-    } else if constexpr (std::is_same_v<T, c10::Float8_e5m2>) {
-      const __m128i bytes = _mm_cvtepu8_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(src + d)));
-      x = _mm256_cvtph_ps(_mm_slli_epi16(bytes, 8));
-    } else {
-      static_assert(std::is_same_v<T, c10::Float8_e4m3fn>);
-      // Sign-extended and shifted by 7, the sign lands on bit 15 and again on
-      // bit 14, which the mask clears: ((b & 0x7F) << 7) | ((b & 0x80) << 8).
-      const __m128i words = _mm_cvtepi8_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(src + d)));
-      x = _mm256_cvtph_ps(_mm_and_si128(_mm_slli_epi16(words, 7), _mm_set1_epi16(static_cast<int16_t>(0xBFFF))));
+    const __m256 factor = _mm256_set1_ps(std::is_same_v<T, c10::Float8_e4m3fn> ? scale * 256.f : scale);
+    for (; d + 8 <= n; d += 8) {
+      __m256 x;
+      if constexpr (std::is_same_v<T, c10::Half>) {
+        x = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src + d)));
+      } else if constexpr (std::is_same_v<T, int8_t>) {
+        x = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(src + d))));
+      } else if constexpr (std::is_same_v<T, c10::Float8_e5m2>) {
+        const __m128i bytes = _mm_cvtepu8_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(src + d)));
+        x = _mm256_cvtph_ps(_mm_slli_epi16(bytes, 8));
+      } else {
+        static_assert(std::is_same_v<T, c10::Float8_e4m3fn>);
+        // Sign-extended and shifted by 7, the sign lands on bit 15 and again on
+        // bit 14, which the mask clears: ((b & 0x7F) << 7) | ((b & 0x80) << 8).
+        const __m128i words = _mm_cvtepi8_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(src + d)));
+        x = _mm256_cvtph_ps(_mm_and_si128(_mm_slli_epi16(words, 7), _mm_set1_epi16(static_cast<int16_t>(0xBFFF))));
+      }
+      _mm256_storeu_ps(dst + d, _mm256_mul_ps(x, factor));
     }
-    _mm256_storeu_ps(dst + d, _mm256_mul_ps(x, factor));
-  }
   }
 #endif
   for (; d < n; ++d) dst[d] = stored_value(src[d]) * scale;
