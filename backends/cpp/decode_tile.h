@@ -33,7 +33,8 @@ inline __m512 load16(const c10::Float8_e5m2* p) {  // e5m2 is the top byte of an
 }
 inline __m512 load16(const c10::Float8_e4m3fn* p) {  // as to_float does it, 16 at once
   const __m256i words = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
-  return _mm512_cvtph_ps(_mm256_and_si256(_mm256_slli_epi16(words, 7), _mm256_set1_epi16(static_cast<int16_t>(0xBFFF))));
+  const __m256i sign_once = _mm256_set1_epi16(static_cast<int16_t>(0xBFFF));
+  return _mm512_cvtph_ps(_mm256_and_si256(_mm256_slli_epi16(words, 7), sign_once));
 }
 // What load16 of a K reads, as a multiple of the stored value: a quantized
 // cache's scales are multiplied by it.
