@@ -9,8 +9,15 @@ contiguous copy of the same keys and values: the floor paging is measured agains
 Reported per row: median time, effective bandwidth (KV bytes read / time) and
 the paging overhead ratio (time / contiguous SDPA's time on the same shape).
 
+A second set of shapes compares KV-cache dtypes on decodes (CPU: 128 sequences
+x 290 tokens, and 64 x 2048, larger than the caches): float32, bfloat16, and
+float32 attention over caches quantized to int8, fp8_e4m3 and fp8_e5m2 by the
+built-in quantizers. Their GB/s count the bytes a decode must read, scales
+included. Only backends that declare the quantized storage dtype run those rows.
+
     pytest benchmarks/bench_attention.py                     # pytest-benchmark, table at the end
     python -m kvforge.benchmarks.bench_attention [--repeat N] # the table alone
+    python -m kvforge.benchmarks.bench_attention --kv-dtypes --threads 1 --backend cpp
 
 Backends arrive through the registry, so a newly installed plugin shows up here
 without edits. A backend whose class sets `conformance_grid = "reduced"` (one
@@ -30,8 +37,18 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kvforge.core import ATTENTION_BACKEND, NHD, AttentionBatch, AttentionLayerSpec, KVCacheSpec, SelectionRequest
-from kvforge.core import build_registry
+from kvforge.core import (
+    ATTENTION_BACKEND,
+    NHD,
+    QUANTIZER,
+    SCALE_DTYPE,
+    AttentionBatch,
+    AttentionLayerSpec,
+    KVCacheSpec,
+    SelectionRequest,
+    build_registry,
+    quantized_kv_views,
+)
 
 BASELINE = "contiguous-sdpa"
 
@@ -52,15 +69,27 @@ class Shape:
     head_size: int
     block_size: int
     dtype: torch.dtype
+    kv_cache_dtype: str = "auto"  # or the name of the quantizer that stores the cache
 
     @property
     def seq_len(self) -> int:
         return self.context_len + self.query_len
 
+    def quantizer(self):
+        if self.kv_cache_dtype == "auto":
+            return None
+        return registry().select(QUANTIZER, self.kv_cache_dtype).cls()
+
+    def cache_spec(self) -> KVCacheSpec:
+        return KVCacheSpec(self.block_size, self.num_kv_heads, self.head_size, self.dtype,
+                           quantizer=self.quantizer())
+
     def kv_bytes(self) -> int:
-        """Keys and values one layer's attention must read at least once."""
-        element = torch.empty((), dtype=self.dtype).element_size()
-        return 2 * self.num_seqs * self.seq_len * self.num_kv_heads * self.head_size * element
+        """Keys and values (and their scales) one layer's attention must read at least once."""
+        spec = self.cache_spec()
+        element = torch.empty((), dtype=spec.storage_dtype).element_size()
+        per_head = self.head_size * element + (SCALE_DTYPE.itemsize if spec.quantized else 0)
+        return 2 * self.num_seqs * self.seq_len * self.num_kv_heads * per_head
 
 
 def shapes(device: str) -> list[Shape]:
@@ -70,6 +99,19 @@ def shapes(device: str) -> list[Shape]:
     # scaled down for a small shared CPU; float32, CPU's native attention dtype
     return [Shape("decode", 16, 512, 1, 16, 4, 128, 16, torch.float32),
             Shape("prefill", 2, 0, 256, 16, 4, 128, 16, torch.float32)]
+
+
+KV_DTYPES = [("float32", torch.float32, "auto"), ("bfloat16", torch.bfloat16, "auto"),
+             ("int8", torch.float32, "int8"), ("fp8_e4m3", torch.float32, "fp8_e4m3"),
+             ("fp8_e5m2", torch.float32, "fp8_e5m2")]
+
+
+def kv_dtype_shapes(device: str) -> list[Shape]:
+    """Decodes over every KV-cache dtype: a batch whose cache fits in a server's L3,
+    and one far larger (8 query / 4 KV heads of 64, block 16)."""
+    sizes = [(128, 290), (64, 2048)] if device == "cpu" else [(32, 1024), (64, 4096)]
+    return [Shape(f"decode-{seqs}x{context}/{label}", seqs, context, 1, 8, 4, 64, 16, dtype, kv)
+            for seqs, context in sizes for label, dtype, kv in KV_DTYPES]
 
 
 def device_here() -> str:
@@ -103,6 +145,8 @@ def workload(shape: Shape, device: str, seed: int = 0) -> Workload:
         full = torch.zeros(s.num_seqs, padded, s.num_kv_heads, s.head_size, dtype=s.dtype)
         full[:, : s.seq_len] = data
         cache[table.long(), kv] = full.view(s.num_seqs, per_seq, bs, s.num_kv_heads, s.head_size)
+    if s.kv_cache_dtype != "auto":
+        cache = quantized_cache(cache, s.cache_spec())
     pos = torch.arange(s.context_len, s.seq_len)
     slots = (table[:, pos // bs].long() * bs + pos % bs).flatten()
     batch = AttentionBatch(
@@ -116,6 +160,17 @@ def workload(shape: Shape, device: str, seed: int = 0) -> Workload:
     query = torch.randn(s.num_seqs * s.query_len, s.num_heads, s.head_size, generator=gen).to(s.dtype)
     return Workload(shape, query.to(device), cache.to(device), batch,
                     keys.transpose(1, 2).contiguous().to(device), values.transpose(1, 2).contiguous().to(device))
+
+
+def quantized_cache(cache: torch.Tensor, spec: KVCacheSpec) -> torch.Tensor:
+    """`cache` (NHD) quantized per (token, KV head) by `spec.quantizer`, in the
+    quantized layout: one row of bytes per block."""
+    quantized = torch.zeros(cache.shape[0], spec.layer_block_bytes(), dtype=spec.tensor_dtype)
+    data, scales = quantized_kv_views(quantized, spec)
+    q = spec.quantizer.quantize(cache)
+    data.copy_(q.data)
+    scales.copy_(q.scale.squeeze(-1))
+    return quantized
 
 
 def contiguous_call(w: Workload):
@@ -141,7 +196,7 @@ def contiguous_call(w: Workload):
 def backend_call(cls, w: Workload, device: str):
     s = w.shape
     layer = AttentionLayerSpec(s.num_heads, s.num_kv_heads, s.head_size)
-    backend = cls(layer, KVCacheSpec(s.block_size, s.num_kv_heads, s.head_size, s.dtype), device)
+    backend = cls(layer, s.cache_spec(), device)
     plan = backend.plan(w.batch)
     out = torch.empty_like(w.query)
 
@@ -169,9 +224,11 @@ def skip_reason(cls, shape: Shape, device: str) -> str | None:
         return f"uses KV layout {cls.kv_layout}; this benchmark builds {NHD} caches"
     if getattr(cls, "conformance_grid", "full") == "reduced":
         return "runs under an interpreter on this machine; its timings would measure the interpreter"
+    spec = shape.cache_spec()
     reasons = cls.unsupported_reasons(SelectionRequest(
         device=device, dtype=shape.dtype, head_size=shape.head_size, block_size=shape.block_size,
-        num_heads=shape.num_heads, num_kv_heads=shape.num_kv_heads))
+        num_heads=shape.num_heads, num_kv_heads=shape.num_kv_heads,
+        kv_storage_dtype=spec.storage_dtype if spec.quantized else None))
     return "; ".join(reasons) or None
 
 
@@ -197,14 +254,14 @@ def synchronized(call, device: str):
 
 def table(times: dict[tuple[str, str], float], device: str) -> list[str]:
     """Rows of `shape  backend  time  GB/s  ratio` from median seconds keyed by (shape, backend)."""
-    lines = [f"{'shape':<8} {'backend':<18} {'time (ms)':>10} {'GB/s':>8} {'vs contiguous':>14}"]
-    for shape in shapes(device):
+    lines = [f"{'shape':<26} {'backend':<18} {'time (ms)':>10} {'GB/s':>8} {'vs contiguous':>14}"]
+    for shape in shapes(device) + kv_dtype_shapes(device):
         base = times.get((shape.name, BASELINE))
         for (shape_name, name), seconds in sorted(times.items(), key=lambda kv: kv[1]):
             if shape_name != shape.name:
                 continue
             ratio = f"{seconds / base:.2f}x" if base else "-"
-            lines.append(f"{shape.name:<8} {name:<18} {seconds * 1e3:>10.3f} {shape.kv_bytes() / seconds / 1e9:>8.2f} "
+            lines.append(f"{shape.name:<26} {name:<18} {seconds * 1e3:>10.3f} {shape.kv_bytes() / seconds / 1e9:>8.2f} "
                          f"{ratio:>14}")
     return lines
 
@@ -247,18 +304,38 @@ def test_prefill(benchmark, name):
     bench(benchmark, PREFILL, name)
 
 
+@pytest.mark.parametrize("shape,name", [
+    pytest.param(shape, param.values[0], marks=param.marks, id=f"{shape.name}-{param.id}")
+    for shape in kv_dtype_shapes(device_here()) for param in candidates(shape, device_here())])
+def test_decode_kv_dtypes(benchmark, shape, name):
+    bench(benchmark, shape, name)
+
+
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeat", type=int, default=20, help="timed calls per row (median reported)")
     parser.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
+    parser.add_argument("--kv-dtypes", action="store_true",
+                        help="the decodes over every KV-cache dtype instead of the decode and prefill shapes")
+    parser.add_argument("--clock", choices=["wall", "cpu"], default="wall",
+                        help="cpu: on-CPU time of this thread (time.thread_time; with --threads 1), which leaves "
+                             "out the time a shared machine gives other processes; pytest: --benchmark-timer")
+    parser.add_argument("--backend", action="append", default=None, metavar="NAME",
+                        help=f"only this backend (repeatable; {BASELINE!r} is the unpaged floor); default: all")
     args = parser.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
+    if args.clock == "cpu" and (device_here() != "cpu" or torch.get_num_threads() > 1):
+        parser.error("--clock cpu times only the calling thread: use it on the CPU with --threads 1")
+    clock = time.thread_time if args.clock == "cpu" else time.perf_counter
     device, times = device_here(), {}
-    for shape in shapes(device):
+    known = [BASELINE] + [r.name for r in registry().implementations(ATTENTION_BACKEND)]
+    unknown = sorted(set(args.backend or ()) - set(known))
+    if unknown:
+        parser.error(f"unknown backend(s) {unknown}; valid: {known}")
+    for shape in kv_dtype_shapes(device) if args.kv_dtypes else shapes(device):
         w = workload(shape, device)
-        names = [BASELINE] + [r.name for r in registry().implementations(ATTENTION_BACKEND)]
-        for name in names:
+        for name in [n for n in known if args.backend is None or n in args.backend]:
             if name != BASELINE and (why := skip_reason(registry().get(ATTENTION_BACKEND, name).cls,
                                                       shape, device)):
                 print(f"skip {name} ({shape.name}): {why}")
@@ -267,10 +344,11 @@ def main(argv=None) -> None:
             call()
             samples = []
             for _ in range(args.repeat):
-                start = time.perf_counter()
+                start = clock()
                 call()
-                samples.append(time.perf_counter() - start)
+                samples.append(clock() - start)
             times[(shape.name, name)] = statistics.median(samples)
+        del w  # the larger shapes hold hundreds of MB
     print("\n".join(table(times, device)))
 
 

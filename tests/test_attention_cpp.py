@@ -184,6 +184,19 @@ def test_refuses_float64_with_reasons():
         CppAttentionBackend(AttentionLayerSpec(2, 2, 64), KVCacheSpec(16, 2, 64, torch.float64))
 
 
+def test_every_kernel_source_is_hashed_into_the_build_folder_name(tmp_path, monkeypatch):
+    # torch's own rebuild check ignores headers: a header left out of the digest
+    # would let an edited kernel load the stale library.
+    on_disk = {p.name for p in build.HERE.iterdir() if p.suffix in (".cpp", ".h")}
+    assert on_disk == {p.name for p in build.SOURCES + build.HEADERS}
+    header = tmp_path / "decode_tile.h"
+    header.write_text(build.HEADERS[-1].read_text())
+    monkeypatch.setattr(build, "HEADERS", build.HEADERS[:-1] + [header])
+    before = build.build_dir()
+    header.write_text(header.read_text() + "\n// edited\n")
+    assert build.build_dir() != before
+
+
 def test_availability_names_the_missing_compiler(monkeypatch):
     monkeypatch.setenv("CXX", "kvforge-no-such-compiler")
     monkeypatch.setattr(build, "cached_library", lambda: None)

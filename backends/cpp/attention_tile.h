@@ -36,32 +36,57 @@ inline void scale_in_place(float* __restrict__ y, float a, int64_t n) {
   for (int64_t d = 0; d < n; ++d) y[d] *= a;
 }
 
+// dst[d] = value(src[d]) * scale for n stored elements of any cache dtype.
 template <typename T>
 inline void to_float(float* __restrict__ dst, const T* __restrict__ src, int64_t n, float scale) {
   int64_t d = 0;
 #ifdef KVFORGE_F16C
-  // c10::Half's portable conversion does not vectorise; F16C converts 8 at once.
-  if constexpr (std::is_same_v<T, c10::Half>) {
-    const __m256 factor = _mm256_set1_ps(scale);
+  // The portable conversions do not vectorise; F16C and AVX2 convert 8 at once.
+  // Both float8 formats widen to fp16 bit patterns: e5m2 is an fp16's top byte;
+  // e4m3fn's exponent and mantissa, shifted into an fp16's (b & 0x7F) << 7, sign
+  // on bit 15, read as that value times 2^-8 (normals and subnormals alike: the
+  // exponent fields line up and only the biases, 7 and 15, differ), so 256
+  // joins the scale. (e4m3fn's NaN, 0x7F, would read as 480; quantizers never
+  // store it.)
+  if constexpr (std::is_same_v<T, c10::Half> || kScaled<T>) {  // float32 and bfloat16 vectorise below
+    const __m256 factor = _mm256_set1_ps(std::is_same_v<T, c10::Float8_e4m3fn> ? scale * 256.f : scale);
     for (; d + 8 <= n; d += 8) {
-      const __m128i half = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + d));
-      _mm256_storeu_ps(dst + d, _mm256_mul_ps(_mm256_cvtph_ps(half), factor));
+      __m256 x;
+      if constexpr (std::is_same_v<T, c10::Half>) {
+        x = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src + d)));
+      } else if constexpr (std::is_same_v<T, int8_t>) {
+        x = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(src + d))));
+      } else if constexpr (std::is_same_v<T, c10::Float8_e5m2>) {
+        const __m128i bytes = _mm_cvtepu8_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(src + d)));
+        x = _mm256_cvtph_ps(_mm_slli_epi16(bytes, 8));
+      } else {
+        static_assert(std::is_same_v<T, c10::Float8_e4m3fn>);
+        // Sign-extended and shifted by 7, the sign lands on bit 15 and again on
+        // bit 14, which the mask clears: ((b & 0x7F) << 7) | ((b & 0x80) << 8).
+        const __m128i words = _mm_cvtepi8_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(src + d)));
+        x = _mm256_cvtph_ps(_mm_and_si128(_mm_slli_epi16(words, 7), _mm_set1_epi16(static_cast<int16_t>(0xBFFF))));
+      }
+      _mm256_storeu_ps(dst + d, _mm256_mul_ps(x, factor));
     }
   }
 #endif
-  for (; d < n; ++d) dst[d] = static_cast<float>(src[d]) * scale;
+  for (; d < n; ++d) dst[d] = stored_value(src[d]) * scale;
 }
 
-// Rows of `count` slots starting at `src` (slot stride `stride`) as float32:
-// the cache row itself when it already is float32, else a converted copy.
-template <typename T>
-inline const float* rows_as_float(const T* src, int64_t count, int64_t stride, int64_t head_size,
-                                  float* buffer, int64_t& row_stride) {
-  if constexpr (std::is_same_v<T, float>) {
+// Rows of `count` slots starting at `src` (slot stride `stride`) as float32: the
+// cache row itself when it already is float32, else a converted copy, each row
+// times its scale (scales[j * scale_stride]) when the cache is quantized.
+template <typename K>
+inline const float* rows_as_float(const K* src, int64_t count, int64_t stride, int64_t head_size,
+                                  const float* scales, int64_t scale_stride, float* buffer, int64_t& row_stride) {
+  if constexpr (std::is_same_v<K, float>) {
     row_stride = stride;
     return src;
   } else {
-    for (int64_t j = 0; j < count; ++j) to_float(buffer + j * head_size, src + j * stride, head_size, 1.f);
+    for (int64_t j = 0; j < count; ++j) {
+      const float scale = kScaled<K> ? scales[j * scale_stride] : 1.f;
+      to_float(buffer + j * head_size, src + j * stride, head_size, scale);
+    }
     row_stride = head_size;
     return buffer;
   }
@@ -87,16 +112,22 @@ struct TileRows {
 
 // Where block `logical` of the tile's sequence begins, at the tile's first KV
 // head: its keys are block_size slots from here, its values the block_size after.
-template <typename T>
-inline const T* page_of(const Problem& p, const Tile& tile, int64_t logical) {
+template <typename K>
+inline const K* page_of(const Problem& p, const Tile& tile, int64_t logical) {
   const int64_t block = p.block_table[tile.seq * p.block_table_stride + logical];
-  const int64_t slot = p.num_kv_heads * p.head_size;
-  return static_cast<const T*>(p.cache) + block * 2 * p.block_size * slot + tile.kv_head * p.head_size;
+  return reinterpret_cast<const K*>(p.cache + block * p.block_bytes) + tile.kv_head * p.head_size;
+}
+
+// The scales of block `logical` of a quantized cache, [2, block_size, num_kv_heads]:
+// key slot j of KV head h at [j * num_kv_heads + h], its value block_size slots on.
+inline const float* scales_of(const Problem& p, const Tile& tile, int64_t logical) {
+  const int64_t block = p.block_table[tile.seq * p.block_table_stride + logical];
+  return reinterpret_cast<const float*>(p.scales + block * p.scale_block_bytes);
 }
 
 // The tile's queries, scaled, into s.q as float32; its softmax state emptied.
 template <typename T>
-inline void begin_rows(const Problem& p, const TileRows& t, Scratch& s) {
+inline void begin_rows_as(const Problem& p, const TileRows& t, Scratch& s) {
   const int64_t hs = p.head_size;
   const T* query = static_cast<const T*>(p.query);
   for (int64_t r = 0; r < t.rows; ++r) {
@@ -110,7 +141,7 @@ inline void begin_rows(const Problem& p, const TileRows& t, Scratch& s) {
 
 // The tile's normalised rows (s.acc / s.row_sum) into `out`.
 template <typename T>
-inline void write_rows(const Problem& p, const TileRows& t, const Scratch& s) {
+inline void write_rows_as(const Problem& p, const TileRows& t, const Scratch& s) {
   T* out = static_cast<T*>(p.out);
   const int64_t hs = p.head_size;
   for (int64_t r = 0; r < t.rows; ++r) {
@@ -122,19 +153,37 @@ inline void write_rows(const Problem& p, const TileRows& t, const Scratch& s) {
   }
 }
 
+// begin_rows_as and write_rows_as for the query's dtype, chosen per tile: the
+// tiles are compiled once per cache dtype, not once per (query, cache) pair.
+inline void begin_rows(const Problem& p, const TileRows& t, Scratch& s) {
+  switch (p.dtype) {
+    case at::ScalarType::Half: begin_rows_as<c10::Half>(p, t, s); return;
+    case at::ScalarType::BFloat16: begin_rows_as<c10::BFloat16>(p, t, s); return;
+    default: begin_rows_as<float>(p, t, s); return;  // paged_attention admits only these three
+  }
+}
+
+inline void write_rows(const Problem& p, const TileRows& t, const Scratch& s) {
+  switch (p.dtype) {
+    case at::ScalarType::Half: write_rows_as<c10::Half>(p, t, s); return;
+    case at::ScalarType::BFloat16: write_rows_as<c10::BFloat16>(p, t, s); return;
+    default: write_rows_as<float>(p, t, s); return;
+  }
+}
+
 // Attends query tokens [tile.q_begin, tile.q_end) of sequence tile.seq, for
 // every query head of KV heads [tile.kv_head, tile.kv_head + tile.kv_heads),
 // with an online softmax over the blocks the tile may see. Each block is visited
 // once for all of the tile's KV heads: with several heads per tile the reads of
 // a block are one contiguous run instead of head-strided pieces.
-template <typename T>
+template <typename K>
 void attend_tile(const Problem& p, const Tile& tile, Scratch& s) {
   constexpr float kNegInf = -std::numeric_limits<float>::infinity();
   const TileRows t(p, tile);
   const int64_t group = t.group, head_rows = t.head_rows, pos0 = t.pos0, last = t.last, first = t.first;
   const int64_t hs = p.head_size;
   const int64_t bs = p.block_size;
-  begin_rows<T>(p, t, s);
+  begin_rows(p, t, s);
   float* q = s.q.data();
   float* acc = s.acc.data();
   float* score = s.score.data();  // [head_rows, ss], reused per KV head
@@ -144,27 +193,36 @@ void attend_tile(const Problem& p, const Tile& tile, Scratch& s) {
   float* row_max = s.row_max.data();
   float* row_sum = s.row_sum.data();
 
-  const int64_t slot_stride = p.num_kv_heads * hs;  // between consecutive slots of one block
-  const int64_t head_bytes = hs * static_cast<int64_t>(sizeof(T));  // one head's part of a slot
+  const int64_t heads = p.num_kv_heads;
+  const int64_t slot_stride = heads * hs;  // between consecutive slots of one block
+  const int64_t head_bytes = hs * static_cast<int64_t>(sizeof(K));  // one head's part of a slot
   for (int64_t logical = first / bs; logical <= last / bs; ++logical) {
     const int64_t start = logical * bs;
     const int64_t j0 = std::max(first, start) - start;
     const int64_t j1 = std::min(last + 1, start + bs) - start;
     const int64_t count = j1 - j0;
-    const T* page = page_of<T>(p, tile, logical);
+    const K* page = page_of<K>(p, tile, logical);
     // The next block's keys and values, asked for head by head as this block's
     // heads are computed (these again when there is no next block).
     const int64_t ahead = logical < last / bs ? logical + 1 : logical;
-    const T* next = page_of<T>(p, tile, ahead);
+    const K* next = page_of<K>(p, tile, ahead);
+    const float* key_scales = nullptr;  // this block's, from slot j0 on
+    const float* value_scales = nullptr;
+    if constexpr (kScaled<K>) {
+      key_scales = scales_of(p, tile, logical) + j0 * heads + tile.kv_head;
+      value_scales = key_scales + bs * heads;
+      prefetch_rows(scales_of(p, tile, ahead), 1, 0, 2 * bs * heads * int64_t{sizeof(float)});
+    }
     for (int64_t h = 0; h < tile.kv_heads; ++h) {
       prefetch_rows(next + h * hs, 2 * bs, slot_stride, head_bytes);  // keys, then values
       const int64_t r0 = h * head_rows;
       int64_t v_stride = 0;
-      const float* values =
-          rows_as_float(page + (bs + j0) * slot_stride + h * hs, count, slot_stride, hs, s.values.data(), v_stride);
+      const float* values = rows_as_float(page + (bs + j0) * slot_stride + h * hs, count, slot_stride, hs,
+                                          kScaled<K> ? value_scales + h : nullptr, heads, s.values.data(), v_stride);
       if (transposed) {
         const int64_t kt_stride = (count + 7) / 8 * 8;
-        transpose_keys(s.keys.data(), kt_stride, page + j0 * slot_stride + h * hs, slot_stride, count, hs);
+        transpose_keys(s.keys.data(), kt_stride, page + j0 * slot_stride + h * hs, slot_stride, count, hs,
+                       kScaled<K> ? key_scales + h : nullptr, heads);
         for (int64_t v0 = 0; v0 < kt_stride; v0 += 16) {
           const float* kt = s.keys.data() + v0;
           for_row_groups(head_rows, [&](auto group_rows, int64_t r) {
@@ -179,8 +237,8 @@ void attend_tile(const Problem& p, const Tile& tile, Scratch& s) {
         }
       } else {
         int64_t k_stride = 0;
-        const float* keys =
-            rows_as_float(page + j0 * slot_stride + h * hs, count, slot_stride, hs, s.keys.data(), k_stride);
+        const float* keys = rows_as_float(page + j0 * slot_stride + h * hs, count, slot_stride, hs,
+                                          kScaled<K> ? key_scales + h : nullptr, heads, s.keys.data(), k_stride);
         for_row_groups(head_rows, [&](auto group_rows, int64_t r) {
           scores<decltype(group_rows)::value>(q + (r0 + r) * hs, hs, keys, k_stride, count, score + r * ss, ss);
         });
@@ -230,10 +288,11 @@ void attend_tile(const Problem& p, const Tile& tile, Scratch& s) {
     }
   }
 
-  write_rows<T>(p, t, s);
+  write_rows(p, t, s);
 }
 
-// Runs attend(tile, scratch, TypeTag<T>{}) for every tile on the thread pool.
+// Runs attend(tile, scratch, TypeTag<K>{}) for every tile on the thread pool,
+// K the type of the stored keys and values.
 template <typename Attend>
 inline void run_tiles_with(const Problem& p, const std::vector<Tile>& tiles, int64_t rows_max, Attend&& attend) {
   std::atomic<int64_t> next{0};
@@ -244,11 +303,14 @@ inline void run_tiles_with(const Problem& p, const std::vector<Tile>& tiles, int
   at::parallel_for(0, workers, 1, [&](int64_t, int64_t) {
     Scratch s(rows_max, p.head_size, p.block_size);
     for (int64_t i = next.fetch_add(1); i < n; i = next.fetch_add(1)) {
-      switch (p.dtype) {
+      switch (p.kv_dtype) {
         case at::ScalarType::Float: attend(tiles[i], s, TypeTag<float>{}); break;
         case at::ScalarType::Half: attend(tiles[i], s, TypeTag<c10::Half>{}); break;
         case at::ScalarType::BFloat16: attend(tiles[i], s, TypeTag<c10::BFloat16>{}); break;
-        default: TORCH_CHECK(false, "kvforge_cpp: unsupported dtype");
+        case at::ScalarType::Char: attend(tiles[i], s, TypeTag<int8_t>{}); break;
+        case at::ScalarType::Float8_e4m3fn: attend(tiles[i], s, TypeTag<c10::Float8_e4m3fn>{}); break;
+        case at::ScalarType::Float8_e5m2: attend(tiles[i], s, TypeTag<c10::Float8_e5m2>{}); break;
+        default: TORCH_CHECK(false, "kvforge_cpp: unsupported KV cache dtype ", p.kv_dtype);
       }
     }
   });

@@ -26,7 +26,7 @@ from kvforge.core.errors import KvforgeError
 NAME = "kvforge_cpp_attention"
 HERE = Path(__file__).resolve().parent
 SOURCES = [HERE / "paged_attention.cpp"]
-HEADERS = [HERE / "vector_kernels.h", HERE / "attention_tile.h", HERE / "decode_tile.h"]
+HEADERS = [HERE / "vector_kernels.h", HERE / "attention_tile.h", HERE / "decode_tile.h", HERE / "quantized_write.h"]
 CACHE_ENV = "KVFORGE_CACHE_DIR"
 # -O3 vectorises the inner loops; the AVX2+FMA variant is chosen at run time
 # inside the library, so no -march=native (the build must run on any x86-64).

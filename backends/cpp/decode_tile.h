@@ -22,6 +22,31 @@ inline __m512 load16(const c10::BFloat16* p) {  // bfloat16 is the top half of a
   const __m512i wide = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
   return _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16));
 }
+// Quantized storage comes out before its scale, and float8 e4m3fn times 2^-8
+// (kLoadUnit): both float8 formats widen to fp16 bit patterns, see to_float.
+inline __m512 load16(const int8_t* p) {
+  return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+}
+inline __m512 load16(const c10::Float8_e5m2* p) {  // e5m2 is the top byte of an fp16
+  const __m256i wide = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  return _mm512_cvtph_ps(_mm256_slli_epi16(wide, 8));
+}
+inline __m512 load16(const c10::Float8_e4m3fn* p) {  // as to_float does it, 16 at once
+  const __m256i words = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  const __m256i sign_once = _mm256_set1_epi16(static_cast<int16_t>(0xBFFF));
+  return _mm512_cvtph_ps(_mm256_and_si256(_mm256_slli_epi16(words, 7), sign_once));
+}
+// What load16 of a K reads, as a multiple of the stored value: a quantized
+// cache's scales are multiplied by it.
+template <typename K>
+constexpr float kLoadUnit = std::is_same_v<K, c10::Float8_e4m3fn> ? 256.f : 1.f;
+
+// Whether slice c (16 elements) of a row starts a new cache line to fetch ahead:
+// every slice for 16- and 32-bit types (as measured), every fourth for bytes.
+template <typename K>
+constexpr bool fetches_slice(int c) {
+  return sizeof(K) >= 2 || c % 4 == 0;
+}
 
 // Asks for the line at `p` in L2 when Fetch. A tile with few query rows (a
 // decode) reads each key once and computes little with it, so it waits on
@@ -75,7 +100,7 @@ inline void scores16(const float* q, const T* keys, int64_t stride, int64_t n, _
       __m512 slice = load16(key);
       for (int r = 0; r < RQ; ++r) part[r][k] = _mm512_mul_ps(rows[r][0], slice);
       for (int c = 1; c < C; ++c) {
-        fetch_ahead<Fetch>(next + 16 * c);
+        if (fetches_slice<T>(c)) fetch_ahead<Fetch>(next + 16 * c);
         slice = load16(key + 16 * c);
         for (int r = 0; r < RQ; ++r) part[r][k] = _mm512_fmadd_ps(rows[r][c], slice, part[r][k]);
       }
@@ -141,7 +166,7 @@ inline void accumulate16(float* __restrict__ acc, int64_t hs, const float* __res
   }
   for (int64_t j = 0; j < n; ++j) {
     for (int c = 0; c < NC; ++c) {
-      fetch_ahead<Fetch>(ahead + j * stride + 16 * c);
+      if (fetches_slice<T>(c)) fetch_ahead<Fetch>(ahead + j * stride + 16 * c);
       const __m512 v = load16(values + j * stride + 16 * c);
       for (int r = 0; r < R; ++r) a[r][c] = _mm512_fmadd_ps(_mm512_set1_ps(w[r * 16 + j]), v, a[r][c]);
     }
@@ -183,23 +208,37 @@ inline void softmax_step(__m512 score, __mmask16 seen, float& row_max, float& ro
   if (rescale != 1.f) scale_in_place(acc, rescale, hs);
 }
 
-// The tile of attend_tile (same contract).
-template <typename T, bool Fetch>
+// The scales of n <= 16 consecutive slots of one KV head (`heads` floats apart)
+// times `unit`, key j in lane j; lanes from n on are 0.
+inline __m512 scales16(const float* scales, int64_t heads, int64_t n, float unit) {
+  const __m512i index = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+                                           _mm512_set1_epi32(static_cast<int32_t>(heads)));
+  const __mmask16 live = static_cast<__mmask16>((uint32_t{1} << n) - 1);
+  const __m512 s = _mm512_mask_i32gather_ps(_mm512_setzero_ps(), live, index, scales, 4);
+  return _mm512_mul_ps(s, _mm512_set1_ps(unit));
+}
+
+// The tile of attend_tile (same contract). A quantized cache's scales are
+// folded in per group of 16 keys, not per element: each row's 16 scores are
+// multiplied by the keys' scales, and its 16 softmax weights (after the row's
+// sum took them) by the values' scales.
+template <typename K, bool Fetch>
 void attend_tile_fast(const Problem& p, const Tile& tile, Scratch& s) {
   const TileRows t(p, tile);
   const int64_t group = t.group, head_rows = t.head_rows, pos0 = t.pos0, last = t.last, first = t.first;
   const int64_t hs = p.head_size;
   const int64_t bs = p.block_size;
-  begin_rows<T>(p, t, s);
+  begin_rows(p, t, s);
   float* q = s.q.data();
   float* acc = s.acc.data();
   float* weights = s.score.data();  // [head_rows, 16] for the current group of keys
   float* row_max = s.row_max.data();
   float* row_sum = s.row_sum.data();
 
-  const int64_t slot_stride = p.num_kv_heads * hs;
+  const int64_t heads = p.num_kv_heads;
+  const int64_t slot_stride = heads * hs;
   for (int64_t logical = first / bs; logical <= last / bs; ++logical) {
-    const T* page = page_of<T>(p, tile, logical);
+    const K* page = page_of<K>(p, tile, logical);
     const int64_t block_start = logical * bs;
     const int64_t j_begin = std::max(first, block_start) - block_start;
     const int64_t j_end = std::min(last + 1, block_start + bs) - block_start;
@@ -208,13 +247,29 @@ void attend_tile_fast(const Problem& p, const Tile& tile, Scratch& s) {
       const int64_t key0 = block_start + j0;  // position of the group's first key
       // The next group of keys (fetch_ahead); these keys again when there is none.
       const int64_t next0 = key0 + 16 <= last ? key0 + 16 : key0;
-      const T* next_page = page_of<T>(p, tile, next0 / bs);
+      const K* next_page = page_of<K>(p, tile, next0 / bs);
+      const float* key_scales = nullptr;  // of the group's first key, at the tile's first KV head
+      if constexpr (kScaled<K>) {
+        key_scales = scales_of(p, tile, logical) + j0 * heads + tile.kv_head;
+        if constexpr (Fetch) {  // the next group's scales, keys' and values', every head: a few lines
+          const float* next_scales = scales_of(p, tile, next0 / bs) + (next0 % bs) * heads;
+          for (int64_t kv = 0; kv < 2; ++kv) {
+            const char* from = reinterpret_cast<const char*>(next_scales + kv * bs * heads);
+            for (int64_t b = 0; b < 16 * heads * int64_t{sizeof(float)}; b += 64) fetch_ahead<true>(from + b);
+          }
+        }
+      }
       for (int64_t h = 0; h < tile.kv_heads; ++h) {
-        const T* keys = page + j0 * slot_stride + h * hs;
-        const T* values = page + (bs + j0) * slot_stride + h * hs;
-        const T* next_keys = next_page + (next0 % bs) * slot_stride + h * hs;
-        const T* next_values = next_page + (bs + next0 % bs) * slot_stride + h * hs;
+        const K* keys = page + j0 * slot_stride + h * hs;
+        const K* values = page + (bs + j0) * slot_stride + h * hs;
+        const K* next_keys = next_page + (next0 % bs) * slot_stride + h * hs;
+        const K* next_values = next_page + (bs + next0 % bs) * slot_stride + h * hs;
         const int64_t r0 = h * head_rows;
+        __m512 key_scale = _mm512_setzero_ps(), value_scale = _mm512_setzero_ps();
+        if constexpr (kScaled<K>) {
+          key_scale = scales16(key_scales + h, heads, n, kLoadUnit<K>);
+          value_scale = scales16(key_scales + bs * heads + h, heads, n, kLoadUnit<K>);
+        }
         bool any = false;
         for (int64_t rr = 0; rr < head_rows; rr += 2) {
           const int64_t pair = std::min<int64_t>(2, head_rows - rr);
@@ -232,8 +287,11 @@ void attend_tile_fast(const Problem& p, const Tile& tile, Scratch& s) {
             scores16_any<1, Fetch>(q + (r0 + rr) * hs, hs, keys, slot_stride, n, score, next_keys);
           }
           for (int64_t i = 0; i < pair; ++i) {
+            float* w = weights + (rr + i) * 16;
+            if constexpr (kScaled<K>) score[i] = _mm512_mul_ps(score[i], key_scale);
             softmax_step(score[i], seen[i], row_max[r0 + rr + i], row_sum[r0 + rr + i], acc + (r0 + rr + i) * hs, hs,
-                         weights + (rr + i) * 16);
+                         w);
+            if constexpr (kScaled<K>) _mm512_storeu_ps(w, _mm512_mul_ps(_mm512_loadu_ps(w), value_scale));
           }
         }
         if (!any) continue;
@@ -244,7 +302,7 @@ void attend_tile_fast(const Problem& p, const Tile& tile, Scratch& s) {
       }
     }
   }
-  write_rows<T>(p, t, s);
+  write_rows(p, t, s);
 }
 
 // The fast kernel when the problem allows it, else the generic one, per tile;
@@ -253,15 +311,15 @@ constexpr int64_t kFetchRows = 8;
 inline void run_tiles_fast(const Problem& p, const std::vector<Tile>& tiles, int64_t rows_max) {
   const bool fast = p.soft_cap <= 0.f && p.alibi == nullptr && p.head_size % 16 == 0;
   run_tiles_with(p, tiles, rows_max, [&](const Tile& tile, Scratch& s, auto type) {
-    using T = typename decltype(type)::type;
+    using K = typename decltype(type)::type;
     if (fast) {
       if (TileRows(p, tile).head_rows <= kFetchRows) {
-        attend_tile_fast<T, true>(p, tile, s);
+        attend_tile_fast<K, true>(p, tile, s);
       } else {
-        attend_tile_fast<T, false>(p, tile, s);
+        attend_tile_fast<K, false>(p, tile, s);
       }
     } else {
-      attend_tile<T>(p, tile, s);
+      attend_tile<K>(p, tile, s);
     }
   });
 }

@@ -9,10 +9,15 @@ import torch
 
 @torch.library.register_fake("kvforge_cpp::paged_attention")
 def _paged_attention_fake(query, kv_cache, query_start_loc, seq_lens, context_lens, block_table,
-                          scale, sliding_window, logit_soft_cap, alibi_slopes, out) -> None:
+                          scale, sliding_window, logit_soft_cap, alibi_slopes, out, kv_scales=None) -> None:
     return None
 
 
 @torch.library.register_fake("kvforge_cpp::write_kv")
 def _write_kv_fake(key, value, kv_cache, slot_mapping) -> None:
+    return None
+
+
+@torch.library.register_fake("kvforge_cpp::write_quantized_kv")
+def _write_quantized_kv_fake(key, value, kv_data, kv_scales, slot_mapping) -> None:
     return None

@@ -2,18 +2,26 @@
 //
 //   kvforge_cpp::paged_attention(query, kv_cache, query_start_loc, seq_lens, context_lens,
 //                                block_table, scale, sliding_window, logit_soft_cap,
-//                                alibi_slopes, out!) -> ()
+//                                alibi_slopes, out!, kv_scales=None) -> ()
 //   kvforge_cpp::write_kv(key, value, kv_cache!, slot_mapping) -> ()
+//   kvforge_cpp::write_quantized_kv(key, value, kv_data!, kv_scales!, slot_mapping) -> ()
 //
-// The cache layout is [num_blocks, 2, block_size, num_kv_heads, head_size]. The
-// attention runs over tiles of (sequence, KV head, run of query tokens) in
-// parallel; each tile reads its blocks straight through the block table (no
-// gather copy), handles every query head of its KV head together (GQA), and
-// keeps an online softmax in float32 whatever the input dtype.
+// The cache is [num_blocks, 2, block_size, num_kv_heads, head_size] (NHD), dense
+// within a block; blocks may lie further apart than their size. It holds either
+// the query's dtype, or int8 / float8_e4m3fn / float8_e5m2 with `kv_scales`
+// [num_blocks, 2, block_size, num_kv_heads] float32 beside it (value = data *
+// scale): the two views `kvforge.core.quantized_kv_views` makes of a quantized
+// cache's rows of bytes. The attention runs over tiles of (sequence, KV head,
+// run of query tokens) in parallel; each tile reads its blocks straight through
+// the block table (no gather copy), converts stored keys and values to float32
+// as it reads them (never a dequantized copy of the cache), handles every query
+// head of its KV head together (GQA), and keeps an online softmax in float32.
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <c10/util/BFloat16.h>
+#include <c10/util/Float8_e4m3fn.h>
+#include <c10/util/Float8_e5m2.h>
 #include <c10/util/Half.h>
 #include <torch/library.h>
 
@@ -33,12 +41,16 @@
 
 namespace kvforge_cpp {
 
-// Everything a tile needs, as raw pointers and strides (element units).
+// Everything a tile needs, as raw pointers and strides (element units unless named bytes).
 struct Problem {
-  at::ScalarType dtype;
+  at::ScalarType dtype;  // of query and out
+  at::ScalarType kv_dtype;  // of the stored keys and values: dtype, or a quantized storage dtype
   const void* query;
   int64_t q_token_stride, q_head_stride;
-  const void* cache;
+  const char* cache;  // block b's keys and values begin at cache + b * block_bytes
+  int64_t block_bytes;
+  const char* scales;  // quantized: block b's scales [2, block_size, num_kv_heads] at scales + b * scale_block_bytes
+  int64_t scale_block_bytes;
   int64_t block_size, num_kv_heads, head_size, queries_per_kv;
   const int32_t* query_start;
   const int32_t* context_lens;
@@ -72,6 +84,32 @@ template <typename T>
 struct TypeTag {
   using type = T;
 };
+
+// Storage types that come with one float32 scale per (token, KV head).
+template <typename K>
+constexpr bool kScaled = std::is_same_v<K, int8_t> || std::is_same_v<K, c10::Float8_e4m3fn> ||
+                         std::is_same_v<K, c10::Float8_e5m2>;
+
+// Every float8 byte as float32, for the paths without F16C: one table lookup per
+// element instead of c10's bit-by-bit conversion.
+struct Fp8Values {
+  float e4m3fn[256], e5m2[256];
+  Fp8Values() {
+    for (int b = 0; b < 256; ++b) {
+      e4m3fn[b] = static_cast<float>(c10::Float8_e4m3fn(static_cast<uint8_t>(b), c10::Float8_e4m3fn::from_bits()));
+      e5m2[b] = static_cast<float>(c10::Float8_e5m2(static_cast<uint8_t>(b), c10::Float8_e5m2::from_bits()));
+    }
+  }
+};
+const Fp8Values kFp8Values;
+
+// A stored key or value element as float32 (before its scale), one at a time.
+inline float stored_value(float x) { return x; }
+inline float stored_value(c10::Half x) { return static_cast<float>(x); }
+inline float stored_value(c10::BFloat16 x) { return static_cast<float>(x); }
+inline float stored_value(int8_t x) { return static_cast<float>(x); }
+inline float stored_value(c10::Float8_e4m3fn x) { return kFp8Values.e4m3fn[x.x]; }
+inline float stored_value(c10::Float8_e5m2 x) { return kFp8Values.e5m2[x.x]; }
 
 // Rows per KV head from which a tile transposes each key block (see
 // attention_tile.h): below it the transpose costs more than it saves.
@@ -137,23 +175,61 @@ void check_int32_vector(const at::Tensor& t, const char* name, int64_t length) {
               " with shape ", t.sizes());
 }
 
+// The KV storage dtypes that come with scales, by name, for error messages.
+constexpr const char* kQuantizedKvDtypes = "int8, float8_e4m3fn or float8_e5m2";
+
+bool is_quantized_kv_dtype(at::ScalarType t) {
+  return t == at::kChar || t == at::ScalarType::Float8_e4m3fn || t == at::ScalarType::Float8_e5m2;
+}
+
+// The NHD cache (or its data view) is dense within a block; only the block stride is free.
+void check_cache_layout(const at::Tensor& kv_cache) {
+  TORCH_CHECK(kv_cache.dim() == 5 && kv_cache.size(1) == 2,
+              "kvforge_cpp: kv_cache must be [num_blocks, 2, block_size, num_kv_heads, head_size], got ",
+              kv_cache.sizes());
+  const int64_t head = kv_cache.size(4), slot = kv_cache.size(3) * head, half = kv_cache.size(2) * slot;
+  TORCH_CHECK(kv_cache.stride(4) == 1 && kv_cache.stride(3) == head && kv_cache.stride(2) == slot &&
+                  kv_cache.stride(1) == half && kv_cache.stride(0) >= 2 * half,
+              "kvforge_cpp: kv_cache must be dense within each block (strides [>=", 2 * half, ", ", half, ", ",
+              slot, ", ", head, ", 1]), got strides ", kv_cache.strides(), "; pass a contiguous cache or the data "
+              "view of kvforge.core.quantized_kv_views");
+}
+
+// Scales [num_blocks, 2, block_size, num_kv_heads] float32, dense within a block.
+void check_scales(const at::Tensor& scales, const at::Tensor& kv_cache) {
+  const auto want = kv_cache.sizes().slice(0, 4);
+  TORCH_CHECK(scales.device().is_cpu() && scales.scalar_type() == at::kFloat && scales.sizes() == want,
+              "kvforge_cpp: kv_scales must be a CPU float32 tensor of shape ", want,
+              " (one scale per block, key/value, slot and KV head), got ", scales.scalar_type(), " ", scales.sizes());
+  const int64_t slot = scales.size(3), half = scales.size(2) * slot;
+  TORCH_CHECK(scales.stride(3) == 1 && scales.stride(2) == slot && scales.stride(1) == half &&
+                  scales.stride(0) >= 2 * half,
+              "kvforge_cpp: kv_scales must be dense within each block, got strides ", scales.strides());
+}
+
 }  // namespace
 
 void paged_attention(const at::Tensor& query, const at::Tensor& kv_cache, const at::Tensor& query_start_loc,
                      const at::Tensor& seq_lens, const at::Tensor& context_lens, const at::Tensor& block_table,
                      double scale, int64_t sliding_window, double logit_soft_cap,
-                     const std::optional<at::Tensor>& alibi_slopes, const at::Tensor& out) {
+                     const std::optional<at::Tensor>& alibi_slopes, const at::Tensor& out,
+                     const std::optional<at::Tensor>& kv_scales) {
   TORCH_CHECK(query.dim() == 3, "kvforge_cpp: query must be [num_tokens, num_heads, head_size], got ", query.sizes());
-  TORCH_CHECK(kv_cache.dim() == 5 && kv_cache.size(1) == 2,
-              "kvforge_cpp: kv_cache must be [num_blocks, 2, block_size, num_kv_heads, head_size], got ",
-              kv_cache.sizes());
-  TORCH_CHECK(kv_cache.is_contiguous(), "kvforge_cpp: kv_cache must be contiguous");
-  TORCH_CHECK(query.scalar_type() == kv_cache.scalar_type() && out.scalar_type() == query.scalar_type(),
-              "kvforge_cpp: query, kv_cache and out must share one dtype, got ", query.scalar_type(), ", ",
-              kv_cache.scalar_type(), " and ", out.scalar_type());
+  check_cache_layout(kv_cache);
   const auto dtype = query.scalar_type();
+  const auto kv_dtype = kv_cache.scalar_type();
+  TORCH_CHECK(out.scalar_type() == dtype, "kvforge_cpp: out must have the query's dtype ", dtype, ", got ",
+              out.scalar_type());
   TORCH_CHECK(dtype == at::kFloat || dtype == at::kHalf || dtype == at::kBFloat16,
               "kvforge_cpp: dtype must be float32, float16 or bfloat16, got ", dtype);
+  if (kv_scales.has_value()) {
+    TORCH_CHECK(is_quantized_kv_dtype(kv_dtype), "kvforge_cpp: with kv_scales, kv_cache must hold ",
+                kQuantizedKvDtypes, ", got ", kv_dtype);
+    check_scales(*kv_scales, kv_cache);
+  } else {
+    TORCH_CHECK(kv_dtype == dtype, "kvforge_cpp: kv_cache must have the query's dtype ", dtype, ", got ", kv_dtype,
+                is_quantized_kv_dtype(kv_dtype) ? " (a quantized cache needs its kv_scales)" : "");
+  }
   TORCH_CHECK(query.device().is_cpu() && kv_cache.device().is_cpu() && out.device().is_cpu(),
               "kvforge_cpp: tensors must be on the CPU");
   TORCH_CHECK(out.sizes() == query.sizes(), "kvforge_cpp: out must have the query's shape ", query.sizes(),
@@ -222,8 +298,12 @@ void paged_attention(const at::Tensor& query, const at::Tensor& kv_cache, const 
   // Longest first, so the dynamic schedule ends with short tiles (LPT).
   std::stable_sort(tiles.begin(), tiles.end(), [](const Tile& a, const Tile& b) { return a.cost > b.cost; });
 
-  Problem p{dtype, query.data_ptr(), query.stride(0), query.stride(1), kv_cache.data_ptr(), block_size,
-            num_kv_heads, head_size, group, start, context, table, block_table.stride(0),
+  const char* scale_bytes = kv_scales.has_value() ? static_cast<const char*>(kv_scales->data_ptr()) : nullptr;
+  const int64_t scale_block_bytes = kv_scales.has_value() ? kv_scales->stride(0) * int64_t{sizeof(float)} : 0;
+  Problem p{dtype, kv_dtype, query.data_ptr(), query.stride(0), query.stride(1),
+            static_cast<const char*>(kv_cache.data_ptr()), kv_cache.stride(0) * kv_cache.element_size(),
+            scale_bytes, scale_block_bytes, block_size, num_kv_heads, head_size, group, start, context, table,
+            block_table.stride(0),
             static_cast<float>(scale), sliding_window, static_cast<float>(logit_soft_cap),
             slopes.defined() ? slopes.data_ptr<float>() : nullptr, out.data_ptr(), out.stride(0), out.stride(1)};
   const int64_t rows_max = std::max(tile_tokens * group, many_seqs ? kTileRows : int64_t{0});
@@ -280,6 +360,8 @@ void write_kv(const at::Tensor& key, const at::Tensor& value, const at::Tensor& 
   });
 }
 
+#include "quantized_write.h"
+
 // The instruction set paged_attention runs with here and now (see isa()).
 std::string isa_name() {
   switch (isa()) {
@@ -295,13 +377,16 @@ TORCH_LIBRARY(kvforge_cpp, m) {
   m.def(
       "paged_attention(Tensor query, Tensor kv_cache, Tensor query_start_loc, Tensor seq_lens, "
       "Tensor context_lens, Tensor block_table, float scale, int sliding_window, float logit_soft_cap, "
-      "Tensor? alibi_slopes, Tensor(a!) out) -> ()");
+      "Tensor? alibi_slopes, Tensor(a!) out, Tensor? kv_scales=None) -> ()");
   m.def("write_kv(Tensor key, Tensor value, Tensor(a!) kv_cache, Tensor slot_mapping) -> ()");
+  m.def("write_quantized_kv(Tensor key, Tensor value, Tensor(a!) kv_data, Tensor(b!) kv_scales, "
+        "Tensor slot_mapping) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(kvforge_cpp, CPU, m) {
   m.impl("paged_attention", &paged_attention);
   m.impl("write_kv", &write_kv);
+  m.impl("write_quantized_kv", &write_quantized_kv);
 }
 
 TORCH_LIBRARY_IMPL(kvforge_cpp, CompositeExplicitAutograd, m) {

@@ -100,12 +100,18 @@ inline void scores_transposed(const float* __restrict__ q, int64_t hs, const flo
   }
 }
 
-template <typename T>
-inline void transpose_keys(float* __restrict__ kt, int64_t kt_stride, const T* __restrict__ keys, int64_t stride,
-                           int64_t count, int64_t hs) {
+// Keys of a quantized cache come out dequantized: key j times scales[j * scale_stride].
+template <typename K>
+inline void transpose_keys(float* __restrict__ kt, int64_t kt_stride, const K* __restrict__ keys, int64_t stride,
+                           int64_t count, int64_t hs, const float* scales, int64_t scale_stride) {
   for (int64_t j = 0; j < count; ++j) {
-    const T* k = keys + j * stride;
-    for (int64_t d = 0; d < hs; ++d) kt[d * kt_stride + j] = static_cast<float>(k[d]);
+    const K* k = keys + j * stride;
+    if constexpr (kScaled<K>) {
+      const float scale = scales[j * scale_stride];
+      for (int64_t d = 0; d < hs; ++d) kt[d * kt_stride + j] = stored_value(k[d]) * scale;
+    } else {
+      for (int64_t d = 0; d < hs; ++d) kt[d * kt_stride + j] = stored_value(k[d]);
+    }
   }
   for (int64_t d = 0; d < hs; ++d) {
     for (int64_t j = count; j < kt_stride; ++j) kt[d * kt_stride + j] = 0.f;
