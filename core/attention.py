@@ -69,8 +69,7 @@ class KVCacheSpec:
 
     def data_bytes(self) -> int:
         """Bytes of one layer's keys and values in one block (scales excluded)."""
-        element = torch.empty((), dtype=self.storage_dtype).element_size()
-        return 2 * self.block_size * self.num_kv_heads * self.head_size * element
+        return 2 * self.block_size * self.num_kv_heads * self.head_size * self.storage_dtype.itemsize
 
     def scale_offset(self) -> int:
         """Where a quantized block's scales start in its row of bytes (16-byte aligned)."""
@@ -232,10 +231,9 @@ def write_quantized_kv_by_slot(key: torch.Tensor, value: torch.Tensor, kv_cache:
     slots = slot_mapping[keep]
     blocks, offsets = slots // spec.block_size, slots % spec.block_size
     data, scales = quantized_kv_views(kv_cache, spec)
-    for index, x in ((0, key), (1, value)):
-        q = spec.quantizer.quantize(x[keep])
-        data[blocks, index, offsets] = q.data
-        scales[blocks, index, offsets] = q.scale.reshape(q.data.shape[:-1]).to(SCALE_DTYPE)
+    q = spec.quantizer.quantize(torch.stack((key[keep], value[keep]), dim=1))  # one call: [T, 2, H, D]
+    data[blocks, :, offsets] = q.data
+    scales[blocks, :, offsets] = q.scale.reshape(q.data.shape[:-1]).to(SCALE_DTYPE)
 
 
 def dequantize_kv_blocks(kv_cache: torch.Tensor, spec: KVCacheSpec, blocks: torch.Tensor,
