@@ -1,8 +1,9 @@
 """`LLMEngine`: add requests, call `step()` until done, read the outputs.
 
-One step: schedule, run the model over one ragged batch, sample, append the
-tokens, stop the requests that are done and free their blocks. For embedding
-in a custom serving loop; `LLM` wraps it for batch use.
+One step: schedule, run the model over one ragged batch, sample, and hand the
+result to `Scheduler.update_from_output`, which applies it (positions, cached
+blocks, forks, appended tokens, stops); then report outputs and figures. For
+embedding in a custom serving loop; `LLM` wraps it for batch use.
 """
 
 from __future__ import annotations
@@ -23,10 +24,9 @@ from .metrics import EngineMetrics, prometheus_text
 from .model_runner import ModelRunner
 from .outputs import RequestOutput, completion_of, timings_of
 from .request import FinishReason, Request
-from .sampler import Sampler
+from .sampler import Sampler, logprob_record
 from .sampling_params import SamplingParams
-from .scheduler import Scheduler
-from .stopping import check_stop
+from .scheduler import SampledTokens, Scheduler, SchedulerOutput
 
 
 @dataclass
@@ -67,7 +67,8 @@ class LLMEngine:
         self.kv = KVCacheManager(allocator, block_size, config.cache.enable_prefix_caching)
         self.scheduler = Scheduler(components.build_policy(self.registry, config), self.kv,
                                    max_num_seqs=config.scheduler.max_num_seqs,
-                                   max_num_batched_tokens=config.scheduler.max_num_batched_tokens)
+                                   max_num_batched_tokens=config.scheduler.max_num_batched_tokens,
+                                   max_model_len=int(model.max_model_len))
         kv_caches = model.allocate_kv_cache(self.num_blocks, block_size)
         self.runner = ModelRunner(model, self.kv, kv_caches, block_size, self.device)
         self.sampler = Sampler(config.seed)
@@ -101,7 +102,8 @@ class LLMEngine:
             for i in range(params.n)
         ]
         self.groups[request_id] = _Group(samples, [0] * params.n, [0] * params.n)
-        self.scheduler.add(samples[0])  # samples > 0 fork from it once its prompt is in the cache
+        samples[0].forks = samples[1:]  # they fork from it once its prompt is in the cache
+        self.scheduler.add(samples[0])
         self.stats.num_requests += 1
 
     def _prompt_tokens(self, request_id, prompt, prompt_token_ids) -> tuple[str | None, list[int]]:
@@ -167,7 +169,12 @@ class LLMEngine:
         plan = self.scheduler.schedule()
         touched = dict.fromkeys(r.group_id for r in plan.finished)  # ordered, unlike a set
         if plan.scheduled:
-            self._run(plan.scheduled, touched)
+            self.stats.num_prompt_tokens += sum(
+                max(0, min(e.request.num_prompt_tokens, e.start + e.num_tokens) - e.start) for e in plan.scheduled)
+            logits = self.runner.execute(plan.scheduled)
+            update = self.scheduler.update_from_output(plan, self._sample(plan, logits))
+            self.stats.num_generated_tokens += update.num_generated_tokens
+            touched.update(dict.fromkeys(r.group_id for r in update.progressed))
         self.stats.num_steps += 1
         outputs = []
         for group_id in touched:
@@ -186,57 +193,31 @@ class LLMEngine:
                 self.stats.num_errors += any(s.finish_reason is FinishReason.ERROR for s in group.samples)
         return outputs
 
-    def _run(self, scheduled, touched: dict[str, None]) -> None:
-        sampling: list[Request] = []
+    def _sample(self, plan: SchedulerOutput, logits: torch.Tensor) -> dict[str, SampledTokens]:
+        """The tokens every sampling request (and every sample forked this step) emits."""
         rows: list[int] = []
-        forks: list[tuple[Request, Request]] = []
-        for row, entry in enumerate(scheduled):
-            request = entry.request
-            prompt_left = max(0, min(request.num_prompt_tokens, entry.start + entry.num_tokens) - entry.start)
-            self.stats.num_prompt_tokens += prompt_left
-            if not entry.samples:
-                continue
-            sampling.append(request)
-            rows.append(row)
-            if request.sample_index == 0:
-                for child in self.groups[request.group_id].samples[1:]:
-                    if child.waits_for_parent and not child.finished:
-                        forks.append((request, child))
-                        sampling.append(child)
-                        rows.append(row)
-        logits = self.runner.execute(scheduled, rows)
-        for entry in scheduled:
-            request = entry.request
-            request.num_computed_tokens = entry.start + entry.num_tokens
-            self.kv.cache_blocks(request.request_id, request.all_token_ids, request.num_computed_tokens)
-        for parent, child in forks:
-            self.kv.fork(parent.request_id, child.request_id)
-            child.num_computed_tokens = parent.num_computed_tokens
-            child.forked = True
-            self.scheduler.add_running(child)
-        if not sampling:
-            return
-        result = self.sampler(logits, sampling)
+        requests: list[Request] = []
+        row = 0
+        for entry in plan.scheduled:
+            if entry.samples:
+                for request in [entry.request, *entry.forks]:  # forks sample from their parent's row
+                    rows.append(row)
+                    requests.append(request)
+            row += entry.num_logit_rows
+        if not requests:
+            return {}
+        if len(rows) < logits.shape[0] or rows != list(range(len(rows))):
+            logits = logits[torch.tensor(rows, device=logits.device)]
+        result = self.sampler(logits, requests)
         token_ids = result.token_ids.tolist()
-        now = time.monotonic()
-        for i, request in enumerate(sampling):
+        sampled = {}
+        for i, request in enumerate(requests):
+            records = None
             if result.sampled_logprobs is not None and request.logprobs is not None:
-                self._record_logprobs(request, result, i, token_ids[i])
-            request.output_token_ids.append(token_ids[i])
-            request.first_token_time = request.first_token_time or now
-            self.stats.num_generated_tokens += 1
-            touched[request.group_id] = None
-            reason, stop_reason = check_stop(request, self.max_model_len)
-            if reason is not None:
-                self.scheduler.finish(request, reason, stop_reason)
-
-    def _record_logprobs(self, request: Request, result, row: int, token: int) -> None:
-        k = request.params.logprobs
-        top = dict(zip(result.top_ids[row, :k].tolist(), result.top_logprobs[row, :k].tolist()))
-        chosen = float(result.sampled_logprobs[row])
-        top[token] = chosen
-        request.logprobs.append(top)
-        request.cumulative_logprob += chosen
+                records = [logprob_record(request.params.logprobs, result.top_ids[i], result.top_logprobs[i],
+                                          result.sampled_logprobs[i], token_ids[i])]
+            sampled[request.request_id] = SampledTokens([token_ids[i]], records)
+        return sampled
 
     def _output(self, group_id: str, group: _Group) -> RequestOutput:
         completions = []

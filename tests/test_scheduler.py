@@ -10,7 +10,7 @@ from kvforge import SamplingParams
 from kvforge.core import BLOCK_ALLOCATOR, SCHEDULER_POLICY, build_registry
 from kvforge.engine.kv_cache_manager import KVCacheManager
 from kvforge.engine.request import FinishReason, Request, RequestStatus
-from kvforge.engine.scheduler import Scheduler
+from kvforge.engine.scheduler import SampledTokens, Scheduler
 
 REGISTRY = build_registry()
 
@@ -33,14 +33,7 @@ def request(name, prompt_len, priority=0, max_tokens=100) -> Request:
 def step(s: Scheduler) -> dict[str, int]:
     """Schedule once and apply the result like the engine: {request id: new tokens}."""
     out = s.schedule()
-    for entry in out.scheduled:
-        r = entry.request
-        r.num_computed_tokens = entry.start + entry.num_tokens
-        s.kv.cache_blocks(r.request_id, r.all_token_ids, r.num_computed_tokens)
-        if entry.samples:
-            r.output_token_ids.append(7)
-            if len(r.output_token_ids) >= r.params.max_tokens:
-                s.finish(r, FinishReason.LENGTH)
+    s.update_from_output(out, {e.request.request_id: SampledTokens([7]) for e in out.scheduled if e.samples})
     return {e.request.request_id: e.num_tokens for e in out.scheduled}
 
 
