@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from kvforge.core import EngineConfig, RequestError, build_registry
+from kvforge.core import EngineConfig, ProposerTarget, RequestError, build_registry
 
 from . import components, heap
 from .detokenizer import IncrementalDetokenizer
@@ -24,9 +24,11 @@ from .metrics import EngineMetrics, prometheus_text
 from .model_runner import ModelRunner
 from .outputs import RequestOutput, completion_of, timings_of
 from .request import FinishReason, Request
-from .sampler import Sampler, logprob_record
+from .drafting import Drafter
+from .rejection_sampler import RejectionSampler
+from .sampler import Sampler, logprob_record, raw_logprobs
 from .sampling_params import SamplingParams
-from .scheduler import SampledTokens, Scheduler, SchedulerOutput
+from .scheduler import SampledTokens, ScheduledRequest, Scheduler, SchedulerOutput
 
 
 @dataclass
@@ -72,8 +74,17 @@ class LLMEngine:
         kv_caches = model.allocate_kv_cache(self.num_blocks, block_size)
         self.runner = ModelRunner(model, self.kv, kv_caches, block_size, self.device)
         self.sampler = Sampler(config.seed)
+        self.verifier = RejectionSampler(self.sampler)
         self.max_model_len = int(model.max_model_len)
         self.vocab_size = int(model.vocab_size)
+        self.drafter = None
+        proposer = components.build_proposer(self.registry, config, ProposerTarget(
+            config.model, self.vocab_size, self.max_model_len, self.device, self.dtype))
+        if proposer is not None:
+            spec = config.speculative
+            self.drafter = Drafter(proposer, num_tokens=spec.num_tokens,
+                                   disable_above_batch_size=spec.disable_above_batch_size,
+                                   vocab_size=self.vocab_size, max_model_len=self.max_model_len)
         self.eos_token_id = getattr(model, "eos_token_id", None)
         if self.eos_token_id is None and tokenizer is not None:
             self.eos_token_id = getattr(tokenizer, "eos_token_id", None)
@@ -155,6 +166,8 @@ class LLMEngine:
         for sample in group.samples:
             if not sample.finished:
                 self.scheduler.finish(sample, FinishReason.ABORT)
+        if self.drafter is not None:
+            self.drafter.release(group.samples)
         self.stats.num_aborted += 1
         return self._output(request_id, group)
 
@@ -166,8 +179,10 @@ class LLMEngine:
     def step(self, final_only: bool = False) -> list[RequestOutput]:
         """Run one scheduler step; the outputs of every request that progressed
         (with `final_only`, of every request that finished)."""
-        plan = self.scheduler.schedule()
+        drafts = self.drafter.propose(self.scheduler.running) if self.drafter is not None else None
+        plan = self.scheduler.schedule(drafts)
         touched = dict.fromkeys(r.group_id for r in plan.finished)  # ordered, unlike a set
+        finished = list(plan.finished)
         if plan.scheduled:
             self.stats.num_prompt_tokens += sum(
                 max(0, min(e.request.num_prompt_tokens, e.start + e.num_tokens) - e.start) for e in plan.scheduled)
@@ -175,6 +190,9 @@ class LLMEngine:
             update = self.scheduler.update_from_output(plan, self._sample(plan, logits))
             self.stats.num_generated_tokens += update.num_generated_tokens
             touched.update(dict.fromkeys(r.group_id for r in update.progressed))
+            finished += update.finished
+        if self.drafter is not None:
+            self.drafter.release(finished)
         self.stats.num_steps += 1
         outputs = []
         for group_id in touched:
@@ -197,26 +215,57 @@ class LLMEngine:
         """The tokens every sampling request (and every sample forked this step) emits."""
         rows: list[int] = []
         requests: list[Request] = []
+        speculated: list[tuple[ScheduledRequest, int]] = []
         row = 0
         for entry in plan.scheduled:
-            if entry.samples:
+            if entry.draft_token_ids and entry.samples:
+                speculated.append((entry, row))
+            elif entry.samples:
                 for request in [entry.request, *entry.forks]:  # forks sample from their parent's row
                     rows.append(row)
                     requests.append(request)
             row += entry.num_logit_rows
+        sampled = self._verify(speculated, logits) if speculated else {}
         if not requests:
-            return {}
+            return sampled
         if len(rows) < logits.shape[0] or rows != list(range(len(rows))):
             logits = logits[torch.tensor(rows, device=logits.device)]
         result = self.sampler(logits, requests)
         token_ids = result.token_ids.tolist()
-        sampled = {}
         for i, request in enumerate(requests):
             records = None
             if result.sampled_logprobs is not None and request.logprobs is not None:
                 records = [logprob_record(request.params.logprobs, result.top_ids[i], result.top_logprobs[i],
                                           result.sampled_logprobs[i], token_ids[i])]
             sampled[request.request_id] = SampledTokens([token_ids[i]], records)
+        return sampled
+
+    def _verify(self, speculated: list[tuple[ScheduledRequest, int]], logits: torch.Tensor) -> dict[str, SampledTokens]:
+        """Verify the drafts of every speculating request in one batch."""
+        flat = [r for entry, first in speculated for r in range(first, first + entry.num_logit_rows)]
+        logits = logits[torch.tensor(flat, device=logits.device)]
+        entries = [entry for entry, _ in speculated]
+        verified = self.verifier(logits, [e.request for e in entries], [e.draft_token_ids for e in entries],
+                                 [e.draft_probs for e in entries])
+        self.stats.num_draft_tokens += len(flat) - len(entries)
+        self.stats.num_accepted_tokens += sum(verified.num_accepted)
+        self.stats.num_verifications += len(entries)
+        wanted = [e.request.params.logprobs for e in entries if e.request.logprobs is not None]
+        if wanted:  # the raw logprobs of each emitted token, at the row it was drawn from
+            starts = itertools.accumulate([e.num_logit_rows for e in entries], initial=0)
+            rows = [start + j for start, tokens in zip(starts, verified.token_ids) for j in range(len(tokens))]
+            emitted = torch.tensor([t for tokens in verified.token_ids for t in tokens], device=logits.device)
+            chosen, top_ids, top_logprobs = raw_logprobs(logits[torch.tensor(rows, device=logits.device)], emitted,
+                                                         max(wanted))
+        sampled, at = {}, 0
+        for entry, tokens in zip(entries, verified.token_ids):
+            records = None
+            if entry.request.logprobs is not None:
+                k = entry.request.params.logprobs
+                records = [logprob_record(k, top_ids[at + j], top_logprobs[at + j], chosen[at + j], token)
+                           for j, token in enumerate(tokens)]
+            sampled[entry.request.request_id] = SampledTokens(tokens, records)
+            at += len(tokens)
         return sampled
 
     def _output(self, group_id: str, group: _Group) -> RequestOutput:
