@@ -6,9 +6,10 @@ most recent occurrence, the tokens that followed it are the draft. It costs no
 model, and pays off wherever the output repeats its input: code edits, quoted
 text, summaries, retrieval answers.
 
-Per step and request the work is one vectorized comparison over the request's
-tokens (`O(len · max_n)` element compares in torch, no Python loop over
-tokens); the tokens themselves are kept per request and only the new ones are
+Per step and request the work is `max_n` vectorized comparisons over the
+request's tokens (`O(len · max_n)` element compares in numpy, no Python loop
+over tokens; numpy rather than torch because at these sizes the per-call
+overhead dominates); the tokens are kept per request and only the new ones are
 copied in each step.
 """
 
@@ -16,52 +17,56 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-import torch
+import numpy as np
 
 from kvforge.core import ConfigError, DraftProposal, ProposalRequest, SpeculativeProposer, hookimpl
 
 
 class _History:
-    """One request's tokens as a growing int64 tensor (amortized O(1) per token)."""
+    """One request's tokens as a growing int64 array (amortized O(1) per token)."""
 
     def __init__(self) -> None:
-        self.buffer = torch.empty(64, dtype=torch.int64)
+        self.buffer = np.empty(64, dtype=np.int64)
         self.length = 0
 
-    def sync(self, token_ids: Sequence[int]) -> torch.Tensor:
-        """The tokens of `token_ids` as a tensor, copying in only those not seen yet."""
+    def sync(self, token_ids: Sequence[int]) -> np.ndarray:
+        """The tokens of `token_ids` as an array, copying in only those not seen yet."""
         n = len(token_ids)
-        if n < self.length or (self.length and int(self.buffer[self.length - 1]) != token_ids[self.length - 1]):
+        if n < self.length or (self.length and self.buffer[self.length - 1] != token_ids[self.length - 1]):
             self.length = 0  # not the sequence we followed (an id reused): start over
-        if n > self.buffer.numel():
-            grown = torch.empty(max(n, 2 * self.buffer.numel()), dtype=torch.int64)
+        if n > self.buffer.size:
+            grown = np.empty(max(n, 2 * self.buffer.size), dtype=np.int64)
             grown[: self.length] = self.buffer[: self.length]
             self.buffer = grown
         if n > self.length:
-            self.buffer[self.length: n] = torch.as_tensor(token_ids[self.length: n], dtype=torch.int64)
+            self.buffer[self.length: n] = token_ids[self.length: n]
             self.length = n
         return self.buffer[:n]
 
 
-def ngram_lookup(tokens: torch.Tensor, min_n: int, max_n: int, k: int) -> list[int]:
+def ngram_lookup(tokens: np.ndarray | Sequence[int], min_n: int, max_n: int, k: int) -> list[int]:
     """Up to `k` tokens that followed the most recent earlier occurrence of the
     longest suffix n-gram of `tokens` (`min_n <= n <= max_n`); [] when none occurs."""
-    length = tokens.numel()
-    if length < min_n + 1 or k <= 0:
+    tokens = np.asarray(tokens, dtype=np.int64)
+    length = tokens.size
+    ends = length - 1  # candidate n-gram ends 0 .. length - 2 leave a token after them
+    if ends < min_n or k <= 0:
         return []
-    max_n = min(max_n, length - 1)
-    # ends[i] is a candidate n-gram end; it must leave at least one token after it.
-    ends = torch.arange(min_n - 1, length - 1)
-    back = torch.arange(max_n)
-    # match[i, m]: the token m places before candidate end i equals the one m places before the suffix end.
-    before = ends.unsqueeze(1) - back
-    match = (tokens[before.clamp(min=0)] == tokens[length - 1 - back]) & (before >= 0)
-    run = match.to(torch.int32).cumprod(dim=1).sum(dim=1)  # matched suffix length at each end
-    best = int(run.max())
+    # matched[e]: how many tokens ending at e equal the suffix, counted backwards up to max_n.
+    matched = np.zeros(ends, dtype=np.int32)
+    run = np.ones(ends, dtype=bool)
+    for back in range(min(max_n, ends)):  # a loop over n, not over tokens
+        same = np.zeros(ends, dtype=bool)
+        same[back:] = tokens[: ends - back] == tokens[length - 1 - back]
+        run &= same
+        if not run.any():
+            break
+        matched += run
+    best = int(matched.max())
     if best < min_n:
         return []
     # The most recent of the longest matches: its continuation is the freshest guess.
-    end = int(ends[(run == best).nonzero()[-1]])
+    end = ends - 1 - int(np.argmax(matched[::-1] == best))
     return tokens[end + 1: end + 1 + k].tolist()
 
 

@@ -6,7 +6,6 @@ from __future__ import annotations
 import random
 
 import pytest
-import torch
 
 from kvforge.core import SPECULATIVE_PROPOSER, ConfigError, ProposalRequest, build_registry
 from kvforge.plugins.ngram_proposer import ngram_lookup
@@ -28,19 +27,19 @@ def proposer(**options):
 def test_longest_suffix_wins_over_a_more_recent_shorter_one():
     tokens = [1, 2, 3, 7, 8, 9, 3, 5, 5, 1, 2, 3]
     # "1 2 3" occurs at the start (then 7 8 9); "3" alone occurs later (then 5).
-    assert ngram_lookup(torch.tensor(tokens), 1, 4, 3) == [7, 8, 9]
+    assert ngram_lookup(tokens, 1, 4, 3) == [7, 8, 9]
 
 
 def test_most_recent_occurrence_and_k_cap():
     tokens = [4, 5, 1, 4, 5, 2, 9, 4, 5]
-    assert ngram_lookup(torch.tensor(tokens), 2, 4, 2) == [2, 9]
-    assert ngram_lookup(torch.tensor(tokens), 2, 4, 1) == [2]
+    assert ngram_lookup(tokens, 2, 4, 2) == [2, 9]
+    assert ngram_lookup(tokens, 2, 4, 1) == [2]
 
 
 def test_nothing_below_min_n():
     tokens = [1, 2, 3, 9, 3]
-    assert ngram_lookup(torch.tensor(tokens), 2, 4, 3) == []
-    assert ngram_lookup(torch.tensor(tokens), 1, 4, 3) == [9, 3]
+    assert ngram_lookup(tokens, 2, 4, 3) == []
+    assert ngram_lookup(tokens, 1, 4, 3) == [9, 3]
 
 
 @pytest.mark.parametrize("seed", range(30))
@@ -49,7 +48,7 @@ def test_matches_brute_force_on_random_sequences(seed):
     tokens = [rng.randrange(4) for _ in range(rng.randint(1, 40))]
     min_n = rng.randint(1, 3)
     max_n = rng.randint(min_n, 5)
-    assert ngram_lookup(torch.tensor(tokens), min_n, max_n, 4) == brute_force(tokens, min_n, max_n, 4)
+    assert ngram_lookup(tokens, min_n, max_n, 4) == brute_force(tokens, min_n, max_n, 4)
 
 
 def test_kept_history_follows_a_growing_sequence_and_an_id_reused_after_release():
