@@ -39,17 +39,27 @@ class OracleProposer(SpeculativeProposer):
     draft, so every step both accepts and rejects."""
 
     name = "oracle"
-
-    def setup(self, target):
-        self.max_model_len = target.max_model_len
+    wrong_every = 3
+    model = MODEL
 
     def propose(self, requests, num_tokens):
         out = []
         for r in requests:
-            tokens = list(r.token_ids)
-            guess = reference_greedy(MODEL, tokens, num_tokens)
-            out.append(DraftProposal([(t + 1) % 12 if i % 3 == 2 else t for i, t in enumerate(guess)]))
+            guess = reference_greedy(self.model, list(r.token_ids), num_tokens)
+            out.append(DraftProposal([(t + 1) % 12 if i % self.wrong_every == self.wrong_every - 1 else t
+                                      for i, t in enumerate(guess)]))
         return out
+
+
+class PerfectProposer(OracleProposer):
+    """Always right: every draft is accepted, so stops land inside accepted runs."""
+
+    name = "perfect"
+    wrong_every = 10**9
+
+
+PERFECT = {"proposer": "perfect", "num_tokens": 8}
+DIVERSE = [5, 6, 7, 5, 6, 7, 5]  # greedy output 4, 10, 10, 10, 2, ...: token 2 first appears fifth
 
 
 def registry_with(*classes):
@@ -121,15 +131,18 @@ def test_logprobs_cover_every_emitted_token():
 
 
 @pytest.mark.parametrize("max_tokens", [1, 2, 3, 7])
-def test_max_tokens_is_never_passed_inside_an_accepted_run(max_tokens):
+@pytest.mark.parametrize("speculative", [NGRAM, PERFECT], ids=["ngram", "perfect"])
+def test_max_tokens_is_never_passed_inside_an_accepted_run(max_tokens, speculative):
     params = SamplingParams(temperature=0, max_tokens=max_tokens)
-    spec, _ = run(NGRAM, params=params)
+    spec, _ = run(speculative, params=params, registry=registry_with(PerfectProposer))
     assert [o.token_ids for o in spec] == [reference_greedy(MODEL, p, max_tokens) for p in PROMPTS]
 
 
-def test_context_limit_is_never_passed():
+@pytest.mark.parametrize("speculative", [NGRAM, PERFECT], ids=["ngram", "perfect"])
+def test_context_limit_is_never_passed(speculative):
     model = FakeCausalLM(vocab_size=12, max_model_len=16)
-    engine = fake_engine(model, speculative=NGRAM)
+    perfect = type("PerfectForShortContext", (PerfectProposer,), {"model": model})
+    engine = fake_engine(model, speculative=speculative, registry=registry_with(perfect))
     engine.add_request("a", PROMPTS[0], SamplingParams(temperature=0, max_tokens=100, ignore_eos=True))
     while engine.has_unfinished_requests():
         out = engine.step()
@@ -137,12 +150,13 @@ def test_context_limit_is_never_passed():
 
 
 def test_stop_token_inside_an_accepted_run_cuts_the_output_there():
-    expected = reference_greedy(MODEL, PROMPTS[0], 24)
-    stop = expected[5]
-    cut = expected.index(stop)
-    params = SamplingParams(temperature=0, max_tokens=24, stop_token_ids=[stop])
-    [spec], engine = run(NGRAM, prompts=PROMPTS[:1], params=params)
-    assert spec.token_ids == expected[:cut + 1] and spec.finish_reason == "stop"
+    expected = reference_greedy(MODEL, DIVERSE, 24)
+    assert expected.index(2) == 4
+    params = SamplingParams(temperature=0, max_tokens=24, stop_token_ids=[2])
+    [spec], engine = run(PERFECT, prompts=[DIVERSE], params=params, registry=registry_with(PerfectProposer))
+    assert spec.token_ids == expected[:5] and spec.finish_reason == "stop" and spec.outputs[0].stop_reason == 2
+    # The second step accepted all eight drafts; the output ends inside that run.
+    assert engine.metrics()["spec_accepted_tokens"] == 8 and engine.metrics()["steps"] == 2
 
 
 def test_rejected_drafts_give_their_blocks_back_and_only_accepted_blocks_are_cached():
@@ -219,3 +233,29 @@ def test_contract_breaking_proposer_is_refused_by_name_and_the_request_is_untouc
     assert (list(request.output_token_ids), request.num_computed_tokens, engine.kv.block_table("a")) == before
     engine.abort_request("a")
     assert engine.kv.usage().in_use == 0
+
+
+def test_stop_string_inside_an_accepted_run_cuts_the_text_there():
+    from engine_fakes import FakeTokenizer
+
+    expected = reference_greedy(MODEL, DIVERSE, 24)
+    text = FakeTokenizer().decode(expected)
+    stop = "kc"  # tokens 10, 2: completed by the fifth token, inside the first accepted run
+    assert text.index(stop) == 3
+    engine = fake_engine(MODEL, speculative=PERFECT, tokenizer=FakeTokenizer(), registry=registry_with(PerfectProposer))
+    engine.add_request("a", DIVERSE, SamplingParams(temperature=0, max_tokens=24, stop=[stop]))
+    while engine.has_unfinished_requests():
+        [out] = engine.step()
+    assert out.finish_reason == "stop" and out.text == text[:3] and out.token_ids == expected[:5]
+    assert engine.metrics()["spec_accepted_tokens"] == 8
+
+
+def test_abort_while_speculating_frees_every_block_and_the_proposers_state():
+    engine = fake_engine(MODEL, speculative=NGRAM)
+    engine.add_request("a", PROMPTS[0], SamplingParams(temperature=0, max_tokens=50, n=2))
+    for _ in range(3):
+        engine.step()
+    proposer = engine.drafter.proposer
+    assert engine.metrics()["spec_draft_tokens"] > 0 and set(proposer.histories) == {"a", "a#1"}
+    engine.abort_request("a")
+    assert engine.kv.usage().in_use == 0 and proposer.histories == {}
