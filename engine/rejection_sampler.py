@@ -115,7 +115,7 @@ class RejectionSampler:
         q = torch.zeros(rows, k, vocab, device=device, dtype=probs.dtype)
         for i, (tokens, given) in enumerate(zip(drafts, draft_probs)):
             if given is None:  # a deterministic proposer: one-hot on its draft
-                q[i, torch.arange(len(tokens)), draft[i, : len(tokens)]] = 1
+                q[i, torch.arange(len(tokens), device=device), draft[i, : len(tokens)]] = 1
             else:
                 q[i, : len(tokens)] = given.to(device=device, dtype=probs.dtype)
         p_draft = probs[:, :k].gather(2, draft.unsqueeze(2)).squeeze(2)

@@ -267,8 +267,6 @@ class Scheduler:
         now = time.monotonic()
         for entry in plan.scheduled:
             request = entry.request
-            if request.finished:  # aborted since it was scheduled
-                continue
             emitted = sampled.get(request.request_id)
             computed = entry.start + entry.num_tokens
             if emitted is not None:
