@@ -179,12 +179,14 @@ def test_rejected_drafts_give_their_blocks_back_and_only_accepted_blocks_are_cac
     while engine.has_unfinished_requests():
         out = engine.step()
     assert out[0].token_ids == reference_greedy(MODEL, prompt, 12)
-    # The prefix cache holds exactly the full blocks of the accepted sequence.
+    # The prefix cache holds exactly the full blocks of the accepted (and computed) tokens ...
     full = prompt + out[0].token_ids
-    probe = fake_engine(MODEL)
-    probe.kv.allocator = engine.kv.allocator
-    assert probe.kv.admit("probe", full + [0]) == (len(full) - 1) // 4 * 4
-    probe.kv.free("probe")
+    assert engine.kv.usage().cached == (len(full) - 1) // 4
+    # ... and what they hold is right: a request reusing them continues exactly.
+    engine.add_request("b", full, SamplingParams(temperature=0, max_tokens=6))
+    while engine.has_unfinished_requests():
+        out = engine.step()
+    assert out[0].token_ids == reference_greedy(MODEL, full, 6) and engine.metrics()["prefix_cache_hit_rate"] > 0
 
 
 def test_opted_out_and_crowded_requests_do_not_speculate():
