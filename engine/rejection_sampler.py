@@ -112,22 +112,30 @@ class RejectionSampler:
         """`(accepted, final)` of rejection sampling for every row (greedy ones ignored)."""
         rows, k = draft.shape
         device = probs.device
-        q = torch.zeros(rows, k, vocab, device=device, dtype=probs.dtype)
-        for i, (tokens, given) in enumerate(zip(drafts, draft_probs)):
-            if given is None:  # a deterministic proposer: one-hot on its draft
-                q[i, torch.arange(len(tokens), device=device), draft[i, : len(tokens)]] = 1
-            else:
-                q[i, : len(tokens)] = given.to(device=device, dtype=probs.dtype)
-        p_draft = probs[:, :k].gather(2, draft.unsqueeze(2)).squeeze(2)
-        q_draft = q.gather(2, draft.unsqueeze(2)).squeeze(2)
-        u = self._uniforms(requests, drafts, k, device)
-        # u < p/q, written without the division: q > 0 at every real draft (checked by the Drafter).
-        accepted = leading_true((u[:, :k] * q_draft < p_draft) & has_draft)
         at = torch.arange(rows, device=device)
-        p_at = probs[at, accepted]
-        rejected = (accepted < num_drafts).unsqueeze(1)
-        q_at = q[at, accepted.clamp(max=k - 1)] * rejected
-        residual = (p_at - q_at).clamp_(min=0)
+        p_draft = probs[:, :k].gather(2, draft.unsqueeze(2)).squeeze(2)
+        u = self._uniforms(requests, drafts, k, device)
+        if all(given is None for given in draft_probs):
+            # Deterministic proposers only: q is one-hot, so q(x) = 1 and p - q is p with
+            # the draft zeroed; no [rows, k, vocab] tensor of draft distributions is built.
+            accepted = leading_true((u[:, :k] < p_draft) & has_draft)
+            p_at = probs[at, accepted]
+            rejected = accepted < num_drafts
+            residual = p_at.clone()
+            residual[at[rejected], draft[at, accepted.clamp(max=k - 1)][rejected]] = 0
+        else:
+            q = torch.zeros(rows, k, vocab, device=device, dtype=probs.dtype)
+            for i, (tokens, given) in enumerate(zip(drafts, draft_probs)):
+                if given is None:  # a deterministic proposer: one-hot on its draft
+                    q[i, torch.arange(len(tokens), device=device), draft[i, : len(tokens)]] = 1
+                else:
+                    q[i, : len(tokens)] = given.to(device=device, dtype=probs.dtype)
+            q_draft = q.gather(2, draft.unsqueeze(2)).squeeze(2)
+            # u < p/q, written without the division: q > 0 at every real draft (checked by the Drafter).
+            accepted = leading_true((u[:, :k] * q_draft < p_draft) & has_draft)
+            p_at = probs[at, accepted]
+            q_at = q[at, accepted.clamp(max=k - 1)] * (accepted < num_drafts).unsqueeze(1)
+            residual = (p_at - q_at).clamp_(min=0)
         # p == q leaves nothing; a rejection then had probability 0, so this row never
         # reaches here except by rounding: draw from p.
         residual = torch.where((residual.sum(dim=1, keepdim=True) > 0), residual, p_at)

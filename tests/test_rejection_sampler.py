@@ -57,23 +57,24 @@ def test_min_tokens_and_penalties_count_the_earlier_drafts_as_output():
     assert verify(flat, [penalized], [[1]]) == [[1, 2]]  # the accepted draft 1 is penalized at position 1
 
 
-def sampled_outputs(drafts_from_q: bool, num_rows: int = 20000, accept_all: bool = False):
+def sampled_outputs(mode: str, num_rows: int = 20000, accept_all: bool = False):
     torch.manual_seed(0)
     params = SamplingParams(temperature=1.0)
     requests = [request(params) for _ in range(num_rows)]
-    if drafts_from_q:
-        drafts = torch.stack([torch.multinomial(Q[j], num_rows, replacement=True) for j in range(2)], 1).tolist()
-        probs = [Q] * num_rows
-    else:  # a deterministic proposer: always drafts 0 then 3 (q one-hot)
-        drafts, probs = [[0, 3]] * num_rows, None
+    drafts = torch.stack([torch.multinomial(Q[j], num_rows, replacement=True) for j in range(2)], 1).tolist()
+    probs = [Q] * num_rows
+    if mode != "draft-probs":  # a deterministic proposer: always drafts 0 then 3 (q one-hot)
+        one_hot = range(num_rows) if mode == "one-hot" else range(0, num_rows, 2)
+        for i in one_hot:
+            drafts[i], probs[i] = [0, 3], None
     if accept_all:  # the broken verifier: accepts every draft without comparing
         return [d + [int(torch.multinomial(P[2], 1))] for d in drafts[:2000]], drafts
     return verify(P.log(), requests, drafts, probs), drafts
 
 
-@pytest.mark.parametrize("drafts_from_q", [True, False], ids=["draft-probs", "one-hot"])
-def test_sampled_output_distribution_is_the_targets(drafts_from_q):
-    emitted, _ = sampled_outputs(drafts_from_q)
+@pytest.mark.parametrize("mode", ["draft-probs", "one-hot", "mixed"])
+def test_sampled_output_distribution_is_the_targets(mode):
+    emitted, _ = sampled_outputs(mode)
     first = torch.bincount(torch.tensor([e[0] for e in emitted]), minlength=VOCAB)
     assert chi_square_pvalue(first, P[0]) > 1e-3
     # Given the first draft was accepted, the second token is the target's at position 1.
@@ -84,7 +85,7 @@ def test_sampled_output_distribution_is_the_targets(drafts_from_q):
 
 
 def test_chi_square_catches_a_verifier_that_accepts_without_comparing():
-    emitted, _ = sampled_outputs(True, accept_all=True)
+    emitted, _ = sampled_outputs("draft-probs", accept_all=True)
     first = torch.bincount(torch.tensor([e[0] for e in emitted]), minlength=VOCAB)
     assert chi_square_pvalue(first, P[0]) < 1e-6
 
