@@ -14,12 +14,15 @@ from kvforge.core import (
     PER_TOKEN,
     QUANTIZER,
     SCHEDULER_POLICY,
+    SPECULATIVE_PROPOSER,
     AttentionLayerSpec,
     EngineConfig,
+    ProposerTarget,
     Quantizer,
     Registry,
     SelectionError,
     SelectionRequest,
+    SpeculativeProposer,
     UnsupportedConfigurationError,
 )
 from kvforge.core.config import FLOAT_KV_DTYPES
@@ -110,6 +113,17 @@ def build_policy(registry: Registry, config: EngineConfig):
     return registry.select(SCHEDULER_POLICY, config.scheduler.policy).cls()
 
 
+def build_proposer(registry: Registry, config: EngineConfig, target: ProposerTarget) -> SpeculativeProposer | None:
+    """The configured speculative proposer, built with `speculative.options` and set up
+    for the target model once; None when `speculative.proposer` is unset."""
+    spec = config.speculative
+    if spec.proposer is None:
+        return None
+    proposer = registry.select(SPECULATIVE_PROPOSER, spec.proposer).cls(**spec.options)
+    proposer.setup(target)
+    return proposer
+
+
 def num_blocks(config: EngineConfig, spec, device: torch.device, max_model_len: int) -> int:
     """`cache.num_blocks` if set, otherwise sized by `cache_sizing` on `device`,
     capped at what the scheduler could ever fill (every sequence at full context)."""
@@ -128,10 +142,6 @@ def check_supported(config: EngineConfig, dtype: torch.dtype) -> None:
         raise UnsupportedConfigurationError(
             f"cache.kv_cache_dtype = {kv_dtype!r} differs from the model dtype {str(dtype).removeprefix('torch.')}; "
             "the reference engine keeps the KV cache in the model dtype; set cache.kv_cache_dtype = 'auto'")
-    if config.speculative.proposer is not None:
-        raise UnsupportedConfigurationError(
-            "speculative.proposer is set, but the reference engine does not run speculative decoding yet; "
-            "unset speculative.proposer")
     if config.quantization.weights is not None:
         raise UnsupportedConfigurationError(
             "quantization.weights is set, but the reference engine does not quantize weights yet; "

@@ -8,7 +8,10 @@ reuse it.
 
 Positions: a request's next write starts at its *computed* length, which
 `admit` sets to the prefix-cache hit and `cache_blocks` sets after each step;
-before the first `cache_blocks` it is the high-water mark of `allocate_slots`.
+before the first `cache_blocks` it is the high-water mark of `allocate_slots`;
+`truncate` moves it back over rejected draft tokens. The scheduler keeps the
+request's computed length (`Request.num_computed_tokens`) and passes it in; how
+many tokens a request's blocks hold is read here (`capacity`), not kept twice.
 """
 
 from __future__ import annotations
@@ -19,7 +22,8 @@ from typing import Any
 
 import torch
 
-from kvforge.core import AllocatorUsage, BlockAllocator, BlockHash, BlockStateError, PagedCSR, RequestError, paged_csr
+from kvforge.core import (AllocatorUsage, BlockAllocator, BlockHash, BlockStateError, PagedCSR, RequestError, cdiv,
+                          paged_csr)
 
 
 @dataclass
@@ -145,6 +149,20 @@ class KVCacheManager:
             self.allocator.cache_block(request.blocks[index], request.hashes[index])
         request.num_cached = num_full
 
+    def truncate(self, request_id: str, num_tokens: int) -> None:
+        """Forget positions from `num_tokens` on (rejected draft tokens): blocks wholly
+        past them return to the pool and the next write starts at `num_tokens`.
+        Blocks already offered to the prefix cache are never given back here."""
+        request = self._get(request_id, "truncate")
+        if num_tokens < request.num_cached * self.block_size:
+            raise RequestError(f"cannot truncate request {request_id!r} to {num_tokens} tokens: its first "
+                               f"{request.num_cached * self.block_size} are in the prefix cache")
+        keep = cdiv(num_tokens, self.block_size)
+        if keep < len(request.blocks):
+            tail, request.blocks = request.blocks[keep:], request.blocks[:keep]
+            self.allocator.free(tail)
+        request.num_tokens = min(request.num_tokens, num_tokens)
+
     # Releasing and sharing
 
     def free(self, request_id: str) -> None:
@@ -177,6 +195,10 @@ class KVCacheManager:
 
     def block_table(self, request_id: str) -> list[int]:
         return list(self._get(request_id, "read the block table of").blocks)
+
+    def capacity(self, request_id: str) -> int:
+        """Tokens the request's blocks have room for."""
+        return len(self._get(request_id, "read").blocks) * self.block_size
 
     def num_tokens(self, request_id: str) -> int:
         """Where the request's next write starts (its computed or reserved length)."""

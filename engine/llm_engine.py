@@ -1,8 +1,9 @@
 """`LLMEngine`: add requests, call `step()` until done, read the outputs.
 
-One step: schedule, run the model over one ragged batch, sample, append the
-tokens, stop the requests that are done and free their blocks. For embedding
-in a custom serving loop; `LLM` wraps it for batch use.
+One step: schedule, run the model over one ragged batch, sample, and hand the
+result to `Scheduler.update_from_output`, which applies it (positions, cached
+blocks, forks, appended tokens, stops); then report outputs and figures. For
+embedding in a custom serving loop; `LLM` wraps it for batch use.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from kvforge.core import EngineConfig, RequestError, build_registry
+from kvforge.core import EngineConfig, ProposerTarget, RequestError, build_registry
 
 from . import components, heap
 from .detokenizer import IncrementalDetokenizer
@@ -23,10 +24,11 @@ from .metrics import EngineMetrics, prometheus_text
 from .model_runner import ModelRunner
 from .outputs import RequestOutput, completion_of, timings_of
 from .request import FinishReason, Request
-from .sampler import Sampler
+from .drafting import Drafter
+from .rejection_sampler import RejectionSampler
+from .sampler import Sampler, logprob_record, raw_logprobs
 from .sampling_params import SamplingParams
-from .scheduler import Scheduler
-from .stopping import check_stop
+from .scheduler import SampledTokens, ScheduledRequest, Scheduler, SchedulerOutput
 
 
 @dataclass
@@ -70,12 +72,22 @@ class LLMEngine:
         self.kv = KVCacheManager(allocator, block_size, config.cache.enable_prefix_caching)
         self.scheduler = Scheduler(components.build_policy(self.registry, config), self.kv,
                                    max_num_seqs=config.scheduler.max_num_seqs,
-                                   max_num_batched_tokens=config.scheduler.max_num_batched_tokens)
+                                   max_num_batched_tokens=config.scheduler.max_num_batched_tokens,
+                                   max_model_len=int(model.max_model_len))
         kv_caches = model.allocate_kv_cache(self.num_blocks, block_size)
         self.runner = ModelRunner(model, self.kv, kv_caches, block_size, self.device)
         self.sampler = Sampler(config.seed)
+        self.verifier = RejectionSampler(self.sampler)
         self.max_model_len = int(model.max_model_len)
         self.vocab_size = int(model.vocab_size)
+        self.drafter = None
+        proposer = components.build_proposer(self.registry, config, ProposerTarget(
+            config.model, self.vocab_size, self.max_model_len, self.device, self.dtype))
+        if proposer is not None:
+            spec = config.speculative
+            self.drafter = Drafter(proposer, num_tokens=spec.num_tokens,
+                                   disable_above_batch_size=spec.disable_above_batch_size,
+                                   vocab_size=self.vocab_size, max_model_len=self.max_model_len)
         self.eos_token_id = getattr(model, "eos_token_id", None)
         if self.eos_token_id is None and tokenizer is not None:
             self.eos_token_id = getattr(tokenizer, "eos_token_id", None)
@@ -104,7 +116,8 @@ class LLMEngine:
             for i in range(params.n)
         ]
         self.groups[request_id] = _Group(samples, [0] * params.n, [0] * params.n)
-        self.scheduler.add(samples[0])  # samples > 0 fork from it once its prompt is in the cache
+        samples[0].forks = samples[1:]  # they fork from it once its prompt is in the cache
+        self.scheduler.add(samples[0])
         self.stats.num_requests += 1
 
     def _prompt_tokens(self, request_id, prompt, prompt_token_ids) -> tuple[str | None, list[int]]:
@@ -156,6 +169,8 @@ class LLMEngine:
         for sample in group.samples:
             if not sample.finished:
                 self.scheduler.finish(sample, FinishReason.ABORT)
+        if self.drafter is not None:
+            self.drafter.release(group.samples)
         self.stats.num_aborted += 1
         return self._output(request_id, group)
 
@@ -167,10 +182,20 @@ class LLMEngine:
     def step(self, final_only: bool = False) -> list[RequestOutput]:
         """Run one scheduler step; the outputs of every request that progressed
         (with `final_only`, of every request that finished)."""
-        plan = self.scheduler.schedule()
+        drafts = self.drafter.propose(self.scheduler.running) if self.drafter is not None else None
+        plan = self.scheduler.schedule(drafts)
         touched = dict.fromkeys(r.group_id for r in plan.finished)  # ordered, unlike a set
+        finished = list(plan.finished)
         if plan.scheduled:
-            self._run(plan.scheduled, touched)
+            self.stats.num_prompt_tokens += sum(
+                max(0, min(e.request.num_prompt_tokens, e.start + e.num_tokens) - e.start) for e in plan.scheduled)
+            logits = self.runner.execute(plan.scheduled)
+            update = self.scheduler.update_from_output(plan, self._sample(plan, logits))
+            self.stats.num_generated_tokens += update.num_generated_tokens
+            touched.update(dict.fromkeys(r.group_id for r in update.progressed))
+            finished += update.finished
+        if self.drafter is not None:
+            self.drafter.release(finished)
         self.stats.num_steps += 1
         outputs = []
         for group_id in touched:
@@ -189,57 +214,62 @@ class LLMEngine:
                 self.stats.num_errors += any(s.finish_reason is FinishReason.ERROR for s in group.samples)
         return outputs
 
-    def _run(self, scheduled, touched: dict[str, None]) -> None:
-        sampling: list[Request] = []
+    def _sample(self, plan: SchedulerOutput, logits: torch.Tensor) -> dict[str, SampledTokens]:
+        """The tokens every sampling request (and every sample forked this step) emits."""
         rows: list[int] = []
-        forks: list[tuple[Request, Request]] = []
-        for row, entry in enumerate(scheduled):
-            request = entry.request
-            prompt_left = max(0, min(request.num_prompt_tokens, entry.start + entry.num_tokens) - entry.start)
-            self.stats.num_prompt_tokens += prompt_left
-            if not entry.samples:
-                continue
-            sampling.append(request)
-            rows.append(row)
-            if request.sample_index == 0:
-                for child in self.groups[request.group_id].samples[1:]:
-                    if child.waits_for_parent and not child.finished:
-                        forks.append((request, child))
-                        sampling.append(child)
-                        rows.append(row)
-        logits = self.runner.execute(scheduled, rows)
-        for entry in scheduled:
-            request = entry.request
-            request.num_computed_tokens = entry.start + entry.num_tokens
-            self.kv.cache_blocks(request.request_id, request.all_token_ids, request.num_computed_tokens)
-        for parent, child in forks:
-            self.kv.fork(parent.request_id, child.request_id)
-            child.num_computed_tokens = parent.num_computed_tokens
-            child.forked = True
-            self.scheduler.add_running(child)
-        if not sampling:
-            return
-        result = self.sampler(logits, sampling)
+        requests: list[Request] = []
+        speculated: list[tuple[ScheduledRequest, int]] = []
+        row = 0
+        for entry in plan.scheduled:
+            if entry.draft_token_ids and entry.samples:
+                speculated.append((entry, row))
+            elif entry.samples:
+                for request in [entry.request, *entry.forks]:  # forks sample from their parent's row
+                    rows.append(row)
+                    requests.append(request)
+            row += entry.num_logit_rows
+        sampled = self._verify(speculated, logits) if speculated else {}
+        if not requests:
+            return sampled
+        if len(rows) < logits.shape[0] or rows != list(range(len(rows))):
+            logits = logits[torch.tensor(rows, device=logits.device)]
+        result = self.sampler(logits, requests)
         token_ids = result.token_ids.tolist()
-        now = time.monotonic()
-        for i, request in enumerate(sampling):
+        for i, request in enumerate(requests):
+            records = None
             if result.sampled_logprobs is not None and request.logprobs is not None:
-                self._record_logprobs(request, result, i, token_ids[i])
-            request.output_token_ids.append(token_ids[i])
-            request.first_token_time = request.first_token_time or now
-            self.stats.num_generated_tokens += 1
-            touched[request.group_id] = None
-            reason, stop_reason = check_stop(request, self.max_model_len)
-            if reason is not None:
-                self.scheduler.finish(request, reason, stop_reason)
+                records = [logprob_record(request.params.logprobs, result.top_ids[i], result.top_logprobs[i],
+                                          result.sampled_logprobs[i], token_ids[i])]
+            sampled[request.request_id] = SampledTokens([token_ids[i]], records)
+        return sampled
 
-    def _record_logprobs(self, request: Request, result, row: int, token: int) -> None:
-        k = request.params.logprobs
-        top = dict(zip(result.top_ids[row, :k].tolist(), result.top_logprobs[row, :k].tolist()))
-        chosen = float(result.sampled_logprobs[row])
-        top[token] = chosen
-        request.logprobs.append(top)
-        request.cumulative_logprob += chosen
+    def _verify(self, speculated: list[tuple[ScheduledRequest, int]], logits: torch.Tensor) -> dict[str, SampledTokens]:
+        """Verify the drafts of every speculating request in one batch."""
+        flat = [r for entry, first in speculated for r in range(first, first + entry.num_logit_rows)]
+        logits = logits[torch.tensor(flat, device=logits.device)]
+        entries = [entry for entry, _ in speculated]
+        verified = self.verifier(logits, [e.request for e in entries], [e.draft_token_ids for e in entries],
+                                 [e.draft_probs for e in entries])
+        self.stats.num_draft_tokens += len(flat) - len(entries)
+        self.stats.num_accepted_tokens += sum(verified.num_accepted)
+        self.stats.num_verifications += len(entries)
+        wanted = [e.request.params.logprobs for e in entries if e.request.logprobs is not None]
+        if wanted:  # the raw logprobs of each emitted token, at the row it was drawn from
+            starts = itertools.accumulate([e.num_logit_rows for e in entries], initial=0)
+            rows = [start + j for start, tokens in zip(starts, verified.token_ids) for j in range(len(tokens))]
+            emitted = torch.tensor([t for tokens in verified.token_ids for t in tokens], device=logits.device)
+            chosen, top_ids, top_logprobs = raw_logprobs(logits[torch.tensor(rows, device=logits.device)], emitted,
+                                                         max(wanted))
+        sampled, at = {}, 0
+        for entry, tokens in zip(entries, verified.token_ids):
+            records = None
+            if entry.request.logprobs is not None:
+                k = entry.request.params.logprobs
+                records = [logprob_record(k, top_ids[at + j], top_logprobs[at + j], chosen[at + j], token)
+                           for j, token in enumerate(tokens)]
+            sampled[entry.request.request_id] = SampledTokens(tokens, records)
+            at += len(tokens)
+        return sampled
 
     def _output(self, group_id: str, group: _Group) -> RequestOutput:
         completions = []

@@ -18,13 +18,15 @@ class EngineMetrics:
     num_prompt_tokens: int = 0  # computed prompt tokens (recomputation included)
     num_generated_tokens: int = 0
     num_steps: int = 0
-    num_draft_tokens: int = 0
-    num_accepted_tokens: int = 0
+    num_draft_tokens: int = 0  # draft tokens verified
+    num_accepted_tokens: int = 0  # of those, accepted
+    num_verifications: int = 0  # (request, step) pairs that verified drafts
 
     def snapshot(self, *, running: int, waiting: int, kv_usage: float, preemptions: int,
                  prefix_cache_hit_rate: float) -> dict[str, float]:
         """Every figure as a flat dict."""
         acceptance = self.num_accepted_tokens / self.num_draft_tokens if self.num_draft_tokens else 0.0
+        per_step = self.num_accepted_tokens / self.num_verifications if self.num_verifications else 0.0
         return {
             "running": running,
             "waiting": waiting,
@@ -32,6 +34,9 @@ class EngineMetrics:
             "preemptions": preemptions,
             "prefix_cache_hit_rate": prefix_cache_hit_rate,
             "spec_acceptance_rate": acceptance,
+            "spec_draft_tokens": self.num_draft_tokens,
+            "spec_accepted_tokens": self.num_accepted_tokens,
+            "spec_mean_accepted_tokens": per_step,
             "requests": self.num_requests,
             "finished": self.num_finished,
             "aborted": self.num_aborted,
@@ -49,6 +54,9 @@ DESCRIPTIONS = {
     "preemptions": "preemptions so far",
     "prefix_cache_hit_rate": "fraction of looked-up prefix blocks found in the cache",
     "spec_acceptance_rate": "fraction of speculative draft tokens accepted",
+    "spec_draft_tokens": "speculative draft tokens verified so far",
+    "spec_accepted_tokens": "speculative draft tokens accepted so far",
+    "spec_mean_accepted_tokens": "mean draft tokens accepted per verification (one request in one step)",
 }
 
 

@@ -4,7 +4,9 @@ The scheduled requests' new tokens are flattened into a single ragged batch
 (no padding); positions, `query_start_loc`, `seq_lens` and the slot mapping are
 computed with tensor ops from the per-request lengths and the block table, so
 no Python loop runs over tokens. `plan` is called once per step; logits are
-computed only for the rows that are sampled.
+computed only for the rows that are sampled: a sampling request's last known
+token and each of its draft tokens (speculative decoding verifies them all in
+this one forward pass).
 """
 
 from __future__ import annotations
@@ -32,7 +34,9 @@ class ModelRunner:
         """`(input_ids, positions, batch)` for the scheduled requests, in order."""
         tokens: list[int] = []
         for entry in scheduled:
-            tokens += token_slice(entry.request, entry.start, entry.start + entry.num_tokens)
+            known_end = entry.start + entry.num_tokens - len(entry.draft_token_ids)
+            tokens += token_slice(entry.request, entry.start, known_end)
+            tokens += entry.draft_token_ids
         starts = [entry.start for entry in scheduled]
         lens = [entry.num_tokens for entry in scheduled]
         device = self.device
@@ -71,18 +75,22 @@ class ModelRunner:
         return len(copies)
 
     @torch.inference_mode()
-    def execute(self, scheduled: Sequence[ScheduledRequest], sample_rows: Sequence[int]) -> torch.Tensor:
-        """Run one step; float32 logits `[len(sample_rows), vocab]`, row `i` for the
-        last new token of `scheduled[sample_rows[i]]` (an index may repeat)."""
+    def execute(self, scheduled: Sequence[ScheduledRequest]) -> torch.Tensor:
+        """Run one step; float32 logits of the last `entry.num_logit_rows` new tokens
+        of every scheduled entry, entry after entry: `[sum of num_logit_rows, vocab]`."""
         self.apply_block_copies()
         input_ids, positions, batch = self.build_batch(scheduled)
         plan = self.model.plan(batch)
         hidden = self.model.forward(input_ids, positions, self.kv_caches, plan)
-        if not sample_rows:
+        counts = torch.tensor([entry.num_logit_rows for entry in scheduled], dtype=torch.int64)
+        total = int(counts.sum())
+        if total == 0:
             return hidden.new_zeros((0, self.model.vocab_size), dtype=torch.float32)
-        last = batch.query_start_loc[1:].long() - 1
-        rows = last[torch.tensor(list(sample_rows), dtype=torch.int64, device=last.device)]
-        return self.model.compute_logits(hidden[rows]).float()
+        # Row r of an entry with c rows is its token (end - c + r): offsets within each entry by cumsum.
+        ends = torch.cumsum(torch.tensor([entry.num_tokens for entry in scheduled], dtype=torch.int64), 0)
+        first = torch.repeat_interleave(ends - counts, counts)
+        within = torch.arange(total) - torch.repeat_interleave(torch.cumsum(counts, 0) - counts, counts)
+        return self.model.compute_logits(hidden[(first + within).to(hidden.device)]).float()
 
 
 def token_slice(request, start: int, end: int) -> list[int]:

@@ -58,7 +58,6 @@ class Request:
     status: RequestStatus = RequestStatus.WAITING
     output_token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0
-    num_slots: int = 0  # tokens its KV blocks have room for (the scheduler's record)
     admitted_index: int = -1
     num_preemptions: int = 0
     finish_reason: FinishReason | None = None
@@ -73,6 +72,7 @@ class Request:
     detokenizer: Any = None  # an IncrementalDetokenizer when the engine has a tokenizer
     sort_key: tuple | None = None  # the policy's waiting key, computed once
     forked: bool = False  # sample > 0 that already shares its parent's blocks
+    forks: list["Request"] = field(default_factory=list)  # samples > 0 to fork from this one's prompt
 
     def __post_init__(self) -> None:
         self.group_id = self.group_id or self.request_id

@@ -64,27 +64,14 @@ class Sampler:
     def sample(self, logits: torch.Tensor, requests: Sequence[Request]) -> SamplerOutput:
         """`logits` float32 `[N, vocab]`, row `i` belonging to `requests[i]`."""
         raw = logits
-        logits = logits.float()
-        banned = stop_token_entries(requests, logits.shape[-1])
-        uses_penalties = any(r.params.uses_penalties for r in requests)
-        if banned[0] or uses_penalties:  # copy only when something edits the logits in place
-            logits = logits.clone()
-            if banned[0]:
-                logits[banned] = NEG_INF
-            apply_penalties(logits, requests)
+        logits = processed_logits(logits, requests)
         params = [r.params for r in requests]
         device = logits.device
         greedy_rows = [p.greedy for p in params]
         # Decided on the host (no device sync); the argmax is skipped when no row is greedy.
         token_ids = row_argmax(logits) if any(greedy_rows) else None
         if not all(greedy_rows):
-            temperatures = [p.temperature if not p.greedy else 1.0 for p in params]
-            scaled = logits
-            if any(t != 1.0 for t in temperatures):  # x / 1.0 == x exactly: skip the pass
-                temperature = torch.tensor(temperatures, device=device, dtype=logits.dtype)
-                scaled = logits / temperature.unsqueeze(1)
-            scaled = apply_top_k_top_p_min_p(scaled, params)
-            probs = torch.softmax(scaled, dim=-1)
+            probs = sampling_probs(logits, params)
             u = uniforms(requests, self.generator(device), device)
             sampled = inverse_cdf(probs, u, self.cdf_buffer(probs))
             if token_ids is None:
@@ -94,11 +81,52 @@ class Sampler:
         output = SamplerOutput(token_ids=token_ids)
         wanted = [p.logprobs for p in params if p.logprobs is not None]
         if wanted:
-            logprobs = torch.log_softmax(raw.float(), dim=-1)
-            output.sampled_logprobs = logprobs.gather(1, token_ids.unsqueeze(1)).squeeze(1)
-            k = min(max(wanted), logprobs.shape[-1])
-            output.top_logprobs, output.top_ids = logprobs.topk(k, dim=-1)
+            output.sampled_logprobs, output.top_ids, output.top_logprobs = raw_logprobs(raw, token_ids, max(wanted))
         return output
+
+
+def processed_logits(logits: torch.Tensor, requests: Sequence[Request]) -> torch.Tensor:
+    """float32 logits after `min_tokens` masking and penalties, which depend on each
+    row's output so far (a copy only when something edits them). Greedy rows take
+    the argmax of these."""
+    logits = logits.float()
+    banned = stop_token_entries(requests, logits.shape[-1])
+    uses_penalties = any(r.params.uses_penalties for r in requests)
+    if banned[0] or uses_penalties:  # copy only when something edits the logits in place
+        logits = logits.clone()
+        if banned[0]:
+            logits[banned] = NEG_INF
+        apply_penalties(logits, requests)
+    return logits
+
+
+def sampling_probs(logits: torch.Tensor, params: Sequence) -> torch.Tensor:
+    """The distribution sampled rows draw from: `processed_logits` divided by the
+    temperature, cut by top-k, top-p and min-p, softmaxed (greedy rows: temperature 1)."""
+    temperatures = [p.temperature if not p.greedy else 1.0 for p in params]
+    scaled = logits
+    if any(t != 1.0 for t in temperatures):  # x / 1.0 == x exactly: skip the pass
+        temperature = torch.tensor(temperatures, device=logits.device, dtype=logits.dtype)
+        scaled = logits / temperature.unsqueeze(1)
+    scaled = apply_top_k_top_p_min_p(scaled, params)
+    return torch.softmax(scaled, dim=-1)
+
+
+def raw_logprobs(raw: torch.Tensor, token_ids: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`(chosen, top_ids, top_logprobs)` of the model's raw distribution: the logprob
+    of `token_ids[i]` in row i, and each row's `k` most likely tokens."""
+    logprobs = torch.log_softmax(raw.float(), dim=-1)
+    chosen = logprobs.gather(1, token_ids.unsqueeze(1)).squeeze(1)
+    top_logprobs, top_ids = logprobs.topk(min(k, logprobs.shape[-1]), dim=-1)
+    return chosen, top_ids, top_logprobs
+
+
+def logprob_record(k: int, top_ids: torch.Tensor, top_logprobs: torch.Tensor, chosen: torch.Tensor,
+                   token: int) -> dict[int, float]:
+    """One emitted token's `{token id: logprob}`: the `k` most likely, and the chosen one."""
+    record = dict(zip(top_ids[:k].tolist(), top_logprobs[:k].tolist()))
+    record[token] = float(chosen)
+    return record
 
 
 def uniforms(requests: Sequence[Request], generator: torch.Generator, device: torch.device) -> torch.Tensor:

@@ -33,6 +33,8 @@ class SamplingParams:
     * `n` samples per prompt; they share the prompt's KV blocks.
     * `detokenize=False` leaves the output text empty (token ids only) and skips
       the per-token decoding; `stop` strings need the text, so they need it on.
+    * `speculative=False` opts this request out of speculative decoding (when
+      the engine has a `speculative.proposer`); its output is the same either way.
     """
 
     n: int = 1
@@ -51,6 +53,7 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: int | None = None
     detokenize: bool = True
+    speculative: bool = True
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -94,6 +97,7 @@ class SamplingParams:
               f"stop_token_ids must be non-negative integers, got {self.stop_token_ids!r}")
         check(self.logprobs is None or (_is_int(self.logprobs) and self.logprobs >= 0),
               f"logprobs must be None or an integer >= 0 (how many top tokens), got {self.logprobs!r}")
+        check(isinstance(self.speculative, bool), f"speculative must be True or False, got {self.speculative!r}")
         check(self.detokenize or not self.stop,
               f"stop strings {self.stop!r} need the output text: set detokenize=True or use stop_token_ids")
         return found

@@ -322,3 +322,24 @@ def test_random_requests_always_read_back_their_own_tokens():
     run_state_machine_as_test(CacheMachine, settings=settings(
         max_examples=40, stateful_step_count=25, deadline=None, database=None, derandomize=True,
         suppress_health_check=list(HealthCheck)))
+
+
+# Rolling back rejected draft tokens
+
+def test_truncate_frees_blocks_wholly_past_the_kept_tokens():
+    kv = manager()
+    kv.admit("a", [1] * 5)
+    assert kv.allocate_slots("a", 14)  # 5 known + 9 drafts: 4 blocks
+    before = kv.num_free_blocks
+    kv.truncate("a", 6)  # 6 kept: blocks 0 and 1 stay, 2 and 3 go back
+    assert len(kv.block_table("a")) == 2 and kv.num_free_blocks == before + 2
+    assert kv.num_tokens("a") == 6 and kv.capacity("a") == 8
+    kv.truncate("a", 8)  # nothing past a block boundary: no change
+    assert len(kv.block_table("a")) == 2
+
+
+def test_truncate_never_gives_back_cached_blocks():
+    kv = manager()
+    run(kv, "a", list(range(9)))  # two full blocks cached
+    with pytest.raises(RequestError, match="prefix cache"):
+        kv.truncate("a", 7)

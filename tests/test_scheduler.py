@@ -10,7 +10,7 @@ from kvforge import SamplingParams
 from kvforge.core import BLOCK_ALLOCATOR, SCHEDULER_POLICY, build_registry
 from kvforge.engine.kv_cache_manager import KVCacheManager
 from kvforge.engine.request import FinishReason, Request, RequestStatus
-from kvforge.engine.scheduler import Scheduler
+from kvforge.engine.scheduler import SampledTokens, Scheduler, SchedulerOutput
 
 REGISTRY = build_registry()
 
@@ -33,14 +33,7 @@ def request(name, prompt_len, priority=0, max_tokens=100) -> Request:
 def step(s: Scheduler) -> dict[str, int]:
     """Schedule once and apply the result like the engine: {request id: new tokens}."""
     out = s.schedule()
-    for entry in out.scheduled:
-        r = entry.request
-        r.num_computed_tokens = entry.start + entry.num_tokens
-        s.kv.cache_blocks(r.request_id, r.all_token_ids, r.num_computed_tokens)
-        if entry.samples:
-            r.output_token_ids.append(7)
-            if len(r.output_token_ids) >= r.params.max_tokens:
-                s.finish(r, FinishReason.LENGTH)
+    s.update_from_output(out, {e.request.request_id: SampledTokens([7]) for e in out.scheduled if e.samples})
     return {e.request.request_id: e.num_tokens for e in out.scheduled}
 
 
@@ -159,3 +152,29 @@ def test_preempted_requests_are_recomputed_and_all_finish(policy):
         step(s)
     assert all(r.finished and len(r.output_token_ids) == 6 for r in requests)
     assert s.num_preemptions > 0 and s.kv.usage().in_use == 0
+
+
+def test_drafts_are_dropped_before_anyone_is_preempted_for_them():
+    from kvforge.core import DraftProposal
+
+    s = make(num_blocks=3, block_size=4)
+    a, b = request("a", 7), request("b", 3)
+    s.add(a)
+    s.add(b)
+    step(s)  # a: 8 known, 7 computed, 2 blocks; b: 1 block; the pool is full
+    out = s.schedule({"a": DraftProposal([1, 2, 3, 4])})  # 5 more tokens for a would need a third block
+    assert out.preempted == [] and {e.request.request_id: e.num_tokens for e in out.scheduled} == {"a": 1, "b": 1}
+    assert out.scheduled[0].draft_token_ids == []
+
+
+def test_drafts_cut_by_the_token_budget_keep_their_leading_tokens():
+    from kvforge.core import DraftProposal
+
+    s = make(num_blocks=8, block_size=4, budget=3)
+    s.add(a := request("a", 2))
+    step(s)
+    [entry] = s.schedule({"a": DraftProposal([5, 6, 7, 8])}).scheduled
+    assert entry.num_tokens == 3 and entry.draft_token_ids == [5, 6] and entry.samples
+    # Verification accepted one draft: computed moves to 4 (last known + 1 draft), two tokens appended.
+    s.update_from_output(SchedulerOutput(scheduled=[entry]), {"a": SampledTokens([5, 9])})
+    assert a.output_token_ids == [7, 5, 9] and a.num_computed_tokens == 4 and s.kv.num_tokens("a") == 4

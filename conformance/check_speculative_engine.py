@@ -1,0 +1,146 @@
+"""Conformance of every `speculative_proposer`, through the reference engine:
+speculation never changes what is generated.
+
+* Greedy output with the proposer is token-for-token the output without it,
+  with prefix caching, with chunked prefill, and with preemption forced by a
+  small KV cache.
+* Sampled output has the same distribution with and without it: a chi-square
+  test over many samples of a small vocabulary (top-k 3) cannot tell them
+  apart. `tests/test_speculative_statistics.py` shows this test does catch a
+  verifier that accepts drafts without comparing.
+* The engine refuses the proposer's output when it holds ids outside the
+  vocabulary, with an error naming the proposer.
+
+The target is the built-in `kvforge-tiny` (a byte-level model), on CPU in
+float32. A proposer that cannot serve it (its constructor or `setup` refuses
+the target) is skipped with its reason.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvforge.core import SPECULATIVE_PROPOSER, DraftProposal, KvforgeError
+from kvforge.engine.drafting import ProposerError
+from kvforge.engine.llm_engine import LLMEngine
+from kvforge.engine.sampling_params import SamplingParams
+
+from .selection import registry
+
+KIND = SPECULATIVE_PROPOSER
+GROUP = "engine"
+TARGET = "kvforge-tiny"
+# Text the output tends to repeat, so lookup proposers have something to draft from.
+PROMPTS = ["the cat sat on the mat. the cat sat on the", "abcabcabcabcabc", "1 2 3 4 1 2 3 4 1 2",
+           "def f(x):\n    return x\ndef g(x):\n    return"]
+
+
+def engine_for(name: str | None, **settings) -> LLMEngine:
+    config = {"model": TARGET, "device": "cpu", "dtype": "float32",
+              "cache": {"block_size": 8, "num_blocks": 256, **settings.pop("cache", {})},
+              "scheduler": {"max_num_seqs": 256, **settings.pop("scheduler", {})}}
+    if name is not None:
+        config["speculative"] = {"proposer": name, "num_tokens": 4}
+    from kvforge.core import EngineConfig
+
+    return LLMEngine(EngineConfig(**config, **settings), registry=registry())
+
+
+@pytest.fixture
+def proposer_name(registration) -> str:
+    try:
+        engine_for(registration.name)
+    except KvforgeError as exc:
+        pytest.skip(f"{registration.name} cannot draft for {TARGET}: {exc}")
+    return registration.name
+
+
+def generate(engine: LLMEngine, prompts, params) -> list[list[int]]:
+    for i, prompt in enumerate(prompts):
+        engine.add_request(str(i), prompt, params)
+    done = {}
+    while engine.has_unfinished_requests():
+        for output in engine.step():
+            if output.finished:
+                done[output.request_id] = [c.token_ids for c in output.outputs]
+    return [done[str(i)] for i in range(len(prompts))]
+
+
+@pytest.mark.parametrize("settings", [
+    {},
+    {"cache": {"enable_prefix_caching": False}},
+    {"scheduler": {"max_num_batched_tokens": 16}},  # chunked prefill
+    {"cache": {"num_blocks": 12}},  # preemption and recomputation
+], ids=["prefix-caching", "no-prefix-caching", "chunked-prefill", "preemption"])
+def test_greedy_output_is_token_for_token_the_same(proposer_name, settings):
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+
+    def two_waves(engine):  # the second wave's prompts hit the blocks the first one cached
+        return generate(engine, PROMPTS, params) + generate(engine, PROMPTS[::-1], params)
+
+    plain = two_waves(engine_for(None, **settings))
+    engine = engine_for(proposer_name, **settings)
+    assert two_waves(engine) == plain
+    figures = engine.metrics()
+    assert figures["spec_draft_tokens"] > 0, f"{proposer_name} proposed nothing for repetitive text"
+    if settings.get("cache", {}).get("enable_prefix_caching", True):
+        assert figures["prefix_cache_hit_rate"] > 0
+    if "num_blocks" in settings.get("cache", {}):
+        assert figures["preemptions"] > 0
+
+
+def chi_square_pvalue(counts: torch.Tensor, probs: torch.Tensor) -> float:
+    """Goodness of fit of observed `counts` to `probs` (categories of zero probability
+    must have zero counts; they are left out)."""
+    counts, probs = counts.double(), probs.double()
+    if bool((counts[probs == 0] > 0).any()):
+        return 0.0
+    keep = probs > 0
+    expected = probs[keep] / probs[keep].sum() * counts.sum()
+    stat = ((counts[keep] - expected) ** 2 / expected).sum()
+    return float(torch.special.gammaincc(torch.tensor((int(keep.sum()) - 1) / 2), stat / 2))
+
+
+def homogeneity_pvalue(a: dict, b: dict) -> float:
+    """Chi-square test that two samples (`{category: count}`) share one distribution;
+    categories rarer than 5 in both are pooled, as the test needs."""
+    categories = sorted(set(a) | set(b))
+    table = torch.tensor([[a.get(c, 0), b.get(c, 0)] for c in categories], dtype=torch.float64)
+    rare = table.sum(1) < 10
+    if rare.any():
+        table = torch.cat([table[~rare], table[rare].sum(0, keepdim=True)])
+    expected = table.sum(1, keepdim=True) * table.sum(0, keepdim=True) / table.sum()
+    stat = ((table - expected) ** 2 / expected).sum()
+    df = table.shape[0] - 1
+    return float(torch.special.gammaincc(torch.tensor(df / 2), stat / 2)) if df > 0 else 1.0
+
+
+def sampled_continuations(engine: LLMEngine, num_samples: int = 240) -> dict:
+    """`{(token 1, 2, 3): count}` over `num_samples` top-k 3 samples of one prompt."""
+    params = SamplingParams(temperature=1.0, top_k=3, max_tokens=4, ignore_eos=True, n=num_samples // 4)
+    counts: dict = {}
+    for sample in generate(engine, [PROMPTS[0]] * 4, params):
+        for tokens in sample:
+            key = tuple(tokens[1:])  # the first token comes from the prefill, before any draft
+            counts[key] = counts.get(key, 0) + 1
+    return counts
+
+
+def test_sampled_output_distribution_is_unchanged(proposer_name):
+    plain = sampled_continuations(engine_for(None, seed=1))
+    engine = engine_for(proposer_name, seed=2)
+    spec = sampled_continuations(engine)
+    assert engine.metrics()["spec_draft_tokens"] > 0
+    assert homogeneity_pvalue(plain, spec) > 1e-3
+
+
+def test_out_of_vocabulary_drafts_are_refused_by_name(proposer_name):
+    engine = engine_for(proposer_name)
+    proposer = engine.drafter.proposer
+    honest = proposer.propose
+    proposer.propose = lambda requests, k: [DraftProposal([engine.vocab_size]) for _ in honest(requests, k)]
+    engine.add_request("a", PROMPTS[1], SamplingParams(temperature=0, max_tokens=8))
+    engine.step()
+    with pytest.raises(ProposerError, match=f"proposer {proposer_name!r} proposed token ids \\[{engine.vocab_size}\\]"):
+        engine.step()

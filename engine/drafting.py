@@ -1,0 +1,115 @@
+"""Ask the speculative proposer for draft tokens before each step, and check them.
+
+Only running requests in decode (every known token computed but the last, with
+output already) are asked, and none while more requests than
+`speculative.disable_above_batch_size` run (decode is compute-bound there, so
+verifying drafts costs more than it saves). Each request's draft is cut so that
+accepting all of it could never pass its `max_tokens` or the model's context.
+
+A proposal that breaks the proposer contract (wrong count, too many tokens, ids
+outside the vocabulary, malformed probabilities) raises `ProposerError` naming
+the proposer, before anything is scheduled: no request's state has changed, and
+a broken plugin is reported rather than silently ignored.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+
+import torch
+
+from kvforge.core import DraftProposal, KvforgeError, ProposalRequest, SpeculativeProposer
+
+from .request import Request
+
+
+class ProposerError(KvforgeError, RuntimeError):
+    """A speculative proposer returned something the contract forbids."""
+
+
+class Drafter:
+    """Wraps one proposer with the engine's limits (`num_tokens`, batch size,
+    per-request `max_tokens` and context) and checks what it returns."""
+
+    def __init__(self, proposer: SpeculativeProposer, *, num_tokens: int, disable_above_batch_size: int | None,
+                 vocab_size: int, max_model_len: int):
+        self.proposer = proposer
+        self.name = proposer.name
+        self.num_tokens = num_tokens
+        self.disable_above_batch_size = disable_above_batch_size
+        self.vocab_size = vocab_size
+        self.max_model_len = max_model_len
+
+    def limit(self, request: Request) -> int:
+        """The most draft tokens `request` may take now: all accepted plus the
+        target's own token must stay within `max_tokens` and the context."""
+        output_left = request.params.max_tokens - len(request.output_token_ids) - 1
+        # Drafts sit at positions num_tokens .. num_tokens + d - 1, which must exist.
+        context_left = self.max_model_len - request.num_tokens
+        return min(self.num_tokens, output_left, context_left)
+
+    def propose(self, running: Sequence[Request]) -> dict[str, DraftProposal]:
+        """Drafts for the running requests that speculate this step, by request id."""
+        if self.disable_above_batch_size is not None and len(running) > self.disable_above_batch_size:
+            return {}
+        asked, limits = [], []
+        for request in running:
+            if (request.params.speculative and request.output_token_ids
+                    and request.num_computed_tokens == request.num_tokens - 1):
+                limit = self.limit(request)
+                if limit > 0:
+                    asked.append(request)
+                    limits.append(limit)
+        if not asked:
+            return {}
+        num_tokens = max(limits)
+        proposals = self.proposer.propose(
+            [ProposalRequest(r.request_id, r.all_token_ids, r.params.temperature) for r in asked], num_tokens)
+        self.check(proposals, asked, num_tokens)
+        drafts = {}
+        for request, proposal, limit in zip(asked, proposals, limits):
+            if proposal.token_ids:
+                token_ids = list(proposal.token_ids[:limit])
+                probs = None if proposal.probs is None else proposal.probs[:limit]
+                drafts[request.request_id] = DraftProposal(token_ids, probs)
+        return drafts
+
+    def check(self, proposals, asked: Sequence[Request], num_tokens: int) -> None:
+        """Raise `ProposerError` unless `proposals` keep the proposer contract."""
+        def fail(why: str) -> None:
+            raise ProposerError(f"speculative proposer {self.name!r} {why}; this is a bug in the proposer "
+                                "(fix it, or unset speculative.proposer to run without speculation)")
+
+        if not isinstance(proposals, list) or len(proposals) != len(asked):
+            count = len(proposals) if isinstance(proposals, list) else type(proposals).__name__
+            fail(f"returned {count} proposals for {len(asked)} requests; it must return one per request, in order")
+        for request, proposal in zip(asked, proposals):
+            if not isinstance(proposal, DraftProposal):
+                fail(f"returned a {type(proposal).__name__} for request {request.request_id!r}, not a DraftProposal")
+            tokens = proposal.token_ids
+            if len(tokens) > num_tokens:
+                fail(f"proposed {len(tokens)} tokens for request {request.request_id!r}, more than the "
+                     f"{num_tokens} asked")
+            if tokens and not all(isinstance(t, int) and 0 <= t < self.vocab_size for t in tokens):
+                bad = [t for t in tokens if not (isinstance(t, int) and 0 <= t < self.vocab_size)]
+                fail(f"proposed token ids {bad[:5]} for request {request.request_id!r}, which are not Python ints "
+                     f"inside the target's vocabulary [0, {self.vocab_size})")
+            if proposal.probs is not None:
+                self._check_probs(proposal, request, fail)
+
+    def _check_probs(self, proposal: DraftProposal, request: Request, fail) -> None:
+        probs, tokens = proposal.probs, proposal.token_ids
+        if not isinstance(probs, torch.Tensor) or tuple(probs.shape) != (len(tokens), self.vocab_size):
+            shape = tuple(probs.shape) if isinstance(probs, torch.Tensor) else type(probs).__name__
+            fail(f"returned probs of shape {shape} for request {request.request_id!r}; they must be "
+                 f"[{len(tokens)}, {self.vocab_size}] (one row per draft token) or None")
+        if tokens:
+            # Accepting with probability p/q needs q > 0 at the draft: a zero would bias the output.
+            mass = probs.gather(1, torch.tensor(tokens, device=probs.device).unsqueeze(1))
+            if not bool((mass > 0).all()):
+                fail(f"gave a draft token of request {request.request_id!r} zero probability in its own probs")
+
+    def release(self, requests: Iterable[Request]) -> None:
+        """Let the proposer forget finished requests."""
+        for request in requests:
+            self.proposer.release(request.request_id)
