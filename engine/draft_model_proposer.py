@@ -63,8 +63,8 @@ class DraftModelOptions(BaseModel):
     num_blocks: int | None = Field(None, ge=1, strict=True, description="blocks in the draft's KV cache")
     memory_budget: float | str | None = Field(
         None, description="the draft's KV cache size: bytes (int or '512MiB') or a fraction (0, 1) of free memory")
-    max_num_batched_tokens: int = Field(2048, ge=1, strict=True,
-                                        description="most tokens fed to the draft in one step (longer catch-ups are chunked)")
+    max_num_batched_tokens: int = Field(
+        2048, ge=1, strict=True, description="most tokens fed to the draft in one step (longer catch-ups are chunked)")
 
 
 OPTION_NAMES = tuple(DraftModelOptions.model_fields)
@@ -124,7 +124,7 @@ class _Drafting:
 
     index: int  # position in the call's request list
     sequence: _Sequence
-    start: int  # first token to feed (everything before it is in the draft's cache)
+    start: int  # the next token to feed: every one before it is in the draft's cache
     length: int  # tokens the request has
     num_drafts: int
     temperature: float
@@ -213,6 +213,11 @@ class DraftModelProposer(SpeculativeProposer):
                                "before the first propose")
         if num_tokens < 0:
             raise RequestError(f"num_tokens must be >= 0, got {num_tokens}")
+        ids = [request.request_id for request in requests]
+        if len(set(ids)) != len(ids):
+            twice = sorted({i for i in ids if ids.count(i) > 1})
+            raise RequestError(f"request ids {twice} appear more than once in one propose call; each request's "
+                               "drafts extend its own cache, so give every request (and every sample) its own id")
         proposals = [DraftProposal([]) for _ in requests]
         drafting = [d for i, request in enumerate(requests) if (d := self._prepare(i, request, num_tokens)) is not None]
         if not drafting:
@@ -231,6 +236,9 @@ class DraftModelProposer(SpeculativeProposer):
     def _prepare(self, index: int, request: ProposalRequest, num_tokens: int) -> _Drafting | None:
         """Roll the request's cache back to what still matches and reserve room for
         this call's writes; None when it gets no drafts (context or cache full)."""
+        if not request.temperature >= 0:
+            raise RequestError(f"request {request.request_id!r}: temperature must be >= 0 (0: greedy), "
+                               f"got {request.temperature}")
         tokens = list(request.token_ids)
         length = len(tokens)
         num_drafts = min(num_tokens, self.max_model_len - length)
@@ -256,18 +264,17 @@ class DraftModelProposer(SpeculativeProposer):
         """Feed every request's uncached tokens, chunked under the token budget; the
         logits of each request's last token give its first draft."""
         budget = self.config.scheduler.max_num_batched_tokens
-        fed = {id(d): d.start for d in drafting}
         while True:
             entries, finishing = [], []
             left = budget
             for d in drafting:
-                count = min(d.length - fed[id(d)], left)
+                count = min(d.length - d.start, left)
                 if count <= 0:
                     continue
-                entries.append(_Step(d.sequence, fed[id(d)], count))
-                fed[id(d)] += count
+                entries.append(_Step(d.sequence, d.start, count))
+                d.start += count
                 left -= count
-                if fed[id(d)] == d.length:
+                if d.start == d.length:
                     finishing.append((len(entries) - 1, d))
             if not entries:
                 return

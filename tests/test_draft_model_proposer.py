@@ -244,6 +244,17 @@ def test_setup_refuses_what_it_cannot_load():
         ready(other)
 
 
+def test_malformed_calls_are_refused():
+    proposer = ready()
+    with pytest.raises(RequestError, match=r"request ids \['a'\] appear more than once"):
+        proposer.propose([ProposalRequest("a", [1, 2]), ProposalRequest("a", [1, 2])], K)
+    with pytest.raises(RequestError, match=r"'a': temperature must be >= 0"):
+        proposer.propose([ProposalRequest("a", [1, 2], -1.0)], K)
+    with pytest.raises(RequestError, match="num_tokens must be >= 0"):
+        proposer.propose([ProposalRequest("a", [1, 2])], -1)
+    assert proposer.propose([ProposalRequest("a", [1, 2])], 0)[0].token_ids == []
+
+
 def test_propose_before_setup_is_refused():
     with pytest.raises(RequestError, match=r"not set up; the engine calls setup\(ProposerTarget\)"):
         DraftModelProposer().propose([ProposalRequest("r", [1, 2])], K)
