@@ -80,6 +80,29 @@ def test_drafts_after_some_are_accepted_continue_the_greedy_generation(draft_llm
     assert second.token_ids == greedy_continuation(draft_llm, grown, K)
 
 
+def count_fed_tokens(proposer, monkeypatch) -> list[int]:
+    """Tokens fed to the draft per model call, from here on."""
+    fed, execute = [], proposer.runner.execute
+    monkeypatch.setattr(proposer.runner, "execute",
+                        lambda entries, rows: fed.append(sum(e.num_tokens for e in entries)) or execute(entries, rows))
+    return fed
+
+
+def test_only_tokens_not_yet_in_the_drafts_cache_are_fed(monkeypatch):
+    tokens = random_tokens(17, 30)
+    proposer = ready()
+    fed = count_fed_tokens(proposer, monkeypatch)
+    (first,) = proposer.propose([ProposalRequest("r", tokens)], K)
+    assert fed == [30, 1, 1, 1, 1]  # the prompt, then one decode step per further draft
+    fed.clear()
+    proposer.propose([ProposalRequest("r", tokens + first.token_ids[:2] + [ord("x")])], K)
+    assert fed == [1, 1, 1, 1, 1]  # two drafts accepted and cached: only the target's token is new
+    fed.clear()
+    (third,) = proposer.propose([ProposalRequest("r", tokens + first.token_ids[:2] + [ord("x")])], K)
+    proposer.propose([ProposalRequest("r", tokens + first.token_ids[:2] + [ord("x")] + third.token_ids + [7])], K)
+    assert fed[5] == 2  # all five accepted: the last draft was never fed, so it comes with the new token
+
+
 @pytest.mark.parametrize("temperature", [0.0, 0.9])
 @pytest.mark.parametrize("diverge_at", [-2, 10])  # among the drafts (a rejection), or deep in the prompt
 def test_after_tokens_diverge_from_the_drafts_the_next_proposal_equals_a_fresh_proposers(temperature, diverge_at):
