@@ -1,84 +1,145 @@
-"""Conformance of every `speculative_proposer` on its own: the guarantees in
-`kvforge.core.speculative.SpeculativeProposer`'s docstring.
+"""Conformance of every `speculative_proposer`: the guarantees in
+`kvforge.core.speculative.SpeculativeProposer`'s docstring, checked at the
+interface (what the engine does with the drafts is checked by the engine's tests).
 
-1. One proposal per request, in order, each with at most `num_tokens` tokens,
-   all inside the vocabulary.
-2. `probs`, when given, are `[len(token_ids), vocab]` rows of probabilities
-   (non-negative, summing to 1) in which the draft token has non-zero mass.
-3. Proposals are a pure function of the inputs and the state: two fresh
-   proposers given the same calls propose the same.
-
-The target facts are those of the built-in `kvforge-tiny`; a proposer that
-cannot serve it (its constructor or `setup` refuses) is skipped with its reason.
+Each proposer drafts for the built-in `kvforge-tiny` target (`TARGET`): a
+proposer that runs a model of its own needs a real target to draft for, and
+kvforge-tiny is the one every installation has. A proposer is built with no
+options, or with those `OPTIONS_ENV` names for it; one whose constructor or
+`setup` refuses that (a `KvforgeError`) is skipped with the reason.
 """
 
 from __future__ import annotations
 
+import json
+import os
 import random
 
 import pytest
 import torch
 
-from kvforge.core import SPECULATIVE_PROPOSER, KvforgeError, ProposalRequest, ProposerTarget
+from kvforge.core import (
+    SPECULATIVE_PROPOSER,
+    DraftProposal,
+    KvforgeError,
+    ProposalRequest,
+    ProposerTarget,
+    Registration,
+    SpeculativeProposer,
+)
 
 KIND = SPECULATIVE_PROPOSER
 GROUP = "proposals"
-TARGET = ProposerTarget("kvforge-tiny", vocab_size=259, max_model_len=1024, device=torch.device("cpu"),
+
+OPTIONS_ENV = "KVFORGE_CONFORMANCE_PROPOSER_OPTIONS"
+"""JSON `{"proposer name": {option: value}}`: options for proposers that need some."""
+
+TARGET = ProposerTarget(model="kvforge-tiny", vocab_size=259, max_model_len=1024, device=torch.device("cpu"),
                         dtype=torch.float32)
+"""kvforge-tiny's facts as its config.json states them (a test keeps the two in step)."""
+
+NUM_TOKENS = (1, 4)
+SEEDS = range(2)
 
 
-def fresh(registration):
+def options_for(name: str) -> dict:
+    configured = json.loads(os.environ.get(OPTIONS_ENV) or "{}")
+    return dict(configured.get(name, {}))
+
+
+def ready(registration: Registration) -> SpeculativeProposer:
+    """A fresh instance, set up for `TARGET`; skips, with the reason, a proposer that refuses it."""
     try:
-        proposer = registration.cls()
+        proposer = registration.cls(**options_for(registration.name))
         proposer.setup(TARGET)
     except KvforgeError as exc:
-        pytest.skip(f"{registration.name} cannot draft for {TARGET.model}: {exc}")
+        pytest.skip(f"{registration.name} cannot draft for the conformance target {TARGET.model!r}: {exc} "
+                    f"(give it options with {OPTIONS_ENV})")
     return proposer
 
 
-def calls(seed: int, temperature: float) -> list[tuple[list[ProposalRequest], int]]:
-    """A few steps of a growing batch: repetitive and random token sequences."""
+def make_requests(seed: int) -> list[ProposalRequest]:
+    """Requests of varied lengths (one token to a few dozen), some text repeating
+    itself (so lookup proposers find something), greedy and sampled."""
     rng = random.Random(seed)
-    sequences = {f"r{i}": ([rng.randrange(256) for _ in range(5)] * 4 if i % 2 else
-                           [rng.randrange(256) for _ in range(rng.randint(1, 30))]) for i in range(4)}
-    steps = []
-    for k in (1, 3, 4):
-        steps.append(([ProposalRequest(rid, list(tokens), temperature) for rid, tokens in sequences.items()], k))
-        for tokens in sequences.values():
-            tokens += [rng.randrange(256) for _ in range(rng.randint(1, 3))]
-    return steps
+    requests = []
+    for i, (length, temperature) in enumerate([(1, 0.0), (9, 0.0), (40, 0.7), (23, 0.0), (17, 1.3)]):
+        phrase = [rng.randrange(32, 127) for _ in range(rng.randint(2, 6))]
+        tokens = (phrase * length)[:length] if i % 2 else [rng.randrange(256) for _ in range(length)]
+        requests.append(ProposalRequest(f"s{seed}-r{i}", tokens, temperature))
+    return requests
 
 
-@pytest.mark.parametrize("temperature", [0.0, 0.8], ids=["greedy", "sampled"])
-def test_proposals_are_valid_and_probabilities_are_distributions(registration, temperature):
-    proposer = fresh(registration)
-    for requests, k in calls(0, temperature):
-        proposals = proposer.propose(requests, k)
-        assert isinstance(proposals, list) and len(proposals) == len(requests)
-        for proposal in proposals:
-            tokens = proposal.token_ids
-            assert len(tokens) <= k and all(isinstance(t, int) and 0 <= t < TARGET.vocab_size for t in tokens)
-            if proposal.probs is not None:
-                probs = proposal.probs.float().cpu()
-                assert probs.shape == (len(tokens), TARGET.vocab_size)
-                assert bool((probs >= 0).all()) and torch.allclose(probs.sum(-1), torch.ones(len(tokens)), atol=1e-3)
-                assert bool((probs[torch.arange(len(tokens)), torch.tensor(tokens, dtype=torch.int64)] > 0).all())
+def token_ids(proposals: list[DraftProposal]) -> list[list[int]]:
+    return [list(p.token_ids) for p in proposals]
 
 
-@pytest.mark.parametrize("temperature", [0.0, 0.8], ids=["greedy", "sampled"])
-def test_same_calls_give_the_same_proposals(registration, temperature):
-    first, second = fresh(registration), fresh(registration)
-    for requests, k in calls(1, temperature):
-        a, b = first.propose(requests, k), second.propose(requests, k)
-        assert [p.token_ids for p in a] == [p.token_ids for p in b]
+def assert_same(first: list[DraftProposal], second: list[DraftProposal], what: str) -> None:
+    assert token_ids(first) == token_ids(second), f"{what}: the drafts differ"
+    for i, (a, b) in enumerate(zip(first, second)):
+        assert (a.probs is None) == (b.probs is None), f"{what}: request {i} has probs only once"
+        if a.probs is not None:
+            assert torch.allclose(a.probs.float(), b.probs.float(), atol=1e-5), f"{what}: request {i}'s probs differ"
 
 
-def test_released_request_ids_can_be_reused(registration):
-    proposer = fresh(registration)
-    requests, k = calls(2, 0.0)[0]
-    proposer.propose(requests, k)
+@pytest.mark.parametrize("seed", SEEDS)
+@pytest.mark.parametrize("num_tokens", NUM_TOKENS)
+def test_one_proposal_per_request_of_at_most_k_tokens_inside_the_vocabulary(registration, seed, num_tokens):
+    proposer = ready(registration)
+    requests = make_requests(seed)
+    proposals = proposer.propose(requests, num_tokens)
+    assert isinstance(proposals, list), f"propose returned {type(proposals).__name__}, not a list"
+    assert len(proposals) == len(requests), f"{len(proposals)} proposals for {len(requests)} requests"
+    for request, proposal in zip(requests, proposals):
+        assert isinstance(proposal, DraftProposal), f"a proposal is a {type(proposal).__name__}, not a DraftProposal"
+        drafts = list(proposal.token_ids)
+        assert len(drafts) <= num_tokens, f"{request.request_id}: {len(drafts)} drafts, more than k = {num_tokens}"
+        bad = [t for t in drafts if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < TARGET.vocab_size]
+        assert not bad, f"{request.request_id}: draft tokens {bad} are not ids in [0, {TARGET.vocab_size})"
+    assert proposer.propose([], num_tokens) == []
+
+
+@pytest.mark.parametrize("seed", SEEDS)
+def test_proposals_follow_the_order_of_the_requests(registration, seed):
+    requests = make_requests(seed)
+    forward = ready(registration).propose(requests, 4)
+    backward = ready(registration).propose(requests[::-1], 4)
+    assert_same(forward, backward[::-1], "proposing for the requests in reverse order, then reversing")
+
+
+@pytest.mark.parametrize("seed", SEEDS)
+def test_same_state_and_inputs_give_the_same_proposals(registration, seed):
+    requests = make_requests(seed)
+    proposer = ready(registration)
+    first = proposer.propose(requests, 4)
+    assert_same(first, proposer.propose(requests, 4), "the same proposer asked twice")
+    assert_same(first, ready(registration).propose(requests, 4), "a fresh instance")
+
+
+@pytest.mark.parametrize("seed", SEEDS)
+def test_probs_are_probability_rows_with_mass_on_each_draft(registration, seed):
+    for proposal in ready(registration).propose(make_requests(seed), 4):
+        if proposal.probs is None:
+            continue
+        probs, drafts = proposal.probs, list(proposal.token_ids)
+        assert isinstance(probs, torch.Tensor), f"probs is a {type(probs).__name__}, not a tensor"
+        assert tuple(probs.shape) == (len(drafts), TARGET.vocab_size), \
+            f"probs has shape {tuple(probs.shape)}, not [len(token_ids), vocab] = [{len(drafts)}, {TARGET.vocab_size}]"
+        probs = probs.double()
+        assert torch.isfinite(probs).all() and (probs >= 0).all(), "probs has negative or non-finite entries"
+        sums = probs.sum(dim=-1)
+        assert torch.allclose(sums, torch.ones_like(sums), atol=1e-3), f"probs rows sum to {sums.tolist()}, not 1"
+        mass = probs[torch.arange(len(drafts)), torch.tensor(drafts, dtype=torch.int64)]
+        assert (mass > 0).all(), f"drafts {drafts} have probabilities {mass.tolist()}: a draft must have non-zero mass"
+
+
+def test_release_of_an_unknown_request_is_harmless(registration):
+    requests = make_requests(0)
+    proposer = ready(registration)
+    proposer.release("never-proposed-for")
+    first = proposer.propose(requests, 4)
+    proposer.release("never-proposed-for")
     for request in requests:
         proposer.release(request.request_id)
-    again = fresh(registration)
-    other = [ProposalRequest(r.request_id, list(reversed(r.token_ids))) for r in requests]
-    assert [p.token_ids for p in proposer.propose(other, k)] == [p.token_ids for p in again.propose(other, k)]
+        proposer.release(request.request_id)  # twice: the second time it is unknown
+    assert_same(first, proposer.propose(requests, 4), "proposing again after release")

@@ -1,0 +1,251 @@
+"""The proposer conformance checks can fail: a simple correct proposer passes
+every one, and each deliberately broken variant below is caught by the check
+written for the guarantee it breaks."""
+
+from __future__ import annotations
+
+import json
+import random
+
+import pytest
+import torch
+
+from kvforge.conformance import check_speculative_proposer as check
+from kvforge.core import SPECULATIVE_PROPOSER, ConfigError, DraftProposal, Registry, SpeculativeProposer, hookimpl
+
+VOCAB = check.TARGET.vocab_size
+
+
+class RepeatLast(SpeculativeProposer):
+    """Drafts the request's last token k times; sampled requests get rows that put
+    half the mass on it and spread the rest evenly."""
+
+    name = "repeat-last"
+
+    def propose(self, requests, num_tokens):
+        return [self.draft(request, num_tokens) for request in requests]
+
+    def draft(self, request, num_tokens):
+        drafts = [request.token_ids[-1]] * num_tokens
+        if request.temperature == 0:
+            return DraftProposal(drafts)
+        probs = torch.full((num_tokens, VOCAB), 0.5 / VOCAB)
+        probs[torch.arange(num_tokens), drafts] += 0.5
+        return DraftProposal(drafts, probs)
+
+
+class OutOfVocabulary(RepeatLast):
+    name = "out-of-vocabulary"
+
+    def draft(self, request, num_tokens):
+        return DraftProposal([VOCAB + 3] * num_tokens)
+
+
+class TooMany(RepeatLast):
+    name = "too-many"
+
+    def draft(self, request, num_tokens):
+        return DraftProposal([request.token_ids[-1]] * (num_tokens + 1))
+
+
+class TensorIds(RepeatLast):
+    """Returns a tensor of ids where the interface asks for a list of ints."""
+
+    name = "tensor-ids"
+
+    def draft(self, request, num_tokens):
+        return DraftProposal(torch.tensor([request.token_ids[-1]] * num_tokens))
+
+
+class SkipsEmptyDrafts(RepeatLast):
+    """Leaves out the proposals of one-token requests, shifting every later one."""
+
+    name = "skips-empty"
+
+    def propose(self, requests, num_tokens):
+        return [self.draft(r, num_tokens) for r in requests if len(r.token_ids) > 1]
+
+
+class SortedById(RepeatLast):
+    """Answers in request-id order, not in the order the requests came."""
+
+    name = "sorted-by-id"
+
+    def propose(self, requests, num_tokens):
+        return [self.draft(r, num_tokens) for r in sorted(requests, key=lambda r: r.request_id)]
+
+
+class Unseeded(RepeatLast):
+    """Drafts from an unseeded random stream, so the same state drafts differently."""
+
+    name = "unseeded"
+
+    def draft(self, request, num_tokens):
+        return DraftProposal([random.randrange(VOCAB) for _ in range(num_tokens)])
+
+
+class UnnormalizedProbs(RepeatLast):
+    """Returns exp(logits) without dividing by their sum."""
+
+    name = "unnormalized-probs"
+
+    def draft(self, request, num_tokens):
+        proposal = super().draft(request, num_tokens)
+        if proposal.probs is not None:
+            proposal.probs = proposal.probs * 3
+        return proposal
+
+
+class DraftOutsideItsProbs(RepeatLast):
+    """Samples its rows but reports a token the rows give no mass."""
+
+    name = "draft-outside-probs"
+
+    def draft(self, request, num_tokens):
+        proposal = super().draft(request, num_tokens)
+        if proposal.probs is not None:
+            proposal.probs = torch.zeros_like(proposal.probs)
+            proposal.probs[:, (request.token_ids[-1] + 1) % VOCAB] = 1.0
+        return proposal
+
+
+class TransposedProbs(RepeatLast):
+    """Returns `[vocab, k]` instead of `[k, vocab]`."""
+
+    name = "transposed-probs"
+
+    def draft(self, request, num_tokens):
+        proposal = super().draft(request, num_tokens)
+        if proposal.probs is not None:
+            proposal.probs = proposal.probs.T
+        return proposal
+
+
+class ForgetsNothingOnRelease(RepeatLast):
+    """Keeps a table of requests and fails on ids it never saw."""
+
+    name = "strict-release"
+
+    def __init__(self, **options):
+        super().__init__(**options)
+        self.seen: set[str] = set()
+
+    def propose(self, requests, num_tokens):
+        self.seen.update(r.request_id for r in requests)
+        return super().propose(requests, num_tokens)
+
+    def release(self, request_id):
+        self.seen.remove(request_id)
+
+
+class RefusesTheTarget(RepeatLast):
+    name = "refuses-target"
+
+    def setup(self, target):
+        raise ConfigError(f"this proposer drafts for llama-70b only, not {target.model!r}")
+
+
+class NeedsAnOption(RepeatLast):
+    name = "needs-option"
+
+    def __init__(self, window=None):
+        if window is None:
+            raise ConfigError("needs-option requires speculative.options.window")
+        self.window = window
+
+
+BROKEN = [OutOfVocabulary, TooMany, TensorIds, SkipsEmptyDrafts, SortedById, Unseeded, UnnormalizedProbs,
+          DraftOutsideItsProbs, TransposedProbs, ForgetsNothingOnRelease, RefusesTheTarget, NeedsAnOption]
+
+
+class _Plugin:
+    @hookimpl
+    def kvforge_implementations(self):
+        return [RepeatLast, *BROKEN]
+
+
+@pytest.fixture(scope="module")
+def registry():
+    registry = Registry(strict=True)
+    registry.register_plugin(_Plugin(), "proposer-mutants")
+    return registry
+
+
+def registration(registry, cls):
+    return registry.get(SPECULATIVE_PROPOSER, cls.name)
+
+
+def run_all_checks(registration) -> None:
+    for seed in check.SEEDS:
+        for k in check.NUM_TOKENS:
+            check.test_one_proposal_per_request_of_at_most_k_tokens_inside_the_vocabulary(registration, seed, k)
+        check.test_proposals_follow_the_order_of_the_requests(registration, seed)
+        check.test_same_state_and_inputs_give_the_same_proposals(registration, seed)
+        check.test_probs_are_probability_rows_with_mass_on_each_draft(registration, seed)
+    check.test_release_of_an_unknown_request_is_harmless(registration)
+
+
+def test_a_correct_proposer_passes_every_check(registry):
+    run_all_checks(registration(registry, RepeatLast))
+
+
+def test_the_requests_cover_what_the_checks_need():
+    requests = check.make_requests(0)
+    assert min(len(r.token_ids) for r in requests) == 1  # the shortest possible request
+    assert {r.temperature == 0 for r in requests} == {True, False}  # greedy and sampled
+    assert all(0 <= t < VOCAB for r in requests for t in r.token_ids)
+
+
+@pytest.mark.parametrize("cls, message", [
+    (OutOfVocabulary, r"draft tokens \[262, .*\] are not ids in \[0, 259\)"),
+    (TensorIds, r"are not ids"),
+    (TooMany, r"5 drafts, more than k = 4"),
+    (SkipsEmptyDrafts, r"4 proposals for 5 requests"),
+], ids=lambda v: getattr(v, "name", ""))
+def test_invalid_proposals_are_caught(registry, cls, message):
+    with pytest.raises(AssertionError, match=message):
+        check.test_one_proposal_per_request_of_at_most_k_tokens_inside_the_vocabulary(registration(registry, cls), 0, 4)
+
+
+def test_proposals_out_of_request_order_are_caught(registry):
+    with pytest.raises(AssertionError, match="reverse order"):
+        check.test_proposals_follow_the_order_of_the_requests(registration(registry, SortedById), 0)
+
+
+def test_nondeterministic_proposals_are_caught(registry):
+    with pytest.raises(AssertionError, match="the same proposer asked twice: the drafts differ"):
+        check.test_same_state_and_inputs_give_the_same_proposals(registration(registry, Unseeded), 0)
+
+
+@pytest.mark.parametrize("cls, message", [
+    (UnnormalizedProbs, "rows sum to"),
+    (DraftOutsideItsProbs, "must have non-zero mass"),
+    (TransposedProbs, r"shape \(259, 4\), not \[len\(token_ids\), vocab\]"),
+], ids=lambda v: getattr(v, "name", ""))
+def test_bad_probs_are_caught(registry, cls, message):
+    with pytest.raises(AssertionError, match=message):
+        check.test_probs_are_probability_rows_with_mass_on_each_draft(registration(registry, cls), 0)
+
+
+def test_release_of_an_unknown_id_that_raises_is_caught(registry):
+    with pytest.raises(KeyError):
+        check.test_release_of_an_unknown_request_is_harmless(registration(registry, ForgetsNothingOnRelease))
+
+
+def test_a_proposer_that_refuses_the_target_is_skipped_with_its_reason(registry):
+    with pytest.raises(pytest.skip.Exception, match="refuses-target cannot draft for .*'kvforge-tiny': .*llama-70b"):
+        check.test_release_of_an_unknown_request_is_harmless(registration(registry, RefusesTheTarget))
+
+
+def test_options_from_the_environment_reach_the_proposer(registry, monkeypatch):
+    needs = registration(registry, NeedsAnOption)
+    with pytest.raises(pytest.skip.Exception, match=f"requires speculative.options.window .*{check.OPTIONS_ENV}"):
+        check.test_release_of_an_unknown_request_is_harmless(needs)
+    monkeypatch.setenv(check.OPTIONS_ENV, json.dumps({"needs-option": {"window": 3}}))
+    run_all_checks(needs)
+
+
+@pytest.mark.parametrize("cls", BROKEN, ids=lambda c: c.name)
+def test_every_broken_proposer_fails_or_is_skipped_by_the_group_as_a_whole(registry, cls):
+    with pytest.raises((AssertionError, KeyError, pytest.skip.Exception)):
+        run_all_checks(registration(registry, cls))
