@@ -57,7 +57,8 @@ class LLMEngine:
             shape = components.model_shape(config.model)
             backend = components.select_backend(self.registry, config, shape, self.device, self.dtype)
             model = load_model(config.model, dtype=self.dtype, device=self.device, attention_backend=backend,
-                               linear_kernel=config.linear_kernel)
+                               linear_kernel=config.linear_kernel,
+                               weight_quantizer=components.weight_quantizer(self.registry, config))
             tokenizer = tokenizer if tokenizer is not None else load_tokenizer(config.model)
         self.model, self.tokenizer = model, tokenizer
         block_size = config.cache.block_size

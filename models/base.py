@@ -248,6 +248,22 @@ class CausalLM(nn.Module):
             return packed_head(hidden).float()
         return F.linear(hidden, self.lm_head_weight()).float()
 
+    def weight_bytes(self) -> int:
+        """Bytes of every tensor the model holds: parameters, buffers, and tensors kept as
+        plain module attributes (oneDNN-packed weights); a shared tensor counts once."""
+        seen: set[int] = set()
+        total = 0
+        for module in self.modules():
+            held = [*module._parameters.values(), *module._buffers.values(), *vars(module).values()]
+            for tensor in held:
+                if not isinstance(tensor, torch.Tensor):
+                    continue
+                key = id(tensor) if tensor.is_mkldnn else tensor.untyped_storage().data_ptr()
+                if key not in seen:
+                    seen.add(key)
+                    total += tensor.numel() * tensor.element_size()
+        return total
+
     @staticmethod
     def checkpoint_name(name: str) -> str:
         """Map a checkpoint tensor name to this model's parameter name."""

@@ -15,11 +15,12 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
-from kvforge.core import AttentionBackend, AttentionLayerSpec
+from kvforge.core import AttentionBackend, AttentionLayerSpec, Quantizer
 from kvforge.core.errors import ConfigError, UnsupportedConfigurationError
 
 from .base import CausalLM, ModelConfig
 from .packed_linear import AUTO_MIN_WEIGHT, LINEAR_KERNELS, onednn_unavailable, pack_linears
+from .quantized_linear import quantize_linears
 from .registry import model_class
 
 BUILTIN_DIR = Path(__file__).resolve().parent / "builtin"
@@ -116,7 +117,8 @@ def attention_specs(name_or_path: str | Path) -> list[AttentionLayerSpec]:
 
 
 def load_model(name_or_path: str | Path, *, dtype: torch.dtype | str = torch.float32, device: str | torch.device = "cpu",
-               attention_backend: type[AttentionBackend] | None = None, linear_kernel: str = "auto") -> CausalLM:
+               attention_backend: type[AttentionBackend] | None = None, linear_kernel: str = "auto",
+               weight_quantizer: Quantizer | None = None) -> CausalLM:
     """Build and load a model; attention runs through instances of `attention_backend`.
 
     `name_or_path` is a built-in name (`kvforge-tiny`, `kvforge-tiny-draft`) or a
@@ -124,6 +126,9 @@ def load_model(name_or_path: str | Path, *, dtype: torch.dtype | str = torch.flo
     `linear_kernel` is "torch" (`F.linear`), "onednn" (weights packed once, see
     `packed_linear`; an error where unavailable) or "auto" (onednn where available,
     for weights of at least `AUTO_MIN_WEIGHT` elements, where packing pays).
+    `weight_quantizer` (a per_channel int8 `Quantizer`, e.g. the registry's
+    `int8_weight`) turns every linear layer but the LM head into an int8
+    `Int8Linear` (see `quantized_linear`); `linear_kernel` then applies to the head.
     """
     model_dir = resolve_model_dir(name_or_path)
     config = load_config(model_dir)
@@ -135,6 +140,8 @@ def load_model(name_or_path: str | Path, *, dtype: torch.dtype | str = torch.flo
     load_weights(model, checkpoint_files(model_dir), dtype, device)
     model.finish_loading()
     model.eval()
+    if weight_quantizer is not None:
+        quantize_linears(model, weight_quantizer)
     use_linear_kernel(model, linear_kernel)
     if attention_backend is not None:
         model.set_attention_backend(attention_backend)
