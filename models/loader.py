@@ -118,7 +118,7 @@ def attention_specs(name_or_path: str | Path) -> list[AttentionLayerSpec]:
 
 def load_model(name_or_path: str | Path, *, dtype: torch.dtype | str = torch.float32, device: str | torch.device = "cpu",
                attention_backend: type[AttentionBackend] | None = None, linear_kernel: str = "auto",
-               weight_quantizer: Quantizer | None = None) -> CausalLM:
+               weight_quantizer: Quantizer | None = None, quantize_lm_head: bool = True) -> CausalLM:
     """Build and load a model; attention runs through instances of `attention_backend`.
 
     `name_or_path` is a built-in name (`kvforge-tiny`, `kvforge-tiny-draft`) or a
@@ -127,8 +127,9 @@ def load_model(name_or_path: str | Path, *, dtype: torch.dtype | str = torch.flo
     `packed_linear`; an error where unavailable) or "auto" (onednn where available,
     for weights of at least `AUTO_MIN_WEIGHT` elements, where packing pays).
     `weight_quantizer` (a per_channel int8 `Quantizer`, e.g. the registry's
-    `int8_weight`) turns every linear layer but the LM head into an int8
-    `Int8Linear` (see `quantized_linear`); `linear_kernel` then applies to the head.
+    `int8_weight`) turns every linear layer, and an untied LM head unless
+    `quantize_lm_head` is False, into an int8 `Int8Linear` (see
+    `quantized_linear`); `linear_kernel` then applies to the layers left in float.
     """
     model_dir = resolve_model_dir(name_or_path)
     config = load_config(model_dir)
@@ -141,7 +142,7 @@ def load_model(name_or_path: str | Path, *, dtype: torch.dtype | str = torch.flo
     model.finish_loading()
     model.eval()
     if weight_quantizer is not None:
-        quantize_linears(model, weight_quantizer)
+        quantize_linears(model, weight_quantizer, lm_head=quantize_lm_head)
     use_linear_kernel(model, linear_kernel)
     if attention_backend is not None:
         model.set_attention_backend(attention_backend)

@@ -119,7 +119,7 @@ def packed(module: nn.Module, min_weight: int = 0) -> PackedLinear | None:
 def pack_linears(model: nn.Module, min_weight: int = 0) -> int:
     """Replace the linear layers of a loaded CPU model whose weight has at least
     `min_weight` elements by PackedLinear, and give it a packed language-model
-    head (`packed_lm_head`, which `compute_logits` uses) on the same terms; the
+    head (`lm_head_layer`, which `compute_logits` uses) on the same terms; the
     number of weights packed."""
     head = model.lm_head_weight() if hasattr(model, "lm_head_weight") else None
     head = head if head is not None and head.numel() >= min_weight else None
@@ -135,5 +135,5 @@ def pack_linears(model: nn.Module, min_weight: int = 0) -> int:
                 setattr(parent, name, replacement)
                 count += 1
     if head_layer is not None:
-        model.packed_lm_head = head_layer
+        model.lm_head_layer = head_layer
     return count

@@ -149,30 +149,48 @@ def linear_bytes(model: nn.Module) -> int:
 
 
 @pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])
-def test_load_quantizes_every_linear_but_the_head(tmp_path, tied):
+def test_load_quantizes_every_linear_and_an_untied_head(tmp_path, tied):
     path = save_llama(tmp_path, tied)
     model = load_model(path, weight_quantizer=INT8_WEIGHT(), linear_kernel="onednn")
     layer = model.model.layers[0]
     for module in (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_proj, layer.mlp.up_proj,
                    layer.mlp.down_proj):
         assert isinstance(module, Int8Linear)
-    assert sum(isinstance(m, Int8Linear) for m in model.modules()) == 2 * 5
-    assert isinstance(model.model.embed_tokens, nn.Embedding)
-    # the head is left in float and `linear_kernel` packs it; the float weights of the layers are gone
-    assert isinstance(model.packed_lm_head, PackedLinear)
-    assert not any(isinstance(m, nn.Linear) for m in model.model.layers.modules())
+    assert sum(isinstance(m, Int8Linear) for m in model.modules()) == 2 * 5 + (not tied)
+    assert isinstance(model.model.embed_tokens, nn.Embedding)  # lookups stay float
+    assert not any(isinstance(m, nn.Linear) for m in model.modules())  # no float linear weight is kept
+    if tied:  # the head is the embedding: it stays float and `linear_kernel` packs a copy
+        assert isinstance(model.lm_head_layer, PackedLinear)
+    else:
+        assert model.lm_head_layer is model.lm_head and isinstance(model.lm_head, Int8Linear)
+        assert model.lm_head_weight() is None
     assert model.dtype == torch.float32
+    hidden = torch.randn(3, 32)
+    head = model.lm_head_layer
+    expected = (hidden @ head.dequantized_weight().T if isinstance(head, Int8Linear)
+                else hidden @ model.model.embed_tokens.weight.T)
+    torch.testing.assert_close(model.compute_logits(hidden), expected, atol=2e-2 * float(expected.abs().max()),
+                               rtol=0)
 
 
-def test_quantized_linears_hold_a_quarter_of_the_float32_bytes(tmp_path):
-    path = save_llama(tmp_path, tied=False)
+def test_the_head_can_stay_in_float(tmp_path):
+    model = load_model(save_llama(tmp_path, tied=False), weight_quantizer=INT8_WEIGHT(), quantize_lm_head=False,
+                       linear_kernel="torch")
+    assert isinstance(model.lm_head, nn.Linear) and model.lm_head_weight() is model.lm_head.weight
+    assert sum(isinstance(m, Int8Linear) for m in model.modules()) == 2 * 5
+
+
+@pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])
+def test_quantized_linears_hold_a_quarter_of_the_float32_bytes(tmp_path, tied):
+    path = save_llama(tmp_path, tied)
     plain = load_model(path, linear_kernel="torch")
     quantized = load_model(path, linear_kernel="torch", weight_quantizer=INT8_WEIGHT())
     ratio = linear_bytes(plain) / linear_bytes(quantized)
     # int8 data is 1/4 of float32; the per-channel float32 scales add 4 bytes per output row
     assert 3.5 < ratio <= 4.0
+    head = 0 if tied else 64 * 32 * 4 - (64 * 32 + 64 * 4)  # float32 head minus int8 head and its scales
     saved = plain.weight_bytes() - quantized.weight_bytes()
-    assert saved == linear_bytes(plain) - linear_bytes(quantized)  # nothing else changed, nothing kept twice
+    assert saved == linear_bytes(plain) - linear_bytes(quantized) + head  # nothing else changed, nothing kept twice
 
 
 def test_gpt2_conv1d_layers_are_quantized_with_their_transpose(tmp_path):
@@ -245,7 +263,7 @@ def test_engine_runs_end_to_end_with_int8_weights(tmp_path):
 
     path = save_llama(tmp_path, tied=False)
     engine = LLMEngine(engine_config(path, "int8_weight"))
-    assert sum(isinstance(m, Int8Linear) for m in engine.model.modules()) == 10
+    assert sum(isinstance(m, Int8Linear) for m in engine.model.modules()) == 11  # 5 per layer and the head
     params = SamplingParams(max_tokens=6, ignore_eos=True, temperature=0.0)
     for i in range(3):
         engine.add_request(f"r{i}", prompt_token_ids=[1 + i, 5, 9, 13], params=params)
