@@ -174,12 +174,13 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="fewer steps and rounds")
     parser.add_argument("--kernels-only", action="store_true")
     parser.add_argument("--decode-only", action="store_true")
+    parser.add_argument("--rounds", type=int, default=3, help="decode rounds per engine (best counts)")
     args = parser.parse_args()
     torch.set_num_threads(1)
     print(machine.describe())
     kernels = None if args.decode_only else kernel_table(budget_s=0.05 if args.quick else 0.2)
     decode = None if args.kernels_only else decode_side_by_side(
-        str(model_dir(args.model)), steps=4 if args.quick else 10, rounds=2 if args.quick else 3)
+        str(model_dir(args.model)), steps=4 if args.quick else 10, rounds=2 if args.quick else args.rounds)
     print_tables(kernels, decode)
 
 
