@@ -67,6 +67,19 @@ def test_int8_linear_stays_within_the_quantization_bound_of_the_float_weight():
     assert float(error.max()) > 0  # it is quantized, not the float weight in disguise
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_the_off_cpu_path_is_weight_only_dequantized_math(dtype):
+    """The path other devices take (`_widened_gemm`, run here on CPU): `x @ (w_int8 * s_w)^T + b`
+    with x unquantized, rounding only in `dtype`."""
+    layer, _, _ = quantized_layer()
+    layer.bias = layer.bias.to(dtype)
+    x = torch.randn(5, 40, generator=torch.Generator().manual_seed(3))
+    out = layer._widened_gemm(x.to(dtype))
+    ref = x.to(dtype).double() @ layer.dequantized_weight(torch.float64).T + layer.bias.double()
+    assert out.dtype == dtype
+    assert float((out.double() - ref).abs().max() / ref.abs().max()) <= (1e-6 if dtype == torch.float32 else 2e-2)
+
+
 def test_the_float64_check_catches_a_broken_kernel():
     """A kernel applying each weight scale to the wrong axis (per input, not per output
     channel) fails the check above: the check is not one any output passes."""
