@@ -3,23 +3,21 @@
 `quantize_linears(model, quantizer)` quantizes every linear weight of a loaded
 model once, through a `Quantizer` reached by name in the registry (built-in:
 `int8_weight`), keeps the int8 data and one float32 scale per output channel,
-and drops the float weight. An untied language-model head is quantized too
-(vLLM usually keeps it in float; here, on the ~50M model, it is the largest
-weight a decode step reads, and quantizing it took batch-1 decode from 1.65x to
-2.4x float32's speed; `lm_head=False` keeps it in float). A tied head and the
-embeddings stay in float: an embedding lookup reads one row per token, so an
-int8 embedding saves memory but no time, and a tied head shares it.
-`linear_kernel` then applies to the layers left in float: a tied head.
+and drops the float weight. An untied language-model head is quantized too:
+vLLM usually keeps it in float, but on a small-hidden, large-vocabulary model it
+is the largest weight a decode step reads (`lm_head=False` keeps it in float).
+A tied head and the embeddings stay in float: an embedding lookup reads one row
+per token, so an int8 embedding saves memory but no time, and a tied head is
+that embedding. `linear_kernel` then applies to the layers left in float.
 
-The kernels (measurements in docs/models.md, "Quantized weights"):
+The kernels (why these, with measurements: docs/models.md, "Quantized weights"):
 * CPU: per-token dynamic int8 activations and one int8 x int8 -> int32 GEMM
-  (`torch._int_mm`, oneDNN with VNNI), then `acc * x_scale * w_scale + bias`.
-  This quantizes the activations too (W8A8), each row with its own absmax
-  scale, so a row's result never depends on the other rows of the batch.
-  Weight-only `torch.ops.aten._weight_int8pack_mm` was measured and rejected:
-  on this CPU it has a vectorised kernel only for bfloat16 activations, and
-  even that one streams the weight once per row, so it loses to float32 from
-  about 4 rows up; with float32 activations it is 10-40x slower than float32.
+  (`torch._int_mm`, oneDNN), then `acc * x_scale * w_scale + bias`. This
+  quantizes the activations too (W8A8), each row with its own absmax scale, so
+  a row's result never depends on the other rows of the batch. torch's
+  weight-only `_weight_int8pack_mm` has no vectorised float32 path on x86, and
+  its bfloat16 path streams the weight once per row: slower than float32
+  except at a row or two.
 * Other devices: weight-only, `F.linear(x, w_int8.to(x.dtype)) * w_scale`: the
   weight is widened inside the call, never kept in float. A path that works,
   not a fast one.
@@ -37,6 +35,8 @@ from torch import nn
 
 from kvforge.core import PER_CHANNEL, Quantizer
 from kvforge.core.errors import UnsupportedConfigurationError
+
+from .packed_linear import linear_weight
 
 # What the int8 layer reads: int8 data with one scale per output channel (row of `[out, in]`).
 INT8_LINEAR_GRANULARITY = PER_CHANNEL
@@ -108,15 +108,6 @@ class Int8Linear(nn.Module):
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, int8"
-
-
-def linear_weight(module: nn.Module) -> tuple[torch.Tensor, torch.Tensor | None] | None:
-    """The `[out, in]` weight and bias of a float linear layer this module knows, else None."""
-    if isinstance(module, nn.Linear):
-        return module.weight, module.bias
-    if getattr(module, "weight_is_in_by_out", False):  # GPT-2's Conv1D: weight stored [in, out]
-        return module.weight.t(), module.bias
-    return None
 
 
 def int8_linear(module: nn.Module, quantizer: Quantizer) -> Int8Linear | None:

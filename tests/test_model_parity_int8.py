@@ -28,7 +28,8 @@ from torch import nn
 
 from kvforge.core import QUANTIZER, build_registry
 from kvforge.models import load_model
-from kvforge.models.quantized_linear import Int8Linear, linear_weight
+from kvforge.models.packed_linear import linear_weight
+from kvforge.models.quantized_linear import Int8Linear
 
 sys.path.insert(0, str(Path(__file__).parent))  # the test-local driver and the float parity cases
 from model_driver import PagedDriver, cpu_backends
