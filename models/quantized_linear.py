@@ -42,6 +42,7 @@ from .packed_linear import linear_weight
 INT8_LINEAR_GRANULARITY = PER_CHANNEL
 INT8_LINEAR_STORAGE = torch.int8
 INT8_MAX = 127.0
+TINY = torch.finfo(torch.float32).tiny
 
 
 def int8_linear_unsupported(quantizer: type[Quantizer] | Quantizer) -> str | None:
@@ -62,9 +63,8 @@ def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Symmetric int8 of each row of a 2-D `x` with its own absmax scale:
     `(q int8 [M, K], scale float32 [M, 1])`, `x ≈ q * scale`, |error| <= scale / 2."""
     x = x.float()
-    scale = torch.linalg.vector_norm(x, float("inf"), dim=-1, keepdim=True).div_(INT8_MAX)
     # A zero row keeps a positive scale (and quantizes to zeros), never a division by zero.
-    scale.clamp_min_(torch.finfo(torch.float32).tiny)
+    scale = torch.linalg.vector_norm(x, float("inf"), dim=-1, keepdim=True).div_(INT8_MAX).clamp_min_(TINY)
     return torch.div(x, scale).round_().to(torch.int8), scale
 
 
@@ -87,15 +87,17 @@ class Int8Linear(nn.Module):
         self.register_buffer("bias", None if bias is None else bias.detach().contiguous())
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        rows = x.reshape(-1, self.in_features)
-        out = self._int8_gemm(rows) if rows.device.type == "cpu" else self._widened_gemm(rows)
-        return out.view(*x.shape[:-1], self.out_features)
+        gemm = self._int8_gemm if x.is_cpu else self._widened_gemm
+        if x.dim() == 2:  # the models' `[tokens, features]`: no reshapes on the hot path
+            return gemm(x)
+        return gemm(x.reshape(-1, self.in_features)).view(*x.shape[:-1], self.out_features)
 
     def _int8_gemm(self, x: torch.Tensor) -> torch.Tensor:
         q, x_scale = quantize_rows(x)
         acc = torch._int_mm(q, self.weight_int8.t())  # int32, exact
         out = torch.mul(acc, x_scale).mul_(self.weight_scale)  # float32
-        out = out.to(x.dtype) if x.dtype != torch.float32 else out
+        if x.dtype != torch.float32:
+            out = out.to(x.dtype)
         return out if self.bias is None else out.add_(self.bias)
 
     def _widened_gemm(self, x: torch.Tensor) -> torch.Tensor:
