@@ -11,7 +11,7 @@ import torch
 import transformers
 from torch import nn
 
-from kvforge.core import PER_CHANNEL, PER_TOKEN, QUANTIZER, UnsupportedConfigurationError, build_registry
+from kvforge.core import PER_CHANNEL, PER_TOKEN, QUANTIZER, UnsupportedConfigurationError, build_registry, hookimpl
 from kvforge.models import load_model
 from kvforge.models.packed_linear import PackedLinear, linear_act, linear_add, linear_mul
 from kvforge.models.quantized_linear import Int8Linear, int8_linear_unsupported, quantize_linears, quantize_rows
@@ -300,3 +300,35 @@ def test_engine_refuses_a_weight_quantizer_it_cannot_run(tmp_path, name, message
 
     with pytest.raises(KvforgeError, match=message):
         LLMEngine(engine_config(save_llama(tmp_path, tied=False), name))
+
+
+class _AcmePlugin:
+    @hookimpl
+    def kvforge_implementations(self):
+        return [ThirdPartyInt8PerChannel, PerTokenInt8]
+
+
+def registry_with_acme():
+    registry = build_registry()
+    registry.register_plugin(_AcmePlugin(), "acme")
+    return registry
+
+
+def test_engine_takes_a_third_party_weight_quantizer_by_name(tmp_path):
+    from kvforge import LLMEngine
+
+    path = save_llama(tmp_path, tied=False)
+    theirs = LLMEngine(engine_config(path, "acme_int8_channel"), registry=registry_with_acme()).model
+    ours = LLMEngine(engine_config(path, "int8_weight")).model
+    pairs = [(a, b) for a, b in zip(theirs.modules(), ours.modules()) if isinstance(a, Int8Linear)]
+    assert len(pairs) == 11
+    for a, b in pairs:
+        assert torch.equal(a.weight_int8, b.weight_int8) and torch.equal(a.weight_scale, b.weight_scale)
+
+
+def test_engine_refusal_lists_every_qualifying_quantizer(tmp_path):
+    from kvforge import LLMEngine
+
+    with pytest.raises(UnsupportedConfigurationError,
+                       match=r"'acme_int8_token'.*granularity 'per_token'.*qualify: acme_int8_channel, int8_weight"):
+        LLMEngine(engine_config(save_llama(tmp_path, tied=False), "acme_int8_token"), registry=registry_with_acme())
