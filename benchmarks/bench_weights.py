@@ -74,7 +74,8 @@ def kernel_candidates(weight: torch.Tensor) -> dict:
         qweight = torch.quantize_per_channel(weight, scale.double(), torch.zeros(len(scale), dtype=torch.long), 0,
                                              torch.qint8)
         prepacked = torch.ops.quantized.linear_prepack(qweight, None)
-    candidates["fbgemm linear_dynamic (W8A8 per-tensor)"] = lambda x: torch.ops.quantized.linear_dynamic(x, prepacked, True)
+    candidates["fbgemm linear_dynamic (W8A8 per-tensor)"] = functools.partial(
+        torch.ops.quantized.linear_dynamic, W_prepack=prepacked, reduce_range=True)
     return candidates
 
 
@@ -129,7 +130,8 @@ def print_tables(kernels: list[dict] | None, decode: dict | None) -> None:
         print("| in x out | rows | " + " | ".join(names) + " |")
         print("|---|---|" + "---|" * len(names))
         for row in kernels:
-            print(f"| {row['in']}x{row['out']} | {row['rows']} | " + " | ".join(f"{row['us'][n]:.0f}" for n in names) + " |")
+            times = " | ".join(f"{row['us'][n]:.0f}" for n in names)
+            print(f"| {row['in']}x{row['out']} | {row['rows']} | {times} |")
     if decode:
         base = decode["float32"]
         print("\n| weights | model MB | batch 1 tok/s | batch 32 tok/s | speed-up b1 | speed-up b32 |")

@@ -77,7 +77,8 @@ class Int8Linear(nn.Module):
     def __init__(self, weight_int8: torch.Tensor, weight_scale: torch.Tensor, bias: torch.Tensor | None):
         super().__init__()
         if weight_int8.dtype != torch.int8 or weight_int8.dim() != 2:
-            raise ValueError(f"weight_int8 must be a 2-D int8 tensor, got {weight_int8.dtype} {tuple(weight_int8.shape)}")
+            raise ValueError(
+                f"weight_int8 must be a 2-D int8 tensor, got {weight_int8.dtype} {tuple(weight_int8.shape)}")
         self.out_features, self.in_features = weight_int8.shape
         if weight_scale.numel() != self.out_features:
             raise ValueError(f"weight_scale must hold one scale per output channel ({self.out_features}), "

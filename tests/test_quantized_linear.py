@@ -4,7 +4,6 @@ refusals of quantizers the layer cannot run, and the engine end to end."""
 
 from __future__ import annotations
 
-from typing import ClassVar
 
 import pytest
 import torch
