@@ -10,7 +10,8 @@ import torch
 import transformers
 from torch import nn
 
-from kvforge.core import PER_CHANNEL, PER_TOKEN, QUANTIZER, UnsupportedConfigurationError, build_registry, hookimpl
+from kvforge.core import (PER_CHANNEL, PER_TOKEN, QUANTIZER, QuantizedTensor, Quantizer, UnsupportedConfigurationError,
+                          build_registry, hookimpl)
 from kvforge.models import load_model
 from kvforge.models.packed_linear import PackedLinear, linear_act, linear_add, linear_mul
 from kvforge.models.quantized_linear import Int8Linear, int8_linear_unsupported, quantize_linears, quantize_rows
@@ -219,12 +220,28 @@ def test_gpt2_conv1d_layers_are_quantized_with_their_transpose(tmp_path):
 
 # Quantizers chosen by name
 
-class ThirdPartyInt8PerChannel(INT8_WEIGHT.__mro__[1]):  # the int8 absmax quantizer, per channel
+class ThirdPartyInt8PerChannel(Quantizer):
+    """Written against `kvforge.core` alone, as a plugin package would: absmax int8 per row."""
+
     name = "acme_int8_channel"
+    storage_dtype = torch.int8
     granularity = PER_CHANNEL
+    error_bound = 1.0 / 252
+
+    def scales(self, x):
+        amax = x.detach().abs().amax(dim=-1, keepdim=True).float()
+        return torch.where(amax > 0, amax / 127, torch.ones_like(amax))
+
+    def quantize(self, x):
+        self.check_finite(x)
+        scale = self.scales(x)
+        return QuantizedTensor(torch.round(x.float() / scale).clamp(-127, 127).to(torch.int8), scale, x.dtype)
+
+    def dequantize(self, q, dtype=None):
+        return (q.data.float() * q.scale).to(dtype or q.original_dtype)
 
 
-class PerTokenInt8(INT8_WEIGHT.__mro__[1]):
+class PerTokenInt8(ThirdPartyInt8PerChannel):
     name = "acme_int8_token"
     granularity = PER_TOKEN
 
