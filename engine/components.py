@@ -109,6 +109,28 @@ def build_allocator(registry: Registry, config: EngineConfig, num_blocks: int):
     return cls(num_blocks, cache.block_size, hash_algorithm=cache.hash_algorithm, hash_seed=config.seed)
 
 
+def weight_quantizer(registry: Registry, config: EngineConfig):
+    """An instance of the quantizer named by `quantization.weights` (None when unset), or
+    an error naming the quantizers the int8 linear layers can run."""
+    from kvforge.models.quantized_linear import int8_linear_unsupported
+
+    name = config.quantization.weights
+    if name is None:
+        return None
+    qualifying = [r.name for r in registry.implementations(QUANTIZER) if int8_linear_unsupported(r.cls) is None]
+    if name == "auto":
+        raise UnsupportedConfigurationError(
+            f"quantization.weights = 'auto' is not a choice: name the weight quantizer; qualifying: "
+            f"{', '.join(qualifying) or 'none installed'}")
+    cls = registry.select(QUANTIZER, name).cls
+    reason = int8_linear_unsupported(cls)
+    if reason is not None:
+        raise UnsupportedConfigurationError(
+            f"quantization.weights = {name!r}: {reason}; quantizers that qualify: {', '.join(qualifying) or 'none'} "
+            "(KV-cache quantizers such as 'int8' or 'fp8_e4m3' belong in cache.kv_cache_dtype)")
+    return cls()
+
+
 def build_policy(registry: Registry, config: EngineConfig):
     return registry.select(SCHEDULER_POLICY, config.scheduler.policy).cls()
 
@@ -142,7 +164,3 @@ def check_supported(config: EngineConfig, dtype: torch.dtype) -> None:
         raise UnsupportedConfigurationError(
             f"cache.kv_cache_dtype = {kv_dtype!r} differs from the model dtype {str(dtype).removeprefix('torch.')}; "
             "the reference engine keeps the KV cache in the model dtype; set cache.kv_cache_dtype = 'auto'")
-    if config.quantization.weights is not None:
-        raise UnsupportedConfigurationError(
-            "quantization.weights is set, but the reference engine does not quantize weights yet; "
-            "unset quantization.weights")

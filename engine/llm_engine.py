@@ -60,7 +60,8 @@ class LLMEngine:
             layers = components.model_layers(config.model)
             backend = components.select_backend(self.registry, config, layers, self.device, self.dtype, kv_quantizer)
             model = load_model(config.model, dtype=self.dtype, device=self.device, attention_backend=backend,
-                               linear_kernel=config.linear_kernel, kv_quantizer=kv_quantizer)
+                               linear_kernel=config.linear_kernel, kv_quantizer=kv_quantizer,
+                               weight_quantizer=components.weight_quantizer(self.registry, config))
             tokenizer = tokenizer if tokenizer is not None else load_tokenizer(config.model)
         elif kv_quantizer is not None:
             components.use_kv_quantizer(model, kv_quantizer)

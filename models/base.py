@@ -290,7 +290,9 @@ class CausalLM(nn.Module):
         """Hidden states `[T, hidden_size]` of the step's flattened tokens."""
         raise NotImplementedError
 
-    def lm_head_weight(self) -> torch.Tensor:
+    def lm_head_weight(self) -> torch.Tensor | None:
+        """The float output-projection weight `[vocab, hidden]` (the embedding when tied);
+        None once the head is quantized (`lm_head_layer` then computes the logits)."""
         raise NotImplementedError
 
     def finish_loading(self) -> None:
@@ -299,10 +301,27 @@ class CausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Float32 logits `[N, vocab_size]` for the rows of `hidden` the caller wants."""
-        packed_head = getattr(self, "packed_lm_head", None)  # set by `pack_linears`
-        if packed_head is not None:
-            return packed_head(hidden).float()
+        # A faster copy of the head set at load time: oneDNN-packed (`pack_linears`) or int8 (`quantize_linears`).
+        head = getattr(self, "lm_head_layer", None)
+        if head is not None:
+            return head(hidden).float()
         return F.linear(hidden, self.lm_head_weight()).float()
+
+    def weight_bytes(self) -> int:
+        """Bytes of every tensor the model holds: parameters, buffers, and tensors kept as
+        plain module attributes (oneDNN-packed weights); a shared tensor counts once."""
+        seen: set[int] = set()
+        total = 0
+        for module in self.modules():
+            held = [*module._parameters.values(), *module._buffers.values(), *vars(module).values()]
+            for tensor in held:
+                if not isinstance(tensor, torch.Tensor):
+                    continue
+                key = id(tensor) if tensor.is_mkldnn else tensor.untyped_storage().data_ptr()
+                if key not in seen:
+                    seen.add(key)
+                    total += tensor.numel() * tensor.element_size()
+        return total
 
     @staticmethod
     def checkpoint_name(name: str) -> str:

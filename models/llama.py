@@ -150,8 +150,8 @@ class LlamaForCausalLM(CausalLM):
             x = layer(x, cos_sin, kv_cache, plan)
         return self.model.norm(x)
 
-    def lm_head_weight(self) -> torch.Tensor:
-        return self.model.embed_tokens.weight if self.tied else self.lm_head.weight
+    def lm_head_weight(self) -> torch.Tensor | None:
+        return self.model.embed_tokens.weight if self.tied else getattr(self.lm_head, "weight", None)
 
     def finish_loading(self) -> None:
         """Fuse each layer's q, k and v projections (see `LlamaAttention.fuse_qkv`)."""

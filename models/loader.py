@@ -20,6 +20,7 @@ from kvforge.core.errors import ConfigError, UnsupportedConfigurationError
 
 from .base import CausalLM, ModelConfig
 from .packed_linear import AUTO_MIN_WEIGHT, LINEAR_KERNELS, onednn_unavailable, pack_linears
+from .quantized_linear import quantize_linears
 from .registry import model_class
 
 BUILTIN_DIR = Path(__file__).resolve().parent / "builtin"
@@ -117,7 +118,8 @@ def attention_specs(name_or_path: str | Path) -> list[AttentionLayerSpec]:
 
 def load_model(name_or_path: str | Path, *, dtype: torch.dtype | str = torch.float32, device: str | torch.device = "cpu",
                attention_backend: type[AttentionBackend] | None = None, linear_kernel: str = "auto",
-               kv_quantizer: Quantizer | None = None) -> CausalLM:
+               kv_quantizer: Quantizer | None = None, weight_quantizer: Quantizer | None = None,
+               quantize_lm_head: bool = True) -> CausalLM:
     """Build and load a model; attention runs through instances of `attention_backend`.
 
     `name_or_path` is a built-in name (`kvforge-tiny`, `kvforge-tiny-draft`) or a
@@ -127,6 +129,10 @@ def load_model(name_or_path: str | Path, *, dtype: torch.dtype | str = torch.flo
     for weights of at least `AUTO_MIN_WEIGHT` elements, where packing pays).
     `kv_quantizer` (a `per_token` Quantizer instance) stores the KV cache quantized;
     `attention_backend` must then read its storage dtype (see `CausalLM.set_kv_quantizer`).
+    `weight_quantizer` (a per_channel int8 `Quantizer`, e.g. the registry's
+    `int8_weight`) turns every linear layer, and an untied LM head unless
+    `quantize_lm_head` is False, into an int8 `Int8Linear` (see
+    `quantized_linear`); `linear_kernel` then applies to the layers left in float.
     """
     model_dir = resolve_model_dir(name_or_path)
     config = load_config(model_dir)
@@ -138,6 +144,8 @@ def load_model(name_or_path: str | Path, *, dtype: torch.dtype | str = torch.flo
     load_weights(model, checkpoint_files(model_dir), dtype, device)
     model.finish_loading()
     model.eval()
+    if weight_quantizer is not None:
+        quantize_linears(model, weight_quantizer, lm_head=quantize_lm_head)
     use_linear_kernel(model, linear_kernel)
     model.set_kv_quantizer(kv_quantizer)
     if attention_backend is not None:

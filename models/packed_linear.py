@@ -103,23 +103,30 @@ def linear_add(layer: nn.Module, x: torch.Tensor, other: torch.Tensor | None) ->
     return layer(x).add_(other)
 
 
+def linear_weight(module: nn.Module) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+    """The `[out, in]` weight and the bias of a float linear layer the models use
+    (`nn.Linear`, GPT-2's `Conv1D`), or None for any other module."""
+    if isinstance(module, nn.Linear):
+        return module.weight, module.bias
+    if getattr(module, "weight_is_in_by_out", False):  # GPT-2's Conv1D: weight stored [in, out]
+        return module.weight.t(), module.bias
+    return None
+
+
 def packed(module: nn.Module, min_weight: int = 0) -> PackedLinear | None:
     """`module` as a PackedLinear, if it is a linear layer this module knows with
     a weight of at least `min_weight` elements."""
-    if isinstance(module, nn.Linear):
-        weight = module.weight
-    elif getattr(module, "weight_is_in_by_out", False):  # GPT-2's Conv1D: weight stored [in, out]
-        weight = module.weight.t()
-    else:
+    found = linear_weight(module)
+    if found is None or found[0].numel() < min_weight:
         return None
-    return PackedLinear(weight, module.bias) if weight.numel() >= min_weight else None
+    return PackedLinear(*found)
 
 
 @torch.no_grad()
 def pack_linears(model: nn.Module, min_weight: int = 0) -> int:
     """Replace the linear layers of a loaded CPU model whose weight has at least
     `min_weight` elements by PackedLinear, and give it a packed language-model
-    head (`packed_lm_head`, which `compute_logits` uses) on the same terms; the
+    head (`lm_head_layer`, which `compute_logits` uses) on the same terms; the
     number of weights packed."""
     head = model.lm_head_weight() if hasattr(model, "lm_head_weight") else None
     head = head if head is not None and head.numel() >= min_weight else None
@@ -135,5 +142,5 @@ def pack_linears(model: nn.Module, min_weight: int = 0) -> int:
                 setattr(parent, name, replacement)
                 count += 1
     if head_layer is not None:
-        model.packed_lm_head = head_layer
+        model.lm_head_layer = head_layer
     return count

@@ -61,7 +61,7 @@ def test_pack_linears_replaces_every_linear_and_the_head_once(tmp_path, tied):
     assert count == 2 * 5 + 1  # qkv (fused at load), o, gate, up, down per layer, and the head
     assert model.model.embed_tokens is embedding  # a tied head never replaces the embedding
     if not tied:
-        assert model.lm_head is model.packed_lm_head  # one packed copy, not two
+        assert model.lm_head is model.lm_head_layer  # one packed copy, not two
     hidden = torch.randn(5, 32)
     torch.testing.assert_close(model.compute_logits(hidden), plain.compute_logits(hidden), rtol=1e-5, atol=1e-5)
     layer = model.model.layers[1].mlp
@@ -85,7 +85,7 @@ def test_auto_packs_only_the_weights_large_enough_to_gain(tmp_path):
     wide = load_model(tmp_path / "wide")
     layer = wide.model.layers[0]
     assert all(isinstance(m, PackedLinear) for m in (layer.self_attn.o_proj, layer.mlp.gate_proj, layer.mlp.down_proj))
-    assert isinstance(wide.lm_head, nn.Linear) and getattr(wide, "packed_lm_head", None) is None
+    assert isinstance(wide.lm_head, nn.Linear) and getattr(wide, "lm_head_layer", None) is None
     assert 64 * 512 < AUTO_MIN_WEIGHT <= 512 * 512
     small = load_model(save_llama(tmp_path / "small", tied=False))  # 32 x 48 weights
     assert not any(isinstance(m, PackedLinear) for m in small.modules())

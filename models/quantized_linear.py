@@ -1,0 +1,154 @@
+"""Linear layers with int8 weights (`quantization.weights = NAME`), for memory and speed.
+
+`quantize_linears(model, quantizer)` quantizes every linear weight of a loaded
+model once, through a `Quantizer` reached by name in the registry (built-in:
+`int8_weight`), keeps the int8 data and one float32 scale per output channel,
+and drops the float weight. An untied language-model head is quantized too:
+vLLM usually keeps it in float, but on a small-hidden, large-vocabulary model it
+is the largest weight a decode step reads (`lm_head=False` keeps it in float).
+A tied head and the embeddings stay in float: an embedding lookup reads one row
+per token, so an int8 embedding saves memory but no time, and a tied head is
+that embedding. `linear_kernel` then applies to the layers left in float.
+
+The kernels (why these, with measurements: docs/models.md, "Quantized weights"):
+* CPU: per-token dynamic int8 activations and one int8 x int8 -> int32 GEMM
+  (`torch._int_mm`, oneDNN), then `acc * x_scale * w_scale + bias`. This
+  quantizes the activations too (W8A8), each row with its own absmax scale, so
+  a row's result never depends on the other rows of the batch. torch's
+  weight-only `_weight_int8pack_mm` has no vectorised float32 path on x86, and
+  its bfloat16 path streams the weight once per row: slower than float32
+  except at a row or two.
+* Other devices: weight-only, `F.linear(x, w_int8.to(x.dtype)) * w_scale`: the
+  weight is widened inside the call, never kept in float. A path that works,
+  not a fast one.
+
+oneDNN's fused post-ops (activation, gate x up, residual add) are not applied
+inside the int8 GEMM; `packed_linear.linear_act`, `linear_mul` and `linear_add`
+run them as separate in-place ops on this layer's output, with the same math.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from kvforge.core import PER_CHANNEL, Quantizer
+from kvforge.core.errors import UnsupportedConfigurationError
+
+from .packed_linear import linear_weight
+
+# What the int8 layer reads: int8 data with one scale per output channel (row of `[out, in]`).
+INT8_LINEAR_GRANULARITY = PER_CHANNEL
+INT8_LINEAR_STORAGE = torch.int8
+INT8_MAX = 127.0
+TINY = torch.finfo(torch.float32).tiny
+
+
+def int8_linear_unsupported(quantizer: type[Quantizer] | Quantizer) -> str | None:
+    """Why `Int8Linear` cannot run weights quantized by `quantizer`; None when it can.
+    It needs `granularity == "per_channel"` and `storage_dtype == torch.int8`."""
+    found = []
+    if quantizer.granularity != INT8_LINEAR_GRANULARITY:
+        found.append(f"granularity {quantizer.granularity!r}")
+    if quantizer.storage_dtype != INT8_LINEAR_STORAGE:
+        found.append(f"storage {str(quantizer.storage_dtype).removeprefix('torch.')}")
+    if not found:
+        return None
+    return (f"quantizer {quantizer.name!r} has {' and '.join(found)}, but int8 linear layers need "
+            f"granularity {INT8_LINEAR_GRANULARITY!r} (one scale per output channel) and int8 storage")
+
+
+def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Symmetric int8 of each row of a 2-D `x` with its own absmax scale:
+    `(q int8 [M, K], scale float32 [M, 1])`, `x ≈ q * scale`, |error| <= scale / 2."""
+    x = x.float()
+    # A zero row keeps a positive scale (and quantizes to zeros), never a division by zero.
+    scale = torch.linalg.vector_norm(x, float("inf"), dim=-1, keepdim=True).div_(INT8_MAX).clamp_min_(TINY)
+    return torch.div(x, scale).round_().to(torch.int8), scale
+
+
+class Int8Linear(nn.Module):
+    """`y = x W^T + b` with `W = weight_int8 * weight_scale[:, None]` held as int8.
+
+    Buffers: `weight_int8` int8 `[out, in]`, `weight_scale` float32 `[out]`,
+    `bias` (model dtype) or None. See the module docstring for the kernels."""
+
+    def __init__(self, weight_int8: torch.Tensor, weight_scale: torch.Tensor, bias: torch.Tensor | None):
+        super().__init__()
+        if weight_int8.dtype != torch.int8 or weight_int8.dim() != 2:
+            raise ValueError(
+                f"weight_int8 must be a 2-D int8 tensor, got {weight_int8.dtype} {tuple(weight_int8.shape)}")
+        self.out_features, self.in_features = weight_int8.shape
+        if weight_scale.numel() != self.out_features:
+            raise ValueError(f"weight_scale must hold one scale per output channel ({self.out_features}), "
+                             f"got shape {tuple(weight_scale.shape)}")
+        self.register_buffer("weight_int8", weight_int8.detach().contiguous())
+        self.register_buffer("weight_scale", weight_scale.detach().reshape(-1).float().contiguous())
+        self.register_buffer("bias", None if bias is None else bias.detach().contiguous())
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gemm = self._int8_gemm if x.is_cpu else self._widened_gemm
+        if x.dim() == 2:  # the models' `[tokens, features]`: no reshapes on the hot path
+            return gemm(x)
+        return gemm(x.reshape(-1, self.in_features)).view(*x.shape[:-1], self.out_features)
+
+    def _int8_gemm(self, x: torch.Tensor) -> torch.Tensor:
+        q, x_scale = quantize_rows(x)
+        acc = torch._int_mm(q, self.weight_int8.t())  # int32, exact
+        out = torch.mul(acc, x_scale).mul_(self.weight_scale)  # float32
+        if x.dtype != torch.float32:
+            out = out.to(x.dtype)
+        return out if self.bias is None else out.add_(self.bias)
+
+    def _widened_gemm(self, x: torch.Tensor) -> torch.Tensor:
+        out = F.linear(x, self.weight_int8.to(x.dtype)).mul_(self.weight_scale.to(x.dtype))
+        return out if self.bias is None else out.add_(self.bias)
+
+    def dequantized_weight(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """`weight_int8 * weight_scale` as a float `[out, in]` tensor (for checks, never the hot path)."""
+        return (self.weight_int8.to(dtype) * self.weight_scale.to(dtype)[:, None])
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, int8"
+
+
+def int8_linear(module: nn.Module, quantizer: Quantizer) -> Int8Linear | None:
+    """`module` quantized by `quantizer` as an Int8Linear, if it is a float linear layer."""
+    found = linear_weight(module)
+    if found is None:
+        return None
+    weight, bias = found
+    quantized = quantizer.quantize(weight.detach())
+    out_features = weight.shape[0]
+    if quantized.data.shape != weight.shape or quantized.scale.numel() != out_features:
+        raise UnsupportedConfigurationError(
+            f"quantizer {quantizer.name!r} returned data {tuple(quantized.data.shape)} and scale "
+            f"{tuple(quantized.scale.shape)} for a {tuple(weight.shape)} weight; a per_channel quantizer must give "
+            f"data of the weight's shape and one scale per output channel ({out_features}, 1)")
+    return Int8Linear(quantized.data, quantized.scale, bias)
+
+
+@torch.no_grad()
+def quantize_linears(model: nn.Module, quantizer: Quantizer, lm_head: bool = True) -> int:
+    """Replace every float linear layer of a loaded model by an Int8Linear quantized
+    with `quantizer`; the number replaced. An untied language-model head is among
+    them unless `lm_head` is False (it then becomes the model's `lm_head_layer`);
+    a tied head is the embedding and stays float. Call it after `finish_loading`
+    (fused q/k/v are quantized as one weight)."""
+    reason = int8_linear_unsupported(quantizer)
+    if reason is not None:
+        raise UnsupportedConfigurationError(f"{reason}; use 'int8_weight' or another per_channel int8 quantizer")
+    head = model.lm_head_weight() if hasattr(model, "lm_head_weight") else None
+    count = 0
+    for parent in list(model.modules()):
+        for name, child in list(parent.named_children()):
+            is_head = head is not None and getattr(child, "weight", None) is head
+            replacement = None if is_head and not lm_head else int8_linear(child, quantizer)
+            if replacement is None:
+                continue
+            setattr(parent, name, replacement)  # the float weight goes with the old module
+            count += 1
+            if is_head:
+                model.lm_head_layer = replacement
+    return count
