@@ -90,7 +90,8 @@ class EngineConfig(Section):
     seed: int = 0
     linear_kernel: Literal["auto", "torch", "onednn"] = Field(
         "auto", description="kernel of the model's linear layers: onednn (CPU, weights packed once), torch, or auto "
-                        "(onednn for weights of at least 512 x 512 where available)")
+                        "(onednn for weights of at least 512 x 512 where available); with quantization.weights, "
+                        "of the layers left in float")
     keep_freed_memory: bool = Field(
         True, description="CPU, glibc: keep freed heap memory for reuse (no page faults on each step's activations); "
                           "process-wide")
