@@ -79,7 +79,7 @@ def run(engine, requests: list[list[int]], tokens: int) -> tuple[float, list[lis
 
 
 def draft_metrics(engine) -> dict:
-    return {k: v for k, v in engine.metrics().items() if "draft" in k or "accept" in k or "spec" in k}
+    return {k: v for k, v in engine.metrics().items() if k.startswith("spec_")}
 
 
 def measure(model: str, path: str, *, batch: int, repetitive: bool, tokens: int, num_tokens: int) -> list[dict]:
@@ -109,14 +109,13 @@ def measure(model: str, path: str, *, batch: int, repetitive: bool, tokens: int,
 
 
 def markdown(rows: list[dict]) -> str:
-    lines = ["| model | text | batch | proposer | tok/s | speedup | acceptance | tokens/verification | identical |",
+    lines = ["| model | text | batch | proposer | tok/s | speedup | acceptance | accepted per verification | identical |",
              "|---|---|---:|---|---:|---:|---:|---:|---|"]
     for r in rows:
         if "error" in r:
             lines.append(f"| {r['model']} | {r['text']} | {r['batch']} | {r['proposer']} | {r['error']} | | | | |")
             continue
-        rate = next((v for k, v in r.items() if "acceptance" in k), None)
-        per_step = next((v for k, v in r.items() if "per_verification" in k or "per_step" in k), None)
+        rate, per_step = r.get("spec_acceptance_rate"), r.get("spec_mean_accepted_tokens")
         lines.append(f"| {r['model']} | {r['text']} | {r['batch']} | {r['proposer']} | {r['tokens_per_s']:.1f} | "
                      f"{r.get('speedup', 1.0):.2f}x | {'' if rate is None else f'{rate:.2f}'} | "
                      f"{'' if per_step is None else f'{per_step:.2f}'} | {r.get('identical', '')} |")

@@ -2,7 +2,8 @@
 
 The longest suffix n-gram of a request's tokens (n from `max_n` down to
 `min_n`) is looked up earlier in the same tokens (prompt and output); at its
-most recent occurrence, the tokens that followed it are the draft. It costs no
+most recent occurrence, the tokens that followed it are the draft, continued as
+a repetition when they run into the end of the tokens. It costs no
 model, and pays off wherever the output repeats its input: code edits, quoted
 text, summaries, retrieval answers.
 
@@ -46,7 +47,9 @@ class _History:
 
 def ngram_lookup(tokens: np.ndarray | Sequence[int], min_n: int, max_n: int, k: int) -> list[int]:
     """Up to `k` tokens that followed the most recent earlier occurrence of the
-    longest suffix n-gram of `tokens` (`min_n <= n <= max_n`); [] when none occurs."""
+    longest suffix n-gram of `tokens` (`min_n <= n <= max_n`), read as an
+    overlapping copy (`tokens + draft` repeats with the distance from that
+    occurrence to the end); [] when none occurs."""
     tokens = np.asarray(tokens, dtype=np.int64)
     length = tokens.size
     ends = length - 1  # candidate n-gram ends 0 .. length - 2 leave a token after them
@@ -67,7 +70,11 @@ def ngram_lookup(tokens: np.ndarray | Sequence[int], min_n: int, max_n: int, k: 
         return []
     # The most recent of the longest matches: its continuation is the freshest guess.
     end = ends - 1 - int(np.argmax(matched[::-1] == best))
-    return tokens[end + 1: end + 1 + k].tolist()
+    # What followed it runs up to the end of the tokens, `period` of them; past that the
+    # guess is that the repetition goes on, so the copy overlaps itself (a loop of period
+    # 2 drafts k tokens, not 2).
+    period = length - 1 - end
+    return np.tile(tokens[end + 1:], -(-k // period))[:k].tolist()
 
 
 class NgramProposer(SpeculativeProposer):

@@ -16,12 +16,22 @@ def brute_force(tokens: list[int], min_n: int, max_n: int, k: int) -> list[int]:
         suffix = tokens[-n:]
         for end in range(len(tokens) - 2, n - 2, -1):  # most recent first, leaving a token after it
             if tokens[end - n + 1: end + 1] == suffix:
-                return tokens[end + 1: end + 1 + k]
+                extended = list(tokens)  # an overlapping copy: each draft repeats the token `period` back
+                period = len(tokens) - 1 - end
+                while len(extended) < len(tokens) + k:
+                    extended.append(extended[-period])
+                return extended[end + 1: end + 1 + k]
     return []
 
 
 def proposer(**options):
     return build_registry().select(SPECULATIVE_PROPOSER, "ngram").cls(**options)
+
+
+def test_a_match_near_the_end_drafts_the_repetition_on():
+    # "5 6" last occurred two tokens back: the loop "7 5 6"... has period 3 from there.
+    assert ngram_lookup([1, 5, 6, 7, 5, 6], 2, 2, 5) == [7, 5, 6, 7, 5]
+    assert ngram_lookup([4, 4, 4], 2, 2, 4) == [4, 4, 4, 4]
 
 
 def test_longest_suffix_wins_over_a_more_recent_shorter_one():
@@ -39,7 +49,7 @@ def test_most_recent_occurrence_and_k_cap():
 def test_nothing_below_min_n():
     tokens = [1, 2, 3, 9, 3]
     assert ngram_lookup(tokens, 2, 4, 3) == []
-    assert ngram_lookup(tokens, 1, 4, 3) == [9, 3]
+    assert ngram_lookup(tokens, 1, 4, 3) == [9, 3, 9]  # "3" then "9 3" repeating
 
 
 @pytest.mark.parametrize("seed", range(30))
@@ -61,7 +71,7 @@ def test_kept_history_follows_a_growing_sequence_and_an_id_reused_after_release(
         tokens += [rng.randrange(5) for _ in range(rng.randint(1, 3))]
     ngram.release("a")
     other = [7, 8, 7]
-    assert ngram.propose([ProposalRequest("a", other)], 3)[0].token_ids == [8, 7]
+    assert ngram.propose([ProposalRequest("a", other)], 3)[0].token_ids == [8, 7, 8]
 
 
 @pytest.mark.parametrize("options, message", [
