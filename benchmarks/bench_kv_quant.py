@@ -87,16 +87,11 @@ def prompts_for(engine, count: int, text: bool, seed: int = 0) -> list[list[int]
 
 
 def greedy(engine, prompts: list[list[int]], tokens: int) -> list[list[int]]:
-    from kvforge import SamplingParams
+    from kvforge import LLM, SamplingParams
 
     params = SamplingParams(max_tokens=tokens, temperature=0.0, ignore_eos=True, detokenize=False)
-    for i, prompt in enumerate(prompts):
-        engine.add_request(f"q{i}", prompt_token_ids=prompt, params=params)
-    done = {}
-    while engine.has_unfinished_requests():
-        for out in engine.step(final_only=True):
-            done[out.request_id] = list(out.outputs[0].token_ids)
-    return [done[f"q{i}"] for i in range(len(prompts))]
+    outputs = LLM.from_engine(engine).generate(prompt_token_ids=prompts, sampling_params=params)
+    return [list(out.outputs[0].token_ids) for out in outputs]
 
 
 def teacher_forced_logits(engine, sequences: list[list[int]]) -> list[torch.Tensor]:

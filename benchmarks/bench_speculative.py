@@ -65,47 +65,49 @@ def engine_for(model: str, batch: int, speculative: dict):
 
 
 def run(engine, requests: list[list[int]], tokens: int) -> tuple[float, list[list[int]]]:
-    from kvforge import SamplingParams
+    from kvforge import LLM, SamplingParams
 
     params = SamplingParams(max_tokens=tokens, temperature=0.0, ignore_eos=True, detokenize=False)
     start = time.perf_counter()
-    for i, prompt in enumerate(requests):
-        engine.add_request(f"s{i}", prompt_token_ids=prompt, params=params)
-    done = {}
-    while engine.has_unfinished_requests():
-        for out in engine.step(final_only=True):
-            done[out.request_id] = list(out.outputs[0].token_ids)
-    return time.perf_counter() - start, [done[f"s{i}"] for i in range(len(requests))]
+    outputs = LLM.from_engine(engine).generate(prompt_token_ids=requests, sampling_params=params)
+    return time.perf_counter() - start, [list(out.outputs[0].token_ids) for out in outputs]
 
 
 def draft_metrics(engine) -> dict:
     return {k: v for k, v in engine.metrics().items() if k.startswith("spec_")}
 
 
-def measure(model: str, path: str, *, batch: int, repetitive: bool, tokens: int, num_tokens: int) -> list[dict]:
-    """Every proposer against none for one (model, text, batch)."""
-    probe = engine_for(path, batch, {})
-    requests = prompts(model, probe.tokenizer, int(probe.model.vocab_size), repetitive, 4 if batch == 1 else batch)
-    run(probe, requests[:1], 4)  # first-call costs
-    base_s, base_out = run(probe, requests, tokens)
-    rows = [{"model": model, "text": "repetitive" if repetitive else "free", "batch": batch, "proposer": "none",
-             "tokens_per_s": len(requests) * tokens / base_s}]
-    settings = [(name, {}) for name in proposers()]
+def measure(model: str, path: str, *, batch: int, repetitive: bool, tokens: int, num_tokens: int,
+            repeats: int = 3) -> list[dict]:
+    """Every proposer against none for one (model, text, batch): all engines built
+    first, then run in turn `repeats` times, each keeping its fastest run (the one
+    least disturbed by whatever else shares the machine)."""
+    settings = [("none", {})] + [(name, {"proposer": name, "num_tokens": num_tokens}) for name in proposers()]
     if batch > 1:
-        settings += [(name, {"disable_above_batch_size": batch // 2}) for name in proposers()]
-    for name, extra in settings:
-        speculative = {"proposer": name, "num_tokens": num_tokens, **extra}
+        settings += [(f"{name}, off above {batch // 2}",
+                      {"proposer": name, "num_tokens": num_tokens, "disable_above_batch_size": batch // 2})
+                     for name in proposers()]
+    row = {"model": model, "text": "repetitive" if repetitive else "free", "batch": batch}
+    engines, rows = {}, []
+    for label, speculative in settings:
         try:
-            engine = engine_for(path, batch, speculative)
+            engines[label] = engine_for(path, batch, speculative)
         except Exception as exc:  # noqa: BLE001 - a proposer that cannot serve this model is reported, not fatal
-            rows.append({**rows[0], "proposer": name, "error": f"{type(exc).__name__}: {exc}"[:200]})
-            continue
-        run(engine, requests[:1], 4)
-        seconds, out = run(engine, requests, tokens)
-        label = name + (f", off above {extra['disable_above_batch_size']}" if extra else "")
-        rows.append({**rows[0], "proposer": label, "tokens_per_s": len(requests) * tokens / seconds,
-                     "speedup": base_s / seconds, "identical": out == base_out, **draft_metrics(engine)})
-    return rows
+            rows.append({**row, "proposer": label, "error": f"{type(exc).__name__}: {exc}"[:200]})
+    probe = engines["none"]
+    requests = prompts(model, probe.tokenizer, int(probe.model.vocab_size), repetitive, 4 if batch == 1 else batch)
+    best, outputs = {}, {}
+    for engine in engines.values():
+        run(engine, requests[:1], 4)  # first-call costs
+    for _ in range(repeats):
+        for label, engine in engines.items():
+            seconds, outputs[label] = run(engine, requests, tokens)
+            best[label] = min(best.get(label, seconds), seconds)
+    for label, engine in engines.items():
+        rows.append({**row, "proposer": label, "tokens_per_s": len(requests) * tokens / best[label],
+                     "speedup": best["none"] / best[label], "identical": outputs[label] == outputs["none"],
+                     **draft_metrics(engine)})
+    return sorted(rows, key=lambda r: [label for label, _ in settings].index(r["proposer"]))
 
 
 def markdown(rows: list[dict]) -> str:
@@ -113,7 +115,8 @@ def markdown(rows: list[dict]) -> str:
              "|---|---|---:|---|---:|---:|---:|---:|---|"]
     for r in rows:
         if "error" in r:
-            lines.append(f"| {r['model']} | {r['text']} | {r['batch']} | {r['proposer']} | {r['error']} | | | | |")
+            why = r["error"] if len(r["error"]) <= 100 else r["error"][:100] + "…"
+            lines.append(f"| {r['model']} | {r['text']} | {r['batch']} | {r['proposer']} | {why} | | | | |")
             continue
         rate, per_step = r.get("spec_acceptance_rate"), r.get("spec_mean_accepted_tokens")
         lines.append(f"| {r['model']} | {r['text']} | {r['batch']} | {r['proposer']} | {r['tokens_per_s']:.1f} | "
@@ -130,6 +133,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--tokens", type=int, default=64, help="output tokens per request")
     parser.add_argument("--num-tokens", type=int, default=4, help="draft tokens per step (speculative.num_tokens)")
     parser.add_argument("--batch", type=int, action="append", help="default: 1 and 32")
+    parser.add_argument("--repeats", type=int, default=3, help="runs per configuration, fastest kept (default: 3)")
     parser.add_argument("--json", help="also write the rows here")
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
@@ -138,9 +142,10 @@ def main(argv: list[str] | None = None) -> None:
         path = str(model_dir(model))
         for repetitive in (True, False):
             for batch in args.batch or [1, 32]:
-                rows += measure(model, path, batch=batch, repetitive=repetitive, tokens=args.tokens,
-                                num_tokens=args.num_tokens)
-                print(markdown(rows[-1:]).splitlines()[-1], flush=True)
+                found = measure(model, path, batch=batch, repetitive=repetitive, tokens=args.tokens,
+                                num_tokens=args.num_tokens, repeats=args.repeats)
+                print("\n".join(markdown(found).splitlines()[2:]), flush=True)
+                rows += found
     if args.json:
         with open(args.json, "w") as f:
             json.dump(rows, f, indent=2)
