@@ -109,17 +109,19 @@ def quality(model: str, kv: str, prompts_count: int = 8, tokens: int = 64, text:
     prompts = prompts_for(float_engine, prompts_count, text)
     reference = greedy(float_engine, prompts, tokens)
     sequences = [p + r for p, r in zip(prompts, reference)]
-    agree, kl, positions = 0, 0.0, 0
+    agree, kl, positions, top1 = 0, 0.0, 0, 0.0
     for prompt, seq, lf, lq in zip(prompts, sequences, teacher_forced_logits(float_engine, sequences),
                                    teacher_forced_logits(quant_engine, sequences)):
         rows = slice(len(prompt) - 1, len(seq) - 1)  # the positions that predicted each generated token
         pf, pq = lf[rows].log_softmax(-1).double(), lq[rows].log_softmax(-1).double()
         agree += int((pf.argmax(-1) == pq.argmax(-1)).sum())
         kl += float((pf.exp() * (pf - pq)).sum(-1).sum())
+        top1 += float(pf.exp().amax(-1).sum())  # how decided the float model is: near 1/vocab, argmax flips easily
         positions += pf.shape[0]
     free = greedy(quant_engine, prompts, tokens)
     prefix = [next((i for i, (a, b) in enumerate(zip(r, f)) if a != b), len(r)) for r, f in zip(reference, free)]
     return {"kv": kv, "model": model, "agreement": agree / positions, "mean_kl": kl / positions,
+            "float_top1_probability": top1 / positions,
             "identical_prefix_mean": sum(prefix) / len(prefix), "tokens": tokens, "prompts": prompts_count}
 
 
@@ -137,11 +139,11 @@ def markdown(memory: dict[str, list[dict]], qualities: list[dict]) -> str:
         for r in rows:
             lines.append(f"| {model} | {r['kv']} | {r['bytes_per_token']:.0f} | {r['vs_float32']:.2f}x | "
                          f"{r['vs_bfloat16']:.2f}x | {r['requests_per_gib']} |")
-    lines += ["", "| model | KV | teacher-forced agreement | mean KL (nats) | identical greedy prefix (of N) |",
-              "|---|---|---:|---:|---:|"]
+    lines += ["", "| model | KV | teacher-forced agreement | mean KL (nats) | identical greedy prefix (of N) "
+                  "| float top-1 probability |", "|---|---|---:|---:|---:|---:|"]
     for q in qualities:
         lines.append(f"| {q['model']} | {q['kv']} | {q['agreement']:.3f} | {q['mean_kl']:.2e} | "
-                     f"{q['identical_prefix_mean']:.1f} of {q['tokens']} |")
+                     f"{q['identical_prefix_mean']:.1f} of {q['tokens']} | {q['float_top1_probability']:.3f} |")
     return "\n".join(lines)
 
 
@@ -172,3 +174,32 @@ def main(argv: list[str] | None = None) -> None:
 
 if __name__ == "__main__":
     main()
+
+
+# pytest-benchmark: `pytest benchmarks/bench_kv_quant.py --benchmark-only` (BENCH_MODEL picks the model).
+
+def _bench_model() -> str:
+    import os
+
+    from kvforge.benchmarks.model_dirs import model_dir
+
+    return str(model_dir(os.environ.get("BENCH_MODEL", "kvforge-tiny")))
+
+
+def pytest_generate_tests(metafunc):
+    if "kv" in metafunc.fixturenames:
+        metafunc.parametrize("kv", kv_quantizers())
+
+
+def test_quality_against_float_kv(benchmark, kv):
+    """Teacher-forced agreement, KL and identical prefix of `kv` (extra_info); times the whole measurement."""
+    path = _bench_model()
+    trained = "kvforge-tiny" in path  # the built-in models are trained; bench-llama-* have random weights
+    result = benchmark.pedantic(lambda: quality(path, kv, 4, 32, text=trained), rounds=1, iterations=1)
+    benchmark.extra_info.update(result)
+
+
+def test_bytes_per_token(benchmark):
+    path = _bench_model()
+    rows = benchmark.pedantic(lambda: memory_table(path, 512.0), rounds=1, iterations=1)
+    benchmark.extra_info["rows"] = rows

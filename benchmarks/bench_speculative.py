@@ -154,3 +154,23 @@ def main(argv: list[str] | None = None) -> None:
 
 if __name__ == "__main__":
     main()
+
+
+# pytest-benchmark: `pytest benchmarks/bench_speculative.py --benchmark-only` (BENCH_MODEL picks the model).
+
+def pytest_generate_tests(metafunc):
+    if "batch" in metafunc.fixturenames:
+        metafunc.parametrize("batch", [1, 32])
+        metafunc.parametrize("repetitive", [True, False], ids=["repetitive", "free"])
+
+
+def test_every_proposer_against_none(benchmark, batch, repetitive):
+    """The rows of `measure` in extra_info; times the whole comparison."""
+    import os
+
+    from kvforge.benchmarks.model_dirs import model_dir
+
+    model = os.environ.get("BENCH_MODEL", "kvforge-tiny")
+    rows = benchmark.pedantic(lambda: measure(model, str(model_dir(model)), batch=batch, repetitive=repetitive,
+                                              tokens=32, num_tokens=4, repeats=1), rounds=1, iterations=1)
+    benchmark.extra_info["rows"] = rows
