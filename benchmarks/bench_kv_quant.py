@@ -143,7 +143,7 @@ def markdown(memory: dict[str, list[dict]], qualities: list[dict]) -> str:
                   "| float top-1 probability |", "|---|---|---:|---:|---:|---:|"]
     for q in qualities:
         lines.append(f"| {q['model']} | {q['kv']} | {q['agreement']:.3f} | {q['mean_kl']:.2e} | "
-                     f"{q['identical_prefix_mean']:.1f} of {q['tokens']} | {q['float_top1_probability']:.3f} |")
+                     f"{q['identical_prefix_mean']:.1f} of {q['tokens']} | {q['float_top1_probability']:.2g} |")
     return "\n".join(lines)
 
 

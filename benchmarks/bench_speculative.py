@@ -99,6 +99,7 @@ def measure(model: str, path: str, *, batch: int, repetitive: bool, tokens: int,
     best, outputs = {}, {}
     for engine in engines.values():
         run(engine, requests[:1], 4)  # first-call costs
+        engine.stats = type(engine.stats)()  # the draft counts of the timed runs only (a lone warm-up speculates)
     for _ in range(repeats):
         for label, engine in engines.items():
             seconds, outputs[label] = run(engine, requests, tokens)
