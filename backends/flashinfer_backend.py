@@ -33,7 +33,6 @@ from kvforge.core import (
     AttentionBatch,
     AttentionLayerSpec,
     Availability,
-    SelectionRequest,
     hookimpl,
 )
 
@@ -108,15 +107,9 @@ class FlashInferAttentionBackend(AttentionBackend):
     dtypes = frozenset({torch.float16, torch.bfloat16})
     head_sizes = frozenset({64, 128, 256})
     features = frozenset({SLIDING_WINDOW, LOGIT_SOFT_CAP})
-    quantized_kv_dtypes = frozenset()  # see the module docstring and unsupported_reasons
-
-    @classmethod
-    def unsupported_reasons(cls, request: SelectionRequest) -> list[str]:
-        reasons = super().unsupported_reasons(request)
-        if request.kv_storage_dtype is not None and request.kv_storage_dtype not in cls.quantized_kv_dtypes:
-            reasons.append("FlashInfer's fp8 KV kernels take one per-tensor k_scale/v_scale, not kvforge's "
-                           "per-(token, KV head) scales; use attention.backend = 'triton' for a quantized KV cache")
-        return reasons
+    quantized_kv_dtypes = frozenset()  # see the module docstring
+    quantized_kv_note = ("FlashInfer's fp8 KV kernels take one per-tensor k_scale/v_scale, not kvforge's "
+                         "per-(token, KV head) scales; use attention.backend = 'triton' for a quantized KV cache")
 
     @classmethod
     def availability(cls) -> Availability:

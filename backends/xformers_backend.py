@@ -34,7 +34,7 @@ from typing import Any
 
 import torch
 
-from kvforge.core import AttentionBackend, AttentionBatch, Availability, SelectionRequest, hookimpl
+from kvforge.core import AttentionBackend, AttentionBatch, Availability, hookimpl
 
 
 
@@ -70,15 +70,9 @@ class XformersAttentionBackend(AttentionBackend):
     devices = frozenset({"cuda"})
     dtypes = frozenset({torch.float16, torch.bfloat16})
     head_sizes = frozenset({64, 80, 96, 128, 256})
-    quantized_kv_dtypes = frozenset()  # see the module docstring and unsupported_reasons
-
-    @classmethod
-    def unsupported_reasons(cls, request: SelectionRequest) -> list[str]:
-        reasons = super().unsupported_reasons(request)
-        if request.kv_storage_dtype is not None and request.kv_storage_dtype not in cls.quantized_kv_dtypes:
-            reasons.append("xformers reads quantized KV only in its own packed-int32 layout with fp16 scale and "
-                           "shift per row; use attention.backend = 'triton' for a kvforge quantized KV cache")
-        return reasons
+    quantized_kv_dtypes = frozenset()  # see the module docstring
+    quantized_kv_note = ("xformers reads quantized KV only in its own packed-int32 layout with fp16 scale and "
+                         "shift per row; use attention.backend = 'triton' for a kvforge quantized KV cache")
 
     @classmethod
     def availability(cls) -> Availability:

@@ -277,6 +277,8 @@ class AttentionBackend(Implementation):
     quantized_kv_dtypes: ClassVar[frozenset[torch.dtype]] = frozenset()
     """Storage dtypes of a quantized KV cache (per-(token, KV head) float32 scales,
     the layout of `quantized_kv_views`) this backend reads; empty: float KV only."""
+    quantized_kv_note: ClassVar[str] = ""
+    """Why it reads no (other) quantized KV and what to use instead; added to that refusal."""
     head_sizes: ClassVar[frozenset[int] | None] = None  # None: any head size
     block_sizes: ClassVar[frozenset[int] | None] = None  # None: any block size
     features: ClassVar[frozenset[str]] = frozenset()
@@ -313,8 +315,9 @@ class AttentionBackend(Implementation):
             reasons.append(f"dtype {request.dtype} not in {sorted(str(d) for d in cls.dtypes)}")
         if request.kv_storage_dtype is not None and request.kv_storage_dtype not in cls.quantized_kv_dtypes:
             reads = sorted(dtype_name(d) for d in cls.quantized_kv_dtypes) or "none"
+            note = f"; {cls.quantized_kv_note}" if cls.quantized_kv_note else ""
             reasons.append(f"cannot read a KV cache quantized to {dtype_name(request.kv_storage_dtype)} "
-                           f"(quantized KV dtypes it reads: {reads})")
+                           f"(quantized KV dtypes it reads: {reads}){note}")
         if request.head_size is not None and cls.head_sizes is not None and request.head_size not in cls.head_sizes:
             reasons.append(f"head size {request.head_size} not in {sorted(cls.head_sizes)}")
         if request.block_size is not None and cls.block_sizes is not None and request.block_size not in cls.block_sizes:
