@@ -1,7 +1,7 @@
 """Run a scenario's configurations side by side, each engine in its own process
 with the Python given for it, and turn their JSON into comparable figures.
 
-    results = run_scenario(scenario, model_dir, out_dir, peers={"vllm": "/work/peers/vllm/bin/python"})
+    results = run_scenario(scenario, model_dir, out_dir, peers={"vllm": "~/venvs/vllm/bin/python"})
 
 A configuration whose peer has no Python is not run, and says so; one whose
 process fails is reported with the tail of its stderr.
@@ -35,7 +35,7 @@ def peer_pythons(pairs: list[str] | None) -> dict[str, str]:
     for pair in pairs or []:
         name, sep, path = pair.partition("=")
         if not sep or not path:
-            raise ConfigError(f"--peer {pair!r}: write NAME=PATH/TO/python, e.g. vllm=/work/peers/vllm/bin/python")
+            raise ConfigError(f"--peer {pair!r}: write NAME=PATH/TO/python, e.g. vllm=~/venvs/vllm/bin/python")
         if os.sep in path:  # peers run from their output folder: a relative path must not move with them
             path = os.path.abspath(path)
         names = ALIASES.get(name, (name,))

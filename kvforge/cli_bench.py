@@ -2,7 +2,7 @@
 machine's limits, a JSON file, a Markdown report and PNG plots.
 
     kvforge bench --quick
-    kvforge bench mixed --peer vllm=/work/peers/vllm/bin/python --peer transformers=.venv/bin/python
+    kvforge bench mixed --peer vllm=~/venvs/vllm/bin/python --peer transformers=.venv/bin/python
 """
 
 from __future__ import annotations
