@@ -101,20 +101,27 @@ class PluginFilter:
 class Registry:
     """Every registered implementation, keyed by (kind, name), and every load error."""
 
-    def __init__(self, *, filters: Iterable[PluginFilter] = (), strict: bool = False):
+    def __init__(self, *, filters: Iterable[PluginFilter] = (), strict: bool = False, log_errors: bool = True):
+        """`strict`: a load error raises (one error listing every load error of the
+        call) instead of being recorded. `log_errors=False`: record load errors without
+        logging them, for a caller that shows `errors` itself (`kvforge plugins`)."""
         self.filters = list(filters)
         self.strict = strict
+        self.log_errors = log_errors
         self.plugin_manager = pluggy.PluginManager(PROJECT_NAME)
         self.plugin_manager.add_hookspecs(KvforgeHookSpec)
         self.registrations: dict[tuple[str, str], Registration] = {}
-        self.conflicts: dict[tuple[str, str], list[str]] = {}
+        self.conflicts: dict[tuple[str, str], list[Registration]] = {}
         self.errors: list[LoadError] = []
         self.skipped_plugins: list[str] = []
+        self._conflict_errors: dict[tuple[str, str], list[LoadError]] = {}
 
     # Loading
 
     def load_entry_points(self, entry_points: Iterable[metadata.EntryPoint] | None = None) -> "Registry":
-        """Load every `kvforge.plugins` entry point the filters admit."""
+        """Load every `kvforge.plugins` entry point the filters admit; then log each
+        new load error once or, in strict mode, raise one error listing all of them."""
+        known = set(self.errors)
         if entry_points is None:
             entry_points = metadata.entry_points(group=ENTRY_POINT_GROUP)
         for entry_point in sorted(entry_points, key=lambda ep: ep.name):
@@ -127,13 +134,20 @@ class Registry:
             try:
                 plugin = entry_point.load()
             except Exception as exc:
-                self._record(LoadError(entry_point.name, distribution, version, "import", f"{type(exc).__name__}: {exc}"))
+                self.errors.append(LoadError(entry_point.name, distribution, version, "import", f"{type(exc).__name__}: {exc}"))
                 continue
-            self.register_plugin(plugin, entry_point.name, distribution, version)
+            self._register(plugin, entry_point.name, distribution, version)
+        self._report(known)
         return self
 
     def register_plugin(self, plugin: Any, name: str, distribution: str = "(local)", version: str = "") -> None:
-        """Register an already-imported plugin object (a module or any object with hooks)."""
+        """Register an already-imported plugin object (a module or any object with hooks);
+        its load errors are logged or, in strict mode, raised as in `load_entry_points`."""
+        known = set(self.errors)
+        self._register(plugin, name, distribution, version)
+        self._report(known)
+
+    def _register(self, plugin: Any, name: str, distribution: str, version: str) -> None:
         try:
             self.plugin_manager.register(plugin, name=name)
             self.plugin_manager.check_pending()
@@ -146,7 +160,7 @@ class Registry:
         except Exception as exc:
             if self.plugin_manager.is_registered(plugin):
                 self.plugin_manager.unregister(plugin)
-            self._record(LoadError(name, distribution, version, "register", f"{type(exc).__name__}: {exc}"))
+            self.errors.append(LoadError(name, distribution, version, "register", f"{type(exc).__name__}: {exc}"))
             return
         for cls in classes:
             self._add(cls, name, distribution, version)
@@ -154,37 +168,45 @@ class Registry:
     def _add(self, cls: Any, plugin: str, distribution: str, version: str) -> None:
         where = f"plugin {plugin!r} ({distribution} {version})"
         if not (isinstance(cls, type) and issubclass(cls, Implementation)) or getattr(cls, "kind", None) not in KINDS:
-            self._record(LoadError(plugin, distribution, version, "invalid",
-                                   f"{where} returned {cls!r}, which subclasses none of the interfaces {list(KINDS)}"))
+            self.errors.append(LoadError(plugin, distribution, version, "invalid",
+                                         f"{where} returned {cls!r}, which subclasses none of the interfaces {list(KINDS)}"))
             return
         if not isinstance(getattr(cls, "name", None), str) or not cls.name:
-            self._record(LoadError(plugin, distribution, version, "invalid", f"{where}: {cls.__qualname__} sets no `name`"))
+            self.errors.append(LoadError(plugin, distribution, version, "invalid", f"{where}: {cls.__qualname__} sets no `name`"))
             return
         wanted = tuple(cls.api_version)
         if wanted[0] != API_VERSION[0] or wanted[1] > API_VERSION[1]:
-            self._record(LoadError(plugin, distribution, version, "api_version",
-                f"{where}: {cls.kind} {cls.name!r} was written for kvforge API {wanted[0]}.{wanted[1]}, but this "
-                f"kvforge offers API {API_VERSION[0]}.{API_VERSION[1]}; install a version of {distribution} "
-                f"built for API {API_VERSION[0]}.x"), ApiVersionError)
+            self.errors.append(LoadError(plugin, distribution, version, "api_version",
+                                         api_version_message(where, cls.kind, cls.name, wanted, distribution)))
             return
         key = (cls.kind, cls.name)
         registration = Registration(cls.kind, cls.name, cls, plugin, distribution, version, wanted)
         if key in self.registrations or key in self.conflicts:
-            first = self.registrations.pop(key, None)
-            holders = self.conflicts.setdefault(key, [f"{first.distribution} (plugin {first.plugin!r})"] if first else [])
-            holders.append(f"{distribution} (plugin {plugin!r})")
-            self._record(LoadError(plugin, distribution, version, "duplicate",
-                f"{cls.kind} {cls.name!r} is registered by both {' and '.join(holders)}; deny one of these plugins "
-                f"(plugins.deny or {PLUGINS_ENV}=-NAME) to choose"), DuplicateImplementationError)
+            holders = self.conflicts.setdefault(key, [self.registrations.pop(key)] if key in self.registrations else [])
+            holders.append(registration)
+            self._record_conflict(key)
             return
         self.registrations[key] = registration
 
-    def _record(self, error: LoadError, exc_type: type[PluginError] = PluginError) -> None:
-        self.errors.append(error)
-        message = f"kvforge plugin {error.plugin!r} ({error.distribution} {error.version}) failed at {error.stage}: {error.message}"
-        if self.strict:
-            raise exc_type(message + " (plugins.strict is on)")
-        log.warning(message)
+    def _record_conflict(self, key: tuple[str, str]) -> None:
+        """One `duplicate` error per plugin holding `key`, each naming every holder:
+        none of them is registered, so each plugin's own errors must say why."""
+        for stale in self._conflict_errors.pop(key, []):
+            self.errors.remove(stale)
+        holders = self.conflicts[key]
+        message = duplicate_message(key, holders)
+        fresh = [LoadError(h.plugin, h.distribution, h.version, "duplicate", message)
+                 for h in {h.plugin: h for h in holders}.values()]
+        self._conflict_errors[key] = fresh
+        self.errors.extend(fresh)
+
+    def _report(self, known: set[LoadError]) -> None:
+        new = [error for error in self.errors if error not in known]
+        if new and self.strict:
+            raise strict_error(new)
+        if self.log_errors:
+            for error in new:
+                log.warning(describe_load_error(error))
 
     # Queries
 
@@ -200,9 +222,7 @@ class Registry:
         if kind not in KINDS:
             raise SelectionError(f"unknown kind {kind!r}; valid kinds: {', '.join(KINDS)}")
         if (kind, name) in self.conflicts:
-            raise DuplicateImplementationError(
-                f"{kind} {name!r} is registered by {' and '.join(self.conflicts[(kind, name)])}; "
-                f"deny one of these plugins (plugins.deny or {PLUGINS_ENV}=-NAME) to choose")
+            raise DuplicateImplementationError(duplicate_message((kind, name), self.conflicts[(kind, name)]))
         registration = self.registrations.get((kind, name))
         if registration is None:
             raise SelectionError(unknown_name_message(kind, name, self.names(kind)))
@@ -240,6 +260,44 @@ class Registry:
         return chosen.registration
 
 
+def describe_load_error(error: LoadError) -> str:
+    return f"kvforge plugin {error.plugin!r} ({error.distribution} {error.version}) failed at {error.stage}: {error.message}"
+
+
+def api_version_message(where: str, kind: str, name: str, wanted: tuple[int, int], distribution: str) -> str:
+    """Another major needs another build of the plugin; a newer minor of the same
+    major needs a newer kvforge, since minors only add to the contract."""
+    host = f"{API_VERSION[0]}.{API_VERSION[1]}"
+    needs = f"{wanted[0]}.{wanted[1]}"
+    if wanted[0] != API_VERSION[0]:
+        return (f"{where}: {kind} {name!r} was written for kvforge API {needs}, but this kvforge offers API {host}; "
+                f"install a version of {distribution} built for API {API_VERSION[0]}.x")
+    return (f"{where}: {kind} {name!r} needs kvforge API {needs}, but this kvforge offers API {host}; "
+            f"upgrade kvforge to a version offering API {needs} or later (pip install --upgrade kvforge)")
+
+
+def duplicate_message(key: tuple[str, str], holders: list[Registration]) -> str:
+    kind, name = key
+    named = " and ".join(f"plugin {h.plugin!r} ({h.distribution} {h.version})" for h in holders)
+    both = "both " if len(holders) == 2 else ""
+    return (f"{kind} {name!r} is registered by {both}{named}, so none of them is selectable; deny one of these plugins "
+            f"(plugins.deny or {PLUGINS_ENV}=-NAME) to choose")
+
+
+_STAGE_ERRORS: dict[str, type[PluginError]] = {"api_version": ApiVersionError, "duplicate": DuplicateImplementationError}
+
+
+def strict_error(errors: list[LoadError]) -> PluginError:
+    """One error for every load error at once, so a strict run shows all there is
+    to fix; its type is the stages' common one (`PluginError` when they differ)."""
+    types = {_STAGE_ERRORS.get(e.stage, PluginError) for e in errors}
+    exc_type = types.pop() if len(types) == 1 else PluginError
+    count = f"{len(errors)} kvforge plugin load error{'s' if len(errors) > 1 else ''}"
+    lines = "\n".join(f"  - {describe_load_error(e)}" for e in errors)
+    return exc_type(f"{count} (plugins.strict is on):\n{lines}\nfix or uninstall these plugins, deny them "
+                    f"(plugins.deny or {PLUGINS_ENV}=-NAME), or set plugins.strict=false to load the rest")
+
+
 def unknown_name_message(kind: str, name: str, valid: list[str]) -> str:
     message = f"unknown {kind} {name!r}; valid choices: {', '.join([AUTO, *valid]) if valid else AUTO + ' (none registered)'}"
     close = difflib.get_close_matches(name, valid, n=1)
@@ -249,12 +307,13 @@ def unknown_name_message(kind: str, name: str, valid: list[str]) -> str:
 
 
 def build_registry(allow: Iterable[str] | None = None, deny: Iterable[str] = (), strict: bool = False,
-                   environ: dict[str, str] | None = None) -> Registry:
+                   environ: dict[str, str] | None = None, log_errors: bool = True) -> Registry:
     """A registry loaded from the installed entry points, filtered by the config's
-    allow/deny lists and by `KVFORGE_PLUGINS`; a plugin must pass both."""
+    allow/deny lists and by `KVFORGE_PLUGINS`; a plugin must pass both. `strict` and
+    `log_errors` as in `Registry`."""
     environ = os.environ if environ is None else environ
     filters = [
         PluginFilter(frozenset(allow) if allow is not None else None, frozenset(deny)),
         PluginFilter.from_env(environ.get(PLUGINS_ENV)),
     ]
-    return Registry(filters=filters, strict=strict).load_entry_points()
+    return Registry(filters=filters, strict=strict, log_errors=log_errors).load_entry_points()
