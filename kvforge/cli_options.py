@@ -17,6 +17,8 @@ def config_from_args(args: argparse.Namespace) -> LoadedConfig:
     return load_config(config_file=args.config, overrides=args.overrides)
 
 
-def registry_from_config(loaded: LoadedConfig) -> Registry:
+def registry_from_config(loaded: LoadedConfig, log_errors: bool = True) -> Registry:
+    """The registry the configuration's `plugins` section asks for; `log_errors=False`
+    for a command that shows the load errors itself."""
     plugins = loaded.config.plugins
-    return build_registry(allow=plugins.allow, deny=plugins.deny, strict=plugins.strict)
+    return build_registry(allow=plugins.allow, deny=plugins.deny, strict=plugins.strict, log_errors=log_errors)

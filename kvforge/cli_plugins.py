@@ -20,6 +20,7 @@ import json
 from dataclasses import asdict
 
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
 from kvforge.core import API_VERSION, KINDS, PER_TOKEN, QUANTIZER, SelectionRequest
@@ -79,7 +80,8 @@ def report(registry, request: SelectionRequest | None, explain: bool) -> dict:
 def quantizer_table(quantizers: list[dict]) -> Table:
     """What a user picks a quantizer by: its storage dtype, granularity, error bound,
     and whether `cache.kv_cache_dtype` may name it (only per_token ones)."""
-    table = Table("quantizer", "storage dtype", "granularity", "error bound", "KV-capable", title="quantizers")
+    table = Table("quantizer", "storage dtype", "granularity", "error bound", "KV-capable", title="quantizer formats",
+                  title_justify="left")
     for item in quantizers:
         capabilities = item["capabilities"]  # a plugin may override capabilities(): show what is there
         bound = capabilities.get("error_bound")
@@ -92,26 +94,48 @@ def quantizer_table(quantizers: list[dict]) -> Table:
 
 def run(args: argparse.Namespace) -> int:
     loaded = config_from_args(args)
-    registry = registry_from_config(loaded)
+    # the load errors are part of this command's output: logging them as well would print each twice
+    registry = registry_from_config(loaded, log_errors=False)
     request = selection_request(loaded.config, registry) if args.explain else None
     data = report(registry, request, args.explain)
     if args.json:
         print(json.dumps(data, indent=2))
         return 0
-    console = Console()
-    table = Table("kind", "name", "distribution", "version", "API", "available", title=f"kvforge plugins (API {API_VERSION[0]}.{API_VERSION[1]})")
-    for item in data["implementations"]:
-        status = "yes" if item["available"] else f"no: {item['reason']}"
-        table.add_row(item["kind"], item["name"], item["distribution"], item["version"],
-                      ".".join(map(str, item["api_version"])), status)
-    console.print(table)
+    print_report(data, Console())
+    return 0
+
+
+def print_report(data: dict, console: Console) -> None:
+    """The report as tables: one per kind, so no column has to fit the longest kind
+    name, and every name stays whole at 80 columns (long cells wrap, never get cut)."""
+    console.print(f"[bold]kvforge plugins[/bold] (API {data['api_version'][0]}.{data['api_version'][1]})")
+    for kind in KINDS:
+        items = [item for item in data["implementations"] if item["kind"] == kind]
+        if not items:
+            console.print(f"{kind}: none registered")
+            continue
+        table = Table(title=kind, title_justify="left")
+        # names are what config fields take: never wrapped or cut; the other cells wrap
+        table.add_column("name", no_wrap=True, min_width=max(len(item["name"]) for item in items))
+        table.add_column("package", overflow="fold")
+        table.add_column("API", no_wrap=True)
+        table.add_column("available", overflow="fold")
+        for item in items:
+            status = "yes" if item["available"] else f"no: {item['reason']}"
+            table.add_row(escape(item["name"]), escape(f"{item['distribution']} {item['version']}"),
+                          ".".join(map(str, item["api_version"])), escape(status))
+        console.print(table)
     quantizers = [item for item in data["implementations"] if item["kind"] == QUANTIZER]
     if quantizers:
         console.print(quantizer_table(quantizers))
     if data["errors"]:
-        errors = Table("plugin", "distribution", "stage", "error", title="plugin load errors")
+        errors = Table(title="plugin load errors", title_justify="left")
+        errors.add_column("plugin", no_wrap=True, min_width=max(len(error["plugin"]) for error in data["errors"]))
+        for header in ("package", "stage", "error"):
+            errors.add_column(header, overflow="fold")
         for error in data["errors"]:
-            errors.add_row(error["plugin"], f"{error['distribution']} {error['version']}", error["stage"], error["message"])
+            errors.add_row(*map(escape, (error["plugin"], f"{error['distribution']} {error['version']}",
+                                         error["stage"], error["message"])))
         console.print(errors)
     if data["skipped_plugins"]:
         console.print(f"skipped by allow/deny: {', '.join(data['skipped_plugins'])}")
@@ -123,4 +147,3 @@ def run(args: argparse.Namespace) -> int:
         for candidate in verdict["candidates"]:
             if candidate["name"] != verdict["chosen"]:
                 console.print(f"  skipped {candidate['name']}: {candidate['why_not'] or 'lower priority'}")
-    return 0

@@ -1,10 +1,15 @@
 """The `kvforge` command line, run as a user runs it: a separate process."""
 
+import io
 import json
 import os
 import subprocess
 import sys
 
+from rich.console import Console
+
+from kvforge.cli_plugins import print_report, report
+from kvforge.core import KINDS, build_registry
 from tests.conftest import policy_plugin
 
 
@@ -37,10 +42,53 @@ def test_plugins_table_shows_load_errors(fake_site, tmp_path):
     assert "plugin load errors" in result.stdout and "missing dependency foo" in result.stdout
 
 
+def test_plugins_prints_each_load_error_once(fake_site, tmp_path):
+    # the table shows it; a logged warning on stderr as well would be a second copy
+    fake_site.add("fakeplug-bad", "0.1", {"fakeplug_bad": "raise ImportError('zq-missing-dep')"}, {"bad": "fakeplug_bad"})
+    for args in (("plugins",), ("plugins", "--json")):
+        result = kvforge(*args, env={"PYTHONPATH": str(fake_site.root), "COLUMNS": "200"}, cwd=tmp_path)
+        assert result.returncode == 0, result.stderr
+        assert (result.stdout + result.stderr).count("zq-missing-dep") == 1, (result.stdout, result.stderr)
+
+
+def render_plugins_at_80_columns(registry) -> str:
+    out = io.StringIO()
+    print_report(report(registry, None, explain=False), Console(file=out, width=80, color_system=None))
+    return out.getvalue()
+
+
+def test_plugins_tables_keep_every_kind_and_name_whole_at_80_columns(fake_site):
+    fake_site.add("fakeplug-long-distribution-name", "10.20.30",
+                  {"fakeplug_long": policy_plugin("a-rather-long-policy-name")}, {"long": "fakeplug_long"})
+    fake_site.add("fakeplug-bad", "0.1", {"fakeplug_bad": "raise ImportError('a long reason ' * 8)"},
+                  {"bad": "fakeplug_bad"})
+    registry = build_registry(environ={}, log_errors=False)
+    text = render_plugins_at_80_columns(registry)
+    assert max(len(line) for line in text.splitlines()) <= 80
+    assert "…" not in text  # rich's mark of a cut cell
+    words = set(text.replace("│", " ").split())
+    for kind in KINDS:
+        assert kind in words, f"{kind} is not shown whole:\n{text}"
+    for registration in registry.implementations():
+        assert registration.name in words, f"{registration.name} is not shown whole:\n{text}"
+
+
+def test_plugins_duplicate_row_names_both_plugins(fake_site):
+    fake_site.add("fakeplug-a", "1.0", {"fakeplug_a": policy_plugin("twin")}, {"twin-a": "fakeplug_a"})
+    fake_site.add("fakeplug-b", "2.0", {"fakeplug_b": policy_plugin("twin")}, {"twin-b": "fakeplug_b"})
+    data = report(build_registry(environ={}, log_errors=False), None, explain=False)
+    assert sorted(e["plugin"] for e in data["errors"]) == ["twin-a", "twin-b"]
+    for error in data["errors"]:
+        assert "'twin-a' (fakeplug-a 1.0)" in error["message"] and "'twin-b' (fakeplug-b 2.0)" in error["message"]
+
+
 def test_plugins_strict_from_config_fails(fake_site, tmp_path):
     fake_site.add("fakeplug-bad", "0.1", {"fakeplug_bad": "raise ImportError('nope')"}, {"bad": "fakeplug_bad"})
+    fake_site.add("fakeplug-worse", "0.2", {"fakeplug_worse": "raise ImportError('neither')"}, {"worse": "fakeplug_worse"})
     result = kvforge("plugins", "--set", "plugins.strict=true", env={"PYTHONPATH": str(fake_site.root)}, cwd=tmp_path)
     assert result.returncode == 2 and "plugins.strict is on" in result.stderr
+    # every load error in the one message, each once
+    assert result.stderr.count("nope") == 1 and result.stderr.count("neither") == 1, result.stderr
 
 
 def test_config_show_prints_values_with_sources(tmp_path):
