@@ -80,7 +80,7 @@ def report(registry, request: SelectionRequest | None, explain: bool) -> dict:
 def quantizer_table(quantizers: list[dict]) -> Table:
     """What a user picks a quantizer by: its storage dtype, granularity, error bound,
     and whether `cache.kv_cache_dtype` may name it (only per_token ones)."""
-    table = Table("quantizer", "storage dtype", "granularity", "error bound", "KV-capable", title="quantizer formats",
+    table = Table("quantizer", "storage dtype", "granularity", "error bound", "KV-capable", title="quantizers",
                   title_justify="left")
     for item in quantizers:
         capabilities = item["capabilities"]  # a plugin may override capabilities(): show what is there
