@@ -50,7 +50,8 @@ class PoolMachine(RuleBasedStateMachine):
         assert len(blocks) == len(set(blocks)) == count
         evicted = sum(1 for b in blocks if b in self.hash_of)
         assert evicted == max(0, count - never_cached), \
-            f"allocate({count}) evicted {evicted} cached blocks with {never_cached} never-cached ones free (guarantee 11)"
+            f"allocate({count}) evicted {evicted} cached blocks with {never_cached} never-cached ones free " \
+            f"(guarantee 11)"
         for block in blocks:
             assert self.refs[block] == 0, f"allocate handed out block {block}, which is held"
             assert self.pool.block_hash_of(block) is None

@@ -197,7 +197,9 @@ class KVCacheManager:
         while any request holds blocks. Returns how many cached blocks were cleared."""
         holding = [request_id for request_id, request in self.requests.items() if request.blocks]
         if holding:
-            shown = ", ".join(repr(r) for r in holding[:3]) + (f" and {len(holding) - 3} more" if len(holding) > 3 else "")
+            shown = ", ".join(repr(r) for r in holding[:3])
+            if len(holding) > 3:
+                shown += f" and {len(holding) - 3} more"
             raise BlockStateError(f"cannot reset the prefix cache while requests hold blocks ({shown}); let them "
                                   f"finish or abort them first")
         return self.allocator.reset_prefix_cache()

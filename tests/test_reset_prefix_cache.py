@@ -41,6 +41,14 @@ def test_manager_refuses_while_a_request_holds_blocks_and_names_it():
     assert kv.usage() == before and kv.block_table("held")
 
 
+def test_manager_refusal_names_at_most_three_requests():
+    kv = KVCacheManager(PrefixCachingAllocator(16, BS), BS, True)
+    for request_id in "abcde":
+        computed(kv, request_id, [ord(request_id)] * BS)
+    with pytest.raises(BlockStateError, match="\\('a', 'b', 'c' and 2 more\\)"):
+        kv.reset_prefix_cache()
+
+
 def test_manager_reset_makes_the_next_admission_miss():
     kv = KVCacheManager(PrefixCachingAllocator(16, BS), BS, True)
     assert computed(kv, "a", PROMPT) == 0
