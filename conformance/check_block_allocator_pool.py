@@ -1,6 +1,7 @@
 """Conformance of every `block_allocator`: guarantees 1-5 and 10 of
 `kvforge.core.block_allocator.BlockAllocator` (the pool), checked by example and
-by random sequences of allocate / free / fork / write / cache / lookup / acquire."""
+by random sequences of allocate / free / fork / write / cache / lookup / acquire /
+reset, which also check lookup counting (8), eviction order (11) and resets (12)."""
 
 import pytest
 

@@ -1,6 +1,8 @@
 """Conformance of every `block_allocator` that declares `supports_prefix_caching`:
-guarantees 7-10 of `kvforge.core.block_allocator.BlockAllocator` (hash chains,
-lookup, LRU eviction with tails first, cleared hashes on reuse)."""
+guarantees 7-11 of `kvforge.core.block_allocator.BlockAllocator` (hash chains,
+equal across instances with one seed; lookup and its hit accounting; LRU
+eviction with tails first; cleared hashes on reuse; never-cached blocks used
+before any cached one is evicted)."""
 
 import pytest
 
@@ -16,7 +18,7 @@ BLOCK_SIZE = 4
 def make_pool(registration):
     if not registration.cls.supports_prefix_caching:
         pytest.skip(f"{registration.name} does not declare prefix caching")
-    return lambda num_blocks=8: registration.cls(num_blocks, BLOCK_SIZE)
+    return lambda num_blocks=8, **options: registration.cls(num_blocks, BLOCK_SIZE, **options)
 
 
 def chain(pool, token_ids, extra_keys=()):
@@ -46,6 +48,30 @@ def test_hash_depends_on_parent_tokens_and_extra_keys(make_pool):
                 pool.hash_block(None, tokens, ("salt",)), pool.hash_block(None, tokens, ("model-b",)),
                 pool.hash_block(pool.hash_block(None, [9, 9, 9, 9]), tokens)]
     assert len({base, *variants}) == len(variants) + 1
+
+
+def test_two_allocators_with_one_seed_hash_alike_and_other_seeds_differently(make_pool):
+    tokens, keys = list(range(12)), ("salt",)
+    first = chain(make_pool(), tokens, keys)
+    assert chain(make_pool(), tokens, keys) == first, \
+        "two allocators with the same hash_seed hash the same tokens differently (guarantee 7)"
+    assert chain(make_pool(hash_seed=7), tokens, keys) == chain(make_pool(hash_seed=7), tokens, keys)
+    other = chain(make_pool(hash_seed=1), tokens, keys)
+    assert not set(other) & set(first), "hash_seed 0 and 1 give equal hashes (guarantee 7)"
+
+
+def test_lookup_counts_every_hash_asked_for_and_every_block_found(make_pool):
+    pool = make_pool()
+    _, hashes = cached_sequence(pool, list(range(8)))
+    before = pool.usage()
+    missing = chain(pool, [99] * BLOCK_SIZE)
+    pool.lookup(hashes + chain(pool, list(range(12)))[2:])  # 3 asked, 2 found
+    pool.lookup(missing)  # 1 asked, 0 found
+    pool.lookup([])
+    usage = pool.usage()
+    assert (usage.lookups - before.lookups, usage.hits - before.hits) == (4, 2), \
+        f"lookup must count every block asked for and every block found (guarantee 8); got " \
+        f"{usage.lookups - before.lookups} asked and {usage.hits - before.hits} found for 4 and 2"
 
 
 def test_equal_prefixes_share_blocks(make_pool):
@@ -152,3 +178,18 @@ def test_a_reused_block_loses_its_hash(make_pool):
     assert sorted(reused) == sorted(blocks)
     assert all(pool.block_hash_of(b) is None for b in reused)
     assert list(pool.lookup(hashes)) == [] and pool.usage().cached == 0
+
+
+@pytest.mark.parametrize("count", range(9))
+def test_never_cached_free_blocks_are_used_before_any_cached_block_is_evicted(make_pool, count):
+    pool = make_pool(8)
+    cached, hashes = cached_sequence(pool, list(range(12)))
+    plain = pool.allocate(2)
+    pool.free(cached)
+    pool.free(plain)  # freed after the cached ones: an LRU over all free blocks would evict those first
+    never_cached = 8 - len(cached)
+    pool.allocate(count)
+    evicted = sum(pool.block_hash_of(b) is None for b in cached)
+    assert evicted == max(0, count - never_cached), \
+        f"allocate({count}) evicted {evicted} cached blocks while {never_cached} never-cached blocks were free " \
+        f"(guarantee 11: evict only when none is left)"

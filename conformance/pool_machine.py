@@ -9,6 +9,7 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 from kvforge.core import BlockStateError, OutOfBlocksError
 
 from .check_block_allocator_pool import BLOCK_SIZE, NUM_BLOCKS, snapshot
+from .check_block_allocator_reset import lacks_reset
 
 
 class PoolMachine(RuleBasedStateMachine):
@@ -24,6 +25,9 @@ class PoolMachine(RuleBasedStateMachine):
         self.refs = [0] * NUM_BLOCKS
         self.hash_of: dict[int, bytes] = {}  # block -> the hash the model says it carries
         self.block_of: dict[bytes, int] = {}
+        self.lookups = self.hits = 0  # what usage() must report (guarantee 8)
+        # A caching allocator written for API 1.0/1.1 may lack reset_prefix_cache (guarantee 12).
+        self.resets = not lacks_reset(self.cls)
 
     def _forget_hash(self, block):
         if block in self.hash_of:
@@ -40,14 +44,19 @@ class PoolMachine(RuleBasedStateMachine):
                 self.pool.allocate(count)
             assert snapshot(self.pool) == before
             return
+        never_cached = sum(1 for b, r in enumerate(self.refs) if not r and b not in self.hash_of)
         blocks = self.pool.allocate(count)
+        self.holders.append(blocks)  # before the checks, so teardown frees them and a failure here is the one reported
         assert len(blocks) == len(set(blocks)) == count
+        evicted = sum(1 for b in blocks if b in self.hash_of)
+        assert evicted == max(0, count - never_cached), \
+            f"allocate({count}) evicted {evicted} cached blocks with {never_cached} never-cached ones free " \
+            f"(guarantee 11)"
         for block in blocks:
             assert self.refs[block] == 0, f"allocate handed out block {block}, which is held"
             assert self.pool.block_hash_of(block) is None
             self.refs[block] = 1
             self._forget_hash(block)
-        self.holders.append(blocks)
 
     @precondition(lambda self: self.holders)
     @rule(pick=st.integers(0, 99))
@@ -113,12 +122,27 @@ class PoolMachine(RuleBasedStateMachine):
             expected.append(self.block_of[block_hash])
         before = snapshot(self.pool)
         assert list(self.pool.lookup(hashes)) == expected
+        self.lookups += len(hashes)
+        self.hits += len(expected)
         assert snapshot(self.pool) == before, "lookup took references"
         if take and expected:
             self.pool.acquire(expected)
             for block in expected:
                 self.refs[block] += 1
             self.holders.append(expected)
+
+    @precondition(lambda self: self.resets)
+    @rule()
+    def reset_prefix_cache(self):
+        if any(self.refs):
+            before = snapshot(self.pool)
+            with pytest.raises(BlockStateError):
+                self.pool.reset_prefix_cache()
+            assert snapshot(self.pool) == before, "a refused reset_prefix_cache changed the pool"
+            return
+        assert self.pool.reset_prefix_cache() == len(self.hash_of)
+        self.hash_of.clear()
+        self.block_of.clear()
 
     @rule(block=st.sampled_from([-1, NUM_BLOCKS, NUM_BLOCKS + 5, *range(NUM_BLOCKS)]))
     def free_unheld(self, block):
@@ -135,6 +159,7 @@ class PoolMachine(RuleBasedStateMachine):
         usage = self.pool.usage()
         in_use = sum(1 for r in self.refs if r)
         assert (usage.in_use, usage.free) == (in_use, NUM_BLOCKS - in_use)
+        assert (usage.lookups, usage.hits) == (self.lookups, self.hits), "lookup miscounts (guarantee 8)"
         if self.caching:
             assert usage.cached == sum(1 for b in self.hash_of if not self.refs[b])
             assert all(self.pool.block_hash_of(b) == h for b, h in self.hash_of.items())

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from typing import Any, ClassVar
 
 from .api import BLOCK_ALLOCATOR
+from .errors import BlockStateError
 from .implementation import Implementation, SelectionRequest
 
 BlockHash = bytes
@@ -59,15 +60,30 @@ class BlockAllocator(Implementation):
     With `supports_prefix_caching`:
       7. `hash_block` chains: the hash depends on the parent hash, the token ids
          and the extra keys (cache salt, model or adapter tag); different inputs
-         give different hashes.
+         give different hashes. It depends on nothing else but `hash_algorithm`
+         and `hash_seed`: two allocators built with the same ones hash the same
+         inputs identically, and with different seeds differently (no per-instance
+         randomness, so a hash means the same content in every engine of a run).
       8. `lookup` returns the blocks of the longest prefix of the given hashes
-         that are cached (held or free), and takes no references.
+         that are cached (held or free), and takes no references. It adds every
+         hash it was given to `usage().lookups` and every block it returns to
+         `usage().hits`, so `hit_rate` is the share of looked-up blocks found.
       9. A block whose reference count drops to zero keeps its hash and can be
          `acquire`d again until evicted. `allocate` evicts the least recently used
          cached free block first; among blocks released by one `free` call, the
          last listed (the tail of a sequence) is evicted first. Acquiring a cached
          block makes it the most recently used when it is freed again.
      10. A block handed out by `allocate` carries no hash.
+     11. `allocate` evicts a cached block only when no never-cached free block
+         is left: it hands out free blocks that carry no hash first, so exactly
+         `max(0, n - never-cached free blocks)` cached blocks lose their hash.
+     12. `reset_prefix_cache()` refuses with `BlockStateError`, changing nothing,
+         while any block is held. Once every block is free it removes every hash:
+         no block carries one, `lookup` finds nothing, `usage().cached == 0`, the
+         same content can be cached again, and `lookups`/`hits` (lifetime totals)
+         are unchanged. It returns how many cached blocks it cleared.
+         Allocators written for API 1.0/1.1 predate it and inherit the default
+         below; the check is skipped for those that cache.
     """
 
     kind: ClassVar[str] = BLOCK_ALLOCATOR
@@ -136,3 +152,26 @@ class BlockAllocator(Implementation):
     def block_hash_of(self, block_id: int) -> BlockHash | None:
         """The hash `block_id` carries, if any."""
         return None
+
+    def reset_prefix_cache(self) -> int:
+        """Forget every cached block (guarantee 12); returns how many were cleared.
+
+        Not abstract, so plugins written before it existed (API 1.0/1.1) still
+        load. This default serves an allocator without prefix caching, which has
+        nothing to clear; one that caches must override it, since only it knows
+        where its hashes live, and until then a reset is refused here.
+        """
+        if self.supports_prefix_caching:
+            raise NotImplementedError(
+                f"block allocator {self.name!r} does not implement reset_prefix_cache (it was written before "
+                f"kvforge added it); ask its author to add it, or choose cache.allocator=default")
+        self._refuse_reset_while_held()
+        return 0
+
+    def _refuse_reset_while_held(self) -> None:
+        """Raise the `BlockStateError` of guarantee 12 if any block is held."""
+        in_use = self.usage().in_use
+        if in_use:
+            raise BlockStateError(f"cannot reset the prefix cache of block allocator {self.name!r}: {in_use} of "
+                                  f"{self.num_blocks} blocks are held; free every block (finish or abort every "
+                                  f"request) first")

@@ -191,6 +191,19 @@ class KVCacheManager:
         self.requests[child_id] = _Request(parent.extra_keys, blocks, parent.num_tokens, list(parent.hashes),
                                            parent.num_cached)
 
+    def reset_prefix_cache(self) -> int:
+        """Forget every cached block, so later requests hit nothing computed before
+        (benchmarks, or after swapping weights). Refused with `BlockStateError`
+        while any request holds blocks. Returns how many cached blocks were cleared."""
+        holding = [request_id for request_id, request in self.requests.items() if request.blocks]
+        if holding:
+            shown = ", ".join(repr(r) for r in holding[:3])
+            if len(holding) > 3:
+                shown += f" and {len(holding) - 3} more"
+            raise BlockStateError(f"cannot reset the prefix cache while requests hold blocks ({shown}); let them "
+                                  f"finish or abort them first")
+        return self.allocator.reset_prefix_cache()
+
     # Views
 
     def block_table(self, request_id: str) -> list[int]:

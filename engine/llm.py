@@ -52,6 +52,13 @@ class LLM:
     def tokenizer(self):
         return self.engine.tokenizer
 
+    def reset_prefix_cache(self) -> int:
+        """Forget every cached KV block, so the next `generate` recomputes every
+        prompt (vLLM's `LLM.reset_prefix_cache`, which returns False where this raises
+        `BlockStateError`: while a `stream` is still running). Returns how many
+        cached blocks were cleared."""
+        return self.engine.reset_prefix_cache()
+
     def generate(self, prompts: str | Sequence[str] | None = None,
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None, *,
                  prompt_token_ids: Sequence[Sequence[int]] | None = None,

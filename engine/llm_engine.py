@@ -178,6 +178,12 @@ class LLMEngine:
     def has_unfinished_requests(self) -> bool:
         return bool(self.groups)
 
+    def reset_prefix_cache(self) -> int:
+        """Forget every cached KV block (see `KVCacheManager.reset_prefix_cache`);
+        refused with `BlockStateError` while running requests hold blocks.
+        Returns how many cached blocks were cleared."""
+        return self.kv.reset_prefix_cache()
+
     # Stepping
 
     def step(self, final_only: bool = False) -> list[RequestOutput]:

@@ -104,6 +104,18 @@ class PrefixCachingAllocator(BlockPool):
     def block_hash_of(self, block_id: int) -> BlockHash | None:
         return self._block(block_id, "read the hash of").hash
 
+    def reset_prefix_cache(self) -> int:
+        # Refused while held: a held block's hash is what lets its holder's next
+        # request hit it, and clearing only the free ones would half reset.
+        self._refuse_reset_while_held()
+        cleared = self.cached_queue.size
+        while self.cached_queue.size:
+            block = self.cached_queue.popleft()
+            block.hash = None
+            self.free_queue.append(block)
+        self.by_hash.clear()
+        return cleared
+
 
 @hookimpl
 def kvforge_implementations():
