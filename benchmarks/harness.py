@@ -16,6 +16,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
+
 from kvforge.engine import heap
 
 from .scenarios import Scenario, Target, write_workload
@@ -48,13 +50,11 @@ def peer_pythons(pairs: list[str] | None) -> dict[str, str]:
 
 
 def percentile(values: list[float], q: float) -> float | None:
-    """Linear-interpolated percentile (numpy's default); None for no values."""
+    """The q-th percentile with numpy's default linear interpolation; None for no values.
+    Every latency percentile kvforge reports (bench, `kvforge generate`) is this one."""
     if not values:
         return None
-    ordered = sorted(values)
-    k = (len(ordered) - 1) * q / 100
-    lo, hi = math.floor(k), math.ceil(k)
-    return ordered[lo] + (ordered[hi] - ordered[lo]) * (k - lo)
+    return float(np.percentile(values, q))
 
 
 def metrics(result: dict, latency_class: str | None = None) -> dict:

@@ -164,6 +164,16 @@ def test_max_requests_keeps_the_first_requests_of_every_workload(tmp_path, tiny_
     assert results["max_requests"] == 3 and results["scenarios"][0]["runs"][0]["metrics"]["requests"] == 3
     assert "only the first 3 requests of each workload" in (tmp_path / "report.md").read_text()
 
+def test_one_percentile_interpolates_linearly_like_numpy():
+    from kvforge import cli_generate
+
+    assert cli_generate.percentile is harness.percentile  # `kvforge generate` reports the same figures as bench
+    assert harness.percentile([], 50) is None
+    assert harness.percentile([3.0, 1.0, 2.0], 50) == 2.0
+    assert harness.percentile([1.0, 2.0, 3.0], 99) == pytest.approx(2.98)  # nearest rank would say 3.0
+    assert harness.percentile([10.0, 0.0], 25) == pytest.approx(2.5)
+
+
 def test_max_requests_below_one_is_refused(capsys):
     from kvforge.cli import main
 
