@@ -5,6 +5,10 @@ with the Python given for it, and turn their JSON into comparable figures.
 
 A configuration whose peer has no Python is not run, and says so; one whose
 process fails is reported with the tail of its stderr.
+
+Without `--peer`, kvforge and both transformers peers run with this Python
+(transformers is a dependency of kvforge); `--peer transformers=none` turns the
+transformers peers off. vLLM runs only when given its own Python.
 """
 
 from __future__ import annotations
@@ -16,6 +20,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
+
 from kvforge.engine import heap
 
 from .scenarios import Scenario, Target, write_workload
@@ -24,37 +30,54 @@ PEERS_DIR = Path(__file__).resolve().parent / "peers"
 RUNNERS = {"kvforge": "kvforge_peer.py", "generate": "hf_generate.py", "generate_batch": "hf_generate_batch.py",
            "vllm": "vllm_peer.py"}
 ALIASES = {"transformers": ("generate", "generate_batch")}  # --peer transformers=PY sets both
+# transformers is a dependency of kvforge, so its peers can run with this very Python out of the box.
+DEFAULT_PEERS = ("kvforge", "generate", "generate_batch")
+OFF = "none"  # --peer NAME=none: do not run NAME
 
 
-def peer_pythons(pairs: list[str] | None) -> dict[str, str]:
-    """`["vllm=/path/python", ...]` as a dict; kvforge defaults to this Python.
-    A path with a directory in it is made absolute; a bare name is found on PATH."""
+def peer_pythons(pairs: list[str] | None) -> dict[str, str | None]:
+    """`["vllm=/path/python", "transformers=none", ...]` as a dict of peer -> Python.
+
+    kvforge and the transformers peers default to this Python; a peer set to
+    `none` maps to None (turned off); a peer absent from the dict (vLLM unless
+    given) was never given a Python. A path with a directory in it is made
+    absolute; a bare name is found on PATH."""
     from kvforge.core import ConfigError
 
-    pythons = {"kvforge": sys.executable}
+    pythons: dict[str, str | None] = {peer: sys.executable for peer in DEFAULT_PEERS}
     for pair in pairs or []:
         name, sep, path = pair.partition("=")
         if not sep or not path:
-            raise ConfigError(f"--peer {pair!r}: write NAME=PATH/TO/python, e.g. vllm=~/venvs/vllm/bin/python")
-        if os.sep in path:  # peers run from their output folder: a relative path must not move with them
-            path = os.path.abspath(path)
+            raise ConfigError(f"--peer {pair!r}: write NAME=PATH/TO/python (e.g. vllm=~/venvs/vllm/bin/python), "
+                              f"or NAME={OFF} to turn a peer off")
         names = ALIASES.get(name, (name,))
+        if any(one not in RUNNERS for one in names):
+            raise ConfigError(f"--peer {name!r} is not a known peer; choose from: "
+                              f"{', '.join(sorted(set(RUNNERS) | set(ALIASES)))}")
+        if path.lower() == OFF:
+            if name == "kvforge":
+                raise ConfigError(f"--peer kvforge={OFF}: kvforge is what every scenario measures and cannot be "
+                                  "turned off; give kvforge=PATH/TO/python to run it with another Python")
+            path = None
+        elif os.sep in path:  # peers run from their output folder: a relative path must not move with them
+            path = os.path.abspath(path)
         for one in names:
-            if one not in RUNNERS:
-                raise ConfigError(f"--peer {name!r} is not a known peer; choose from: "
-                                  f"{', '.join(sorted(set(RUNNERS) | set(ALIASES)))}")
             pythons[one] = path
     return pythons
 
 
 def percentile(values: list[float], q: float) -> float | None:
-    """Linear-interpolated percentile (numpy's default); None for no values."""
+    """The q-th percentile with numpy's default linear interpolation; None for no values.
+    Every latency percentile kvforge reports (bench, `kvforge generate`) is this one."""
     if not values:
         return None
-    ordered = sorted(values)
-    k = (len(ordered) - 1) * q / 100
-    lo, hi = math.floor(k), math.ceil(k)
-    return ordered[lo] + (ordered[hi] - ordered[lo]) * (k - lo)
+    return float(np.percentile(values, q))
+
+
+def failed_runs(results: dict) -> list[tuple[dict, dict]]:
+    """(scenario summary, run) for every configuration that was run and failed."""
+    return [(summary, run) for summary in results["scenarios"] for run in summary.get("runs", [])
+            if run["status"].startswith("failed")]
 
 
 def metrics(result: dict, latency_class: str | None = None) -> dict:
@@ -132,6 +155,8 @@ def peer_env(peer: str, kv_cache_gib: float, threads: int | None) -> dict:
 def run_one(python: str, peer: str, workload: Path, config: dict, out: Path, timeout: float, kv_cache_gib: float,
             threads: int | None = None) -> dict:
     """Run one configuration in its own process; its result JSON, or a status saying why not."""
+    # The process runs from out's folder: every path it is given must name the same file from there.
+    workload, out = Path(workload).absolute(), Path(out).absolute()
     config_file = out.with_suffix(".config.json")
     config_file.write_text(json.dumps(config))
     command = [python, str(PEERS_DIR / RUNNERS[peer]), "--workload", str(workload), "--config", str(config_file),
@@ -176,13 +201,17 @@ def run_scenario(scenario: Scenario, model_dir: str, out_dir: Path, *, peers: di
         summary["status"] = scenario.unavailable
         return summary
     out_dir = Path(out_dir) / scenario.name
+    # peers read the model directory from the workload, from their own folder
+    model_dir = str(Path(model_dir).absolute())
     workload = write_workload(scenario, out_dir / "workload.json", model_dir=model_dir, dtype=dtype,
                               kv_cache_gib=kv_cache_gib)
     for i, run in enumerate(scenario.runs):
         entry = {"label": run.label, "peer": run.peer, "options": run.options}
         python = peers.get(run.peer)
-        if python is None:
+        if run.peer not in peers:
             entry["status"] = "not run: no --peer given"
+        elif python is None:
+            entry["status"] = f"not run: turned off (--peer {run.peer}={OFF})"
         else:
             log(f"[{scenario.name}] {run.label} ...")
             config = {"label": run.label, "options": run.options}

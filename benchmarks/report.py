@@ -122,9 +122,10 @@ def markdown(results: dict) -> str:
             f"{results.get('repeats', 1)} run(s)"
             + (f"; only the first {results['max_requests']} requests of each workload." if results.get("max_requests")
                else "."), ""]
-    peers_line = ", ".join(f"{k}={v}" for k, v in results["peers"].items() if k != "kvforge")
+    # a peer mapped to None was turned off (--peer NAME=none)
+    peers_line = ", ".join(f"{k}={v}" for k, v in results["peers"].items() if k != "kvforge" and v)
     head += [f"Peers: {peers_line}." if peers_line else
-             "Peers: none given (`--peer NAME=PATH/TO/python`); only kvforge configurations ran.", ""]
+             "Peers: none (`--peer NAME=PATH/TO/python` runs one); only kvforge configurations ran.", ""]
     body = machine_section(results.get("machine"))
     for summary in results["scenarios"]:
         body += scenario_section(summary)

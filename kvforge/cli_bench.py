@@ -2,7 +2,11 @@
 machine's limits, a JSON file, a Markdown report and PNG plots.
 
     kvforge bench --quick
-    kvforge bench mixed --peer vllm=~/venvs/vllm/bin/python --peer transformers=.venv/bin/python
+    kvforge bench mixed --peer vllm=~/venvs/vllm/bin/python --peer transformers=none
+
+The transformers peers run with this Python unless turned off; vLLM only when
+given its own. Exits 1 when a scenario's subject configuration failed, naming
+it on stderr; any other failed configuration is named but leaves the status alone.
 """
 
 from __future__ import annotations
@@ -27,7 +31,9 @@ def add_parser(commands) -> None:
     parser.add_argument("--out", default="bench-results", metavar="DIR", help="where results go (default: bench-results)")
     parser.add_argument("--peer", action="append", metavar="NAME=PYTHON",
                         help="run peer NAME (vllm, generate, generate_batch; transformers = both) with this "
-                             "Python (repeatable); peers not given are not run")
+                             "Python, or not at all with NAME=none (repeatable). Default: both transformers "
+                             "peers run with this Python (--peer transformers=none turns them off); vllm runs "
+                             "only when given, e.g. vllm=~/venvs/vllm/bin/python")
     parser.add_argument("--model", help=f"a local HF directory, a built-in name, or {QUICK_MODEL} / {FULL_MODEL} "
                                         f"(random weights, built on first use; default: {QUICK_MODEL} with --quick, "
                                         f"else {FULL_MODEL})")
@@ -59,6 +65,9 @@ def bench(scenario_names: list[str], *, quick: bool, out: Path, peers: dict[str,
     missing = sorted({"generate", "generate_batch", "vllm"} - set(peers))
     if missing:
         log(f"peers not given, not run: {', '.join(missing)} (--peer NAME=PATH/TO/python)")
+    off = sorted(name for name, python in peers.items() if python is None)
+    if off:
+        log(f"peers turned off, not run: {', '.join(off)}")
     results = {"command": command, "model": model, "model_dir": str(path), "dtype": "float32", "quick": quick,
                "peers": peers, "threads": threads, "repeats": repeats, "max_requests": max_requests,
                "started": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()), "scenarios": []}
@@ -103,4 +112,19 @@ def run(args: argparse.Namespace) -> int:
                     log=lambda line: print(line, file=sys.stderr))
     print(f"wrote {out / 'results.json'}, {out / 'report.md'} and {len(results['plots'])} plot(s)", file=sys.stderr)
     print(report.markdown(results))
+    # Only a failed subject fails the run: every figure of its scenario is measured against it.
+    # Any other configuration failing costs one comparison, and some fail by design (a
+    # proposer that cannot serve the model says so), so they are named but pass.
+    subjects = []
+    for summary, entry in harness.failed_runs(results):
+        if entry["label"] == summary["subject"]:
+            subjects.append(summary["scenario"])
+            print(f"error: {summary['scenario']}: subject configuration {entry['label']!r} {entry['status']}",
+                  file=sys.stderr)
+        else:
+            print(f"note: {summary['scenario']}: configuration {entry['label']!r} {entry['status']}", file=sys.stderr)
+    if subjects:
+        print(f"error: the subject of {', '.join(subjects)} failed, so nothing there was measured against it; "
+              f"each run's log is {out}/<scenario>/run<N>.log", file=sys.stderr)
+        return 1
     return 0

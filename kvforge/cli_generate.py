@@ -12,6 +12,8 @@ import json
 import sys
 import time
 
+from kvforge.benchmarks.harness import percentile
+
 from .cli_options import add_config_options
 
 
@@ -53,13 +55,6 @@ def read_prompts(args: argparse.Namespace) -> list[str]:
                 line = json.loads(line)["prompt"]
             prompts.append(line)
     return prompts
-
-
-def percentile(values: list[float], q: float) -> float | None:
-    if not values:
-        return None
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, round(q / 100 * (len(ordered) - 1)))]
 
 
 def summary(outputs, elapsed: float) -> dict:

@@ -5,6 +5,7 @@ said to be not run. Sizes are tiny: no timing is asserted anywhere."""
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 import sys
 
@@ -78,6 +79,17 @@ def test_peer_arguments_map_names_to_pythons():
         harness.peer_pythons(["vllm"])
 
 
+def test_transformers_peers_run_with_this_python_unless_turned_off():
+    # transformers is a dependency, so both of its peers run out of the box; vLLM needs its own Python
+    assert harness.peer_pythons([]) == {"kvforge": sys.executable, "generate": sys.executable,
+                                        "generate_batch": sys.executable}
+    off = harness.peer_pythons(["transformers=none"])
+    assert off["generate"] is None and off["generate_batch"] is None and off["kvforge"] == sys.executable
+    assert harness.peer_pythons(["generate=None"])["generate_batch"] == sys.executable  # one peer alone
+    with pytest.raises(ConfigError, match="kvforge is what every scenario measures"):
+        harness.peer_pythons(["kvforge=none"])
+
+
 def test_relative_peer_paths_are_taken_from_where_the_bench_starts(tmp_path, monkeypatch):
     # each peer runs from its scenario's output folder, where ".venv/bin/python" would name nothing
     monkeypatch.chdir(tmp_path)
@@ -99,22 +111,24 @@ def test_workloads_are_fixed_by_the_seed():
 def test_tiny_workload_runs_end_to_end_and_reports(tmp_path, tiny_model):
     requests = [scenarios.request(i, [3 + i, 4, 5, 6 + i], 3 + i) for i in range(3)]
     scenario = Scenario("tiny", requests, [Run("kvforge", "kvforge", {"cache": {"num_blocks": 32}}),
-                                           Run("transformers generate", "generate")], "kvforge",
+                                           Run("transformers generate", "generate"), Run("vLLM CPU", "vllm")],
+                        "kvforge",
                         [Target("tiny: >= 3x generate", "kvforge", "transformers generate", "throughput", 3.0)])
-    summary = harness.run_scenario(scenario, tiny_model, tmp_path, peers=harness.peer_pythons([]),
+    summary = harness.run_scenario(scenario, tiny_model, tmp_path, peers=harness.peer_pythons(["transformers=none"]),
                                    kv_cache_gib=0.01, timeout=120, log=lambda line: None)
-    kvforge, generate = summary["runs"]
+    kvforge, generate, vllm = summary["runs"]
     assert kvforge["status"] == "ok", kvforge["status"]
     assert kvforge["metrics"]["output_tokens"] == 3 + 4 + 5 and kvforge["metrics"]["tokens_per_s"] > 0
     assert kvforge["metrics"]["peak_kv_mib"] > 0
-    assert generate["status"] == "not run: no --peer given"
+    assert generate["status"] == "not run: turned off (--peer generate=none)"
+    assert vllm["status"] == "not run: no --peer given"
     assert summary["targets"][0]["status"] == "not measured"
     assert json.loads((tmp_path / "tiny" / "workload.json").read_text())["requests"] == requests
 
-    results = {"command": "test", "model": "tiny", "dtype": "float32", "quick": True, "peers": {"kvforge": "py"},
-               "scenarios": [summary]}
+    results = {"command": "test", "model": "tiny", "dtype": "float32", "quick": True,
+               "peers": {"kvforge": "py", "generate": None, "generate_batch": None}, "scenarios": [summary]}
     text = report.markdown(results)
-    assert "not run: no --peer given" in text and "Peers: none given" in text
+    assert "not run: no --peer given" in text and "Peers: none (" in text
     assert text.rindex("## Comparison") > text.rindex("## tiny")  # the comparison table comes last
     (png,) = report.plots(results, tmp_path)
     assert png.read_bytes()[:4] == b"\x89PNG"
@@ -139,6 +153,7 @@ def test_transformers_peers_sweep_their_batch_settings_and_generate_every_token(
 def test_cli_writes_json_and_markdown_and_reports_missing_plugin_kinds(tmp_path, tiny_model, capsys):
     from kvforge.cli import main
 
+    # neither scenario has a transformers configuration: the default peers cost nothing here
     assert main(["bench", "speculative", "kv-quant", "--quick", "--no-machine", "--model", tiny_model,
                  "--out", str(tmp_path)]) == 0
     results = json.loads((tmp_path / "results.json").read_text())
@@ -149,20 +164,88 @@ def test_cli_writes_json_and_markdown_and_reports_missing_plugin_kinds(tmp_path,
             assert summary["status"] == f"not available: needs a {kind} plugin"
     assert (tmp_path / "report.md").read_text().startswith("# kvforge bench")
     err = capsys.readouterr().err
-    assert "not run: generate, generate_batch, vllm" in err
+    assert "not given, not run: vllm" in err
+    for run in results["scenarios"][0]["runs"]:  # draft_model without a draft of this model's vocabulary fails
+        if run["status"].startswith("failed"):
+            assert f"note: speculative: configuration {run['label']!r} failed" in err
 
 
 def test_max_requests_keeps_the_first_requests_of_every_workload(tmp_path, tiny_model):
     from kvforge.cli import main
 
     assert main(["bench", "mixed", "--quick", "--no-machine", "--model", tiny_model, "--max-requests", "3",
-                 "--out", str(tmp_path)]) == 0
+                 "--peer", "transformers=none", "--out", str(tmp_path)]) == 0
     written = json.loads((tmp_path / "mixed" / "workload.json").read_text())["requests"]
     assert written == scenarios.mixed(json.loads((Path(tiny_model) / "config.json").read_text())["vocab_size"],
                                       quick=True).requests[:3]
     results = json.loads((tmp_path / "results.json").read_text())
     assert results["max_requests"] == 3 and results["scenarios"][0]["runs"][0]["metrics"]["requests"] == 3
     assert "only the first 3 requests of each workload" in (tmp_path / "report.md").read_text()
+
+def test_relative_out_and_model_are_taken_from_where_the_bench_starts(tmp_path, tiny_model, monkeypatch):
+    # every peer runs from DIR/<scenario>/, where a relative DIR or model directory would name nothing
+    from kvforge.cli import main
+
+    start = tmp_path / "start"
+    start.mkdir()
+    monkeypatch.chdir(start)
+    assert main(["bench", "mixed", "--quick", "--no-machine", "--model", os.path.relpath(tiny_model, start),
+                 "--max-requests", "2", "--peer", "transformers=none", "--out", "results"]) == 0
+    (run,) = [r for r in json.loads((start / "results" / "results.json").read_text())["scenarios"][0]["runs"]
+              if r["peer"] == "kvforge"]
+    assert run["status"] == "ok" and run["metrics"]["requests"] == 2
+
+
+def test_a_failed_subject_configuration_fails_the_bench_and_is_named(tmp_path, tiny_model, monkeypatch, capsys):
+    from kvforge.cli import main
+
+    broken = Scenario("mixed", [scenarios.request(0, [3, 4, 5], 2)],
+                      [Run("no such policy", "kvforge", {"scheduler": {"policy": "no-such-policy"}})], "no such policy")
+    monkeypatch.setattr(scenarios, "build", lambda name, vocab, quick: broken)
+    assert main(["bench", "mixed", "--quick", "--no-machine", "--model", tiny_model, "--out", str(tmp_path)]) == 1
+    err = capsys.readouterr().err
+    assert "error: mixed: subject configuration 'no such policy' failed (exit 1)" in err
+    assert (tmp_path / "report.md").is_file()  # the results are still written, the failure in them
+
+
+def test_a_failed_configuration_other_than_the_subject_is_named_but_passes(tmp_path, tiny_model, monkeypatch,
+                                                                           capsys):
+    # e.g. a peer whose venv is gone, or a proposer that cannot serve the model: one comparison lost
+    from kvforge.cli import main
+
+    missing = tmp_path / "no-venv" / "bin" / "python"
+    lone_peer = Scenario("mixed", [scenarios.request(0, [3, 4, 5], 2)], [Run("vLLM CPU", "vllm")], "kvforge")
+    monkeypatch.setattr(scenarios, "build", lambda name, vocab, quick: lone_peer)
+    assert main(["bench", "mixed", "--quick", "--no-machine", "--model", tiny_model, "--peer", f"vllm={missing}",
+                 "--out", str(tmp_path)]) == 0
+    assert f"note: mixed: configuration 'vLLM CPU' failed: no Python at {missing}" in capsys.readouterr().err
+
+
+def test_without_peer_the_transformers_peers_run_with_this_python(tmp_path, tiny_model, monkeypatch):
+    from kvforge.cli import main
+
+    ran = []
+
+    def fake_run_one(python, peer, workload, config, out, *rest):
+        ran.append((peer, python))
+        return {"status": "ok", "result": result(1.0, [(2, 0.1, 0.2, None)])}
+
+    monkeypatch.setattr(harness, "run_one", fake_run_one)
+    assert main(["bench", "mixed", "--quick", "--no-machine", "--model", tiny_model, "--max-requests", "1",
+                 "--out", str(tmp_path)]) == 0
+    assert ran == [("kvforge", sys.executable), ("generate", sys.executable), ("generate_batch", sys.executable)]
+    assert f"Peers: generate={sys.executable}, generate_batch={sys.executable}." in (tmp_path / "report.md").read_text()
+
+
+def test_one_percentile_interpolates_linearly_like_numpy():
+    from kvforge import cli_generate
+
+    assert cli_generate.percentile is harness.percentile  # `kvforge generate` reports the same figures as bench
+    assert harness.percentile([], 50) is None
+    assert harness.percentile([3.0, 1.0, 2.0], 50) == 2.0
+    assert harness.percentile([1.0, 2.0, 3.0], 99) == pytest.approx(2.98)  # nearest rank would say 3.0
+    assert harness.percentile([10.0, 0.0], 25) == pytest.approx(2.5)
+
 
 def test_max_requests_below_one_is_refused(capsys):
     from kvforge.cli import main

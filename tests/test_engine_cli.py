@@ -9,7 +9,6 @@ import pytest
 import torch
 
 from kvforge.cli import main
-from kvforge.cli_generate import percentile
 from kvforge.models import resolve_model_dir
 
 
@@ -58,11 +57,6 @@ def test_without_model_it_generates_with_kvforge_tiny(capsys):
     assert main(["generate", *FAST, "--jsonl", "--no-summary", "def main():"]) == 0
     [record] = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
     assert record["prompt"] == "def main():" and 1 <= len(record["token_ids"]) <= 4
-
-
-def test_percentile_picks_nearest_rank():
-    assert percentile([], 50) is None
-    assert percentile([3.0, 1.0, 2.0], 50) == 2.0 and percentile([1.0, 2.0, 3.0], 99) == 3.0
 
 
 def test_llm_applies_keyword_sections_over_a_config_object():
