@@ -40,6 +40,7 @@ def test_prompts_from_a_file_and_streaming(tmp_path, capsys):
     events = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
     assert {e["id"] for e in events} == {"0", "1"}
     assert sum(e["finished"] for e in events) == 2
+    assert all(("selected" in e) == e["finished"] for e in events)  # once per request, on its last event
 
 
 def test_prompts_from_stdin(monkeypatch, capsys):
