@@ -164,5 +164,27 @@ def check_implementation_names(config: EngineConfig, registry: Any) -> None:
         valid = registry.names(kind)
         if name not in valid:
             problems.append(f"{path}: {unknown_name_message(kind, name, valid)}")
+    problems += _prefix_caching_problems(config, registry)
     if problems:
         raise ConfigError("invalid configuration:\n  " + "\n  ".join(problems))
+
+
+def _prefix_caching_problems(config: EngineConfig, registry: Any) -> list[str]:
+    """`cache.enable_prefix_caching` (on by default) with a named allocator that has no
+    prefix caching would only fail when the engine selects it; say so here, with the fix."""
+    from .api import BLOCK_ALLOCATOR
+    from .errors import KvforgeError
+    from .registry import AUTO
+
+    cache = config.cache
+    if not cache.enable_prefix_caching or cache.allocator == AUTO or cache.allocator not in registry.names(BLOCK_ALLOCATOR):
+        return []
+    try:
+        cls = registry.get(BLOCK_ALLOCATOR, cache.allocator).cls
+    except KvforgeError:  # a duplicate name: the engine's selection reports it, naming both plugins
+        return []
+    if cls.supports_prefix_caching:
+        return []
+    return [f"cache.allocator: block allocator {cache.allocator!r} does not support prefix caching, which "
+            f"cache.enable_prefix_caching (true by default) asks for; set cache.enable_prefix_caching=false, or "
+            f"choose an allocator with prefix caching (or auto)"]

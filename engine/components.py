@@ -105,7 +105,13 @@ def select_backend(registry: Registry, config: EngineConfig, layers: list[Attent
 def build_allocator(registry: Registry, config: EngineConfig, num_blocks: int):
     cache = config.cache
     request = SelectionRequest(block_size=cache.block_size, prefix_caching=cache.enable_prefix_caching or None)
-    cls = registry.select(BLOCK_ALLOCATOR, cache.allocator, request).cls
+    try:
+        cls = registry.select(BLOCK_ALLOCATOR, cache.allocator, request).cls
+    except SelectionError as exc:
+        if not cache.enable_prefix_caching or cache.allocator not in registry.names(BLOCK_ALLOCATOR):
+            raise
+        raise SelectionError(f"cache.allocator = {cache.allocator!r}: {exc}; set cache.enable_prefix_caching=false "
+                             "to use it (prefix caching is on by default)") from exc
     return cls(num_blocks, cache.block_size, hash_algorithm=cache.hash_algorithm, hash_seed=config.seed)
 
 
@@ -164,3 +170,19 @@ def check_supported(config: EngineConfig, dtype: torch.dtype) -> None:
         raise UnsupportedConfigurationError(
             f"cache.kv_cache_dtype = {kv_dtype!r} differs from the model dtype {str(dtype).removeprefix('torch.')}; "
             "the reference engine keeps the KV cache in the model dtype; set cache.kv_cache_dtype = 'auto'")
+
+
+def selected_names(model, allocator, policy, kv_quantizer: Quantizer | None, weight_quantizer: Quantizer | None,
+                   proposer: SpeculativeProposer | None) -> dict[str, str]:
+    """The name of each implementation an engine runs with, by part; the quantizers and
+    the proposer only when configured. A ready-made model without a kvforge attention
+    backend (a test double) has no `attention_backend` entry."""
+    backend = getattr(model, "attention_backend", None)
+    parts = {ATTENTION_BACKEND: backend, BLOCK_ALLOCATOR: allocator, SCHEDULER_POLICY: policy,
+             "kv_quantizer": kv_quantizer, "weight_quantizer": weight_quantizer, SPECULATIVE_PROPOSER: proposer}
+    return {part: chosen.name for part, chosen in parts.items() if chosen is not None}
+
+
+def describe_selection(selected: dict[str, str]) -> str:
+    """One line naming what `selected_names` found, as vLLM's "Using ... backend" line."""
+    return "kvforge engine: " + ", ".join(f"{part.replace('_', ' ')} {name}" for part, name in selected.items())

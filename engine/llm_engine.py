@@ -8,14 +8,17 @@ embedding in a custom serving loop; `LLM` wraps it for batch use.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
+import logging
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 
-from kvforge.core import EngineConfig, ProposerTarget, RequestError, build_registry
+from kvforge.core import BlockStateError, EngineConfig, ProposerTarget, RequestError, build_registry
 
 from . import components, heap
 from .detokenizer import IncrementalDetokenizer
@@ -30,6 +33,8 @@ from .sampler import Sampler, logprob_record, raw_logprobs
 from .sampling_params import SamplingParams
 from .scheduler import SampledTokens, ScheduledRequest, Scheduler, SchedulerOutput
 
+log = logging.getLogger(__name__)
+
 
 @dataclass
 class _Group:
@@ -41,11 +46,18 @@ class _Group:
 
 
 class LLMEngine:
-    """The reference engine. Build it from a config (`LLMEngine(config)`), or hand
-    it a ready `model` (any CausalLM, see contracts) and `tokenizer`."""
+    """The reference engine. Build it from a config (`LLMEngine(config)`), a model
+    name or directory (`LLMEngine(model="kvforge-tiny")`, which sets `config.model`
+    as `LLM` does), or hand it a ready `model` (any CausalLM, see contracts) and
+    `tokenizer`.
+
+    `selected` names the implementation chosen for each part (attention backend,
+    block allocator, scheduler policy, and the KV / weight quantizer and
+    speculative proposer when configured); it is logged once at INFO."""
 
     def __init__(self, config: EngineConfig | None = None, *, model=None, tokenizer=None, registry=None):
-        self.config = config = config or EngineConfig()
+        config, model = _config_and_model(config, model)
+        self.config = config
         plugins = config.plugins
         self.registry = registry or build_registry(allow=plugins.allow, deny=plugins.deny, strict=plugins.strict)
         self.device = components.resolve_device(config)
@@ -54,14 +66,16 @@ class LLMEngine:
             heap.keep_freed_memory()
         components.check_supported(config, self.dtype)
         kv_quantizer = components.resolve_kv_quantizer(self.registry, config)
+        weight_quantizer = None
         if model is None:
             from kvforge.models import load_model, load_tokenizer
 
             layers = components.model_layers(config.model)
             backend = components.select_backend(self.registry, config, layers, self.device, self.dtype, kv_quantizer)
+            weight_quantizer = components.weight_quantizer(self.registry, config)
             model = load_model(config.model, dtype=self.dtype, device=self.device, attention_backend=backend,
                                linear_kernel=config.linear_kernel, kv_quantizer=kv_quantizer,
-                               weight_quantizer=components.weight_quantizer(self.registry, config))
+                               weight_quantizer=weight_quantizer)
             tokenizer = tokenizer if tokenizer is not None else load_tokenizer(config.model)
         elif kv_quantizer is not None:
             components.use_kv_quantizer(model, kv_quantizer)
@@ -71,7 +85,8 @@ class LLMEngine:
         self.num_blocks = components.num_blocks(config, spec, self.device, int(model.max_model_len))
         allocator = components.build_allocator(self.registry, config, self.num_blocks)
         self.kv = KVCacheManager(allocator, block_size, config.cache.enable_prefix_caching)
-        self.scheduler = Scheduler(components.build_policy(self.registry, config), self.kv,
+        policy = components.build_policy(self.registry, config)
+        self.scheduler = Scheduler(policy, self.kv,
                                    max_num_seqs=config.scheduler.max_num_seqs,
                                    max_num_batched_tokens=config.scheduler.max_num_batched_tokens,
                                    max_model_len=int(model.max_model_len))
@@ -89,6 +104,8 @@ class LLMEngine:
             self.drafter = Drafter(proposer, num_tokens=spec.num_tokens,
                                    disable_above_batch_size=spec.disable_above_batch_size,
                                    vocab_size=self.vocab_size, max_model_len=self.max_model_len)
+        self.selected = components.selected_names(model, allocator, policy, kv_quantizer, weight_quantizer, proposer)
+        log.info("%s", components.describe_selection(self.selected))
         self.eos_token_id = getattr(model, "eos_token_id", None)
         if self.eos_token_id is None and tokenizer is not None:
             self.eos_token_id = getattr(tokenizer, "eos_token_id", None)
@@ -197,6 +214,9 @@ class LLMEngine:
             self.stats.num_prompt_tokens += sum(
                 max(0, min(e.request.num_prompt_tokens, e.start + e.num_tokens) - e.start) for e in plan.scheduled)
             logits = self.runner.execute(plan.scheduled)
+            plan, logits, failed = self._end_non_finite(plan, logits)
+            touched.update(dict.fromkeys(r.group_id for r in failed))
+            finished += failed
             update = self.scheduler.update_from_output(plan, self._sample(plan, logits))
             self.stats.num_generated_tokens += update.num_generated_tokens
             touched.update(dict.fromkeys(r.group_id for r in update.progressed))
@@ -219,7 +239,50 @@ class LLMEngine:
                 del self.groups[group_id]
                 self.stats.num_finished += 1
                 self.stats.num_errors += any(s.finish_reason is FinishReason.ERROR for s in group.samples)
+        if not self.groups:
+            self._check_no_blocks_held()
         return outputs
+
+    def _end_non_finite(self, plan: SchedulerOutput,
+                        logits: torch.Tensor) -> tuple[SchedulerOutput, torch.Tensor, list[Request]]:
+        """End, with finish_reason "error", every request whose logits hold a NaN or an
+        infinity (sampling them would emit garbage tokens); the others go on. Returns
+        the plan and logits without them, and the requests ended."""
+        finite = torch.isfinite(logits).all(dim=-1)
+        if bool(finite.all()):  # one check per step; the per-entry walk only when something is wrong
+            return plan, logits, []
+        finite = finite.tolist()
+        kept, rows, failed, row = [], [], [], 0
+        for entry in plan.scheduled:
+            span = range(row, row + entry.num_logit_rows)
+            row = span.stop
+            if all(finite[r] for r in span):
+                kept.append(entry)
+                rows.extend(span)
+                continue
+            request = entry.request
+            self.scheduler.finish(request, FinishReason.ERROR, error=(
+                f"the model produced non-finite logits (NaN or infinity) for output token "
+                f"{len(request.output_token_ids)} of this request, so no token can be sampled; the checkpoint may hold non-finite weights "
+                f"(loading warns, naming the tensor) or the dtype overflows (try dtype = 'float32')"))
+            failed.append(request)
+        plan = dataclasses.replace(plan, scheduled=kept)
+        return plan, logits[torch.tensor(rows, dtype=torch.long, device=logits.device)], failed
+
+    def _check_no_blocks_held(self) -> None:
+        """With no request left, every KV block must be back in the pool; a block still
+        held is leaked by the allocator (or the engine), and would shrink the cache
+        for every later request, showing up only as truncated outputs."""
+        usage = self.kv.usage()
+        held = usage.num_blocks - usage.free
+        if held:
+            name = self.selected["block_allocator"]
+            raise BlockStateError(
+                f"KV block leak: no request is left, but block allocator {name!r} "
+                f"({type(self.kv.allocator).__module__}.{type(self.kv.allocator).__qualname__}) reports {held} of "
+                f"{usage.num_blocks} blocks still held; its free() does not return every block to the pool. "
+                f"Run `kvforge conformance --plugin PLUGIN` on the plugin that provides {name!r}, or choose another "
+                f"allocator (cache.allocator)")
 
     def _sample(self, plan: SchedulerOutput, logits: torch.Tensor) -> dict[str, SampledTokens]:
         """The tokens every sampling request (and every sample forked this step) emits."""
@@ -300,3 +363,20 @@ class LLMEngine:
     def metrics_prometheus(self) -> str:
         """`metrics()` in Prometheus text format (needs prometheus_client)."""
         return prometheus_text(self.metrics())
+
+
+def _config_and_model(config, model) -> tuple[EngineConfig, object]:
+    """The config to build from and the ready model (None to load one): a model name
+    or directory given as `model` becomes `config.model`, as in `LLM`."""
+    if config is not None and not isinstance(config, EngineConfig):
+        hint = (f"; to load a model by name, write LLMEngine(model={str(config)!r})"
+                if isinstance(config, (str, Path)) else "")
+        raise TypeError(f"LLMEngine's config must be an EngineConfig (or None), got {type(config).__name__}{hint}")
+    config = config or EngineConfig()
+    if isinstance(model, (str, Path)):
+        return EngineConfig.model_validate({**config.model_dump(), "model": str(model)}), None
+    if model is not None and not callable(getattr(model, "kv_cache_spec", None)):
+        raise TypeError(f"LLMEngine's model must be a model name, a model directory or a CausalLM (with "
+                        f"kv_cache_spec, allocate_kv_cache, plan, forward, compute_logits), got "
+                        f"{type(model).__name__}")
+    return config, model

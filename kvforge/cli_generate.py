@@ -32,7 +32,10 @@ def add_parser(commands) -> None:
     parser.add_argument("--jsonl", action="store_true", help="one JSON object per request on stdout")
     parser.add_argument("--threads", type=int, help="CPU threads for torch (default: torch's choice); 1 is often "
                         "fastest for tiny models on a busy machine")
-    parser.add_argument("--no-summary", action="store_true", help="do not print the summary")
+    parser.add_argument("-v", "--verbose", action="store_true",
+                        help="the selection line also names the device, dtype and KV cache size")
+    parser.add_argument("--no-summary", action="store_true",
+                        help="print neither the selection line nor the summary")
     parser.set_defaults(run=run)
 
 
@@ -83,10 +86,22 @@ def format_summary(figures: dict) -> str:
             f"p99 {ms(figures['ttft_p99_s'])}; TPOT p50 {ms(figures['tpot_p50_s'])} p99 {ms(figures['tpot_p99_s'])}")
 
 
-def record(output) -> dict:
+def selection_line(engine, verbose: bool) -> str:
+    """The engine's one line naming what it selected; with `verbose`, where it runs too."""
+    from kvforge.core import dtype_name
+    from kvforge.engine.components import describe_selection
+
+    line = describe_selection(engine.selected)
+    if verbose:
+        line += (f"; device {engine.device}, dtype {dtype_name(engine.dtype)}, {engine.num_blocks} KV blocks of "
+                 f"{engine.kv.block_size} tokens")
+    return line
+
+
+def record(output, selected: dict[str, str]) -> dict:
     return {"id": output.request_id, "prompt": output.prompt, "text": output.text, "token_ids": output.token_ids,
             "finish_reason": output.finish_reason, "error": output.error,
-            "ttft_s": output.timings.ttft, "tpot_s": output.timings.tpot}
+            "ttft_s": output.timings.ttft, "tpot_s": output.timings.tpot, "selected": selected}
 
 
 def run(args: argparse.Namespace) -> int:
@@ -103,6 +118,9 @@ def run(args: argparse.Namespace) -> int:
         torch.set_num_threads(args.threads)
     sections = {"model": args.model} if args.model else {}
     llm = LLM(config_file=args.config, overrides=args.overrides, **sections)
+    selected = llm.engine.selected
+    if not args.no_summary:
+        print(selection_line(llm.engine, args.verbose), file=sys.stderr)
     params = [SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
                              top_k=args.top_k, seed=None if args.seed is None else args.seed + i)
               for i in range(len(prompts))]
@@ -112,7 +130,7 @@ def run(args: argparse.Namespace) -> int:
     else:
         outputs = llm.generate(prompts, params, use_tqdm=len(prompts) > 1)
         for output in outputs:
-            print(json.dumps(record(output)) if args.jsonl else format_output(output, len(prompts) > 1))
+            print(json.dumps(record(output, selected)) if args.jsonl else format_output(output, len(prompts) > 1))
     elapsed = time.perf_counter() - start
     if not args.no_summary:
         print(format_summary(summary(outputs, elapsed)), file=sys.stderr)
@@ -130,9 +148,12 @@ def stream(llm, prompts, params, jsonl: bool) -> list:
     for output in llm.stream(prompts, params):
         completion = output.outputs[0]
         if jsonl:
-            print(json.dumps({"id": output.request_id, "new_text": completion.new_text,
-                              "new_token_ids": completion.new_token_ids, "finished": output.finished,
-                              "finish_reason": completion.finish_reason, "error": completion.error}), flush=True)
+            event = {"id": output.request_id, "new_text": completion.new_text,
+                     "new_token_ids": completion.new_token_ids, "finished": output.finished,
+                     "finish_reason": completion.finish_reason, "error": completion.error}
+            if output.finished:  # once per request, as the non-streaming records carry it
+                event["selected"] = llm.engine.selected
+            print(json.dumps(event), flush=True)
         elif len(prompts) > 1:
             if completion.new_text:
                 print(f"[{output.request_id}] {completion.new_text!r}", flush=True)

@@ -8,14 +8,16 @@ the error names the tensor.
 
 from __future__ import annotations
 
+import difflib
 import json
+import logging
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from torch import nn
 
-from kvforge.core import AttentionBackend, AttentionLayerSpec, Quantizer
+from kvforge.core import AttentionBackend, AttentionLayerSpec, Quantizer, dtype_name
 from kvforge.core.errors import ConfigError, UnsupportedConfigurationError
 
 from .base import CausalLM, ModelConfig
@@ -26,6 +28,7 @@ from .registry import model_class
 BUILTIN_DIR = Path(__file__).resolve().parent / "builtin"
 BUILTIN_MODELS = ("kvforge-tiny", "kvforge-tiny-draft")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+log = logging.getLogger(__name__)
 
 
 def resolve_model_dir(name_or_path: str | Path) -> Path:
@@ -34,9 +37,12 @@ def resolve_model_dir(name_or_path: str | Path) -> Path:
         return BUILTIN_DIR / str(name_or_path)
     path = Path(name_or_path).expanduser()
     if not (path / "config.json").is_file():
+        close = difflib.get_close_matches(str(name_or_path), BUILTIN_MODELS, n=1)
+        hint = f"; did you mean {close[0]!r}?" if close and not path.exists() else ""
         raise ConfigError(
             f"model {str(name_or_path)!r} is neither a built-in model ({', '.join(BUILTIN_MODELS)}) nor a local "
-            "directory with a config.json; give a Hugging Face model directory (downloads are not supported)")
+            f"directory with a config.json{hint} Give a built-in name or a Hugging Face model directory "
+            "(downloads are not supported)")
     return path
 
 
@@ -79,7 +85,7 @@ def load_weights(model: CausalLM, files: list[Path], dtype: torch.dtype, device:
     params = dict(model.named_parameters())
     seen: set[str] = set()
     for file in files:
-        with safe_open(str(file), framework="pt", device="cpu") as reader:
+        with _open_checkpoint(file) as reader:
             for key in reader.keys():
                 name = model.checkpoint_name(key)
                 if name.endswith(tuple("." + s for s in model.ignored_suffixes)) or (name in model.tied_keys and name not in params):
@@ -93,13 +99,37 @@ def load_weights(model: CausalLM, files: list[Path], dtype: torch.dtype, device:
                     raise ConfigError(
                         f"tensor {key!r} in {file.name} has shape {tuple(tensor.shape)}, but the model built "
                         f"from config.json expects {tuple(params[name].shape)}")
-                _assign(model, name, tensor.to(device=device, dtype=dtype))
+                tensor = tensor.to(device=device, dtype=dtype)
+                _warn_if_not_finite(tensor, key, file)
+                _assign(model, name, tensor)
                 seen.add(name)
     missing = sorted(set(params) - seen)
     if missing:
         raise ConfigError(f"checkpoint has no tensor {missing[0]!r}" +
                           (f" (and {len(missing) - 1} more: {', '.join(missing[1:4])}...)" if len(missing) > 1 else "")
                           + f"; the files read were {', '.join(f.name for f in files)}")
+
+
+def _warn_if_not_finite(tensor: torch.Tensor, key: str, file: Path) -> None:
+    """Warn about NaN or infinity in a loaded weight (checked after the cast, so an
+    overflow of the model dtype shows too): the model would still load and run, and
+    only the requests those values reach would fail."""
+    if not tensor.is_floating_point():
+        return
+    bad = int((~torch.isfinite(tensor)).sum())
+    if bad:
+        log.warning("tensor %r in %s holds %d non-finite values (NaN or infinity) as %s; requests whose logits "
+                    "they reach end with finish_reason 'error'", key, file, bad, dtype_name(tensor.dtype))
+
+
+def _open_checkpoint(file: Path):
+    """`safe_open` on one checkpoint file, with a damaged file (truncated download,
+    interrupted save) named as such instead of safetensors' bare header error."""
+    try:
+        return safe_open(str(file), framework="pt", device="cpu")
+    except SafetensorError as exc:
+        raise ConfigError(f"checkpoint file {file} is damaged and cannot be read ({exc}); it is probably truncated "
+                          "(an interrupted download or save): download or save it again") from exc
 
 
 def _assign(model: nn.Module, name: str, tensor: torch.Tensor) -> None:

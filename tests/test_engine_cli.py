@@ -39,6 +39,7 @@ def test_prompts_from_a_file_and_streaming(tmp_path, capsys):
     events = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
     assert {e["id"] for e in events} == {"0", "1"}
     assert sum(e["finished"] for e in events) == 2
+    assert all(("selected" in e) == e["finished"] for e in events)  # once per request, on its last event
 
 
 def test_prompts_from_stdin(monkeypatch, capsys):
@@ -78,3 +79,23 @@ def test_embedding_example_runs(capsys):
     assert metrics["requests"] == 3 and metrics["aborted"] == 1 and metrics["finished"] == 2
     assert metrics["running"] == metrics["waiting"] == 0 and metrics["kv_usage"] == 0
     assert "[story] abort after" in capsys.readouterr().out
+
+
+def test_generate_names_what_it_selected_on_stderr_and_in_each_record(capsys):
+    assert main(["generate", "--model", builtin(MODEL), *FAST, "--jsonl", "-v", "Hello"]) == 0
+    captured = capsys.readouterr()
+    [record] = [json.loads(line) for line in captured.out.splitlines()]
+    selected = record["selected"]
+    assert set(selected) == {"attention_backend", "block_allocator", "scheduler_policy"}
+    [line] = [line for line in captured.err.splitlines() if line.startswith("kvforge engine:")]
+    assert line.startswith(f"kvforge engine: attention backend {selected['attention_backend']}, "
+                           f"block allocator {selected['block_allocator']}, "
+                           f"scheduler policy {selected['scheduler_policy']}")
+    assert "device cpu, dtype float32, 64 KV blocks of 16 tokens" in line  # -v
+
+
+def test_config_show_refuses_prefix_caching_with_an_allocator_without_it(capsys):
+    assert main(["config", "show", "--set", "cache.allocator='nocache'"]) == 2
+    assert "cache.enable_prefix_caching=false" in capsys.readouterr().err
+    assert main(["config", "show", "--json", "--set", "cache.allocator='nocache'",
+                 "--set", "cache.enable_prefix_caching=false"]) == 0
