@@ -7,19 +7,22 @@ pass. The reduced grid runs far fewer cases, so it cannot rely on chance. Its
 batch shapes are fixed, built around the one block size `B` it uses; only the
 values (queries, keys, values, block placement, garbage) are random per seed.
 Every shape below is chosen so that a backend getting one thing wrong changes
-its output by far more than any tolerance, on every seed:
+its float32 output far beyond tolerance on every seed (docs/conformance.md has
+the measured margins):
 
-| what a backend can get wrong          | the batch that shows it |
-|---------------------------------------|-------------------------|
-| decode position (query at position `context_len`) | every decode; with a window, one position too far drops a key |
-| a block boundary (the token at `k * B`, the block count) | a decode and a prompt whose last token opens block 2 (`(B, 1)`, `(0, B + 1)`), a chunk crossing from block 1 into 2, a decode filling exactly two blocks |
-| chunked prefill over cached context   | a chunk of 3 over `B - 1` cached tokens (mixed, chunked) |
-| mixed batches                         | a prompt, a chunk and decodes in one step (mixed) |
-| block-table padding                   | a short sequence beside two-block ones (padding is block 0, NaN) |
-| GQA                                   | every case: 4 query heads per KV head |
-| sliding window                        | window `B // 2 + 1`, shorter than the context of every sequence reaching block 2 |
-| logit soft-cap                        | cap 1.5 over scores of unit variance: many reach it |
-| ALiBi                                 | slopes 2^-1 .. 2^-8 over distances up to `B + 1` |
+- decode position (query at `context_len`): every decode; one position too far
+  shows through the window, which then drops a key;
+- a block boundary (the token at `k * B`, the block count): a decode and a prompt
+  whose last token opens block 2 (`(B, 1)`, `(0, B + 1)`), a chunk crossing from
+  block 1 into 2, a decode filling exactly two blocks (`(2B - 1, 1)`);
+- chunked prefill over cached context: a chunk of 3 over `B - 1` cached tokens;
+- mixed batches: a prompt, a chunk and decodes in one step;
+- block-table padding (block 0, NaN): a short sequence beside two-block ones;
+- GQA: every case has 4 query heads per KV head;
+- sliding window: `B // 2 + 1`, shorter than the context of every sequence
+  reaching block 2;
+- logit soft-cap: 1.5, over scores of unit variance, many of which reach it;
+- ALiBi: slopes 2^-1 .. 2^-8 over distances up to `B + 1`.
 
 `tests/test_attention_conformance.py` plants a backend with each of these bugs
 and shows the reduced grid catches it on every one of several seeds.
