@@ -30,8 +30,6 @@ and shows the reduced grid catches it on every one of several seeds.
 
 from __future__ import annotations
 
-QUICK_KINDS = ("decode", "prefill", "chunked", "mixed")
-
 
 def quick_lengths(kind: str, block_size: int) -> list[tuple[int, int]]:
     """(context_len, query_len) of each sequence of the reduced grid's batch of `kind`."""
@@ -49,7 +47,7 @@ def quick_lengths(kind: str, block_size: int) -> list[tuple[int, int]]:
         "mixed": [(0, 5), opens_block, chunk, short],
     }
     if kind not in batches:
-        raise ValueError(f"the reduced grid has no {kind!r} batches; its kinds: {', '.join(QUICK_KINDS)} "
+        raise ValueError(f"the reduced grid has no {kind!r} batches; its kinds: {', '.join(batches)} "
                          "(pass reduced=False for the full grid's kinds)")
     return list(batches[kind])
 

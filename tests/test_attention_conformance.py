@@ -21,6 +21,7 @@ from kvforge.conformance import (
     check_attention_refusal,
 )
 from kvforge.conformance.attention_cases import BLOCK_SIZES, SEED_ENV, Target, check_case, make_case, make_layer
+from kvforge.conformance.attention_quick_grid import quick_lengths, quick_window
 from kvforge.conformance.selection import QUICK_ENV
 from kvforge.core import ATTENTION_BACKEND, SLIDING_WINDOW, Registration, cdiv, quantized_kv_views
 
@@ -429,6 +430,22 @@ def quick_run(cls, block_size: int, seed: int, modules, monkeypatch) -> list[str
         finally:
             torch.set_num_threads(threads)
     return []
+
+
+@pytest.mark.parametrize("block_size", BLOCK_SIZES)
+def test_quick_batches_hold_what_the_grid_promises(block_size):
+    b, window = block_size, quick_window(block_size)
+    decode, mixed = quick_lengths("decode", b), quick_lengths("mixed", b)
+    assert (b, 1) in decode and (b, 1) in mixed  # a decode's new token opens block 2
+    assert any(c + q == b + 1 for c, q in quick_lengths("prefill", b))  # so does a prompt's last token
+    assert any(0 < c < b + 1 <= c + q and q > 1 for c, q in mixed)  # a chunk over context reaches block 2
+    assert any(c + q == 2 * b for c, q in decode)  # a sequence fills its blocks exactly
+    assert all(c + q > window for c, q in mixed if c + q > b)  # the window is shorter than the context
+
+
+def test_the_reduced_grid_refuses_a_batch_kind_it_does_not_have():
+    with pytest.raises(ValueError, match="no 'long' batches; its kinds: decode, prefill, chunked, mixed"):
+        make_case("long", make_layer(64, 4), 16, torch.float32, seed=1, reduced=True)
 
 
 def test_the_proof_runs_every_quick_attention_check():
