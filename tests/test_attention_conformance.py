@@ -413,9 +413,9 @@ def quick_checks(modules) -> list[tuple[str, functools.partial]]:
             for params in parametrizations(fn)]
 
 
-def quick_run(cls, block_size: int, seed: int, modules, monkeypatch) -> list[str]:
+def quick_run(cls, block_size: int, seed: int, modules, monkeypatch) -> str | None:
     """The first check of `modules` that `kvforge conformance --quick` would fail for
-    `cls` declaring only `block_size` (label and first line), or []."""
+    `cls` declaring only `block_size` (its label and first line), or None."""
     monkeypatch.setenv(QUICK_ENV, "1")
     monkeypatch.setenv(SEED_ENV, str(seed))
     declared = type(cls.__name__, (cls,), {"block_sizes": frozenset({block_size})})
@@ -426,10 +426,10 @@ def quick_run(cls, block_size: int, seed: int, modules, monkeypatch) -> list[str
         except pytest.skip.Exception:
             continue
         except Exception as exc:  # noqa: BLE001 (an assertion or a crash: pytest reports either as a failure)
-            return [f"{label}: {str(exc).splitlines()[0] if str(exc) else type(exc).__name__}"]
+            return f"{label}: {str(exc).splitlines()[0] if str(exc) else type(exc).__name__}"
         finally:
             torch.set_num_threads(threads)
-    return []
+    return None
 
 
 @pytest.mark.parametrize("block_size", BLOCK_SIZES)
@@ -457,7 +457,7 @@ def test_the_proof_runs_every_quick_attention_check():
 def test_reference_passes_the_quick_grid(block_size, monkeypatch):
     # The control for the test below: the grid fails the broken backends, not every backend.
     seed = QUICK_SEEDS[block_size % len(QUICK_SEEDS)]
-    assert quick_run(ReferenceAttentionBackend, block_size, seed, BATCH_CHECKS + FEATURE_CHECKS, monkeypatch) == []
+    assert quick_run(ReferenceAttentionBackend, block_size, seed, BATCH_CHECKS + FEATURE_CHECKS, monkeypatch) is None
 
 
 @pytest.mark.parametrize("cls, modules", [
@@ -473,5 +473,5 @@ def test_quick_grid_catches_every_planted_bug_on_every_seed(cls, modules, monkey
     batches every dtype runs), so caught by the whole grid."""
     missed = [(seed, block_size) for i, seed in enumerate(QUICK_SEEDS)
               for block_size in [BLOCK_SIZES[i % len(BLOCK_SIZES)]]
-              if not quick_run(cls, block_size, seed, modules, monkeypatch)]
+              if quick_run(cls, block_size, seed, modules, monkeypatch) is None]
     assert not missed, f"{cls.name} passed the quick grid at (seed, block size) {missed}"
