@@ -13,6 +13,7 @@ from kvforge.conformance.attention_cases import (
     DTYPES, QUERIES_PER_KV, check_case, fresh_seed, make_case, make_layer, report, target,
 )
 from kvforge.conformance.attention_cases import one_thread  # noqa: F401 (a fixture, used below)
+from kvforge.conformance.attention_quick_grid import quick_window
 
 KIND = ATTENTION_BACKEND
 GROUP = "features"
@@ -45,9 +46,15 @@ def test_feature_matches_float64_reference(registration, combination, dtype):
     for i, block_size in enumerate(sorted({block_sizes[0], block_sizes[-1]})):
         for j, kind in enumerate(kinds):
             head_size = tgt.head_sizes()[(i + j) % len(tgt.head_sizes())]
-            ratio = QUERIES_PER_KV[(i + j) % len(QUERIES_PER_KV)]
-            # windows shorter and longer than a block; the long sequence gets one that spans several
-            window = rng.randint(60, 150) if kind == "long" else rng.randint(1, 2 * block_size + 3)
+            ratio = 4 if tgt.reduced else QUERIES_PER_KV[(i + j) % len(QUERIES_PER_KV)]
+            # windows shorter and longer than a block; the long sequence gets one that spans several;
+            # the reduced grid, with no chance to draw again, one shorter than its batches' context
+            if tgt.reduced:
+                window = quick_window(block_size)
+            elif kind == "long":
+                window = rng.randint(60, 150)
+            else:
+                window = rng.randint(1, 2 * block_size + 3)
             layer = feature_layer(features, head_size, ratio, window)
             cases.append(make_case(kind, layer, block_size, dtype, seed + len(cases), tgt.reduced))
     report([check_case(tgt, case) for case in cases])

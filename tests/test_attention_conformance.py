@@ -3,11 +3,16 @@ is caught by the check written for the guarantee it breaks."""
 
 from __future__ import annotations
 
+import dataclasses
+import functools
+import itertools
+
 import pytest
 import torch
 
 from kvforge.backends.reference import ReferenceAttentionBackend, attend, gather_sequence
 from kvforge.conformance import (
+    check_attention_decode,
     check_attention_features,
     check_attention_kv_write,
     check_attention_mixed,
@@ -15,8 +20,10 @@ from kvforge.conformance import (
     check_attention_quantized_kv,
     check_attention_refusal,
 )
-from kvforge.conformance.attention_cases import SEED_ENV, Target, check_case, make_case, make_layer
-from kvforge.core import ATTENTION_BACKEND, SLIDING_WINDOW, Registration, quantized_kv_views
+from kvforge.conformance.attention_cases import BLOCK_SIZES, SEED_ENV, Target, check_case, make_case, make_layer
+from kvforge.conformance.attention_quick_grid import quick_lengths, quick_window
+from kvforge.conformance.selection import QUICK_ENV
+from kvforge.core import ATTENTION_BACKEND, SLIDING_WINDOW, Registration, cdiv, quantized_kv_views
 
 
 @pytest.fixture(autouse=True)
@@ -29,18 +36,102 @@ def registration(cls) -> Registration:
     return Registration(ATTENTION_BACKEND, cls.name, cls, "test", "test", "0", (1, 0))
 
 
-class IgnoresContext(ReferenceAttentionBackend):
-    """Attends only to this step's tokens, as if every sequence were a fresh prompt."""
-
-    name = "ignores-context"
+class PerSequence(ReferenceAttentionBackend):
+    """The reference, one sequence at a time, with `gather` and `attend_one` for the
+    mutants below to get wrong."""
 
     def forward(self, query, kv_cache, plan, out=None):
         out = torch.empty_like(query) if out is None else out
         for b, (context, seq_len) in enumerate(zip(plan.context_lens, plan.seq_lens)):
             start, end = plan.query_starts[b], plan.query_starts[b + 1]
-            keys, values = gather_sequence(kv_cache, plan.batch.block_table[b], seq_len)
-            out[start:end] = attend(query[start:end], keys[context:], values[context:], 0, self.layer).to(out.dtype)
+            keys, values = self.gather(kv_cache, plan.batch.block_table[b], seq_len)
+            out[start:end] = self.attend_one(query[start:end], keys, values, context, plan).to(out.dtype)
         return out
+
+    def gather(self, kv_cache, blocks, seq_len):
+        return gather_sequence(kv_cache, blocks, seq_len)
+
+    def attend_one(self, query, keys, values, context, plan):
+        return attend(query, keys, values, context, self.layer)
+
+    def without_context(self, query, keys, values, context):
+        return attend(query, keys[context:], values[context:], 0, self.layer)
+
+
+class IgnoresContext(PerSequence):
+    """Attends only to this step's tokens, as if every sequence were a fresh prompt."""
+
+    name = "ignores-context"
+
+    def attend_one(self, query, keys, values, context, plan):
+        return self.without_context(query, keys, values, context)
+
+
+class IgnoresContextInChunks(PerSequence):
+    """Decodes read their context, but a prefill chunk attends only to its own tokens
+    (a varlen prefill kernel that assumes nothing is cached)."""
+
+    name = "ignores-context-in-chunks"
+
+    def attend_one(self, query, keys, values, context, plan):
+        if len(query) > 1:
+            return self.without_context(query, keys, values, context)
+        return super().attend_one(query, keys, values, context, plan)
+
+
+class MixedBatchAsPrefill(PerSequence):
+    """Sends a whole step down the prompt path when any sequence has several new
+    tokens: right for all-decode and all-prompt steps, wrong for a decode beside a prompt."""
+
+    name = "mixed-batch-as-prefill"
+
+    def attend_one(self, query, keys, values, context, plan):
+        if plan.batch.max_query_len > 1:
+            return self.without_context(query, keys, values, context)
+        return super().attend_one(query, keys, values, context, plan)
+
+
+class DecodeOneEarly(PerSequence):
+    """Places a decode's query at position `context_len - 1`: it misses its own key."""
+
+    name = "decode-one-early"
+    shift = -1
+
+    def attend_one(self, query, keys, values, context, plan):
+        return attend(query, keys, values, context + (self.shift if len(query) == 1 else 0), self.layer)
+
+
+class DecodeOneLate(DecodeOneEarly):
+    """Places a decode's query at position `context_len + 1`: the causal mask cannot
+    tell, only a sliding window (one key too few) shows it."""
+
+    name = "decode-one-late"
+    shift = 1
+
+
+class ReadsBlockStartFromPreviousBlock(PerSequence):
+    """Finds position p's block as `(p - 1) // block_size`: the first token of every
+    block after the first is read from the block before it."""
+
+    name = "reads-block-start-from-previous-block"
+
+    def gather(self, kv_cache, blocks, seq_len):
+        positions = torch.arange(seq_len)
+        block_size = kv_cache.shape[2]
+        pages = kv_cache[blocks.long()[(positions - 1).clamp(min=0) // block_size], :, positions % block_size]
+        return pages[:, 0], pages[:, 1]  # pages: [seq_len, 2, kv_heads, head_size]
+
+
+class DropsTokenOpeningABlock(PerSequence):
+    """Counts a sequence's blocks as `cdiv(seq_len - 1, block_size)`: a sequence whose
+    last token is the first of a block loses that token."""
+
+    name = "drops-token-opening-a-block"
+
+    def gather(self, kv_cache, blocks, seq_len):
+        keys, values = gather_sequence(kv_cache, blocks, seq_len)
+        kept = cdiv(seq_len - 1, kv_cache.shape[2]) * kv_cache.shape[2]
+        return keys[:kept], values[:kept]
 
 
 class WrongHeadGroups(ReferenceAttentionBackend):
@@ -82,19 +173,39 @@ class SkipsLastToken(ReferenceAttentionBackend):
         return out
 
 
-class IgnoresWindow(ReferenceAttentionBackend):
-    """Declares sliding windows but attends to the whole sequence."""
+class IgnoresLayerOptions(ReferenceAttentionBackend):
+    """Declares every feature but computes as if the layer's `ignored` options were unset."""
 
-    name = "ignores-window"
+    ignored: tuple[str, ...] = ()
 
     def forward(self, query, kv_cache, plan, out=None):
         saved = self.layer
-        self.layer = type(saved)(saved.num_heads, saved.num_kv_heads, saved.head_size, saved.scale, None,
-                                 saved.logit_soft_cap, saved.alibi_slopes)
+        self.layer = dataclasses.replace(saved, **dict.fromkeys(self.ignored))
         try:
             return super().forward(query, kv_cache, plan, out)
         finally:
             self.layer = saved
+
+
+class IgnoresWindow(IgnoresLayerOptions):
+    """Declares sliding windows but attends to the whole sequence."""
+
+    name = "ignores-window"
+    ignored = ("sliding_window",)
+
+
+class IgnoresSoftCap(IgnoresLayerOptions):
+    """Declares the logit soft-cap but never applies it."""
+
+    name = "ignores-soft-cap"
+    ignored = ("logit_soft_cap",)
+
+
+class IgnoresAlibi(IgnoresLayerOptions):
+    """Declares ALiBi but adds no bias."""
+
+    name = "ignores-alibi"
+    ignored = ("alibi_slopes",)
 
 
 class WritesMinusOne(ReferenceAttentionBackend):
@@ -123,20 +234,14 @@ class SpillsIntoNextSlot(ReferenceAttentionBackend):
         kv_cache[spill[keep] // bs, 0, spill[keep] % bs] += 1
 
 
-class ReadsPadding(ReferenceAttentionBackend):
+class ReadsPadding(PerSequence):
     """Gathers every column of the block table, padding included, and relies on the
     causal mask alone (masked scores get weight 0, but 0 times NaN is NaN)."""
 
     name = "reads-padding"
 
-    def forward(self, query, kv_cache, plan, out=None):
-        out = torch.empty_like(query) if out is None else out
-        width = plan.batch.block_table.shape[1] * kv_cache.shape[2]
-        for b, (context, seq_len) in enumerate(zip(plan.context_lens, plan.seq_lens)):
-            start, end = plan.query_starts[b], plan.query_starts[b + 1]
-            keys, values = gather_sequence(kv_cache, plan.batch.block_table[b], width)
-            out[start:end] = attend(query[start:end], keys, values, context, self.layer).to(out.dtype)
-        return out
+    def gather(self, kv_cache, blocks, seq_len):
+        return gather_sequence(kv_cache, blocks, len(blocks) * kv_cache.shape[2])
 
 
 class AcceptsAnything(ReferenceAttentionBackend):
@@ -282,3 +387,91 @@ def test_a_backend_declaring_no_quantized_kv_is_skipped_with_the_reason():
     with pytest.raises(pytest.skip.Exception, match="declares no quantized KV dtypes"):
         check_attention_quantized_kv.test_write_kv_stores_what_the_quantizer_gives_and_nothing_else(
             registration(float_only), 0)
+
+
+# The quick grid: every planted bug caught on every seed, at every block size it may use
+
+QUICK_SEEDS = (0, 1, 2, 3, 7, 1234, 99991, 2**31 - 1)
+FEATURE_CHECKS = (check_attention_features,)
+BATCH_CHECKS = (check_attention_decode, check_attention_prefill, check_attention_mixed)  # all dtypes, no features
+
+
+def parametrizations(fn) -> list[dict]:
+    """Every keyword set pytest would call check `fn` with (besides `registration`)."""
+    axes = []
+    for mark in getattr(fn, "pytestmark", []):
+        if mark.name == "parametrize":
+            names = [n.strip() for n in mark.args[0].split(",")]
+            axes.append([dict(zip(names, v if len(names) > 1 else (v,))) for v in mark.args[1]])
+    return [{k: v for axis in combo for k, v in axis.items()} for combo in itertools.product(*axes)]
+
+
+def quick_checks(modules) -> list[tuple[str, functools.partial]]:
+    """(label, check awaiting `registration`) for every test the modules hold, every parametrization."""
+    return [(f"{module.__name__.rsplit('.', 1)[1]}::{name}{params}", functools.partial(fn, **params))
+            for module in modules for name, fn in vars(module).items() if name.startswith("test_")
+            for params in parametrizations(fn)]
+
+
+def quick_run(cls, block_size: int, seed: int, modules, monkeypatch) -> str | None:
+    """The first check of `modules` that `kvforge conformance --quick` would fail for
+    `cls` declaring only `block_size` (its label and first line), or None."""
+    monkeypatch.setenv(QUICK_ENV, "1")
+    monkeypatch.setenv(SEED_ENV, str(seed))
+    declared = type(cls.__name__, (cls,), {"block_sizes": frozenset({block_size})})
+    for label, check in quick_checks(modules):
+        threads = torch.get_num_threads()  # one check sets its own
+        try:
+            check(registration(declared))
+        except pytest.skip.Exception:
+            continue
+        except Exception as exc:  # noqa: BLE001 (an assertion or a crash: pytest reports either as a failure)
+            return f"{label}: {str(exc).splitlines()[0] if str(exc) else type(exc).__name__}"
+        finally:
+            torch.set_num_threads(threads)
+    return None
+
+
+@pytest.mark.parametrize("block_size", BLOCK_SIZES)
+def test_quick_batches_hold_what_the_grid_promises(block_size):
+    b, window = block_size, quick_window(block_size)
+    decode, mixed = quick_lengths("decode", b), quick_lengths("mixed", b)
+    assert (b, 1) in decode and (b, 1) in mixed  # a decode's new token opens block 2
+    assert any(c + q == b + 1 for c, q in quick_lengths("prefill", b))  # so does a prompt's last token
+    assert any(0 < c < b + 1 <= c + q and q > 1 for c, q in mixed)  # a chunk over context reaches block 2
+    assert any(c + q == 2 * b for c, q in decode)  # a sequence fills its blocks exactly
+    assert all(c + q > window for c, q in mixed if c + q > b)  # the window is shorter than the context
+
+
+def test_the_reduced_grid_refuses_a_batch_kind_it_does_not_have():
+    with pytest.raises(ValueError, match="no 'long' batches; its kinds: decode, prefill, chunked, mixed"):
+        make_case("long", make_layer(64, 4), 16, torch.float32, seed=1, reduced=True)
+
+
+def test_the_proof_runs_every_quick_attention_check():
+    assert len(quick_checks(BATCH_CHECKS)) >= 15 and len(quick_checks(FEATURE_CHECKS)) >= 12
+    assert any("decode" in label and "float32" in label for label, _ in quick_checks(BATCH_CHECKS))
+
+
+@pytest.mark.parametrize("block_size", BLOCK_SIZES)
+def test_reference_passes_the_quick_grid(block_size, monkeypatch):
+    # The control for the test below: the grid fails the broken backends, not every backend.
+    seed = QUICK_SEEDS[block_size % len(QUICK_SEEDS)]
+    assert quick_run(ReferenceAttentionBackend, block_size, seed, BATCH_CHECKS + FEATURE_CHECKS, monkeypatch) is None
+
+
+@pytest.mark.parametrize("cls, modules", [
+    *[pytest.param(cls, FEATURE_CHECKS, id=cls.name) for cls in (IgnoresWindow, IgnoresSoftCap, IgnoresAlibi,
+                                                                 DecodeOneLate)],
+    *[pytest.param(cls, BATCH_CHECKS, id=cls.name) for cls in (
+        WrongHeadGroups, ReadsBlockStartFromPreviousBlock, DropsTokenOpeningABlock, IgnoresContext,
+        IgnoresContextInChunks, MixedBatchAsPrefill, DecodeOneEarly, ReadsPadding, HalfPrecisionInside,
+        SkipsLastToken)],
+])
+def test_quick_grid_catches_every_planted_bug_on_every_seed(cls, modules, monkeypatch):
+    """Caught by a part of the quick grid alone (the feature checks, or the plain
+    batches every dtype runs), so caught by the whole grid."""
+    missed = [(seed, block_size) for i, seed in enumerate(QUICK_SEEDS)
+              for block_size in [BLOCK_SIZES[i % len(BLOCK_SIZES)]]
+              if quick_run(cls, block_size, seed, modules, monkeypatch) is None]
+    assert not missed, f"{cls.name} passed the quick grid at (seed, block size) {missed}"
