@@ -2,12 +2,13 @@
 that listing the check modules does not import hypothesis before pytest starts)."""
 
 import pytest
-from hypothesis import HealthCheck, settings
+from hypothesis import HealthCheck, seed, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule, run_state_machine_as_test
 
 from kvforge.core import BlockStateError, OutOfBlocksError
 
+from .attention_cases import fresh_seed
 from .check_block_allocator_pool import BLOCK_SIZE, NUM_BLOCKS, snapshot
 
 
@@ -147,8 +148,9 @@ class PoolMachine(RuleBasedStateMachine):
 
 
 def run_pool_machine(cls, max_examples: int) -> None:
-    """Run random operation sequences against `cls`; raises on the first broken guarantee."""
-    machine = type(f"{cls.__name__}PoolMachine", (PoolMachine,), {"cls": cls})
+    """Run random operation sequences against `cls`; raises on the first broken guarantee.
+    The sequences follow the run's seed (`fresh_seed`), so the seed a run prints replays them."""
+    machine = seed(fresh_seed())(type(f"{cls.__name__}PoolMachine", (PoolMachine,), {"cls": cls}))
     run_state_machine_as_test(machine, settings=settings(
         max_examples=max_examples, stateful_step_count=30, deadline=None, database=None,
-        derandomize=True, suppress_health_check=list(HealthCheck)))
+        suppress_health_check=list(HealthCheck)))
