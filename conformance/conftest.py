@@ -9,6 +9,7 @@ import faulthandler
 import os
 import random
 import signal
+import sys
 import threading
 
 import pytest
@@ -17,6 +18,10 @@ from kvforge.conformance.attention_cases import SEED_ENV
 from kvforge.conformance.selection import TIME_LIMIT_ENV, selected, time_limit
 
 _seed_set_here = False
+_backstop_file = None  # where the backstop writes: the real stderr, not pytest's capture of it
+# implementation name -> its first check that ran past the limit: the rest of its checks
+# fail at once, so a hanging implementation costs one time limit, not one per check
+_timed_out: dict[str, str] = {}
 
 
 class CheckTimedOut(BaseException):
@@ -26,8 +31,14 @@ class CheckTimedOut(BaseException):
 
 
 def pytest_configure(config):
+    global _seed_set_here, _backstop_file
+    try:  # pytest's faulthandler plugin keeps a copy of the real stderr, made before capturing began
+        from _pytest.faulthandler import fault_handler_stderr_fd_key
+
+        _backstop_file = config.stash[fault_handler_stderr_fd_key]
+    except (ImportError, KeyError):  # that plugin is off: stderr as Python started with it
+        _backstop_file = sys.__stderr__
     # One seed for every check of the run, so a lucky pass or a failure replays whole.
-    global _seed_set_here
     if not os.environ.get(SEED_ENV):
         os.environ[SEED_ENV] = str(random.SystemRandom().randrange(2**31))
         _seed_set_here = True
@@ -35,6 +46,7 @@ def pytest_configure(config):
 
 def pytest_unconfigure(config):
     global _seed_set_here
+    _timed_out.clear()
     if _seed_set_here:
         os.environ.pop(SEED_ENV, None)
         _seed_set_here = False
@@ -68,7 +80,7 @@ def limited(limit: float, what: str):
                                 f"too slow (raise the limit with --time-limit or {TIME_LIMIT_ENV}; 0 turns it off)")
         previous = signal.signal(signal.SIGALRM, expire)
         signal.setitimer(signal.ITIMER_REAL, limit)
-    faulthandler.dump_traceback_later(2 * limit + 10, exit=True)
+    faulthandler.dump_traceback_later(2 * limit + 10, exit=True, file=_backstop_file or sys.__stderr__)
     try:
         yield
     finally:
@@ -78,13 +90,33 @@ def limited(limit: float, what: str):
             signal.signal(signal.SIGALRM, previous)
 
 
+def _implementation(item) -> str | None:
+    callspec = getattr(item, "callspec", None)
+    registration = callspec.params.get("registration") if callspec is not None else None
+    return getattr(registration, "name", None)
+
+
+@pytest.fixture(autouse=True)
+def _not_after_a_timeout(request):
+    name = _implementation(request.node)
+    if name in _timed_out:
+        pytest.fail(f"not run: {_timed_out[name]} of {name} ran past its time limit, so {name}'s "
+                    "remaining checks fail without running", pytrace=False)
+
+
+def _limited_phase(item, what: str):
+    name = _implementation(item)
+    with limited(time_limit(), what):
+        outcome = yield
+    if name is not None and isinstance(outcome.excinfo and outcome.excinfo[1], CheckTimedOut):
+        _timed_out.setdefault(name, item.name)
+
+
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_setup(item):
-    with limited(time_limit(), f"setting up {item.name}"):
-        yield
+    yield from _limited_phase(item, f"setting up {item.name}")
 
 
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_call(item):
-    with limited(time_limit(), item.name):
-        yield
+    yield from _limited_phase(item, item.name)

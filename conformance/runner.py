@@ -3,6 +3,7 @@ implementation × check group → pass, fail, or skipped with the reason."""
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import linecache
 import os
@@ -185,15 +186,36 @@ def run_conformance(kinds: list[str] | None = None, plugins: list[str] | None = 
 
     started = time.time()
     seed = run_seed(seed)
-    os.environ[SEED_ENV] = str(seed)
-    os.environ[selection.PLUGIN_ENV] = ",".join(plugins or [])
-    os.environ[selection.QUICK_ENV] = "1" if quick else ""
+    choices = {SEED_ENV: str(seed), selection.PLUGIN_ENV: ",".join(plugins or []),
+               selection.QUICK_ENV: "1" if quick else ""}
     if time_limit_s is not None:
-        os.environ[selection.TIME_LIMIT_ENV] = f"{time_limit_s:g}"
-    limit = selection.time_limit()
-    modules = check_modules(kinds)
-    if not modules:
-        return ConformanceRun(0, [], seed, limit, quick, started, 0.0)
+        choices[selection.TIME_LIMIT_ENV] = f"{time_limit_s:g}"
+    with _environment(choices):
+        limit = selection.time_limit()
+        modules = check_modules(kinds)
+        if not modules:
+            return ConformanceRun(0, [], seed, limit, quick, started, 0.0)
+        code, results = _run_pytest(modules, pytest_args)
+    return ConformanceRun(code, results, seed, limit, quick, started, time.time() - started)
+
+
+@contextlib.contextmanager
+def _environment(values: dict[str, str]):
+    """The checks read the run's choices from the environment (so that plain pytest selects
+    alike); set them for one run only, so a later run in this process starts clean."""
+    before = {name: os.environ.get(name) for name in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for name, value in before.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
+
+
+def _run_pytest(modules: list[tuple[str, str, str]], pytest_args: list[str] | None) -> tuple[int, list[GroupResult]]:
     selection.registry.cache_clear()
     collector = _Collector({name: (kind, group) for name, kind, group in modules})
     targets = [f"{__package__}.{name}" for name, _, _ in modules]
@@ -203,5 +225,4 @@ def run_conformance(kinds: list[str] | None = None, plugins: list[str] | None = 
     args = ["--pyargs", *targets, *verbosity, "-p", "no:cacheprovider", "--no-header", "-rN",
             "--rootdir", str(Path(__file__).parent), *extra]
     code = pytest.main(args, plugins=[collector])
-    results = sorted(collector.results.values(), key=lambda r: (KINDS.index(r.kind), r.implementation, r.group))
-    return ConformanceRun(int(code), results, seed, limit, quick, started, time.time() - started)
+    return int(code), sorted(collector.results.values(), key=lambda r: (KINDS.index(r.kind), r.implementation, r.group))

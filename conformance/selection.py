@@ -10,7 +10,7 @@ import difflib
 import functools
 import os
 
-from kvforge.core import KINDS, Registration, Registry, build_registry
+from kvforge.core import KINDS, ConfigError, Registration, Registry, build_registry
 from kvforge.core.registry import PLUGINS_ENV
 
 PLUGIN_ENV = "KVFORGE_CONFORMANCE_PLUGINS"  # comma-separated implementation or entry-point names
@@ -33,7 +33,7 @@ def time_limit() -> float:
     except ValueError:
         limit = -1.0
     if not limit >= 0:
-        raise ValueError(f"{TIME_LIMIT_ENV}={value!r} is not a number of seconds >= 0 "
+        raise ConfigError(f"{TIME_LIMIT_ENV}={value!r} (or --time-limit) is not a number of seconds >= 0 "
                          f"(default {DEFAULT_TIME_LIMIT_S:g}; 0 turns the limit off)")
     return limit
 

@@ -39,6 +39,9 @@ def run(args: argparse.Namespace) -> int:
     if args.report and not args.report.endswith(report.FORMATS):
         print(f"error: --report {args.report!r} must end in {' or '.join(report.FORMATS)}", file=sys.stderr)
         return 2
+    if args.time_limit is not None and not args.time_limit >= 0:
+        print(f"error: --time-limit {args.time_limit:g} must be seconds >= 0 (0 turns the limit off)", file=sys.stderr)
+        return 2
     console = Console(soft_wrap=True)  # a failure line is one line in a CI log, never wrapped
     selection.registry.cache_clear()
     problems = selection.unmatched(args.kind, args.plugin)

@@ -9,6 +9,8 @@ import pytest
 
 from kvforge.conformance.conftest import CheckTimedOut, limited
 from kvforge.conformance.runner import describe_error
+from kvforge.conformance.selection import DEFAULT_TIME_LIMIT_S, TIME_LIMIT_ENV, time_limit
+from kvforge.core import ConfigError
 from tests.conftest import policy_plugin
 from tests.test_cli import kvforge
 
@@ -55,13 +57,21 @@ def test_a_livelocking_policy_fails_the_queueing_check_instead_of_hanging(broken
     assert "so the policy livelocks" in result.stdout and "guarantee 4" in result.stdout
 
 
-def test_a_hanging_check_fails_at_its_time_limit_and_extra_args_reach_pytest(broken_site, tmp_path):
+def test_a_hanging_check_fails_at_its_time_limit_and_the_rest_of_its_checks_at_once(broken_site, tmp_path):
     result = kvforge("conformance", "--kind", "scheduler_policy", "--plugin", "hang", "--time-limit", "1",
-                     "--", "-x", env=broken_site, cwd=tmp_path)
+                     "--", "-k", "waiting_order", env=broken_site, cwd=tmp_path)
     assert result.returncode == 1, result.stdout + result.stderr
-    assert "ran past its time limit of 1 s" in result.stdout
-    assert "stopping after 1 failures" in result.stdout  # -x reached pytest
-    assert result.stdout.count("FAIL hang ") == 1
+    fails = [line for line in result.stdout.splitlines() if line.startswith("FAIL hang ")]
+    assert len(fails) == 5  # -k reached pytest: one check, five seeds
+    assert "ran past its time limit of 1 s" in fails[0]
+    assert all("[hang-0] of hang ran past its time limit, so hang's remaining checks fail" in line for line in fails[1:])
+
+
+def test_extra_args_reach_pytest(broken_site, tmp_path):
+    result = kvforge("conformance", "--kind", "scheduler_policy", "--plugin", "livelock", "--", "-x",
+                     env=broken_site, cwd=tmp_path)
+    assert result.returncode == 1 and "stopping after 1 failures" in result.stdout
+    assert len([line for line in result.stdout.splitlines() if line.startswith("FAIL livelock ")]) == 1
 
 
 def test_time_limit_interrupts_a_loop_that_swallows_exceptions():
@@ -74,6 +84,17 @@ def test_time_limit_interrupts_a_loop_that_swallows_exceptions():
                     pass
     with limited(0, "no limit"):
         pass
+
+
+def test_time_limit_comes_from_the_environment_and_refuses_nonsense(monkeypatch):
+    monkeypatch.delenv(TIME_LIMIT_ENV, raising=False)
+    assert time_limit() == DEFAULT_TIME_LIMIT_S
+    monkeypatch.setenv(TIME_LIMIT_ENV, "2.5")
+    assert time_limit() == 2.5
+    for bad in ("-1", "soon", "nan"):
+        monkeypatch.setenv(TIME_LIMIT_ENV, bad)
+        with pytest.raises(ConfigError, match="seconds >= 0"):
+            time_limit()
 
 
 def test_nothing_checked_is_a_failure_for_kind_and_plugin(tmp_path, monkeypatch):
