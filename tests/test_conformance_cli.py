@@ -177,3 +177,26 @@ def test_a_hypothesis_group_of_failures_is_one_line_naming_each():
         raise AssertionError  # no message: the line names where and what raised
     bare = describe_error(empty)
     assert "+---" not in line and "test_conformance_cli.py" in bare and "(raise AssertionError" in bare
+
+
+def test_the_allocator_state_machine_follows_the_run_seed(monkeypatch):
+    from kvforge.conformance.attention_cases import SEED_ENV
+    from kvforge.conformance.pool_machine import run_pool_machine
+    from kvforge.plugins.block_allocators import NoCacheAllocator
+
+    calls = []
+
+    class Recording(NoCacheAllocator):
+        def allocate(self, count):
+            calls.append(count)
+            return super().allocate(count)
+
+    def operations(seed: int) -> list[int]:
+        monkeypatch.setenv(SEED_ENV, str(seed))
+        calls.clear()
+        run_pool_machine(Recording, max_examples=5)
+        return list(calls)
+
+    first = operations(1)
+    assert first and operations(1) == first  # the same seed replays the same sequences
+    assert operations(2) != first  # another seed explores others
