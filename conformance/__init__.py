@@ -8,6 +8,6 @@ writing that module; the runner finds it. Run with `kvforge conformance` or
 `pytest --pyargs kvforge.conformance`.
 """
 
-from .runner import GroupResult, run_conformance
+from .runner import ConformanceRun, Failure, GroupResult, run_conformance
 
-__all__ = ["GroupResult", "run_conformance"]
+__all__ = ["ConformanceRun", "Failure", "GroupResult", "run_conformance"]

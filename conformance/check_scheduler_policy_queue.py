@@ -39,8 +39,17 @@ def simulate(policy, arrivals: dict[int, list[RequestView]], slots: int, service
     for step in range(steps):
         waiting += arrivals.get(step, [])
         waiting.sort(key=policy.waiting_key)
+        # Guarantee 4 lets a preemption only put a request that sorts earlier in place of
+        # a later one, so a step admits each request at most once per slot; more is a
+        # livelock (two requests preempting each other), which would never end this loop.
+        admissions, bound = 0, (len(waiting) + len(running)) * (slots + 1)
         while waiting:
             head = waiting[0]
+            admissions += 1
+            assert admissions <= bound, (
+                f"step {step}: {admissions} admissions in one step with {slots} slots, so the policy livelocks "
+                f"(last: {head.request_id} in place of {out.preempted[-1] if out.preempted else 'nothing'}); "
+                "guarantee 4: may_preempt(waiting, running) is False whenever running would come before waiting")
             if len(running) >= slots:
                 candidates = [v for v, _ in running.values() if policy.may_preempt(head, v)]
                 victim = policy.choose_victim(candidates)

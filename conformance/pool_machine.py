@@ -1,13 +1,16 @@
 """The random-operations model behind `check_block_allocator_pool` (kept apart so
 that listing the check modules does not import hypothesis before pytest starts)."""
 
+import os
+
 import pytest
-from hypothesis import HealthCheck, settings
+from hypothesis import HealthCheck, seed, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule, run_state_machine_as_test
 
 from kvforge.core import BlockStateError, OutOfBlocksError
 
+from .attention_cases import SEED_ENV
 from .check_block_allocator_pool import BLOCK_SIZE, NUM_BLOCKS, snapshot
 from .check_block_allocator_reset import lacks_reset
 
@@ -172,8 +175,19 @@ class PoolMachine(RuleBasedStateMachine):
 
 
 def run_pool_machine(cls, max_examples: int) -> None:
-    """Run random operation sequences against `cls`; raises on the first broken guarantee."""
+    """Run random operation sequences against `cls`; raises on the first broken guarantee.
+
+    First the derandomized sequences, the same in every run, so that what one run
+    catches every run catches; then, when the run pins a seed (`kvforge conformance`
+    always does, and prints it), as many sequences drawn from that seed, which
+    explore further from run to run and which `--seed` replays."""
     machine = type(f"{cls.__name__}PoolMachine", (PoolMachine,), {"cls": cls})
-    run_state_machine_as_test(machine, settings=settings(
-        max_examples=max_examples, stateful_step_count=30, deadline=None, database=None,
-        derandomize=True, suppress_health_check=list(HealthCheck)))
+    run_state_machine_as_test(machine, settings=_settings(max_examples, derandomize=True))
+    pinned = os.environ.get(SEED_ENV, "").strip()
+    if pinned:
+        run_state_machine_as_test(seed(int(pinned))(machine), settings=_settings(max_examples, derandomize=False))
+
+
+def _settings(max_examples: int, derandomize: bool) -> settings:
+    return settings(max_examples=max_examples, stateful_step_count=30, deadline=None, database=None,
+                    derandomize=derandomize, suppress_health_check=list(HealthCheck))

@@ -3,9 +3,13 @@ implementation × check group → pass, fail, or skipped with the reason."""
 
 from __future__ import annotations
 
+import contextlib
 import importlib
+import linecache
 import os
 import pkgutil
+import random
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -15,16 +19,33 @@ from kvforge.core import KINDS, Registration
 
 from . import selection
 
+# pytest's own verbosity flags: when the caller passes one, the runner's default `-q` steps aside
+_VERBOSITY_FLAGS = ("-v", "-q", "--verbose", "--quiet", "--verbosity")
+
+
+@dataclass(frozen=True)
+class Failure:
+    """One failing check of one implementation: `check` is `module::test`, `case` its
+    parameters (the implementation first), `message` the first line of what broke."""
+
+    check: str
+    case: str
+    message: str
+
 
 @dataclass
 class GroupResult:
     kind: str
     implementation: str
     group: str
+    plugin: str = ""
+    distribution: str = ""
+    version: str = ""
     passed: int = 0
     failed: int = 0
     skipped: int = 0
-    failures: list[str] = field(default_factory=list)
+    duration_s: float = 0.0
+    failures: list[Failure] = field(default_factory=list)
     skip_reasons: list[str] = field(default_factory=list)
 
     @property
@@ -34,6 +55,20 @@ class GroupResult:
         if self.passed:
             return "pass"
         return "skipped"
+
+
+@dataclass
+class ConformanceRun:
+    """What one run did: pytest's exit code, one result per (implementation, group),
+    the seed every check drew from, the per-check time limit, and when and how long."""
+
+    code: int
+    results: list[GroupResult]
+    seed: int
+    time_limit_s: float
+    quick: bool
+    started: float
+    duration_s: float
 
 
 def check_modules(kinds: list[str] | None = None) -> list[tuple[str, str, str]]:
@@ -53,26 +88,33 @@ class _Collector:
     def __init__(self, groups: dict[str, tuple[str, str]]):
         self.groups = groups  # module name -> (kind, group)
         self.results: dict[tuple[str, str], GroupResult] = {}
-        self.implementation_of: dict[str, str] = {}  # node id -> implementation name
+        self.registration_of: dict[str, Registration] = {}  # node id -> implementation
+        self.case_of: dict[str, str] = {}  # node id -> parameter id
+        self.error_of: dict[tuple[str, str], str] = {}  # (node id, phase) -> what broke
 
     def pytest_itemcollected(self, item):
         callspec = getattr(item, "callspec", None)
         registration = callspec.params.get("registration") if callspec is not None else None
         if isinstance(registration, Registration):  # an empty parameter set holds a sentinel
-            self.implementation_of[item.nodeid] = registration.name
+            self.registration_of[item.nodeid] = registration
+            self.case_of[item.nodeid] = callspec.id
+
+    def pytest_runtest_makereport(self, item, call):
+        if call.excinfo is not None and item.nodeid in self.registration_of:
+            self.error_of[(item.nodeid, call.when)] = describe_error(call.excinfo)
 
     def pytest_runtest_logreport(self, report):
-        if report.when != "call" and not (report.when == "setup" and (report.skipped or report.failed)):
+        if report.when == "teardown" and not report.failed:
             return
         module = Path(report.location[0]).stem
-        if module not in self.groups:
+        registration = self.registration_of.get(report.nodeid)
+        if module not in self.groups or registration is None:  # or no implementation of this kind was selected
             return
         kind, group = self.groups[module]
-        implementation = self.implementation_of.get(report.nodeid)
-        if implementation is None:  # no implementation of this kind was selected
-            return
-        result = self.results.setdefault((implementation, group), GroupResult(kind, implementation, group))
-        if report.passed:
+        result = self.results.setdefault((registration.name, group), GroupResult(
+            kind, registration.name, group, registration.plugin, registration.distribution, registration.version))
+        result.duration_s += report.duration
+        if report.when == "call" and report.passed:
             result.passed += 1
         elif report.skipped:
             result.skipped += 1
@@ -80,10 +122,40 @@ class _Collector:
             reason = reason.removeprefix("Skipped: ")
             if reason not in result.skip_reasons:
                 result.skip_reasons.append(reason)
-        else:
-            result.failed += 1
-            # module::test[params]: the nodeid alone loses the module when run outside the rootdir
-            result.failures.append(f"{module}::{report.location[2]}: {first_error_line(report.longreprtext)}")
+        elif report.failed:
+            message = self.error_of.get((report.nodeid, report.when)) or first_error_line(report.longreprtext)
+            test = report.location[2].split("[", 1)[0]
+            failure = Failure(f"{module}::{test}", self.case_of[report.nodeid],
+                              message if report.when == "call" else f"({report.when}) {message}")
+            if failure not in result.failures:  # a failed call then a failed teardown say one thing twice
+                result.failed += 1
+                result.failures.append(failure)
+
+
+def describe_error(excinfo) -> str:
+    """One line for what broke: the exception's first message line; for a bare
+    exception, the source line that raised it; for a group (Hypothesis reporting
+    several distinct failures), each member's line."""
+    exc = excinfo.value
+    members = getattr(exc, "exceptions", None)  # an exception group's (Python 3.11+)
+    if isinstance(members, tuple) and members:
+        return f"{len(members)} distinct failures: " + " | ".join(_one_line(m, None) for m in members)
+    return _one_line(exc, excinfo)
+
+
+def _one_line(exc: BaseException, excinfo) -> str:
+    lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
+    if lines:
+        return f"{type(exc).__name__}: {lines[0]}"
+    where = ""
+    traceback = exc.__traceback__
+    while traceback is not None and traceback.tb_next is not None:
+        traceback = traceback.tb_next
+    if traceback is not None:
+        frame = traceback.tb_frame
+        source = linecache.getline(frame.f_code.co_filename, traceback.tb_lineno).strip()
+        where = f" at {Path(frame.f_code.co_filename).name}:{traceback.tb_lineno}" + (f" ({source})" if source else "")
+    return f"{type(exc).__name__}{where}"
 
 
 def first_error_line(longrepr: str) -> str:
@@ -94,19 +166,63 @@ def first_error_line(longrepr: str) -> str:
     return errors[0] if errors else (lines[-1] if lines else "")
 
 
+def run_seed(seed: int | None = None) -> int:
+    """The seed of a run: `seed`, else the one pinned in the environment, else a fresh one."""
+    from .attention_cases import SEED_ENV
+
+    if seed is not None:
+        return seed
+    pinned = os.environ.get(SEED_ENV, "").strip()
+    return int(pinned) if pinned else random.SystemRandom().randrange(2**31)
+
+
 def run_conformance(kinds: list[str] | None = None, plugins: list[str] | None = None, quick: bool = False,
-                    pytest_args: list[str] | None = None) -> tuple[int, list[GroupResult]]:
-    """Run every check group of `kinds` against the selected implementations.
-    Returns pytest's exit code and one result per (implementation, group)."""
-    modules = check_modules(kinds)
-    if not modules:
-        return 0, []
-    os.environ[selection.PLUGIN_ENV] = ",".join(plugins or [])
-    os.environ[selection.QUICK_ENV] = "1" if quick else ""
+                    pytest_args: list[str] | None = None, seed: int | None = None,
+                    time_limit_s: float | None = None) -> ConformanceRun:
+    """Run every check group of `kinds` against the selected implementations, every
+    check drawing from one `seed` (fresh when None) and failing past `time_limit_s`
+    seconds (None: the environment's or the default). Returns what the run did."""
+    from .attention_cases import SEED_ENV
+
+    started = time.time()
+    seed = run_seed(seed)
+    choices = {SEED_ENV: str(seed), selection.PLUGIN_ENV: ",".join(plugins or []),
+               selection.QUICK_ENV: "1" if quick else ""}
+    if time_limit_s is not None:
+        choices[selection.TIME_LIMIT_ENV] = f"{time_limit_s:g}"
+    with _environment(choices):
+        limit = selection.time_limit()
+        modules = check_modules(kinds)
+        if not modules:
+            return ConformanceRun(0, [], seed, limit, quick, started, 0.0)
+        code, results = _run_pytest(modules, pytest_args)
+    return ConformanceRun(code, results, seed, limit, quick, started, time.time() - started)
+
+
+@contextlib.contextmanager
+def _environment(values: dict[str, str]):
+    """The checks read the run's choices from the environment (so that plain pytest selects
+    alike); set them for one run only, so a later run in this process starts clean."""
+    before = {name: os.environ.get(name) for name in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for name, value in before.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
+
+
+def _run_pytest(modules: list[tuple[str, str, str]], pytest_args: list[str] | None) -> tuple[int, list[GroupResult]]:
     selection.registry.cache_clear()
     collector = _Collector({name: (kind, group) for name, kind, group in modules})
     targets = [f"{__package__}.{name}" for name, _, _ in modules]
-    args = ["--pyargs", *targets, "-q", "-p", "no:cacheprovider", "--no-header", "-rN", *(pytest_args or [])]
+    extra = list(pytest_args or [])
+    verbosity = [] if any(a.startswith(_VERBOSITY_FLAGS) for a in extra) else ["-q"]
+    # rootdir = this package, so node ids (failures, --collect-only) name the module wherever the run starts
+    args = ["--pyargs", *targets, *verbosity, "-p", "no:cacheprovider", "--no-header", "-rN",
+            "--rootdir", str(Path(__file__).parent), *extra]
     code = pytest.main(args, plugins=[collector])
-    results = sorted(collector.results.values(), key=lambda r: (KINDS.index(r.kind), r.implementation, r.group))
-    return int(code), results
+    return int(code), sorted(collector.results.values(), key=lambda r: (KINDS.index(r.kind), r.implementation, r.group))

@@ -1,4 +1,4 @@
-"""Which implementations the conformance suite runs against.
+"""Which implementations the conformance suite runs against, under which seed and time limit.
 
 The runner passes its choices through environment variables so that plain
 `pytest --pyargs kvforge.conformance` and `kvforge conformance` select alike.
@@ -6,17 +6,36 @@ The runner passes its choices through environment variables so that plain
 
 from __future__ import annotations
 
+import difflib
 import functools
 import os
 
-from kvforge.core import Registration, Registry, build_registry
+from kvforge.core import KINDS, ConfigError, Registration, Registry, build_registry
+from kvforge.core.registry import PLUGINS_ENV
 
 PLUGIN_ENV = "KVFORGE_CONFORMANCE_PLUGINS"  # comma-separated implementation or entry-point names
 QUICK_ENV = "KVFORGE_CONFORMANCE_QUICK"  # "1": the reduced grid
+TIME_LIMIT_ENV = "KVFORGE_CONFORMANCE_TIME_LIMIT"  # seconds one check may take; 0: no limit
+DEFAULT_TIME_LIMIT_S = 120.0
 
 
 def quick() -> bool:
     return os.environ.get(QUICK_ENV, "") == "1"
+
+
+def time_limit() -> float:
+    """Seconds one check (its setup, then its body) may run before it fails; 0 means no limit."""
+    value = os.environ.get(TIME_LIMIT_ENV, "").strip()
+    if not value:
+        return DEFAULT_TIME_LIMIT_S
+    try:
+        limit = float(value)
+    except ValueError:
+        limit = -1.0
+    if not limit >= 0:
+        raise ConfigError(f"{TIME_LIMIT_ENV}={value!r} (or --time-limit) is not a number of seconds >= 0 "
+                         f"(default {DEFAULT_TIME_LIMIT_S:g}; 0 turns the limit off)")
+    return limit
 
 
 @functools.lru_cache(maxsize=1)
@@ -24,8 +43,53 @@ def registry() -> Registry:
     return build_registry()
 
 
+def wanted_names() -> set[str]:
+    return {name.strip() for name in os.environ.get(PLUGIN_ENV, "").split(",") if name.strip()}
+
+
 def selected(kind: str) -> list[Registration]:
     """Registered implementations of `kind`, narrowed by `KVFORGE_CONFORMANCE_PLUGINS`
     (which matches an implementation name or the entry-point name of its plugin)."""
-    wanted = {name.strip() for name in os.environ.get(PLUGIN_ENV, "").split(",") if name.strip()}
+    wanted = wanted_names()
     return [r for r in registry().implementations(kind) if not wanted or r.name in wanted or r.plugin in wanted]
+
+
+def unmatched(kinds: list[str] | None, plugins: list[str] | None) -> list[str]:
+    """Why a selection would check nothing, one message per name or kind: each `plugins`
+    name that selects no implementation of the kinds run (with its load error, the
+    duplicate that disabled it, the filter that skipped it, or a "did you mean"), and
+    each kind asked for by name that is left with no implementation."""
+    reg, run = registry(), kinds or list(KINDS)
+    problems = []
+    for name in plugins or []:
+        if any(r.kind in run and name in (r.name, r.plugin) for r in reg.implementations()):
+            continue
+        problems.append(f"--plugin {name!r} selects nothing: " + _why_nothing(reg, name, run))
+    for kind in kinds or []:
+        names = plugins or []
+        found = [r for r in reg.implementations(kind) if not names or r.name in names or r.plugin in names]
+        if found:
+            continue
+        registered = ", ".join(r.name for r in reg.implementations(kind))
+        among = f"; registered: {registered}" if registered else "; none is registered (see `kvforge plugins`)"
+        problems.append(f"--kind {kind} checks nothing: no {kind} implementation is selected{among}")
+    return problems
+
+
+def _why_nothing(reg: Registry, name: str, run: list[str]) -> str:
+    reasons = [f"plugin {e.plugin!r} ({e.distribution} {e.version}) failed at {e.stage}: {e.message}"
+               for e in reg.errors if e.plugin == name]
+    reasons += [f"{kind} {name!r} is disabled because {' and '.join(holders)} both register it; deny one of "
+                f"them (plugins.deny or {PLUGINS_ENV}=-NAME) to check the other"
+                for (kind, other), holders in reg.conflicts.items() if other == name and kind in run]
+    if name in reg.skipped_plugins:
+        reasons.append(f"plugin {name!r} is filtered out by {PLUGINS_ENV}={os.environ.get(PLUGINS_ENV, '')!r}")
+    reasons += [f"{r.name!r} is a {r.kind}, and only --kind {' --kind '.join(run)} runs"
+                for r in reg.implementations() if name in (r.name, r.plugin) and r.kind not in run]
+    if reasons:
+        return "; ".join(dict.fromkeys(reasons))
+    known = sorted({r.name for r in reg.implementations()} | {r.plugin for r in reg.implementations()}
+                   | {e.plugin for e in reg.errors} | {n for _, n in reg.conflicts})
+    close = difflib.get_close_matches(name, known, n=1)
+    hint = f"did you mean {close[0]!r}? " if close else ""
+    return f"no implementation or plugin has that name; {hint}`kvforge plugins` lists what is registered"

@@ -1,0 +1,91 @@
+"""`kvforge conformance --report FILE.json|FILE.md`: the matrix of a run as a file a CI
+job keeps. The JSON layout (schema 1) is documented in docs/cli.md."""
+
+from __future__ import annotations
+
+import json
+from datetime import datetime, timezone
+from importlib import metadata
+from pathlib import Path
+
+from kvforge.core import API_VERSION
+
+from .runner import ConformanceRun
+
+SCHEMA = 1
+FORMATS = (".json", ".md")
+
+
+def report_data(run: ConformanceRun, exit_code: int, problems: list[str]) -> dict:
+    """Schema 1: fields may be added in a later schema, never renamed or removed within one."""
+    implementations = {}
+    for r in run.results:
+        implementations.setdefault((r.kind, r.implementation), {
+            "kind": r.kind, "name": r.implementation, "plugin": r.plugin,
+            "distribution": r.distribution, "version": r.version})
+    return {
+        "schema": SCHEMA,
+        "kvforge_version": metadata.version("kvforge"),
+        "api_version": list(API_VERSION),
+        "seed": run.seed,
+        "quick": run.quick,
+        "time_limit_s": run.time_limit_s,
+        "started": datetime.fromtimestamp(run.started, timezone.utc).isoformat(timespec="seconds"),
+        "duration_s": round(run.duration_s, 3),
+        "exit_code": exit_code,
+        "problems": problems,
+        "implementations": list(implementations.values()),
+        "results": [{
+            "kind": r.kind, "implementation": r.implementation, "group": r.group, "status": r.status,
+            "passed": r.passed, "failed": r.failed, "skipped": r.skipped, "duration_s": round(r.duration_s, 3),
+            "skip_reasons": r.skip_reasons,
+            "failures": [{"check": f.check, "case": f.case, "message": f.message} for f in r.failures],
+        } for r in run.results],
+    }
+
+
+def write_report(path: str | Path, run: ConformanceRun, exit_code: int, problems: list[str]) -> Path:
+    """Write the report, JSON or Markdown by the file's suffix."""
+    path = Path(path)
+    data = report_data(run, exit_code, problems)
+    if path.suffix == ".json":
+        text = json.dumps(data, indent=2) + "\n"
+    elif path.suffix == ".md":
+        text = markdown(data)
+    else:
+        raise ValueError(f"--report {str(path)!r}: the file must end in {' or '.join(FORMATS)}")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(text)
+    return path
+
+
+def markdown(data: dict) -> str:
+    lines = ["# kvforge conformance report", "",
+             f"kvforge {data['kvforge_version']} (API {'.'.join(map(str, data['api_version']))}), "
+             f"seed {data['seed']}{' (quick grid)' if data['quick'] else ''}, started {data['started']}, "
+             f"{data['duration_s']:.1f} s, per-check time limit {data['time_limit_s']:g} s, exit code {data['exit_code']}.",
+             ""]
+    lines += [f"- **problem**: {p}" for p in data["problems"]]
+    versions = {(i["kind"], i["name"]): f"{i['distribution']} {i['version']}" for i in data["implementations"]}
+    for kind in dict.fromkeys(r["kind"] for r in data["results"]):
+        of_kind = [r for r in data["results"] if r["kind"] == kind]
+        groups = sorted({r["group"] for r in of_kind})
+        cells = {(r["implementation"], r["group"]): r for r in of_kind}
+        lines += ["", f"## {kind}", "", "| implementation | from | " + " | ".join(groups) + " |",
+                  "|---|---|" + "---|" * len(groups)]
+        for name in dict.fromkeys(r["implementation"] for r in of_kind):
+            row = []
+            for group in groups:
+                r = cells.get((name, group))
+                if r is None:
+                    row.append("-")
+                elif r["status"] == "skipped" and r["skip_reasons"]:
+                    row.append(f"skipped ({r['skip_reasons'][0]})")
+                else:
+                    row.append(f"{r['status']} ({r['duration_s']:.1f} s)")
+            lines.append(f"| {name} | {versions[(kind, name)]} | " + " | ".join(c.replace("|", "\\|") for c in row) + " |")
+    failures = [(r["implementation"], f) for r in data["results"] for f in r["failures"]]
+    if failures:
+        lines += ["", "## Failures", ""]
+        lines += [f"- `{name}` `{f['check']}[{f['case']}]` seed {data['seed']}: {f['message']}" for name, f in failures]
+    return "\n".join(lines) + "\n"

@@ -1,0 +1,202 @@
+"""`kvforge conformance` as a CI tool: it never hangs, a run that checks nothing fails,
+a --plugin name that selects nothing says why, failure lines name the implementation,
+check, case and seed, extra pytest arguments reach pytest, and --report writes the matrix."""
+
+import builtins
+import json
+
+import pytest
+
+from kvforge.conformance.conftest import CheckTimedOut, limited
+from kvforge.conformance.runner import describe_error
+from kvforge.conformance.selection import DEFAULT_TIME_LIMIT_S, TIME_LIMIT_ENV, time_limit
+from kvforge.core import ConfigError
+from tests.conftest import policy_plugin
+from tests.test_cli import kvforge
+
+BROKEN_POLICIES = '''
+from kvforge.core import SchedulerPolicy, hookimpl
+
+class Livelock(SchedulerPolicy):
+    """may_preempt always says yes: two requests take each other's place forever."""
+    name = "livelock"
+
+    def waiting_key(self, request):
+        return (request.arrival_index,)
+
+    def may_preempt(self, waiting, running):
+        return True
+
+    def choose_victim(self, running):
+        return max(running, key=lambda r: r.arrival_index, default=None)
+
+class Hang(Livelock):
+    """Never returns from waiting_key."""
+    name = "hang"
+
+    def waiting_key(self, request):
+        while True:
+            pass
+
+@hookimpl
+def kvforge_implementations():
+    return [Livelock, Hang]
+'''
+
+
+@pytest.fixture
+def broken_site(fake_site):
+    fake_site.add("fakeplug-broken", "1.0", {"fakeplug_broken": BROKEN_POLICIES}, {"broken": "fakeplug_broken"})
+    return {"PYTHONPATH": str(fake_site.root)}
+
+
+def test_a_livelocking_policy_fails_the_queueing_check_instead_of_hanging(broken_site, tmp_path):
+    result = kvforge("conformance", "--kind", "scheduler_policy", "--plugin", "livelock", "--", "-k", "queue",
+                     env=broken_site, cwd=tmp_path)
+    assert result.returncode == 1, result.stdout + result.stderr
+    assert "so the policy livelocks" in result.stdout and "guarantee 4" in result.stdout
+
+
+def test_a_hanging_check_fails_at_its_time_limit_and_the_rest_of_its_checks_at_once(broken_site, tmp_path):
+    result = kvforge("conformance", "--kind", "scheduler_policy", "--plugin", "hang", "--time-limit", "1",
+                     "--", "-k", "waiting_order", env=broken_site, cwd=tmp_path)
+    assert result.returncode == 1, result.stdout + result.stderr
+    fails = [line for line in result.stdout.splitlines() if line.startswith("FAIL hang ")]
+    assert len(fails) == 5  # -k reached pytest: one check, five seeds
+    assert "ran past its time limit of 1 s" in fails[0]
+    assert all("[hang-0] of hang ran past its time limit, so hang's remaining checks fail" in line for line in fails[1:])
+
+
+def test_extra_args_reach_pytest(broken_site, tmp_path):
+    result = kvforge("conformance", "--kind", "scheduler_policy", "--plugin", "livelock", "--", "-x",
+                     env=broken_site, cwd=tmp_path)
+    assert result.returncode == 1 and "stopping after 1 failures" in result.stdout
+    assert len([line for line in result.stdout.splitlines() if line.startswith("FAIL livelock ")]) == 1
+
+
+def test_time_limit_interrupts_a_loop_that_swallows_exceptions():
+    with pytest.raises(CheckTimedOut, match="spin ran past its time limit of 0.2 s"):
+        with limited(0.2, "spin"):
+            while True:
+                try:
+                    pass
+                except Exception:  # a check's own handler must not swallow the limit
+                    pass
+    with limited(0, "no limit"):
+        pass
+
+
+def test_time_limit_comes_from_the_environment_and_refuses_nonsense(monkeypatch):
+    monkeypatch.delenv(TIME_LIMIT_ENV, raising=False)
+    assert time_limit() == DEFAULT_TIME_LIMIT_S
+    monkeypatch.setenv(TIME_LIMIT_ENV, "2.5")
+    assert time_limit() == 2.5
+    for bad in ("-1", "soon", "nan"):
+        monkeypatch.setenv(TIME_LIMIT_ENV, bad)
+        with pytest.raises(ConfigError, match="seconds >= 0"):
+            time_limit()
+
+
+def test_nothing_checked_is_a_failure_for_kind_and_plugin(tmp_path, monkeypatch):
+    monkeypatch.delenv("KVFORGE_PLUGINS", raising=False)
+    none = kvforge("conformance", "--kind", "quantizer", env={"KVFORGE_PLUGINS": "-quantizers"}, cwd=tmp_path)
+    assert none.returncode == 5, none.stdout + none.stderr
+    assert "no quantizer implementation is selected" in none.stdout
+    typo = kvforge("conformance", "--plugin", "fcsf", cwd=tmp_path)
+    assert typo.returncode == 5 and "did you mean 'fcfs'" in typo.stdout
+    other_kind = kvforge("conformance", "--kind", "block_allocator", "--plugin", "fcfs", cwd=tmp_path)
+    assert other_kind.returncode == 5 and "'fcfs' is a scheduler_policy" in other_kind.stdout
+    deselected = kvforge("conformance", "--kind", "scheduler_policy", "--", "-k", "no_check_has_this_name", cwd=tmp_path)
+    assert deselected.returncode == 5 and "no check ran" in deselected.stdout
+
+
+def test_a_plugin_that_failed_to_load_or_is_a_disabled_duplicate_says_why(fake_site, tmp_path):
+    fake_site.add("fakeplug-bad", "0.1", {"fakeplug_bad": "raise ImportError('missing dependency foo')"},
+                  {"bad": "fakeplug_bad"})
+    fake_site.add("fakeplug-one", "1.0", {"fakeplug_one": policy_plugin("twin")}, {"one": "fakeplug_one"})
+    fake_site.add("fakeplug-two", "2.0", {"fakeplug_two": policy_plugin("twin")}, {"two": "fakeplug_two"})
+    env = {"PYTHONPATH": str(fake_site.root)}
+    bad = kvforge("conformance", "--plugin", "bad", env=env, cwd=tmp_path)
+    assert bad.returncode == 5 and "missing dependency foo" in bad.stdout, bad.stdout + bad.stderr
+    twin = kvforge("conformance", "--plugin", "twin", env=env, cwd=tmp_path)
+    assert twin.returncode == 5 and "fakeplug-one" in twin.stdout and "fakeplug-two" in twin.stdout
+    assert "deny one" in twin.stdout
+
+
+def test_failure_lines_name_implementation_check_case_and_seed_once_each(fake_site, tmp_path):
+    fake_site.add("fakeplug-lifo", "1.0", {"fakeplug_lifo": policy_plugin("lifo")}, {"lifo": "fakeplug_lifo"})
+    report = tmp_path / "out" / "report.md"
+    result = kvforge("conformance", "--kind", "scheduler_policy", "--plugin", "lifo", "--seed", "4242",
+                     "--report", str(report), env={"PYTHONPATH": str(fake_site.root)}, cwd=tmp_path)
+    assert result.returncode == 1
+    lines = [line for line in result.stdout.splitlines() if line.startswith("FAIL ")]
+    assert lines and len(lines) == len(set(lines))
+    for line in lines:
+        assert line.startswith("FAIL lifo check_scheduler_policy") and "::test_" in line
+        assert "[lifo-" in line and "seed=4242: " in line and not line.rstrip().endswith(":")
+    text = report.read_text()
+    assert "seed 4242" in text and "| lifo | fakeplug-lifo 1.0 |" in text and "## Failures" in text
+
+
+def test_a_passing_run_prints_its_seed_reports_json_and_passes_pytest_args(tmp_path):
+    report = tmp_path / "report.json"
+    result = kvforge("conformance", "--kind", "scheduler_policy", "--plugin", "fcfs", "--report", str(report),
+                     "--", "-v", cwd=tmp_path)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "PASSED" in result.stdout  # -v reached pytest
+    data = json.loads(report.read_text())
+    assert f"replay this run with --seed {data['seed']}" in result.stdout
+    assert data["schema"] == 1 and data["exit_code"] == 0 and data["kvforge_version"]
+    assert data["implementations"] == [{"kind": "scheduler_policy", "name": "fcfs", "plugin": "scheduler-policies",
+                                        "distribution": "kvforge", "version": data["kvforge_version"]}]
+    statuses = {r["group"]: r["status"] for r in data["results"]}
+    assert statuses == {"ordering": "pass", "queueing": "pass"}
+    assert all(r["duration_s"] >= 0 and r["passed"] > 0 for r in data["results"])
+
+
+def test_collect_only_ids_name_the_module(tmp_path):
+    result = kvforge("conformance", "--kind", "scheduler_policy", "--", "--collect-only", "-q", cwd=tmp_path)
+    assert result.returncode == 0, result.stdout + result.stderr
+    ids = [line for line in result.stdout.splitlines() if "::" in line]
+    assert ids and all(line.startswith(("check_scheduler_policy.py::", "check_scheduler_policy_queue.py::"))
+                       for line in ids)
+
+
+def test_report_refuses_an_unknown_format(tmp_path):
+    result = kvforge("conformance", "--report", "matrix.csv", cwd=tmp_path)
+    assert result.returncode == 2 and ".json or .md" in result.stderr
+
+
+@pytest.mark.skipif(not hasattr(builtins, "ExceptionGroup"), reason="exception groups need Python 3.11")
+def test_a_hypothesis_group_of_failures_is_one_line_naming_each():
+    with pytest.raises(builtins.ExceptionGroup) as group:
+        raise builtins.ExceptionGroup("Hypothesis found 2 distinct failures.", [AssertionError("a broke"), KeyError("b")])
+    line = describe_error(group)
+    assert line == "2 distinct failures: AssertionError: a broke | KeyError: 'b'"
+    with pytest.raises(AssertionError) as empty:
+        raise AssertionError  # no message: the line names where and what raised
+    bare = describe_error(empty)
+    assert "+---" not in line and "test_conformance_cli.py" in bare and "(raise AssertionError" in bare
+
+
+def test_the_allocator_state_machine_follows_the_run_seed(monkeypatch):
+    from kvforge.conformance.attention_cases import SEED_ENV
+    from kvforge.conformance.pool_machine import run_pool_machine
+    from kvforge.plugins.block_allocators import NoCacheAllocator
+
+    calls = []
+
+    class Recording(NoCacheAllocator):
+        def allocate(self, count):
+            calls.append(count)
+            return super().allocate(count)
+
+    def operations(seed: int) -> list[int]:
+        monkeypatch.setenv(SEED_ENV, str(seed))
+        calls.clear()
+        run_pool_machine(Recording, max_examples=5)
+        return list(calls)
+
+    first = operations(1)
+    assert first and operations(1) == first  # the same seed replays the same sequences
+    assert operations(2) != first  # another seed explores others
