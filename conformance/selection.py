@@ -79,8 +79,9 @@ def unmatched(kinds: list[str] | None, plugins: list[str] | None) -> list[str]:
 def _why_nothing(reg: Registry, name: str, run: list[str]) -> str:
     reasons = [f"plugin {e.plugin!r} ({e.distribution} {e.version}) failed at {e.stage}: {e.message}"
                for e in reg.errors if e.plugin == name]
-    reasons += [f"{kind} {name!r} is disabled because {' and '.join(holders)} both register it; deny one of "
-                f"them (plugins.deny or {PLUGINS_ENV}=-NAME) to check the other"
+    reasons += [f"{kind} {name!r} is disabled because "
+                f"{' and '.join(f'plugin {h.plugin!r} ({h.distribution} {h.version})' for h in holders)} both register "
+                f"it; deny one of them (plugins.deny or {PLUGINS_ENV}=-NAME) to check the other"
                 for (kind, other), holders in reg.conflicts.items() if other == name and kind in run]
     if name in reg.skipped_plugins:
         reasons.append(f"plugin {name!r} is filtered out by {PLUGINS_ENV}={os.environ.get(PLUGINS_ENV, '')!r}")
