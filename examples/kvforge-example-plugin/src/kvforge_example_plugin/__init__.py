@@ -1,25 +1,25 @@
-"""Shortest-prompt-first scheduling, as a third-party kvforge plugin."""
+"""A third-party kvforge plugin with one implementation of every kind, written
+against `kvforge.core` alone:
 
-from collections.abc import Sequence
+* `plain-torch` (attention_backend): one padded SDPA call per step, float or int8 KV.
+* `free-stack` (block_allocator): a stack of free blocks, no prefix caching.
+* `shortest-prompt` (scheduler_policy): short prompts first.
+* `int4_unpacked` (quantizer): 4-bit codes in int8 bytes, for the KV cache.
+* `last-follower` (speculative_proposer): drafts what followed the last token before.
+"""
 
-from kvforge.core import RequestView, SchedulerPolicy, hookimpl
+from kvforge.core import hookimpl
 
+from .allocator import FreeStackAllocator
+from .attention import PlainTorchAttentionBackend
+from .policy import ShortestPromptPolicy
+from .proposer import LastFollowerProposer
+from .quantizer import Int4UnpackedQuantizer
 
-class ShortestPromptPolicy(SchedulerPolicy):
-    """Waiting requests with shorter prompts run first; the running request with the
-    longest prompt is preempted first. Short prompts finish prefill quickly, which
-    lowers mean time to first token under mixed loads."""
-
-    name = "shortest-prompt"
-    api_version = (1, 0)
-
-    def waiting_key(self, request: RequestView) -> tuple:
-        return (request.num_prompt_tokens, request.arrival_index)
-
-    def choose_victim(self, running: Sequence[RequestView]) -> RequestView | None:
-        return max(running, key=lambda r: (r.num_prompt_tokens, r.arrival_index), default=None)
+IMPLEMENTATIONS = [PlainTorchAttentionBackend, FreeStackAllocator, ShortestPromptPolicy,
+                   Int4UnpackedQuantizer, LastFollowerProposer]
 
 
 @hookimpl
 def kvforge_implementations():
-    return [ShortestPromptPolicy]
+    return IMPLEMENTATIONS
