@@ -1,13 +1,18 @@
 """The example third-party package under examples/ installs with pip and works
-through entry points alone: discovered, selectable, conformant."""
+through entry points alone: one implementation of every kind, each discovered,
+selectable by name, conformant, and generating through `kvforge.LLM`."""
 
+import ast
+import json
+import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
-from kvforge.core import SCHEDULER_POLICY, RequestView, build_registry
+from kvforge import LLM, SamplingParams
+from kvforge.core import KINDS, SCHEDULER_POLICY, RequestView, build_registry
 
 EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "kvforge-example-plugin"
 
@@ -36,11 +41,80 @@ def test_pip_installed_example_is_discovered_and_selectable(installed_example, m
     assert policy.choose_victim([short, long]) is long
 
 
-def test_example_passes_the_shared_conformance_suite(installed_example, tmp_path):
-    import os
+NAMES = {"attention_backend": "plain-torch", "block_allocator": "free-stack", "scheduler_policy": "shortest-prompt",
+         "quantizer": "int4_unpacked", "speculative_proposer": "last-follower"}
 
-    env = {**os.environ, "PYTHONPATH": str(installed_example)}
-    result = subprocess.run([sys.executable, "-m", "kvforge", "conformance", "--plugin", "shortest-prompt"],
-                            capture_output=True, text=True, env=env, cwd=tmp_path, timeout=300)
+
+def test_example_has_one_implementation_of_every_kind(installed_example, monkeypatch):
+    monkeypatch.syspath_prepend(str(installed_example))
+    registry = build_registry(environ={})
+    for kind, name in NAMES.items():
+        assert registry.select(kind, name).plugin == "example", kind
+    assert set(NAMES) == set(KINDS)
+
+
+def test_example_imports_nothing_of_kvforge_but_the_public_core():
+    for path in (EXAMPLE / "src").rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.level == 0:
+                modules = [node.module]
+            elif isinstance(node, ast.Import):
+                modules = [alias.name for alias in node.names]
+            else:
+                continue
+            for module in modules:
+                assert not module.startswith("kvforge") or module == "kvforge.core", f"{path.name} imports {module}"
+
+
+def test_every_example_implementation_passes_the_shared_conformance_suite(installed_example, tmp_path):
+    env = {**os.environ, "PYTHONPATH": str(installed_example), "OMP_NUM_THREADS": "1"}
+    plugins = [arg for name in NAMES.values() for arg in ("--plugin", name)]
+    result = subprocess.run([sys.executable, "-m", "kvforge", "conformance", *plugins,
+                             "--report", "report.json"],
+                            capture_output=True, text=True, env=env, cwd=tmp_path, timeout=600)
     assert result.returncode == 0, result.stdout + result.stderr
-    assert "shortest-prompt" in result.stdout and "pass" in result.stdout
+    rows = json.loads((tmp_path / "report.json").read_text())["results"]
+    for kind, name in NAMES.items():
+        mine = [r for r in rows if r["implementation"] == name]
+        assert mine and all(r["kind"] == kind for r in mine), name
+        assert any(r["status"] == "pass" for r in mine), name
+        for r in mine:
+            assert r["status"] == "pass" or (r["status"] == "skipped" and r["skip_reasons"]), r
+
+
+PROMPTS = ["the cat sat on the mat. the cat sat on the", "def f(x):\n    return x\ndef g(x):\n    return"]
+GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def generate_with(installed_example):
+    """Greedy token ids of PROMPTS on kvforge-tiny under config sections, with the
+    example installed, and the implementations the engine says it selected."""
+    def generate(**sections):
+        with pytest.MonkeyPatch.context() as patch:
+            patch.syspath_prepend(str(installed_example))
+            llm = LLM("kvforge-tiny", device="cpu", dtype="float32", **sections)
+        outputs = llm.generate(PROMPTS, GREEDY)
+        return [o.outputs[0].token_ids for o in outputs], llm.engine.selected, llm.engine.metrics()
+    return generate
+
+
+def test_generates_with_each_example_implementation_selected_by_name(generate_with):
+    cache = {"block_size": 4, "num_blocks": 64}
+    expected, _, _ = generate_with(attention={"backend": "reference"}, cache=cache)
+    got, selected, metrics = generate_with(
+        attention={"backend": "plain-torch"}, cache={**cache, "allocator": "free-stack", "enable_prefix_caching": False},
+        scheduler={"policy": "shortest-prompt"}, speculative={"proposer": "last-follower", "num_tokens": 3})
+    assert {k: selected[k] for k in NAMES if k != "quantizer"} == {k: n for k, n in NAMES.items() if k != "quantizer"}
+    # Exact attention, any allocator and policy, and verified drafts leave greedy output unchanged.
+    assert got == expected and all(len(tokens) == GREEDY.max_tokens for tokens in got)
+    assert metrics["spec_accepted_tokens"] > 0  # the repetitive prompts let last-follower guess right
+
+
+def test_generates_with_the_example_quantizer_as_the_kv_cache_dtype(generate_with):
+    cache = {"block_size": 4, "num_blocks": 64, "kv_cache_dtype": "int4_unpacked"}
+    got, selected, _ = generate_with(attention={"backend": "plain-torch"}, cache=cache)
+    assert selected["kv_quantizer"] == "int4_unpacked" and selected["attention_backend"] == "plain-torch"
+    # Both backends attend over the same dequantized int4 keys and values: same greedy tokens.
+    expected, _, _ = generate_with(attention={"backend": "reference"}, cache=cache)
+    assert got == expected and all(len(tokens) == GREEDY.max_tokens for tokens in got)
