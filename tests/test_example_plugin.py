@@ -118,3 +118,17 @@ def test_generates_with_the_example_quantizer_as_the_kv_cache_dtype(generate_wit
     # Both backends attend over the same dequantized int4 keys and values: same greedy tokens.
     expected, _, _ = generate_with(attention={"backend": "reference"}, cache=cache)
     assert got == expected and all(len(tokens) == GREEDY.max_tokens for tokens in got)
+
+
+def test_last_follower_drafts_what_followed_the_last_occurrence(installed_example, monkeypatch):
+    # Conformance only proves proposals are well-formed; this proves they are the documented guesses.
+    monkeypatch.syspath_prepend(str(installed_example))
+    from kvforge.core import ConfigError, ProposalRequest, SPECULATIVE_PROPOSER
+
+    cls = build_registry(environ={}).select(SPECULATIVE_PROPOSER, "last-follower").cls
+    requests = [ProposalRequest("a", [5, 6, 7, 5, 8, 9, 5]), ProposalRequest("b", [1, 2, 3]), ProposalRequest("c", [])]
+    # 5 was last followed by 8, then 8 by 9, then 9 by 5: the chain repeats the earlier span.
+    assert [p.token_ids for p in cls().propose(requests, 3)] == [[8, 9, 5], [], []]
+    assert [p.token_ids for p in cls(window=3).propose(requests[:1], 3)] == [[]]  # only [8, 9, 5] searched
+    with pytest.raises(ConfigError, match="valid options: window"):
+        cls(windw=3)
