@@ -36,9 +36,12 @@ class LoadedConfig:
 
 
 def flatten(tree: Mapping[str, Any], prefix: str = "") -> list[tuple[str, Any]]:
+    """`[(dotted key, value)]` of a nested config; a setting whose value is itself a
+    dict (`speculative.options`) is one leaf, not a section."""
     items = []
+    leaves = _valid_keys()
     for key, value in tree.items():
-        if isinstance(value, Mapping):
+        if isinstance(value, Mapping) and f"{prefix}{key}" not in leaves:
             items.extend(flatten(value, f"{prefix}{key}."))
         else:
             items.append((f"{prefix}{key}", value))

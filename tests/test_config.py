@@ -111,3 +111,14 @@ def test_kv_cache_dtype_other_than_a_float_must_name_a_quantizer():
     with pytest.raises(ConfigError, match="cache.kv_cache_dtype.*unknown quantizer 'fp8'"):
         check_implementation_names(config, _Names({}))
     check_implementation_names(load_config(environ={}, cache={"kv_cache_dtype": "bfloat16"}).config, _Names({}))
+
+
+def test_a_dict_valued_setting_is_one_setting_from_every_source(tmp_path):
+    # speculative.options is a dict the proposer reads, not a config section: its keys are the proposer's.
+    toml = tmp_path / "kvforge.toml"
+    toml.write_text('[speculative]\nproposer = "ngram"\noptions = { min_n = 1 }\n')
+    assert load_config(toml, environ={}).config.speculative.options == {"min_n": 1}
+    loaded = load_config(environ={}, speculative={"options": {"min_n": 1, "max_n": 3}})
+    assert loaded.config.speculative.options == {"min_n": 1, "max_n": 3}
+    assert ("speculative.options", {"min_n": 1, "max_n": 3}, "python") in loaded.rows()
+    assert load_config(environ={}, overrides=["speculative.options={max_n=2}"]).config.speculative.options == {"max_n": 2}
