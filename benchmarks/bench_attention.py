@@ -47,6 +47,7 @@ from kvforge.core import (
     KVCacheSpec,
     SelectionRequest,
     build_registry,
+    cdiv,
     quantized_kv_views,
 )
 
@@ -133,7 +134,7 @@ class Workload:
 def workload(shape: Shape, device: str, seed: int = 0) -> Workload:
     gen = torch.Generator().manual_seed(seed)
     s, bs = shape, shape.block_size
-    per_seq = -(-s.seq_len // bs)
+    per_seq = cdiv(s.seq_len, bs)
     num_blocks = s.num_seqs * per_seq + 8
     physical = torch.randperm(num_blocks, generator=gen)[: s.num_seqs * per_seq]
     table = physical.view(s.num_seqs, per_seq).to(torch.int32)

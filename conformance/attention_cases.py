@@ -35,6 +35,7 @@ from kvforge.core import (
     Quantizer,
     Registration,
     Registry,
+    cdiv,
     quantized_kv_views,
 )
 
@@ -212,7 +213,7 @@ def make_case(kind: str, layer: AttentionLayerSpec, block_size: int, dtype: torc
     contexts = [c for c, _ in lengths]
     queries = [q for _, q in lengths]
     seq_lens = [c + q for c, q in lengths]
-    blocks_per_seq = [-(-s // block_size) for s in seq_lens]
+    blocks_per_seq = [cdiv(s, block_size) for s in seq_lens]
     used = sum(blocks_per_seq)
     num_blocks = used + rng.randint(2, 5)
     # Block 0 is never referenced: block-table padding is 0, so a backend that reads

@@ -24,6 +24,7 @@ from kvforge.core import (
     SelectionRequest,
     SpeculativeProposer,
     UnsupportedConfigurationError,
+    cdiv,
 )
 from kvforge.core.config import FLOAT_KV_DTYPES
 
@@ -159,7 +160,7 @@ def num_blocks(config: EngineConfig, spec, device: torch.device, max_model_len: 
         return config.cache.num_blocks
     from .cache_sizing import num_blocks_for
 
-    most = config.scheduler.max_num_seqs * -(-max_model_len // config.cache.block_size)
+    most = config.scheduler.max_num_seqs * cdiv(max_model_len, config.cache.block_size)
     return num_blocks_for(config.cache, spec, device=device, max_blocks=most)
 
 
