@@ -29,6 +29,7 @@ import torch
 
 from kvforge.core import (
     ATTENTION_BACKEND,
+    FLOAT_DTYPES,
     AttentionBatch,
     AttentionLayerSpec,
     KVCacheSpec,
@@ -44,7 +45,7 @@ from .selection import quick
 
 SEED_ENV = "KVFORGE_CONFORMANCE_SEED"
 TOLERANCES = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1e-2, torch.float64: 1e-10}
-DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+DTYPES = tuple(FLOAT_DTYPES.values())
 HEAD_SIZES = (64, 80, 96, 128, 256)  # 256 only where declared
 QUERIES_PER_KV = (1, 4, 8)
 BLOCK_SIZES = (1, 8, 16, 32)
