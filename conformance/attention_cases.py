@@ -36,6 +36,7 @@ from kvforge.core import (
     Quantizer,
     Registration,
     Registry,
+    attention_request,
     cdiv,
     quantized_kv_views,
 )
@@ -85,12 +86,8 @@ class Target:
 
     def reasons(self, layer: AttentionLayerSpec, block_size: int, dtype: torch.dtype,
                 kv_storage_dtype: torch.dtype | None = None) -> list[str]:
-        from kvforge.core import SelectionRequest
-
-        return self.cls.unsupported_reasons(SelectionRequest(
-            device=self.device, dtype=dtype, head_size=layer.head_size, block_size=block_size,
-            num_heads=layer.num_heads, num_kv_heads=layer.num_kv_heads, features=layer.required_features(),
-            kv_storage_dtype=kv_storage_dtype))
+        return self.cls.unsupported_reasons(attention_request([layer], self.device, dtype, block_size=block_size,
+                                                              kv_storage_dtype=kv_storage_dtype))
 
 
 def target(registration: Registration) -> Target:

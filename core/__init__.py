@@ -27,6 +27,7 @@ from .attention import (
     KVCacheSpec,
     SCALE_DTYPE,
     PagedCSR,
+    attention_request,
     cdiv,
     dequantize_kv_blocks,
     dtype_name,

@@ -1,6 +1,7 @@
-"""One fact in one place: the ceiling division, the dtype-name table and the pool
-checks' shared state each have one definition, and the modules that use them do
-not import each other in a circle (issue #14)."""
+"""One fact in one place: the ceiling division, the dtype-name table, the backend
+selection request built from layers and the pool checks' shared state each have one
+definition, and the modules that use them do not import each other in a circle
+(issue #14)."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from kvforge.core import FLOAT_DTYPES, EngineConfig, KVCacheSpec
+from kvforge.core import SLIDING_WINDOW, FLOAT_DTYPES, AttentionLayerSpec, EngineConfig, KVCacheSpec, attention_request
 from kvforge.core.config import CacheConfig
 from kvforge.engine import cache_sizing, components
 from kvforge.models import loader
@@ -75,3 +76,21 @@ def test_pool_machine_and_pool_checks_do_not_import_each_other():
             "assert not any(m.startswith('hypothesis') for m in sys.modules), 'checks import hypothesis'")
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert result.returncode == 0, result.stderr
+
+
+def test_attention_request_takes_the_shape_from_the_first_layer_and_features_from_all():
+    layers = [AttentionLayerSpec(8, 2, 64), AttentionLayerSpec(8, 2, 64, sliding_window=4)]
+    request = attention_request(layers, "cpu", torch.float16, block_size=16, kv_storage_dtype=torch.int8)
+    assert (request.device, request.dtype, request.block_size, request.kv_storage_dtype) == \
+        ("cpu", torch.float16, 16, torch.int8)
+    assert (request.num_heads, request.num_kv_heads, request.head_size) == (8, 2, 64)
+    assert request.features == {SLIDING_WINDOW}
+    unknown = attention_request([], "cuda", None)
+    assert (unknown.num_heads, unknown.head_size, unknown.features) == (None, None, frozenset())
+
+
+def test_no_selection_request_is_built_from_layer_fields_outside_attention_request():
+    pattern = re.compile(r"SelectionRequest\([^)]*\.head_size")
+    found = [str(path.relative_to(ROOT)) for path in python_sources()
+             if pattern.search(path.read_text()) and str(path.relative_to(ROOT)) != "core/attention.py"]
+    assert not found, "build the request with kvforge.core.attention_request: " + ", ".join(found)
