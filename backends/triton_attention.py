@@ -34,6 +34,7 @@ from kvforge.core import (
     KVCacheSpec,
     SelectionRequest,
     UnsupportedConfigurationError,
+    cdiv,
     dtype_name,
     hookimpl,
     quantized_kv_views,
@@ -131,7 +132,7 @@ class TritonAttentionBackend(AttentionBackend):
         query_lens = batch.query_lens()
         tiles_per_seq = (query_lens + block_q - 1) // block_q
         tile_end = torch.cumsum(tiles_per_seq, 0)
-        num_tiles = -(-batch.num_tokens // block_q) + batch.num_seqs  # an upper bound, known on the host
+        num_tiles = cdiv(batch.num_tokens, block_q) + batch.num_seqs  # an upper bound, known on the host
         index = torch.arange(num_tiles, device=query_lens.device)
         tile_seq = torch.searchsorted(tile_end, index, right=True)
         real = tile_seq < batch.num_seqs
@@ -145,14 +146,14 @@ class TritonAttentionBackend(AttentionBackend):
         """(number of KV splits, keys per split): split only decode-like batches
         whose grid of tiles x KV heads would not fill the device twice over."""
         programs = num_tiles * self.cache.num_kv_heads
-        wanted = -(-2 * self.num_sms // max(programs, 1))
+        wanted = cdiv(2 * self.num_sms, max(programs, 1))
         by_length = batch.max_seq_len // self.split_min_len
         num_splits = min(wanted, by_length, self.max_splits)
         if batch.max_query_len > block_q or num_splits <= 1:
             return 1, batch.max_seq_len
-        split_len = -(-batch.max_seq_len // num_splits)
-        split_len = -(-split_len // block_n) * block_n
-        return -(-batch.max_seq_len // split_len), split_len
+        split_len = cdiv(batch.max_seq_len, num_splits)
+        split_len = cdiv(split_len, block_n) * block_n
+        return cdiv(batch.max_seq_len, split_len), split_len
 
     def write_kv(self, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
         num_tokens, num_kv_heads, head_size = key.shape

@@ -45,8 +45,9 @@ from kvforge.core import (
     AttentionBatch,
     AttentionLayerSpec,
     KVCacheSpec,
-    SelectionRequest,
+    attention_request,
     build_registry,
+    cdiv,
     quantized_kv_views,
 )
 
@@ -133,7 +134,7 @@ class Workload:
 def workload(shape: Shape, device: str, seed: int = 0) -> Workload:
     gen = torch.Generator().manual_seed(seed)
     s, bs = shape, shape.block_size
-    per_seq = -(-s.seq_len // bs)
+    per_seq = cdiv(s.seq_len, bs)
     num_blocks = s.num_seqs * per_seq + 8
     physical = torch.randperm(num_blocks, generator=gen)[: s.num_seqs * per_seq]
     table = physical.view(s.num_seqs, per_seq).to(torch.int32)
@@ -225,10 +226,9 @@ def skip_reason(cls, shape: Shape, device: str) -> str | None:
     if getattr(cls, "conformance_grid", "full") == "reduced":
         return "runs under an interpreter on this machine; its timings would measure the interpreter"
     spec = shape.cache_spec()
-    reasons = cls.unsupported_reasons(SelectionRequest(
-        device=device, dtype=shape.dtype, head_size=shape.head_size, block_size=shape.block_size,
-        num_heads=shape.num_heads, num_kv_heads=shape.num_kv_heads,
-        kv_storage_dtype=spec.storage_dtype if spec.quantized else None))
+    layer = AttentionLayerSpec(shape.num_heads, shape.num_kv_heads, shape.head_size)
+    reasons = cls.unsupported_reasons(attention_request([layer], device, shape.dtype, block_size=shape.block_size,
+                                                        kv_storage_dtype=spec.storage_dtype if spec.quantized else None))
     return "; ".join(reasons) or None
 
 

@@ -25,7 +25,7 @@ import random
 
 import torch
 
-from kvforge.core import PER_TOKEN, QUANTIZER, build_registry
+from kvforge.core import PER_TOKEN, QUANTIZER, build_registry, cdiv
 
 FLOAT_KV = ("float32", "bfloat16")
 BUDGET_BYTES = 2**30
@@ -67,7 +67,7 @@ def memory_table(model: str, mean_request_tokens: float) -> list[dict]:
         spec = engine.model.kv_cache_spec(engine.kv.block_size)
         blocks = num_blocks_for(engine.config.cache.model_copy(update={"num_blocks": None,
                                                                          "memory_budget": BUDGET_BYTES}), spec)
-        per_request = -(-int(mean_request_tokens) // spec.block_size)
+        per_request = cdiv(int(mean_request_tokens), spec.block_size)
         rows.append({"kv": kv, "bytes_per_token": spec.bytes_per_block() / spec.block_size,
                      "blocks_per_gib": blocks, "requests_per_gib": blocks // per_request})
     base = {r["kv"]: r["bytes_per_token"] for r in rows}

@@ -22,7 +22,7 @@ import argparse
 
 import numpy as np
 
-from kvforge.core import BLOCK_ALLOCATOR, build_registry
+from kvforge.core import BLOCK_ALLOCATOR, build_registry, cdiv
 from kvforge.engine.kv_cache_manager import KVCacheManager
 
 NUM_REQUESTS = 256
@@ -41,7 +41,7 @@ def workload(seed: int = 0, num_requests: int = NUM_REQUESTS) -> tuple[np.ndarra
 def paged_waste(block_size: int, prompts: np.ndarray, outputs: np.ndarray) -> float:
     """Waste of the real block tables, summed over every decode step."""
     allocator = build_registry().get(BLOCK_ALLOCATOR, "nocache").cls
-    num_blocks = int(sum(-(-(p + o) // block_size) for p, o in zip(prompts, outputs)))
+    num_blocks = int(sum(cdiv(p + o, block_size) for p, o in zip(prompts, outputs)))
     kv = KVCacheManager(allocator(num_blocks, block_size), block_size, enable_prefix_caching=False)
     lengths = {}
     for index, prompt in enumerate(prompts):

@@ -29,12 +29,15 @@ import torch
 
 from kvforge.core import (
     ATTENTION_BACKEND,
+    FLOAT_DTYPES,
     AttentionBatch,
     AttentionLayerSpec,
     KVCacheSpec,
     Quantizer,
     Registration,
     Registry,
+    attention_request,
+    cdiv,
     quantized_kv_views,
 )
 
@@ -43,7 +46,7 @@ from .selection import quick
 
 SEED_ENV = "KVFORGE_CONFORMANCE_SEED"
 TOLERANCES = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1e-2, torch.float64: 1e-10}
-DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+DTYPES = tuple(FLOAT_DTYPES.values())
 HEAD_SIZES = (64, 80, 96, 128, 256)  # 256 only where declared
 QUERIES_PER_KV = (1, 4, 8)
 BLOCK_SIZES = (1, 8, 16, 32)
@@ -83,12 +86,8 @@ class Target:
 
     def reasons(self, layer: AttentionLayerSpec, block_size: int, dtype: torch.dtype,
                 kv_storage_dtype: torch.dtype | None = None) -> list[str]:
-        from kvforge.core import SelectionRequest
-
-        return self.cls.unsupported_reasons(SelectionRequest(
-            device=self.device, dtype=dtype, head_size=layer.head_size, block_size=block_size,
-            num_heads=layer.num_heads, num_kv_heads=layer.num_kv_heads, features=layer.required_features(),
-            kv_storage_dtype=kv_storage_dtype))
+        return self.cls.unsupported_reasons(attention_request([layer], self.device, dtype, block_size=block_size,
+                                                              kv_storage_dtype=kv_storage_dtype))
 
 
 def target(registration: Registration) -> Target:
@@ -212,7 +211,7 @@ def make_case(kind: str, layer: AttentionLayerSpec, block_size: int, dtype: torc
     contexts = [c for c, _ in lengths]
     queries = [q for _, q in lengths]
     seq_lens = [c + q for c, q in lengths]
-    blocks_per_seq = [-(-s // block_size) for s in seq_lens]
+    blocks_per_seq = [cdiv(s, block_size) for s in seq_lens]
     used = sum(blocks_per_seq)
     num_blocks = used + rng.randint(2, 5)
     # Block 0 is never referenced: block-table padding is 0, so a backend that reads

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from kvforge.core import ALIBI, ATTENTION_BACKEND, LOGIT_SOFT_CAP, SLIDING_WINDOW, AttentionLayerSpec, KVCacheSpec
-from kvforge.core import SelectionRequest, UnsupportedConfigurationError
+from kvforge.core import SelectionRequest, UnsupportedConfigurationError, attention_request
 from kvforge.conformance.attention_cases import target
 from kvforge.conformance.attention_cases import one_thread  # noqa: F401 (a fixture, used below)
 
@@ -49,9 +49,7 @@ def probes(tgt):
 
 
 def request_for(layer, spec, device):
-    return SelectionRequest(device=device, dtype=spec.dtype, head_size=layer.head_size, block_size=spec.block_size,
-                            num_heads=layer.num_heads, num_kv_heads=layer.num_kv_heads,
-                            features=layer.required_features())
+    return attention_request([layer], device, spec.dtype, block_size=spec.block_size)
 
 
 def test_undeclared_configurations_are_refused_with_reasons(registration):

@@ -5,27 +5,17 @@ reset, which also check lookup counting (8), eviction order (11) and resets (12)
 
 import pytest
 
+from kvforge.conformance.pool_snapshot import BLOCK_SIZE, NUM_BLOCKS, snapshot
 from kvforge.conformance.selection import quick
 from kvforge.core import BLOCK_ALLOCATOR, BlockStateError, OutOfBlocksError
 
 KIND = BLOCK_ALLOCATOR
 GROUP = "pool"
 
-NUM_BLOCKS = 8
-BLOCK_SIZE = 4
-
 
 @pytest.fixture
 def pool(registration):
     return registration.cls(NUM_BLOCKS, BLOCK_SIZE)
-
-
-def snapshot(pool) -> tuple:
-    """Everything observable about the pool except the lookup counters."""
-    usage = pool.usage()
-    return (tuple(pool.ref_count(b) for b in range(pool.num_blocks)),
-            tuple(pool.block_hash_of(b) for b in range(pool.num_blocks)),
-            usage.free, usage.cached, usage.in_use)
 
 
 def test_allocate_returns_distinct_fresh_blocks_with_one_reference(pool):

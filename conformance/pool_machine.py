@@ -11,8 +11,8 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 from kvforge.core import BlockStateError, OutOfBlocksError
 
 from .attention_cases import SEED_ENV
-from .check_block_allocator_pool import BLOCK_SIZE, NUM_BLOCKS, snapshot
 from .check_block_allocator_reset import lacks_reset
+from .pool_snapshot import BLOCK_SIZE, NUM_BLOCKS, snapshot
 
 
 class PoolMachine(RuleBasedStateMachine):

@@ -27,6 +27,7 @@ from .attention import (
     KVCacheSpec,
     SCALE_DTYPE,
     PagedCSR,
+    attention_request,
     cdiv,
     dequantize_kv_blocks,
     dtype_name,
@@ -36,7 +37,7 @@ from .attention import (
     write_quantized_kv_by_slot,
 )
 from .block_allocator import AllocatorUsage, BlockAllocator, BlockHash
-from .config import EngineConfig, implementation_names
+from .config import FLOAT_DTYPES, EngineConfig, implementation_names
 from .config_sources import LoadedConfig, check_implementation_names, load_config
 from .errors import (
     ApiVersionError,

@@ -15,6 +15,7 @@ positions `p - W + 1 .. p`. With a logit soft-cap `c`, scaled scores `s` become
 from __future__ import annotations
 
 from abc import abstractmethod
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -140,6 +141,24 @@ class AttentionLayerSpec:
         if self.alibi_slopes is not None:
             wanted.add(ALIBI)
         return frozenset(wanted)
+
+
+def attention_request(layers: Sequence[AttentionLayerSpec], device: str | None, dtype: torch.dtype | None, *,
+                      block_size: int | None = None, kv_storage_dtype: torch.dtype | None = None) -> SelectionRequest:
+    """What an attention backend is asked when it is to serve `layers`: the first
+    one's heads and head size, every one's features, over a KV cache of `dtype`
+    (`kv_storage_dtype` when quantized; None for a float cache). `layers` may be
+    empty when the model's shape is not known yet. The one place a request is
+    built from layers: backends, models, the conformance suite, benchmarks and the
+    CLI all call this."""
+    first = layers[0] if layers else None
+    return SelectionRequest(
+        device=device, dtype=dtype, block_size=block_size,
+        head_size=first.head_size if first else None,
+        num_heads=first.num_heads if first else None,
+        num_kv_heads=first.num_kv_heads if first else None,
+        features=frozenset().union(*(layer.required_features() for layer in layers)),
+        kv_storage_dtype=kv_storage_dtype)
 
 
 @dataclass
@@ -287,16 +306,8 @@ class AttentionBackend(Implementation):
     def __init__(self, layer: AttentionLayerSpec, cache: KVCacheSpec, device: str | torch.device = "cpu"):
         from .errors import UnsupportedConfigurationError
 
-        request = SelectionRequest(
-            device=torch.device(device).type,
-            dtype=cache.dtype,
-            head_size=layer.head_size,
-            block_size=cache.block_size,
-            num_heads=layer.num_heads,
-            num_kv_heads=layer.num_kv_heads,
-            features=layer.required_features(),
-            kv_storage_dtype=cache.storage_dtype if cache.quantized else None,
-        )
+        request = attention_request([layer], torch.device(device).type, cache.dtype, block_size=cache.block_size,
+                                    kv_storage_dtype=cache.storage_dtype if cache.quantized else None)
         reasons = self.unsupported_reasons(request)
         if reasons:
             raise UnsupportedConfigurationError(

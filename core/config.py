@@ -10,11 +10,14 @@ from __future__ import annotations
 import re
 from typing import Any, Literal
 
+import torch
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from .api import ATTENTION_BACKEND, BLOCK_ALLOCATOR, QUANTIZER, SCHEDULER_POLICY, SPECULATIVE_PROPOSER
 
-FLOAT_KV_DTYPES = ("auto", "float32", "float16", "bfloat16")
+FLOAT_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+"""The float dtypes models and KV caches run in, by the name configs use: the one name -> dtype table."""
+FLOAT_KV_DTYPES = ("auto", *FLOAT_DTYPES)
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]i?B|B)?\s*$", re.IGNORECASE)
 _UNITS = {"b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
           "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
@@ -86,7 +89,7 @@ class EngineConfig(Section):
 
     model: str = Field("kvforge-tiny", description="a local Hugging Face directory or a built-in model name")
     device: Literal["auto", "cpu", "cuda"] = "auto"
-    dtype: Literal["auto", "float32", "float16", "bfloat16"] = "auto"
+    dtype: Literal[FLOAT_KV_DTYPES] = "auto"
     seed: int = 0
     linear_kernel: Literal["auto", "torch", "onednn"] = Field(
         "auto", description="kernel of the model's linear layers: onednn (CPU, weights packed once), torch, or auto "

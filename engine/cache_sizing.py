@@ -17,12 +17,11 @@ import os
 
 import torch
 
-from kvforge.core import ConfigError, KVCacheSpec
+from kvforge.core import FLOAT_DTYPES, ConfigError, KVCacheSpec
 from kvforge.core.config import CacheConfig
 
 DEFAULT_CUDA_FRACTION = 0.9
 DEFAULT_CPU_BUDGET = 256 * 2**20
-_FLOAT_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
 def available_memory(device: str | torch.device = "cpu") -> int:
@@ -45,7 +44,7 @@ def cache_spec(cache_config: CacheConfig, kv_cache_spec: KVCacheSpec) -> KVCache
     """`kv_cache_spec` in the cache dtype: a float `kv_cache_dtype` replaces the model
     dtype; for a quantizer name the spec must already carry that quantizer (its
     `bytes_per_block` then counts the storage dtype and the scales)."""
-    dtype = _FLOAT_DTYPES.get(cache_config.kv_cache_dtype)
+    dtype = FLOAT_DTYPES.get(cache_config.kv_cache_dtype)
     if dtype is not None:
         return dataclasses.replace(kv_cache_spec, dtype=dtype)
     name = cache_config.kv_cache_dtype

@@ -24,11 +24,12 @@ from kvforge.core import (
     SelectionRequest,
     SpeculativeProposer,
     UnsupportedConfigurationError,
+    cdiv,
+    dtype_name,
 )
-from kvforge.core.config import FLOAT_KV_DTYPES
+from kvforge.core.config import FLOAT_DTYPES, FLOAT_KV_DTYPES
 
 log = logging.getLogger(__name__)
-DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
 def resolve_device(config: EngineConfig) -> torch.device:
@@ -42,7 +43,7 @@ def resolve_device(config: EngineConfig) -> torch.device:
 
 def resolve_dtype(config: EngineConfig, device: torch.device) -> torch.dtype:
     if config.dtype != "auto":
-        return DTYPES[config.dtype]
+        return FLOAT_DTYPES[config.dtype]
     if device.type == "cuda":
         return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
     return torch.float32
@@ -159,16 +160,16 @@ def num_blocks(config: EngineConfig, spec, device: torch.device, max_model_len: 
         return config.cache.num_blocks
     from .cache_sizing import num_blocks_for
 
-    most = config.scheduler.max_num_seqs * -(-max_model_len // config.cache.block_size)
+    most = config.scheduler.max_num_seqs * cdiv(max_model_len, config.cache.block_size)
     return num_blocks_for(config.cache, spec, device=device, max_blocks=most)
 
 
 def check_supported(config: EngineConfig, dtype: torch.dtype) -> None:
     """Refuse, with the reason, settings the reference engine does not implement."""
     kv_dtype = config.cache.kv_cache_dtype  # a quantizer name is resolved by resolve_kv_quantizer
-    if kv_dtype in DTYPES and DTYPES[kv_dtype] != dtype:
+    if kv_dtype in FLOAT_DTYPES and FLOAT_DTYPES[kv_dtype] != dtype:
         raise UnsupportedConfigurationError(
-            f"cache.kv_cache_dtype = {kv_dtype!r} differs from the model dtype {str(dtype).removeprefix('torch.')}; "
+            f"cache.kv_cache_dtype = {kv_dtype!r} differs from the model dtype {dtype_name(dtype)}; "
             "the reference engine keeps the KV cache in the model dtype; set cache.kv_cache_dtype = 'auto'")
 
 

@@ -89,11 +89,11 @@ class KVCacheManager:
     def _blocks_to_copy(self, request: _Request, num_total_tokens: int) -> range:
         """Indices of existing blocks the next writes land in; shared ones need a copy."""
         first = request.num_tokens // self.block_size
-        last = min(len(request.blocks), -(-num_total_tokens // self.block_size))
+        last = min(len(request.blocks), cdiv(num_total_tokens, self.block_size))
         return range(first, last)
 
     def _blocks_needed(self, request: _Request, num_total_tokens: int) -> tuple[int, list[int]]:
-        new = max(0, -(-num_total_tokens // self.block_size) - len(request.blocks))
+        new = max(0, cdiv(num_total_tokens, self.block_size) - len(request.blocks))
         shared = [i for i in self._blocks_to_copy(request, num_total_tokens)
                   if self.allocator.ref_count(request.blocks[i]) > 1]
         return new, shared
@@ -242,7 +242,7 @@ class KVCacheManager:
             raise RequestError(f"cannot map slots [{start}, {end}) of request {request_id!r}: it holds room for "
                                f"positions [0, {len(blocks) * self.block_size}); call allocate_slots first")
         first = start // self.block_size
-        table = torch.tensor(blocks[first:-(-end // self.block_size)], dtype=torch.int64)
+        table = torch.tensor(blocks[first:cdiv(end, self.block_size)], dtype=torch.int64)
         positions = torch.arange(start, end, dtype=torch.int64)
         return table[positions // self.block_size - first] * self.block_size + positions % self.block_size
 

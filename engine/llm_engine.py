@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-from kvforge.core import BlockStateError, EngineConfig, ProposerTarget, RequestError, build_registry
+from kvforge.core import BlockStateError, EngineConfig, ProposerTarget, RequestError, build_registry, cdiv
 
 from . import components, heap
 from .detokenizer import IncrementalDetokenizer
@@ -173,7 +173,7 @@ class LLMEngine:
         bad = [t for t in token_ids if not 0 <= t < self.vocab_size]
         if bad:
             fail(f"token ids {bad[:5]} are outside the vocabulary [0, {self.vocab_size})")
-        blocks = -(-len(token_ids) // self.kv.block_size)
+        blocks = cdiv(len(token_ids), self.kv.block_size)
         if blocks > self.num_blocks:
             fail(f"the prompt needs {blocks} KV blocks but the whole cache has {self.num_blocks}; "
                  "raise cache.num_blocks or cache.memory_budget, or shorten the prompt")

@@ -23,7 +23,7 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
-from kvforge.core import API_VERSION, KINDS, PER_TOKEN, QUANTIZER, SelectionRequest
+from kvforge.core import API_VERSION, FLOAT_DTYPES, KINDS, PER_TOKEN, QUANTIZER, SelectionRequest
 
 from .cli_options import add_config_options, config_from_args, registry_from_config
 
@@ -48,7 +48,7 @@ def selection_request(config, registry) -> SelectionRequest:
     from kvforge.models.base import backend_request
 
     device = config.device if config.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
-    dtype = getattr(torch, config.dtype) if config.dtype != "auto" else None
+    dtype = FLOAT_DTYPES[config.dtype] if config.dtype != "auto" else None
     request = backend_request([], device, dtype, block_size=config.cache.block_size,
                               kv_quantizer=resolve_kv_quantizer(registry, config))
     return dataclasses.replace(request, kv_cache_dtype=config.cache.kv_cache_dtype,

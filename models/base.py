@@ -30,6 +30,7 @@ from kvforge.core import (
     KVCacheSpec,
     Quantizer,
     SelectionRequest,
+    attention_request,
 )
 from kvforge.core.errors import ConfigError, UnsupportedConfigurationError
 
@@ -145,18 +146,10 @@ def activation(name: str):
 
 def backend_request(layers: Sequence[AttentionLayerSpec], device: str, dtype: torch.dtype | None, *,
                     block_size: int | None = None, kv_quantizer: Quantizer | None = None) -> SelectionRequest:
-    """What an attention backend is asked when it is to serve `layers` (the first
-    one's heads and head size, every one's features) over a KV cache quantized by
-    `kv_quantizer` (None: a float cache). `layers` may be empty when the model's
-    shape is not known yet; the one place a host builds this request from layers."""
-    first = layers[0] if layers else None
-    return SelectionRequest(
-        device=device, dtype=dtype, block_size=block_size,
-        head_size=first.head_size if first else None,
-        num_heads=first.num_heads if first else None,
-        num_kv_heads=first.num_kv_heads if first else None,
-        features=frozenset().union(*(layer.required_features() for layer in layers)),
-        kv_storage_dtype=kv_quantizer.storage_dtype if kv_quantizer is not None else None)
+    """`kvforge.core.attention_request` for a KV cache quantized by `kv_quantizer`
+    (None: a float cache)."""
+    return attention_request(layers, device, dtype, block_size=block_size,
+                             kv_storage_dtype=kv_quantizer.storage_dtype if kv_quantizer is not None else None)
 
 
 def check_kv_quantizer(quantizer: type[Quantizer] | Quantizer, qualifying: Sequence[str] | None = None) -> None:

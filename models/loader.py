@@ -17,7 +17,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 from torch import nn
 
-from kvforge.core import AttentionBackend, AttentionLayerSpec, Quantizer, dtype_name
+from kvforge.core import FLOAT_DTYPES, AttentionBackend, AttentionLayerSpec, Quantizer, dtype_name
 from kvforge.core.errors import ConfigError, UnsupportedConfigurationError
 
 from .base import CausalLM, ModelConfig
@@ -27,7 +27,6 @@ from .registry import model_class
 
 BUILTIN_DIR = Path(__file__).resolve().parent / "builtin"
 BUILTIN_MODELS = ("kvforge-tiny", "kvforge-tiny-draft")
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 log = logging.getLogger(__name__)
 
 
@@ -55,9 +54,9 @@ def resolve_dtype(dtype: torch.dtype | str | None, config: ModelConfig) -> torch
     if dtype in (None, "auto"):
         dtype = config.value("dtype", config.value("torch_dtype", "float32"))
     if isinstance(dtype, str):
-        dtype = DTYPES.get(dtype.removeprefix("torch."), dtype)
-    if dtype not in DTYPES.values():
-        raise ConfigError(f"model dtype {dtype} is not supported; choose one of: auto, {', '.join(DTYPES)}")
+        dtype = FLOAT_DTYPES.get(dtype.removeprefix("torch."), dtype)
+    if dtype not in FLOAT_DTYPES.values():
+        raise ConfigError(f"model dtype {dtype} is not supported; choose one of: auto, {', '.join(FLOAT_DTYPES)}")
     return dtype
 
 

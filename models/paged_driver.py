@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from kvforge.core import AttentionBatch
+from kvforge.core import AttentionBatch, cdiv
 
 
 class PagedDriver:
@@ -22,7 +22,7 @@ class PagedDriver:
     def __init__(self, model, block_size: int, num_seqs: int, max_len: int, permute: bool = False, seed: int = 0):
         self.model = model
         self.block_size = block_size
-        per_seq = -(-max_len // block_size)
+        per_seq = cdiv(max_len, block_size)
         num_blocks = num_seqs * per_seq + 2  # two spare blocks that no sequence uses
         order = torch.arange(num_blocks)
         if permute:

@@ -20,7 +20,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from kvforge.core import ConfigError, DraftProposal, ProposalRequest, SpeculativeProposer, hookimpl
+from kvforge.core import ConfigError, DraftProposal, ProposalRequest, SpeculativeProposer, cdiv, hookimpl
 
 
 class _History:
@@ -74,7 +74,7 @@ def ngram_lookup(tokens: np.ndarray | Sequence[int], min_n: int, max_n: int, k: 
     # guess is that the repetition goes on, so the copy overlaps itself (a loop of period
     # 2 drafts k tokens, not 2).
     period = length - 1 - end
-    return np.tile(tokens[end + 1:], -(-k // period))[:k].tolist()
+    return np.tile(tokens[end + 1:], cdiv(k, period))[:k].tolist()
 
 
 class NgramProposer(SpeculativeProposer):

@@ -14,6 +14,7 @@ from kvforge.core import (
     SelectionRequest,
     UnsupportedConfigurationError,
     build_registry,
+    cdiv,
 )
 
 cpp = pytest.importorskip("kvforge.backends.cpp")
@@ -32,7 +33,7 @@ def reference_class():
 def make_batch(query_lens, context_lens, block_size, num_blocks, generator):
     """A ragged batch whose sequences own randomly chosen, shuffled physical blocks."""
     seq_lens = [q + c for q, c in zip(query_lens, context_lens)]
-    needs = [(s + block_size - 1) // block_size for s in seq_lens]
+    needs = [cdiv(s, block_size) for s in seq_lens]
     assert sum(needs) <= num_blocks
     physical = torch.randperm(num_blocks, generator=generator)
     table = torch.zeros(len(seq_lens), max(needs) + 1, dtype=torch.int32)
@@ -54,7 +55,7 @@ def make_batch(query_lens, context_lens, block_size, num_blocks, generator):
 def run_case(layer, dtype, query_lens, context_lens, block_size, seed=0):
     """The cpp backend's output and the float64 reference's on one random batch."""
     generator = torch.Generator().manual_seed(seed)
-    num_blocks = sum((q + c + block_size - 1) // block_size for q, c in zip(query_lens, context_lens)) + 3
+    num_blocks = sum(cdiv(q + c, block_size) for q, c in zip(query_lens, context_lens)) + 3
     batch = make_batch(query_lens, context_lens, block_size, num_blocks, generator)
     spec = KVCacheSpec(block_size, layer.num_kv_heads, layer.head_size, dtype)
     backend = CppAttentionBackend(layer, spec)

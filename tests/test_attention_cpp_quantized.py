@@ -22,6 +22,7 @@ from kvforge.core import (
     QuantizationError,
     SelectionRequest,
     build_registry,
+    cdiv,
     dequantize_kv_blocks,
     quantized_kv_views,
     write_quantized_kv_by_slot,
@@ -73,7 +74,7 @@ def run_case(layer, dtype, name, query_lens, context_lens, block_size, seed=0, s
     through the backend, so all that stays poisoned are the slots past each
     sequence's end and `spare_blocks` blocks no block table names."""
     generator = torch.Generator().manual_seed(seed)
-    num_blocks = sum((q + c + block_size - 1) // block_size for q, c in zip(query_lens, context_lens)) + spare_blocks
+    num_blocks = sum(cdiv(q + c, block_size) for q, c in zip(query_lens, context_lens)) + spare_blocks
     batch = make_batch(query_lens, context_lens, block_size, num_blocks, generator)
     spec = KVCacheSpec(block_size, layer.num_kv_heads, layer.head_size, dtype,
                        quantizer=quantizer_instance or quantizer(name))

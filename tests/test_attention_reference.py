@@ -17,6 +17,7 @@ from kvforge.core import (
     SelectionRequest,
     UnsupportedConfigurationError,
     build_registry,
+    cdiv,
 )
 
 
@@ -24,7 +25,7 @@ def step(lengths, block_size, kv_heads, head_size, seed=0, dtype=torch.float64):
     """A batch with blocks handed out back to front, the new tokens already in the cache."""
     gen = torch.Generator().manual_seed(seed)
     seq_lens = [c + q for c, q in lengths]
-    per_seq = [-(-s // block_size) for s in seq_lens]
+    per_seq = [cdiv(s, block_size) for s in seq_lens]
     num_blocks = sum(per_seq) + 2
     order = list(range(num_blocks - 1, -1, -1))
     table = torch.zeros(len(lengths), max(per_seq), dtype=torch.int32)

@@ -30,6 +30,7 @@ from kvforge.core import (
     SelectionRequest,
     UnsupportedConfigurationError,
     build_registry,
+    cdiv,
     dequantize_kv_blocks,
     dtype_name,
     quantized_kv_views,
@@ -44,7 +45,7 @@ def make_step(lengths, layer, block_size, dtype, seed, values_seed=None):
     unused blocks NaN). Physical blocks are a random permutation; `values_seed` draws other
     values for the same batch (another layer)."""
     gen = torch.Generator().manual_seed(seed)
-    blocks_per_seq = [-(-(c + q) // block_size) for c, q in lengths]
+    blocks_per_seq = [cdiv(c + q, block_size) for c, q in lengths]
     num_blocks = sum(blocks_per_seq) + 3
     physical = torch.randperm(num_blocks, generator=gen)
     table = torch.zeros(len(lengths), max(blocks_per_seq), dtype=torch.int32)

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from kvforge import LLM, SamplingParams
-from kvforge.core import ATTENTION_BACKEND, SelectionRequest, build_registry
+from kvforge.core import ATTENTION_BACKEND, SelectionRequest, build_registry, cdiv
 
 transformers = pytest.importorskip("transformers")
 
@@ -64,7 +64,7 @@ def test_greedy_output_matches_transformers_under_preemption_and_chunking(checkp
                                                                            block_size):
     path, prompts, expected = checkpoint
     longest = max(len(p) for p in prompts) + MAX_TOKENS
-    num_blocks = 3 * -(-longest // block_size)  # room for about three requests at once
+    num_blocks = 3 * cdiv(longest, block_size)  # room for about three requests at once
     llm = LLM(str(path), device="cpu", dtype="float32", attention={"backend": backend},
               cache={"block_size": block_size, "num_blocks": num_blocks},
               scheduler={"max_num_seqs": max_num_seqs, "max_num_batched_tokens": BUDGET})

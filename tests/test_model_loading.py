@@ -80,7 +80,7 @@ def test_auto_dtype_takes_the_checkpoint_dtype(llama_dir):
 
 
 def test_rejects_an_unsupported_dtype(llama_dir):
-    with pytest.raises(ConfigError, match="float32, bfloat16, float16"):
+    with pytest.raises(ConfigError, match="float32, float16, bfloat16"):
         load_model(llama_dir[0], dtype=torch.int8, attention_backend=BACKEND)
 
 
