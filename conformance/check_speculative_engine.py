@@ -23,6 +23,7 @@ import torch
 
 from kvforge.core import SPECULATIVE_PROPOSER, DraftProposal, KvforgeError
 from kvforge.engine.drafting import ProposerError
+from kvforge.engine.llm import LLM
 from kvforge.engine.llm_engine import LLMEngine
 from kvforge.engine.sampling_params import SamplingParams
 
@@ -57,14 +58,9 @@ def proposer_name(registration) -> str:
 
 
 def generate(engine: LLMEngine, prompts, params) -> list[list[int]]:
-    for i, prompt in enumerate(prompts):
-        engine.add_request(str(i), prompt, params)
-    done = {}
-    while engine.has_unfinished_requests():
-        for output in engine.step():
-            if output.finished:
-                done[output.request_id] = [c.token_ids for c in output.outputs]
-    return [done[str(i)] for i in range(len(prompts))]
+    outputs = LLM.from_engine(engine).generate(prompts, params)
+    assert not any(o.error for o in outputs), [o.error for o in outputs if o.error]
+    return [[c.token_ids for c in output.outputs] for output in outputs]
 
 
 @pytest.mark.parametrize("settings", [

@@ -43,6 +43,8 @@ from kvforge.core import (
     hookimpl,
 )
 
+from .sampler import inverse_cdf
+
 DEFAULT_DRAFTS = {"kvforge-tiny": "kvforge-tiny-draft"}
 """The draft model used when `model` is not given, by target model name."""
 
@@ -295,11 +297,8 @@ class DraftModelProposer(SpeculativeProposer):
             rows = torch.tensor(sampled, device=logits.device)
             temperatures = torch.tensor([drafting[r].temperature for r in sampled], device=logits.device)
             probs = torch.softmax(logits[rows] / temperatures[:, None], dim=-1)
-            cdf = probs.double().cumsum(dim=-1)
             uniforms = torch.stack([drafting[r].uniforms[len(drafting[r].drafts)] for r in sampled]).to(logits.device)
-            # The first entry whose CDF exceeds u * total: always one of non-zero probability.
-            picks = torch.searchsorted(cdf, (uniforms * cdf[:, -1])[:, None], right=True)[:, 0]
-            tokens[rows] = picks.clamp_max(logits.shape[-1] - 1)
+            tokens[rows] = inverse_cdf(probs, uniforms)  # the sampler's draw: never a token of zero probability
         chosen = tokens.tolist()
         for row, d in enumerate(drafting):
             d.drafts.append(chosen[row])
