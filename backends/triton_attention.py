@@ -90,6 +90,11 @@ class TritonAttentionBackend(AttentionBackend):
     # otherwise leave the device idle, never into slices shorter than this.
     split_min_len = 256
     max_splits = 64
+    # Launch choices, None: the heuristics in plan() and forward(). Set on an instance to
+    # tune (benchmarks/triton_decode_sweep.py measures them on a GPU).
+    block_n: int | None = None  # keys per tile
+    num_warps: int | None = None
+    num_stages: int | None = None  # software-pipelining depth of the key loop
 
     @classmethod
     def availability(cls) -> Availability:
@@ -128,7 +133,7 @@ class TritonAttentionBackend(AttentionBackend):
         block_q = max(rows // self.qpk_pad, 1)
         # Key tiles: 64 keys of 16-bit heads up to 128 wide; otherwise 32, to bound shared memory.
         wide = self.head_pad > 128 or self.cache.dtype == torch.float32
-        block_n = 32 if self.interpret or wide else 64
+        block_n = self.block_n or (32 if self.interpret or wide else 64)
         query_lens = batch.query_lens()
         tiles_per_seq = (query_lens + block_q - 1) // block_q
         tile_end = torch.cumsum(tiles_per_seq, 0)
@@ -207,7 +212,7 @@ class TritonAttentionBackend(AttentionBackend):
             USE_SOFT_CAP=layer.logit_soft_cap is not None, USE_WINDOW=layer.sliding_window is not None,
             USE_ALIBI=layer.alibi_slopes is not None, SPLIT=split,
             DOT_FP32=self.interpret or query.dtype == torch.float32, KV_FORMAT=kv_format,
-            num_warps=8 if plan.block_q * self.qpk_pad >= 64 and self.head_pad >= 128 else 4,
+            **self.launch_options(plan),
         )
         if split:
             self.kernels.reduce_splits_kernel[(num_tokens, num_heads)](
@@ -215,6 +220,13 @@ class TritonAttentionBackend(AttentionBackend):
                 HEAD_SIZE=head_size, HEAD_PAD=self.head_pad, SPLITS_PAD=next_power_of_2(plan.num_splits),
             )
         return out
+
+    def launch_options(self, plan: TritonPlan) -> dict[str, int]:
+        """num_warps (and num_stages when set) of the attention kernel's launch."""
+        options = {"num_warps": self.num_warps or (8 if plan.block_q * self.qpk_pad >= 64 and self.head_pad >= 128 else 4)}
+        if self.num_stages is not None:
+            options["num_stages"] = self.num_stages
+        return options
 
     def stored_kv(self, kv_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, int]:
         """(data, scales, KV_FORMAT) as the attention kernel reads them: a quantized cache's

@@ -94,8 +94,8 @@ class Shape:
 
 
 def shapes(device: str) -> list[Shape]:
-    if device == "cuda":  # the GPU shape
-        return [Shape("decode", 32, 1024, 1, 32, 8, 128, 16, torch.bfloat16),
+    if device == "cuda":  # the decode target of docs/gpu_backends.md: batch 64, context 4096, head 128
+        return [Shape("decode", 64, 4096, 1, 32, 8, 128, 16, torch.bfloat16),
                 Shape("prefill", 4, 0, 1024, 32, 8, 128, 16, torch.bfloat16)]
     # scaled down for a small shared CPU; float32, CPU's native attention dtype
     return [Shape("decode", 16, 512, 1, 16, 4, 128, 16, torch.float32),

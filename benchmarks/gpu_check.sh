@@ -2,23 +2,24 @@
 # kvforge GPU check: run on a CUDA machine where kvforge is already installed
 # (with triton, flashinfer-python and xformers if they are to be checked).
 # Installs nothing. Runs, in a few minutes:
-#   1. the full conformance grid of every attention backend
-#      (kvforge conformance --kind attention_backend),
+#   1. the full conformance grid of every attention backend that runs on CUDA, and end-to-end
+#      greedy generation with each against the `reference` backend (benchmarks/generate_parity.py),
 #   2. the attention kernel benchmarks (benchmarks/bench_attention.py), and the decode shape over
 #      each quantized KV dtype a backend declares (int8, fp8: triton), against its float-KV time,
-#   3. a device-copy bandwidth probe,
+#   3. a device-copy bandwidth probe, and the Triton decode tuning sweep (triton_decode_sweep.py),
 # and prints a short table last. Logs go to $GPU_CHECK_DIR (default /tmp/kvforge_gpu_check).
 #
 #   bash benchmarks/gpu_check.sh                # full grid
 #   GPU_CHECK_QUICK=1 bash benchmarks/gpu_check.sh   # the reduced grid, for a first look
+#   GPU_CHECK_WORKERS=6 (pytest-xdist processes per backend), GPU_CHECK_CHECK_LIMIT=200 (seconds per check),
+#   GPU_CHECK_CONFORMANCE_TIMEOUT / GPU_CHECK_BENCH_TIMEOUT (seconds per stage)
 #
 # Exit status: 0 when every stage passed, 1 when a stage failed, 2 without CUDA.
 set -uo pipefail
 
-cd "$(dirname "$0")/.."
 PYTHON="${PYTHON:-python}"
 OUT="${GPU_CHECK_DIR:-${TMPDIR:-/tmp}/kvforge_gpu_check}"
-CONFORMANCE_TIMEOUT="${GPU_CHECK_CONFORMANCE_TIMEOUT:-600}"  # per backend
+CONFORMANCE_TIMEOUT="${GPU_CHECK_CONFORMANCE_TIMEOUT:-600}"  # the conformance runs and generation, in parallel
 BENCH_TIMEOUT="${GPU_CHECK_BENCH_TIMEOUT:-300}"
 
 if ! "$PYTHON" -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)" 2>/dev/null; then
@@ -31,8 +32,11 @@ if [ "${TRITON_INTERPRET:-}" = "1" ]; then
     echo "gpu_check: unsetting TRITON_INTERPRET: the GPU check times and validates the compiled kernels" >&2
     unset TRITON_INTERPRET
 fi
-mkdir -p "$OUT"
-rm -f "$OUT"/conformance_*.json
+mkdir -p "$OUT" && OUT="$(cd "$OUT" && pwd)"
+# Run from the log folder: from a source checkout's root, `python -m kvforge...` would import the
+# checkout's bare `kvforge/` folder instead of the installed package.
+cd "$OUT" || exit 1
+rm -f "$OUT"/conformance_* "$OUT"/generate.* "$OUT"/sweep.*
 
 "$PYTHON" - <<'EOF' | tee "$OUT/environment.txt"
 import importlib.metadata as md, torch
@@ -44,31 +48,47 @@ for dist in ("torch", "triton", "flashinfer-python", "xformers", "kvforge"):
         print(f"{dist}: not installed")
 EOF
 
-# 1. Conformance: every attention backend, full grid (reduced with GPU_CHECK_QUICK=1), one
-# process per backend with its own time limit, so a slow first compile of one does not hide the others.
+# 1. Correctness, in parallel (the GPU is not timed yet): the conformance grid of every
+# attention backend that runs on CUDA (plain pytest over the suite's check modules, spread over
+# $GPU_CHECK_WORKERS processes with pytest-xdist where installed: the first compile of every
+# kernel variant dominates), and end-to-end greedy generation with each against `reference`.
 backends=$("$PYTHON" -c "from kvforge.core import ATTENTION_BACKEND, build_registry
-print(' '.join(r.name for r in build_registry().implementations(ATTENTION_BACKEND)))")
-conformance_rc=0
+print(' '.join(r.name for r in build_registry().implementations(ATTENTION_BACKEND)
+               if 'cuda' in r.cls.devices and r.cls.availability().ok))")
+"$PYTHON" -c "from kvforge.core import ATTENTION_BACKEND, build_registry
+for r in build_registry().implementations(ATTENTION_BACKEND):
+    a = r.cls.availability()
+    print(f'backend {r.name}: ' + ('available' if a.ok else f'not run: {a.reason}') + f'; devices {sorted(r.cls.devices)}')
+" | tee -a "$OUT/environment.txt"
+package=$("$PYTHON" -c "import kvforge.conformance as c, os; print(os.path.dirname(c.__file__))")
+modules=$(cd "$package" && ls check_attention_*.py | sed 's/\.py$//; s/^/kvforge.conformance./' | tr '\n' ' ')
+workers=()
+if "$PYTHON" -c "import xdist" 2>/dev/null; then workers=(-n "${GPU_CHECK_WORKERS:-6}"); fi
+quick=""; [ "${GPU_CHECK_QUICK:-}" = "1" ] && quick=1
+pids=()
 for name in $backends; do
     echo "== conformance: $name (log: $OUT/conformance_$name.log)"
-    timeout "$CONFORMANCE_TIMEOUT" "$PYTHON" - "$OUT/conformance_$name.json" "$name" \
-        > "$OUT/conformance_$name.log" 2>&1 <<'EOF'
-import json, os, sys
-from kvforge.conformance import run_conformance
-code, results = run_conformance(["attention_backend"], [sys.argv[2]], os.environ.get("GPU_CHECK_QUICK") == "1")
-rows = [dict(implementation=r.implementation, group=r.group, status=r.status, passed=r.passed, failed=r.failed,
-             skipped=r.skipped, failures=r.failures[:5], skip_reasons=r.skip_reasons[:2]) for r in results]
-json.dump(dict(code=code, results=rows), open(sys.argv[1], "w"), indent=1)
-sys.exit(0 if code in (0, 5) and not any(r["failed"] for r in rows) else 1)
-EOF
-    rc=$?
-    if [ "$rc" -eq 124 ]; then
-        echo "   timed out after ${CONFORMANCE_TIMEOUT}s (GPU_CHECK_CONFORMANCE_TIMEOUT)"
-        echo '{"code": 124, "results": [], "timeout": true}' > "$OUT/conformance_$name.json"
-    fi
-    [ "$rc" -eq 0 ] || conformance_rc=1
-    tail -n 1 "$OUT/conformance_$name.log"
+    KVFORGE_CONFORMANCE_PLUGINS="$name" KVFORGE_CONFORMANCE_QUICK="$quick" \
+    KVFORGE_CONFORMANCE_TIME_LIMIT="${GPU_CHECK_CHECK_LIMIT:-200}" \
+        timeout "$CONFORMANCE_TIMEOUT" "$PYTHON" -m pytest --pyargs $modules --rootdir "$package" \
+        -p no:cacheprovider -q -rfE "${workers[@]}" --junitxml "$OUT/conformance_$name.xml" \
+        > "$OUT/conformance_$name.log" 2>&1 &
+    pids+=($!)
 done
+echo "== end-to-end greedy generation (log: $OUT/generate.log)"
+timeout "$CONFORMANCE_TIMEOUT" "$PYTHON" -m kvforge.benchmarks.generate_parity --device cuda \
+    --json "$OUT/generate.json" > "$OUT/generate.log" 2>&1 &
+generate_pid=$!
+conformance_rc=0
+for pid in "${pids[@]}"; do
+    wait "$pid"; rc=$?
+    # pytest: 0 all passed, 5 nothing collected (every check skipped counts as passed here)
+    [ "$rc" -eq 0 ] || [ "$rc" -eq 5 ] || conformance_rc=1
+done
+wait "$generate_pid"; generate_rc=$?
+[ "$generate_rc" -eq 0 ] || conformance_rc=1
+for name in $backends; do echo "   $name: $(tail -n 1 "$OUT/conformance_$name.log")"; done
+echo "   generate: $(tail -n 1 "$OUT/generate.log")"
 
 # 2. Kernel benchmarks (the GPU shapes of benchmarks/bench_attention.py).
 echo "== benchmarks (log: $OUT/bench.log)"
@@ -142,76 +162,14 @@ seconds = start.elapsed_time(end) / 1e3 / 20
 print(f"{2 * x.numel() / seconds / 1e9:.1f}")  # bytes read + written per second
 EOF
 
+# 3b. Tuning the Triton decode: tile, warps, stages and splits on the target decode shape.
+echo "== triton decode sweep (log: $OUT/sweep.log)"
+if [[ " $backends " == *" triton "* ]]; then
+    timeout "$BENCH_TIMEOUT" "$PYTHON" -m kvforge.benchmarks.triton_decode_sweep --json "$OUT/sweep.json" \
+        > "$OUT/sweep.log" 2>&1 || echo "   sweep exit $?"
+    head -n 8 "$OUT/sweep.log"
+fi
+
 # 4. The short table, last.
-"$PYTHON" - "$OUT" "$conformance_rc" "$bench_rc" <<'EOF'
-import glob, json, os, sys
-out, conformance_rc, bench_rc = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
-print("\n================ kvforge GPU check ================")
-print(next(iter(open(os.path.join(out, "environment.txt")).read().splitlines()), "device: (unknown)"))
-print(f"\nconformance ({'reduced' if os.environ.get('GPU_CHECK_QUICK') == '1' else 'full'} grid), "
-      f"attention_backend, groups per backend:")
-by_backend = {}
-for file in sorted(glob.glob(os.path.join(out, "conformance_*.json"))):
-    name = os.path.basename(file)[len("conformance_"):-len(".json")]
-    try:
-        report = json.load(open(file))
-    except (OSError, ValueError):
-        report = {"results": []}
-    by_backend[name] = [r for r in report["results"] if r["implementation"] == name]
-    if report.get("timeout") or not by_backend[name]:
-        why = "timed out" if report.get("timeout") else "no results"
-        print(f"  {name:<12} {'FAIL':<8} {why}: see {out}/conformance_{name}.log")
-        del by_backend[name]
-for name, groups in sorted(by_backend.items()):
-    count = {s: sum(g["status"] == s for g in groups) for s in ("pass", "fail", "skipped")}
-    verdict = "FAIL" if count["fail"] else ("pass" if not count["skipped"] else "partial" if count["pass"] else "skipped")
-    note = next((g["skip_reasons"][0] for g in groups if g["status"] == "skipped" and g["skip_reasons"]), "")
-    print(f"  {name:<12} {verdict:<8} pass {count['pass']}  fail {count['fail']}  skipped {count['skipped']}"
-          + (f"  (skipped: {note[:70]})" if count["skipped"] else ""))
-    for g in groups:
-        for failure in g["failures"][:2]:
-            print(f"      {g['group']}: {failure[:150]}")
-quantized = {name: [g for g in groups if "quantiz" in g["group"]] for name, groups in by_backend.items()}
-print("\nquantized-KV conformance (groups named *quantiz*):")
-if not any(quantized.values()):
-    print("  none ran: this kvforge has no quantized-KV attention check (conformance/check_attention_quantized_kv.py)")
-for name, groups in sorted(quantized.items()):
-    for g in groups:
-        why = f"  ({g['skip_reasons'][0][:70]})" if g["status"] == "skipped" and g["skip_reasons"] else ""
-        print(f"  {name:<12} {g['status']:<8} {g['group']}: pass {g['passed']}  fail {g['failed']}{why}")
-try:
-    bandwidth = float(open(os.path.join(out, "bandwidth.txt")).read().split()[-1])
-    print(f"\nmemory bandwidth (1 GiB device copy): {bandwidth:.0f} GB/s")
-except (OSError, ValueError, IndexError):
-    bandwidth = None
-    print("\nmemory bandwidth: probe failed (see bandwidth.txt)")
-lines = open(os.path.join(out, "bench.log")).read().splitlines()
-start = next((i for i, line in enumerate(lines) if line.startswith("shape")), None)
-print(f"\nattention benchmarks (exit {bench_rc}):")
-table = lines[start:] if start is not None else [f"  no table: see {out}/bench.log"]
-print("\n".join("  " + line for line in table))
-print("\nquantized-KV decode (bytes read: codes + float32 scales):")
-quantized_lines = open(os.path.join(out, "quantized_bench.log")).read().splitlines()
-start = next((i for i, line in enumerate(quantized_lines) if line.startswith("shape")), None)
-print("\n".join("  " + line for line in (quantized_lines[start:] if start is not None
-                                          else [f"no table: see {out}/quantized_bench.log"])))
-rows = {}
-for line in table[1:]:
-    parts = line.split()
-    if len(parts) >= 4:
-        try:
-            rows[(parts[0], parts[1])] = (float(parts[2]), float(parts[3]))
-        except ValueError:
-            pass
-triton, flashinfer = rows.get(("decode", "triton")), rows.get(("decode", "flashinfer"))
-print("\ntargets:")
-if triton and bandwidth:
-    print(f"  triton decode bandwidth / memory bandwidth: {triton[1] / bandwidth:.2f} (target >= 0.70)")
-if triton and flashinfer:
-    print(f"  triton decode time / flashinfer decode time: {triton[0] / flashinfer[0]:.2f} (target <= 1.30)")
-if not triton:
-    print("  triton decode not measured")
-status = "PASS" if conformance_rc == 0 and bench_rc == 0 else "FAIL"
-print(f"\ngpu_check: {status} (conformance exit {conformance_rc}, benchmarks exit {bench_rc}; logs in {out}/)")
-EOF
+"$PYTHON" -m kvforge.benchmarks.gpu_check_report "$OUT" "$conformance_rc" "$bench_rc" | tee "$OUT/summary.txt"
 [ "$conformance_rc" -eq 0 ] && [ "$bench_rc" -eq 0 ]
