@@ -91,7 +91,8 @@ class TritonAttentionBackend(AttentionBackend):
     split_min_len = 256
     max_splits = 64
     # Launch choices, None: the heuristics in plan() and forward(). Set on an instance to
-    # tune (benchmarks/triton_decode_sweep.py measures them on a GPU).
+    # tune (benchmarks/triton_sweep.py measures them on a GPU).
+    query_rows: int | None = None  # rows (tokens x packed query heads) of a prefill tile
     block_n: int | None = None  # keys per tile
     num_warps: int | None = None
     num_stages: int | None = None  # software-pipelining depth of the key loop
@@ -129,7 +130,7 @@ class TritonAttentionBackend(AttentionBackend):
 
     def plan(self, batch: AttentionBatch) -> TritonPlan:
         # tl.dot needs at least 16 rows: a tile packs block_q tokens x qpk_pad heads.
-        rows = 16 if batch.max_query_len <= 16 // self.qpk_pad or self.interpret else 64
+        rows = 16 if batch.max_query_len <= 16 // self.qpk_pad or self.interpret else (self.query_rows or 64)
         block_q = max(rows // self.qpk_pad, 1)
         # Key tiles: 64 keys of 16-bit heads up to 128 wide; otherwise 32, to bound shared memory.
         wide = self.head_pad > 128 or self.cache.dtype == torch.float32

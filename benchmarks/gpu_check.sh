@@ -6,7 +6,7 @@
 #      greedy generation with each against the `reference` backend (benchmarks/generate_parity.py),
 #   2. the attention kernel benchmarks (benchmarks/bench_attention.py), and the decode shape over
 #      each quantized KV dtype a backend declares (int8, fp8: triton), against its float-KV time,
-#   3. a device-copy bandwidth probe, and the Triton decode tuning sweep (triton_decode_sweep.py),
+#   3. a device-copy bandwidth probe, and the Triton tuning sweeps (benchmarks/triton_sweep.py),
 # and prints a short table last. Logs go to $GPU_CHECK_DIR (default /tmp/kvforge_gpu_check).
 #
 #   bash benchmarks/gpu_check.sh                # full grid
@@ -162,12 +162,16 @@ seconds = start.elapsed_time(end) / 1e3 / 20
 print(f"{2 * x.numel() / seconds / 1e9:.1f}")  # bytes read + written per second
 EOF
 
-# 3b. Tuning the Triton decode: tile, warps, stages and splits on the target decode shape.
-echo "== triton decode sweep (log: $OUT/sweep.log)"
+# 3b. Tuning the Triton kernel: tile, warps, stages and splits on the decode target shape, and
+# query rows per tile on a prefill shape.
 if [[ " $backends " == *" triton "* ]]; then
-    timeout "$BENCH_TIMEOUT" "$PYTHON" -m kvforge.benchmarks.triton_decode_sweep --json "$OUT/sweep.json" \
-        > "$OUT/sweep.log" 2>&1 || echo "   sweep exit $?"
-    head -n 8 "$OUT/sweep.log"
+    for mode in decode prefill; do
+        echo "== triton $mode sweep (log: $OUT/sweep_$mode.log)"
+        flag=""; [ "$mode" = prefill ] && flag=--prefill
+        timeout "$BENCH_TIMEOUT" "$PYTHON" -m kvforge.benchmarks.triton_sweep $flag --json "$OUT/sweep_$mode.json" \
+            > "$OUT/sweep_$mode.log" 2>&1 || echo "   sweep exit $?"
+        head -n 5 "$OUT/sweep_$mode.log"
+    done
 fi
 
 # 4. The short table, last.

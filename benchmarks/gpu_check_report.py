@@ -88,10 +88,11 @@ def main(argv: list[str]) -> int:
     quantized = table_after_header(read(out / "quantized_bench.log"), "shape")
     print("\nquantized-KV decode (bytes read: codes + float32 scales):")
     print("\n".join("  " + line for line in quantized) or f"  no table: see {out}/quantized_bench.log")
-    sweep = read(out / "sweep.log").splitlines()
-    if sweep:
-        print("\ntriton decode sweep (fastest first; first 12 rows):")
-        print("\n".join("  " + line for line in sweep[:14]))
+    for mode in ("decode", "prefill"):
+        sweep = read(out / f"sweep_{mode}.log").splitlines()
+        if sweep:
+            print(f"\ntriton {mode} sweep (fastest first; first 10 rows):")
+            print("\n".join("  " + line for line in sweep[:12]))
     rows = {}
     for line in table[1:]:
         parts = line.split()

@@ -317,10 +317,12 @@ def prepared_cache(backend, case: Case, device: str) -> torch.Tensor:
     return cache
 
 
-def run_step(backend, case: Case, device: str, plan=None) -> torch.Tensor:
+def run_step(backend, case: Case, device: str, plan=None, cache: torch.Tensor | None = None) -> torch.Tensor:
     """One layer of one step as an engine runs it: write this step's keys, then attend
-    into a NaN-poisoned output buffer. Returns the output on the CPU."""
-    cache = prepared_cache(backend, case, device)
+    into a NaN-poisoned output buffer. Returns the output on the CPU. `cache`: one from
+    `prepared_cache`, for a caller that reads it afterwards (default: a fresh one)."""
+    if cache is None:
+        cache = prepared_cache(backend, case, device)
     batch = batch_to(case.batch, device)
     backend.write_kv(case.new_keys.to(device, case.dtype), case.new_values.to(device, case.dtype), cache,
                      batch.slot_mapping)

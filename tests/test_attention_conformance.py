@@ -20,10 +20,12 @@ from kvforge.conformance import (
     check_attention_quantized_kv,
     check_attention_refusal,
 )
-from kvforge.conformance.attention_cases import BLOCK_SIZES, SEED_ENV, Target, check_case, make_case, make_layer
+from kvforge.conformance.attention_cases import (
+    BLOCK_SIZES, SEED_ENV, TOLERANCES, Target, check_case, make_case, make_layer, oracle, relative_error,
+)
 from kvforge.conformance.attention_quick_grid import quick_lengths, quick_window
-from kvforge.conformance.selection import QUICK_ENV
-from kvforge.core import ATTENTION_BACKEND, SLIDING_WINDOW, Registration, cdiv, quantized_kv_views
+from kvforge.conformance.selection import QUICK_ENV, registry
+from kvforge.core import ATTENTION_BACKEND, QUANTIZER, SLIDING_WINDOW, Registration, cdiv, quantized_kv_views
 
 
 @pytest.fixture(autouse=True)
@@ -294,6 +296,25 @@ class QuantizedWritesMinusOne(ReferenceAttentionBackend):
         super().write_kv(key, value, kv_cache, torch.where(slot_mapping < 0, last, slot_mapping))
 
 
+class RoundsNearTiesUp(ReferenceAttentionBackend):
+    """Stores int8 codes as a device whose division rounds differently might: the
+    quantizer's scales, but codes of x / scale * (1 + 1e-3), so near-ties go one code up."""
+
+    name = "rounds-near-ties-up"
+
+    def write_kv(self, key, value, kv_cache, slot_mapping):
+        super().write_kv(key, value, kv_cache, slot_mapping)
+        if self.cache.storage_dtype != torch.int8:
+            return
+        data, scales = quantized_kv_views(kv_cache, self.cache)
+        keep = slot_mapping >= 0
+        blocks, offsets = slot_mapping[keep] // self.cache.block_size, slot_mapping[keep] % self.cache.block_size
+        for index, x in ((0, key[keep]), (1, value[keep])):
+            scale = scales[blocks, index, offsets].unsqueeze(-1)
+            codes = (x.to(torch.float32) / scale * (1 + 1e-3)).round().clamp(-127, 127)
+            data[blocks, index, offsets] = codes.to(data.dtype)
+
+
 def target(cls) -> Target:
     return Target(cls, "cpu", reduced=False)
 
@@ -365,6 +386,22 @@ def test_ignoring_quantization_scales_is_caught():
     with pytest.raises(AssertionError, match="from attention over the float KV"):
         check_attention_quantized_kv.test_quantized_kv_stays_near_attention_over_float_kv(
             registration(IgnoresScales), "decode", torch.float32)
+
+
+def test_quantized_forward_is_judged_over_the_codes_write_kv_stored():
+    """A write that rounds near-ties to the other code (as a GPU's quantizer may) stores
+    acceptable codes, so the forward check must judge attention over what was stored:
+    against the CPU quantizer's codes the same output is outside the tolerance."""
+    int8 = registry().get(QUANTIZER, "int8").cls()
+    tgt = target(RoundsNearTiesUp)
+    case = dataclasses.replace(make_case("mixed", make_layer(64, 4), 16, torch.float32, 7), quantizer=int8)
+    out, over_stored = check_attention_quantized_kv.attend_over_stored(tgt, case)
+    assert relative_error(out, over_stored) <= TOLERANCES[torch.float32]
+    assert relative_error(out, oracle(case)) > TOLERANCES[torch.float32]
+    check_attention_quantized_kv.test_quantized_kv_matches_reference_over_dequantized_values(
+        registration(RoundsNearTiesUp), "chunked", torch.float32)
+    check_attention_quantized_kv.test_write_kv_stores_what_the_quantizer_gives_and_nothing_else(
+        registration(RoundsNearTiesUp), 3)
 
 
 def test_a_quantized_write_without_scales_is_caught():
