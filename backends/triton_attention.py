@@ -96,6 +96,7 @@ class TritonAttentionBackend(AttentionBackend):
     block_n: int | None = None  # keys per tile
     num_warps: int | None = None
     num_stages: int | None = None  # software-pipelining depth of the key loop
+    native_fp8: bool | None = None  # fp8 codes converted by the hardware (None: where it has them, 8.9+)
 
     @classmethod
     def availability(cls) -> Availability:
@@ -125,8 +126,9 @@ class TritonAttentionBackend(AttentionBackend):
         self.alibi = torch.tensor(alibi, dtype=torch.float32, device=self.device)
         if self.device.type == "cuda":
             self.num_sms = torch.cuda.get_device_properties(self.device).multi_processor_count
+            self.has_fp8 = torch.cuda.get_device_capability(self.device) >= (8, 9)
         else:
-            self.num_sms = 1
+            self.num_sms, self.has_fp8 = 1, False
 
     def plan(self, batch: AttentionBatch) -> TritonPlan:
         # tl.dot needs at least 16 rows: a tile packs block_q tokens x qpk_pad heads.
@@ -213,6 +215,7 @@ class TritonAttentionBackend(AttentionBackend):
             USE_SOFT_CAP=layer.logit_soft_cap is not None, USE_WINDOW=layer.sliding_window is not None,
             USE_ALIBI=layer.alibi_slopes is not None, SPLIT=split,
             DOT_FP32=self.interpret or query.dtype == torch.float32, KV_FORMAT=kv_format,
+            NATIVE_FP8=self.has_fp8 if self.native_fp8 is None else self.native_fp8,
             **self.launch_options(plan),
         )
         if split:

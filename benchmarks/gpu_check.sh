@@ -165,11 +165,15 @@ EOF
 # 3b. Tuning the Triton kernel: tile, warps, stages and splits on the decode target shape, and
 # query rows per tile on a prefill shape.
 if [[ " $backends " == *" triton "* ]]; then
-    for mode in decode prefill; do
+    for mode in decode prefill decode_fp8_e4m3 decode_int8; do
         echo "== triton $mode sweep (log: $OUT/sweep_$mode.log)"
-        flag=""; [ "$mode" = prefill ] && flag=--prefill
-        timeout "$BENCH_TIMEOUT" "$PYTHON" -m kvforge.benchmarks.triton_sweep $flag --json "$OUT/sweep_$mode.json" \
-            > "$OUT/sweep_$mode.log" 2>&1 || echo "   sweep exit $?"
+        case "$mode" in
+            prefill) flags=(--prefill) ;;
+            decode_*) flags=(--kv-cache-dtype "${mode#decode_}") ;;
+            *) flags=() ;;
+        esac
+        timeout "$BENCH_TIMEOUT" "$PYTHON" -m kvforge.benchmarks.triton_sweep "${flags[@]}" \
+            --json "$OUT/sweep_$mode.json" > "$OUT/sweep_$mode.log" 2>&1 || echo "   sweep exit $?"
         head -n 5 "$OUT/sweep_$mode.log"
     done
 fi

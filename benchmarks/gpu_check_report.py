@@ -88,11 +88,10 @@ def main(argv: list[str]) -> int:
     quantized = table_after_header(read(out / "quantized_bench.log"), "shape")
     print("\nquantized-KV decode (bytes read: codes + float32 scales):")
     print("\n".join("  " + line for line in quantized) or f"  no table: see {out}/quantized_bench.log")
-    for mode in ("decode", "prefill"):
-        sweep = read(out / f"sweep_{mode}.log").splitlines()
-        if sweep:
-            print(f"\ntriton {mode} sweep (fastest first; first 10 rows):")
-            print("\n".join("  " + line for line in sweep[:12]))
+    for log in sorted(out.glob("sweep_*.log")):
+        sweep = log.read_text().splitlines()
+        print(f"\ntriton {log.stem.removeprefix('sweep_')} sweep (fastest first; first 10 rows):")
+        print("\n".join("  " + line for line in sweep[:13]))
     rows = {}
     for line in table[1:]:
         parts = line.split()

@@ -45,6 +45,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--context", type=int, help="tokens per sequence (default 4096 decode, 1024 prefill)")
     parser.add_argument("--heads", type=int, nargs=2, default=(32, 8), metavar=("Q", "KV"))
     parser.add_argument("--head-size", type=int, default=128)
+    parser.add_argument("--kv-cache-dtype", default="auto",
+                        help="a KV quantizer (int8, fp8_e4m3, fp8_e5m2): decode over a quantized cache, also "
+                             "sweeping the hardware fp8 conversion against the bit-operation decoding")
     parser.add_argument("--repeat", type=int, default=30)
     parser.add_argument("--json", help="write every row to this file as well")
     args = parser.parse_args(argv)
@@ -60,10 +63,16 @@ def main(argv: list[str] | None = None) -> int:
         grid = [dict(query_rows=r, block_n=n, num_warps=w, num_stages=st, splits=1)
                 for r, n, w, st in itertools.product((64, 128), (32, 64, 128), (4, 8), (2, 3, 4))]
     else:
-        shape = Shape("decode", seqs, tokens, 1, q_heads, kv_heads, args.head_size, 16, torch.bfloat16)
+        shape = Shape("decode", seqs, tokens, 1, q_heads, kv_heads, args.head_size, 16, torch.bfloat16,
+                      args.kv_cache_dtype)
         unit, per_ms = "GB/s", shape.kv_bytes() / 1e6  # MB per ms = GB/s
-        grid = [dict(query_rows=None, block_n=n, num_warps=w, num_stages=st, splits=sp)
-                for n, w, st, sp in itertools.product((32, 64, 128), (4, 8), (2, 3, 4), (1, 2, 4))]
+        if args.kv_cache_dtype == "auto":
+            grid = [dict(query_rows=None, block_n=n, num_warps=w, num_stages=st, splits=sp)
+                    for n, w, st, sp in itertools.product((32, 64, 128), (4, 8), (2, 3, 4), (1, 2, 4))]
+        else:
+            natives = (False, True) if args.kv_cache_dtype.startswith("fp8") else (False,)
+            grid = [dict(query_rows=None, block_n=n, num_warps=w, num_stages=st, splits=1, native_fp8=nat)
+                    for nat, n, w, st in itertools.product(natives, (64, 128), (4, 8), (2, 3))]
     w = workload(shape, "cuda")
     cls = build_registry().get(ATTENTION_BACKEND, "triton").cls
     layer = AttentionLayerSpec(shape.num_heads, shape.num_kv_heads, shape.head_size)
@@ -78,6 +87,7 @@ def main(argv: list[str] | None = None) -> int:
         backend = cls(layer, shape.cache_spec(), "cuda")
         backend.query_rows, backend.block_n = launch["query_rows"], launch["block_n"]
         backend.num_warps, backend.num_stages = launch["num_warps"], launch["num_stages"]
+        backend.native_fp8 = launch.get("native_fp8")
         plan = backend.plan(w.batch)
         if launch["splits"] > 1:  # force the split count (the default policy splits only small grids)
             split_len = cdiv(cdiv(shape.seq_len, launch["splits"]), plan.block_n) * plan.block_n
@@ -93,11 +103,13 @@ def main(argv: list[str] | None = None) -> int:
         rows.append(row)
     print(f"triton paged {shape.name}, {shape.num_seqs} seqs x {shape.seq_len} tokens, heads {shape.num_heads}/"
           f"{shape.num_kv_heads} x {shape.head_size}, bfloat16")
-    print(f"{'rows':>5} {'block_n':>7} {'warps':>5} {'stages':>6} {'splits':>6} {'ms':>8} {unit:>8} {'max diff':>9}")
+    print(f"KV cache: {shape.kv_cache_dtype}; native: fp8 codes converted by the hardware (None: the default)")
+    print(f"{'rows':>5} {'block_n':>7} {'warps':>5} {'stages':>6} {'splits':>6} {'native':>6} {'ms':>8} {unit:>8} "
+          f"{'max diff':>9}")
     for r in sorted((r for r in rows if "ms" in r), key=lambda r: r["ms"]):
         r["rate"] = per_ms / r["ms"]
         print(f"{r['query_rows']:>5} {r['block_n']:>7} {r['num_warps']:>5} {str(r['num_stages']):>6} {r['splits']:>6} "
-              f"{r['ms']:>8.3f} {r['rate']:>8.1f} {r['max_diff']:>9.2e}" + ("  (default)" if r["default"] else ""))
+              f"{str(r.get('native_fp8')):>6} {r['ms']:>8.3f} {r['rate']:>8.1f} {r['max_diff']:>9.2e}" + ("  (default)" if r["default"] else ""))
     for r in rows:
         if "error" in r:
             print(f"{r['query_rows']:>5} {r['block_n']:>7} {r['num_warps']:>5} {str(r['num_stages']):>6} "

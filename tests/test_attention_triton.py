@@ -392,10 +392,12 @@ COMPILED = {  # label: (dtype, head_size, queries_per_kv, block_q, block_n, spli
     "fp16 prefill, GQA 8, every feature": ("fp16", 80, 8, 8, 64, False, (True, True, True), 8),
     "fp32 prefill": ("fp32", 128, 1, 64, 32, False, (False, False, False), 8),
 }
-COMPILED_QUANTIZED = {  # label: (the COMPILED configuration it reuses, KV quantizer, compute capability)
-    "bf16 decode, split-KV, fp8_e4m3 KV, sm_80": ("bf16 decode, split-KV", "fp8_e4m3", 80),
-    "bf16 decode, split-KV, fp8_e5m2 KV": ("bf16 decode, split-KV", "fp8_e5m2", 90),
-    "fp16 prefill, GQA 8, every feature, int8 KV": ("fp16 prefill, GQA 8, every feature", "int8", 90),
+COMPILED_QUANTIZED = {  # label: (COMPILED configuration it reuses, KV quantizer, compute capability, native fp8)
+    "bf16 decode, split-KV, fp8_e4m3 KV, sm_80": ("bf16 decode, split-KV", "fp8_e4m3", 80, False),
+    "bf16 decode, split-KV, fp8_e5m2 KV": ("bf16 decode, split-KV", "fp8_e5m2", 90, False),
+    "bf16 decode, split-KV, fp8_e4m3 KV, native": ("bf16 decode, split-KV", "fp8_e4m3", 90, True),
+    "bf16 decode, split-KV, fp8_e5m2 KV, native": ("bf16 decode, split-KV", "fp8_e5m2", 90, True),
+    "fp16 prefill, GQA 8, every feature, int8 KV": ("fp16 prefill, GQA 8, every feature", "int8", 90, False),
 }
 
 
@@ -425,9 +427,9 @@ def compile_for_gpus() -> dict[str, str | None]:
                              else "*fp32" if name in ("scale_ptr", "part_acc_ptr", "part_ml_ptr", "alibi_ptr")
                              else "*i32")
 
-    configurations = {label: (label, None, 90) for label in COMPILED} | COMPILED_QUANTIZED
+    configurations = {label: (label, None, 90, False) for label in COMPILED} | COMPILED_QUANTIZED
     results = {}
-    for label, (base, quantizer_name, capability) in configurations.items():
+    for label, (base, quantizer_name, capability, native_fp8) in configurations.items():
         dtype, head, qpk, block_q, block_n, split, (cap, window, alibi), warps = COMPILED[base]
         kv_format = kernels.FLOAT_KV.value
         if quantizer_name is not None:
@@ -435,7 +437,8 @@ def compile_for_gpus() -> dict[str, str | None]:
             kv_format = kernels.KV_FORMAT_OF_STORAGE[storage]
         constexprs = dict(HEAD_SIZE=head, HEAD_PAD=next_power_of_2(head), QPK=qpk, QPK_PAD=next_power_of_2(qpk),
                           BLOCK_Q=block_q, BLOCK_N=block_n, PAGE=16, USE_SOFT_CAP=cap, USE_WINDOW=window,
-                          USE_ALIBI=alibi, SPLIT=split, DOT_FP32=dtype == "fp32", KV_FORMAT=kv_format)
+                          USE_ALIBI=alibi, SPLIT=split, DOT_FP32=dtype == "fp32", KV_FORMAT=kv_format,
+                          NATIVE_FP8=native_fp8)
         try:
             pointer = attention_pointer(dtype, quantizer_name is not None)
             shared = compile_one(kernels.paged_attention_kernel, constexprs, pointer, warps, capability).metadata.shared
