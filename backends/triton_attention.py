@@ -226,10 +226,15 @@ class TritonAttentionBackend(AttentionBackend):
         return out
 
     def launch_options(self, plan: TritonPlan) -> dict[str, int]:
-        """num_warps (and num_stages when set) of the attention kernel's launch."""
-        options = {"num_warps": self.num_warps or (8 if plan.block_q * self.qpk_pad >= 64 and self.head_pad >= 128 else 4)}
+        """num_warps and num_stages of the attention kernel's launch: 4 warps, and for
+        16-bit prefill tiles a 2-deep pipeline, the fastest the H200 sweep measured
+        (docs/gpu_backends.md); Triton's default depth elsewhere."""
+        options = {"num_warps": self.num_warps or 4}
+        prefill_tile = plan.block_q * self.qpk_pad > 16
         if self.num_stages is not None:
             options["num_stages"] = self.num_stages
+        elif prefill_tile and self.cache.dtype != torch.float32 and not self.interpret:
+            options["num_stages"] = 2
         return options
 
     def stored_kv(self, kv_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, int]:
