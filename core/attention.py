@@ -22,6 +22,7 @@ from typing import Any, ClassVar
 import torch
 
 from .api import ATTENTION_BACKEND
+from .dtypes import dtype_name
 from .implementation import Implementation, SelectionRequest
 from .quantizer import Quantizer
 
@@ -214,10 +215,6 @@ class PagedCSR:
     last_page_len: torch.Tensor
 
 
-def dtype_name(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.")
-
-
 def paged_csr(block_table: torch.Tensor, seq_lens: torch.Tensor, block_size: int) -> PagedCSR:
     """Derive the CSR view from the dense block table; the one place this is done."""
     seq_lens = seq_lens.to(torch.int32)
@@ -344,7 +341,7 @@ class AttentionBackend(Implementation):
     def capabilities(cls) -> dict[str, Any]:
         return {
             "devices": sorted(cls.devices),
-            "dtypes": sorted(str(d).removeprefix("torch.") for d in cls.dtypes),
+            "dtypes": sorted(dtype_name(d) for d in cls.dtypes),
             "kv_cache_dtypes": ["auto", *sorted(dtype_name(d) for d in cls.quantized_kv_dtypes)],
             "head_sizes": sorted(cls.head_sizes) if cls.head_sizes is not None else "any",
             "block_sizes": sorted(cls.block_sizes) if cls.block_sizes is not None else "any",

@@ -9,6 +9,7 @@ from typing import Any, ClassVar
 import torch
 
 from .api import QUANTIZER
+from .dtypes import dtype_name
 from .errors import QuantizationError
 from .implementation import Implementation
 
@@ -54,7 +55,7 @@ class Quantizer(Implementation):
     @classmethod
     def capabilities(cls) -> dict[str, Any]:
         return {
-            "storage_dtype": str(cls.storage_dtype).removeprefix("torch."),
+            "storage_dtype": dtype_name(cls.storage_dtype),
             "granularity": cls.granularity,
             "error_bound": cls.error_bound,
         }
