@@ -265,6 +265,7 @@ class AttentionBackend(Implementation):
     """An attention kernel over the paged KV cache.
 
     Guarantees every implementation keeps (the conformance suite checks each):
+
       1. `unsupported_reasons` refuses, with reasons, every configuration outside
          its declared devices, dtypes, KV-cache dtypes, head sizes, block sizes
          and features; the constructor raises `UnsupportedConfigurationError`

@@ -45,6 +45,7 @@ class BlockAllocator(Implementation):
     """A pool of `num_blocks` blocks of `block_size` token slots.
 
     Guarantees every implementation keeps (the conformance suite checks each):
+
       1. `allocate(n)` returns `n` distinct blocks that nobody held, each with
          reference count 1. If it cannot, it raises `OutOfBlocksError` and
          changes nothing.
@@ -57,7 +58,9 @@ class BlockAllocator(Implementation):
          a shared block its own fresh block and drops its reference to the shared one.
       6. allocate, free, fork, acquire and lookup cost O(1) per block, whatever
          the pool size.
+
     With `supports_prefix_caching`:
+
       7. `hash_block` chains: the hash depends on the parent hash, the token ids
          and the extra keys (cache salt, model or adapter tag); different inputs
          give different hashes. It depends on nothing else but `hash_algorithm`

@@ -33,6 +33,7 @@ class QuantizedTensor:
 
 class Quantizer(Implementation):
     """Guarantees every implementation keeps (the conformance suite checks each):
+
       1. `dequantize(quantize(x))` differs from `x` by at most `error_bound` times
          the largest magnitude in x's scale group, elementwise.
       2. The scale has the declared granularity's shape, and is finite and positive.
