@@ -115,7 +115,12 @@ def quantized_kv_views(kv_cache: torch.Tensor, spec: KVCacheSpec) -> tuple[torch
 
 @dataclass(frozen=True)
 class AttentionLayerSpec:
-    """The attention of one layer: everything a backend needs besides the data."""
+    """The attention of one layer: everything a backend needs besides the data.
+
+    `scale` multiplies `q · k` before the soft-cap, ALiBi and the softmax; None
+    (the usual case) means the standard `head_size ** -0.5`, and a model sets it
+    only when it uses another one. Backends read `softmax_scale`, never `scale`.
+    """
 
     num_heads: int
     num_kv_heads: int
@@ -127,6 +132,7 @@ class AttentionLayerSpec:
 
     @property
     def softmax_scale(self) -> float:
+        """The scale to apply: `scale`, or `head_size ** -0.5` when it is None."""
         return self.scale if self.scale is not None else self.head_size ** -0.5
 
     @property
@@ -365,7 +371,10 @@ class AttentionBackend(Implementation):
     def write_kv(self, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
         """Store `key`/`value` (`[num_tokens, num_kv_heads, head_size]`) at their slots,
         quantized by `self.cache.quantizer` when there is one. The default does it in
-        plain PyTorch; a backend with its own write kernel or another layout overrides it."""
+        plain PyTorch (`write_kv_by_slot`, or `write_quantized_kv_by_slot` for a
+        quantized cache) in the NHD layout; a backend with its own write kernel or
+        another layout overrides it, and may hand the quantized case back to this
+        default with `super().write_kv(...)`."""
         if self.cache.quantized:
             write_quantized_kv_by_slot(key, value, kv_cache, slot_mapping, self.cache)
         else:
