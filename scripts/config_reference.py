@@ -17,7 +17,7 @@ import typing
 from pathlib import Path
 
 import annotated_types
-from pydantic import BaseModel
+from pydantic import BaseModel, ValidationError
 from pydantic.fields import FieldInfo
 
 from kvforge.core.config import FLOAT_KV_DTYPES, IMPLEMENTATION_FIELDS, EngineConfig, implementation_names
@@ -94,15 +94,24 @@ def takes_a_string(annotation) -> bool:
 
 def named_kinds(config_model: type[EngineConfig]) -> dict[str, str]:
     """`{dotted field: kind}` for every field whose value can name an implementation:
-    `implementation_names` is asked about a config where every string field holds a
-    name that is no float dtype or keyword, so fields it special-cases are found too."""
-    sections = {}
+    each string field in turn is given a name that is no float dtype or keyword, and
+    `implementation_names` is asked whether it reads it as one (so fields it
+    special-cases, like `cache.kv_cache_dtype`, are found too)."""
+    kinds = {}
     for section, info in config_model.model_fields.items():
-        if is_section(info.annotation):
-            sections[section] = {key: PROBE for key, sub in info.annotation.model_fields.items()
-                                 if takes_a_string(sub.annotation)}
-    return {path: kind for path, (kind, name) in implementation_names(config_model(**sections)).items()
-            if name == PROBE}
+        if not is_section(info.annotation):
+            continue
+        for key, field in info.annotation.model_fields.items():
+            if not takes_a_string(field.annotation):
+                continue
+            try:
+                config = config_model(**{section: {key: PROBE}})
+            except ValidationError:  # the field checks its values itself: it names no implementation
+                continue
+            named = implementation_names(config).get(f"{section}.{key}")
+            if named is not None and named[1] == PROBE:
+                kinds[f"{section}.{key}"] = named[0]
+    return kinds
 
 
 def allowed(path: str, info: FieldInfo, kinds: dict[str, str]) -> str:
