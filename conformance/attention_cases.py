@@ -38,6 +38,7 @@ from kvforge.core import (
     Registry,
     attention_request,
     cdiv,
+    dtype_name,
     quantized_kv_views,
 )
 
@@ -254,7 +255,7 @@ def make_case(kind: str, layer: AttentionLayerSpec, block_size: int, dtype: torc
         max_seq_len=max(seq_lens),
     )
     label = (f"{kind} batch (context, new)={lengths} head_size={d} heads={heads}/{kv_heads} block_size={block_size} "
-             f"dtype={str(dtype).removeprefix('torch.')} features={sorted(layer.required_features())} seed={seed}")
+             f"dtype={dtype_name(dtype)} features={sorted(layer.required_features())} seed={seed}")
     return Case(label, layer, dtype, block_size, num_blocks, unused, batch, values(tokens, heads, d),
                 values(tokens, kv_heads, d), values(tokens, kv_heads, d), values(cached, kv_heads, d),
                 values(cached, kv_heads, d), context_slots, garbage)

@@ -6,19 +6,18 @@ before any cached one is evicted)."""
 
 import pytest
 
+from kvforge.conformance.pool_snapshot import BLOCK_SIZE, NUM_BLOCKS
 from kvforge.core import BLOCK_ALLOCATOR
 
 KIND = BLOCK_ALLOCATOR
 GROUP = "prefix caching"
-
-BLOCK_SIZE = 4
 
 
 @pytest.fixture
 def make_pool(registration):
     if not registration.cls.supports_prefix_caching:
         pytest.skip(f"{registration.name} does not declare prefix caching")
-    return lambda num_blocks=8, **options: registration.cls(num_blocks, BLOCK_SIZE, **options)
+    return lambda num_blocks=NUM_BLOCKS, **options: registration.cls(num_blocks, BLOCK_SIZE, **options)
 
 
 def chain(pool, token_ids, extra_keys=()):

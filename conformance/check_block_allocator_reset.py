@@ -10,13 +10,11 @@ that reason rather than failed, since API 1.1 did not ask for the method.
 
 import pytest
 
+from kvforge.conformance.pool_snapshot import BLOCK_SIZE, NUM_BLOCKS, snapshot
 from kvforge.core import BLOCK_ALLOCATOR, BlockAllocator, BlockStateError
 
 KIND = BLOCK_ALLOCATOR
 GROUP = "reset"
-
-NUM_BLOCKS = 8
-BLOCK_SIZE = 4
 
 
 def lacks_reset(cls) -> bool:
@@ -36,8 +34,7 @@ def pool(registration):
 def state(pool) -> tuple:
     """Everything observable about the pool, the lookup counters included."""
     usage = pool.usage()
-    return (tuple(pool.ref_count(b) for b in range(NUM_BLOCKS)),
-            tuple(pool.block_hash_of(b) for b in range(NUM_BLOCKS)), usage)
+    return snapshot(pool), usage.lookups, usage.hits
 
 
 def fill(pool) -> tuple[list[int], list[int], list[bytes]]:

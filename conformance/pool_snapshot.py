@@ -1,6 +1,6 @@
 """The pool shape and the observable-state snapshot shared by
-`check_block_allocator_pool` and its random-operations model `pool_machine`
-(here, so that neither module imports the other)."""
+the block allocator checks and the random-operations model `pool_machine`
+(here, so that no check module imports another)."""
 
 NUM_BLOCKS = 8
 BLOCK_SIZE = 4

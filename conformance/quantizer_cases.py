@@ -18,7 +18,7 @@ from __future__ import annotations
 import torch
 
 from kvforge.conformance.selection import quick
-from kvforge.core import PER_CHANNEL, PER_TENSOR, PER_TOKEN, QuantizedTensor, Quantizer
+from kvforge.core import PER_CHANNEL, PER_TENSOR, PER_TOKEN, QuantizedTensor, Quantizer, dtype_name
 
 INPUT_DTYPES = (torch.float32, torch.bfloat16)
 
@@ -110,7 +110,7 @@ def roundtrip_problem(quantizer: Quantizer, x: torch.Tensor, where: str, floor: 
             flat = (error - allowed).nan_to_num(nan=float("inf")).reshape(-1)
             i = int(flat.argmax())
             index = tuple(int(v) for v in torch.unravel_index(torch.tensor(i), x.shape))
-            return (f"{quantizer.name}: {where}, dequantized to {str(out_dtype).removeprefix('torch.')}: "
+            return (f"{quantizer.name}: {where}, dequantized to {dtype_name(out_dtype)}: "
                     f"{int(bad.sum())} of {x.numel()} elements outside error_bound {quantizer.error_bound:g} × "
                     f"group max; worst at {index}: input {reference.reshape(-1)[i].item():.6g}, "
                     f"got {got.reshape(-1)[i].item():.6g}, allowed error {allowed.reshape(-1)[i].item():.3g}")
@@ -118,7 +118,7 @@ def roundtrip_problem(quantizer: Quantizer, x: torch.Tensor, where: str, floor: 
 
 
 def describe(x: torch.Tensor, label: str, seed: int) -> str:
-    return f"{label}, input {str(x.dtype).removeprefix('torch.')} {tuple(x.shape)}, seed {seed}"
+    return f"{label}, input {dtype_name(x.dtype)} {tuple(x.shape)}, seed {seed}"
 
 
 def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:

@@ -30,7 +30,6 @@ from .attention import (
     attention_request,
     cdiv,
     dequantize_kv_blocks,
-    dtype_name,
     paged_csr,
     quantized_kv_views,
     write_kv_by_slot,
@@ -39,6 +38,7 @@ from .attention import (
 from .block_allocator import AllocatorUsage, BlockAllocator, BlockHash
 from .config import FLOAT_DTYPES, EngineConfig, implementation_names
 from .config_sources import LoadedConfig, check_implementation_names, load_config
+from .dtypes import dtype_name
 from .errors import (
     ApiVersionError,
     BlockStateError,

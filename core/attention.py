@@ -22,6 +22,7 @@ from typing import Any, ClassVar
 import torch
 
 from .api import ATTENTION_BACKEND
+from .dtypes import dtype_name
 from .implementation import Implementation, SelectionRequest
 from .quantizer import Quantizer
 
@@ -114,7 +115,12 @@ def quantized_kv_views(kv_cache: torch.Tensor, spec: KVCacheSpec) -> tuple[torch
 
 @dataclass(frozen=True)
 class AttentionLayerSpec:
-    """The attention of one layer: everything a backend needs besides the data."""
+    """The attention of one layer: everything a backend needs besides the data.
+
+    `scale` multiplies `q · k` before the soft-cap, ALiBi and the softmax; None
+    (the usual case) means the standard `head_size ** -0.5`, and a model sets it
+    only when it uses another one. Backends read `softmax_scale`, never `scale`.
+    """
 
     num_heads: int
     num_kv_heads: int
@@ -126,6 +132,7 @@ class AttentionLayerSpec:
 
     @property
     def softmax_scale(self) -> float:
+        """The scale to apply: `scale`, or `head_size ** -0.5` when it is None."""
         return self.scale if self.scale is not None else self.head_size ** -0.5
 
     @property
@@ -214,10 +221,6 @@ class PagedCSR:
     last_page_len: torch.Tensor
 
 
-def dtype_name(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.")
-
-
 def paged_csr(block_table: torch.Tensor, seq_lens: torch.Tensor, block_size: int) -> PagedCSR:
     """Derive the CSR view from the dense block table; the one place this is done."""
     seq_lens = seq_lens.to(torch.int32)
@@ -268,6 +271,7 @@ class AttentionBackend(Implementation):
     """An attention kernel over the paged KV cache.
 
     Guarantees every implementation keeps (the conformance suite checks each):
+
       1. `unsupported_reasons` refuses, with reasons, every configuration outside
          its declared devices, dtypes, KV-cache dtypes, head sizes, block sizes
          and features; the constructor raises `UnsupportedConfigurationError`
@@ -344,7 +348,7 @@ class AttentionBackend(Implementation):
     def capabilities(cls) -> dict[str, Any]:
         return {
             "devices": sorted(cls.devices),
-            "dtypes": sorted(str(d).removeprefix("torch.") for d in cls.dtypes),
+            "dtypes": sorted(dtype_name(d) for d in cls.dtypes),
             "kv_cache_dtypes": ["auto", *sorted(dtype_name(d) for d in cls.quantized_kv_dtypes)],
             "head_sizes": sorted(cls.head_sizes) if cls.head_sizes is not None else "any",
             "block_sizes": sorted(cls.block_sizes) if cls.block_sizes is not None else "any",
@@ -367,7 +371,10 @@ class AttentionBackend(Implementation):
     def write_kv(self, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
         """Store `key`/`value` (`[num_tokens, num_kv_heads, head_size]`) at their slots,
         quantized by `self.cache.quantizer` when there is one. The default does it in
-        plain PyTorch; a backend with its own write kernel or another layout overrides it."""
+        plain PyTorch (`write_kv_by_slot`, or `write_quantized_kv_by_slot` for a
+        quantized cache) in the NHD layout; a backend with its own write kernel or
+        another layout overrides it, and may hand the quantized case back to this
+        default with `super().write_kv(...)`."""
         if self.cache.quantized:
             write_quantized_kv_by_slot(key, value, kv_cache, slot_mapping, self.cache)
         else:

@@ -23,21 +23,26 @@ BlockHash = bytes
 
 @dataclass(frozen=True)
 class AllocatorUsage:
-    """Usage figures. `free` counts every block with no holder, cached or not."""
+    """Usage figures. `free` counts every block with no holder, cached or not;
+    `cached` the free blocks that still carry a hash and can be hit; `in_use` the
+    blocks with a holder. `lookups` counts the blocks asked for by `lookup` and
+    `hits` those of them found, both over the allocator's lifetime."""
 
     num_blocks: int
     free: int
-    cached: int  # free blocks that still carry a hash and can be hit
+    cached: int
     in_use: int
-    lookups: int  # blocks asked for by `lookup`
-    hits: int  # of those, blocks found
+    lookups: int
+    hits: int
 
     @property
     def hit_rate(self) -> float:
+        """The share of looked-up blocks found; 0.0 before any lookup."""
         return self.hits / self.lookups if self.lookups else 0.0
 
     @property
     def usage(self) -> float:
+        """The share of the pool that is held."""
         return self.in_use / self.num_blocks if self.num_blocks else 0.0
 
 
@@ -45,6 +50,7 @@ class BlockAllocator(Implementation):
     """A pool of `num_blocks` blocks of `block_size` token slots.
 
     Guarantees every implementation keeps (the conformance suite checks each):
+
       1. `allocate(n)` returns `n` distinct blocks that nobody held, each with
          reference count 1. If it cannot, it raises `OutOfBlocksError` and
          changes nothing.
@@ -57,7 +63,9 @@ class BlockAllocator(Implementation):
          a shared block its own fresh block and drops its reference to the shared one.
       6. allocate, free, fork, acquire and lookup cost O(1) per block, whatever
          the pool size.
+
     With `supports_prefix_caching`:
+
       7. `hash_block` chains: the hash depends on the parent hash, the token ids
          and the extra keys (cache salt, model or adapter tag); different inputs
          give different hashes. It depends on nothing else but `hash_algorithm`

@@ -28,7 +28,9 @@ class Section(BaseModel):
 
 
 class AttentionConfig(Section):
-    backend: str = Field("auto", description="attention_backend name, or auto")
+    backend: str = Field(
+        "auto", description="attention_backend name, or auto: the available one with the highest priority that "
+                            "serves the model (`kvforge plugins --explain` says why not the others)")
 
 
 class CacheConfig(Section):
@@ -36,10 +38,17 @@ class CacheConfig(Section):
     num_blocks: int | None = Field(None, ge=1, description="KV blocks in the pool; overrides memory_budget")
     memory_budget: float | None = Field(
         None, description="KV cache size: bytes (int or '4GiB') or a fraction (0, 1) of available memory")
-    kv_cache_dtype: str = Field("auto", description="auto (the model dtype), a float dtype, or a quantizer name")
-    enable_prefix_caching: bool = True
+    kv_cache_dtype: str = Field(
+        "auto", description="auto (the model dtype), the model's float dtype, or the name of a per_token quantizer "
+                            "(int8, fp8_e4m3, fp8_e5m2, or a third-party one): keys and values stored quantized with "
+                            "one float32 scale per token and KV head; the attention backend must read its storage dtype")
+    enable_prefix_caching: bool = Field(
+        True, description="reuse the cached KV blocks of equal prompt prefixes; needs an allocator with prefix caching "
+                          "(set it false to use one without)")
     allocator: str = Field("auto", description="block_allocator name, or auto")
-    hash_algorithm: str = Field("sha256", description="prefix-cache block hash function")
+    hash_algorithm: str = Field(
+        "sha256", description="hashlib algorithm of the prefix-cache block hashes (the allocator lists those it has "
+                              "in `kvforge plugins --json`)")
 
     @field_validator("memory_budget", mode="before")
     @classmethod
@@ -61,19 +70,26 @@ class CacheConfig(Section):
 
 
 class SchedulerConfig(Section):
-    policy: str = Field("auto", description="scheduler_policy name, or auto")
+    policy: str = Field("auto", description="scheduler_policy name, or auto (fcfs among the built-in ones)")
     max_num_seqs: int = Field(128, ge=1, description="most requests running at once")
     max_num_batched_tokens: int = Field(2048, ge=1, description="token budget of one step")
 
 
 class QuantizationConfig(Section):
-    weights: str | None = Field(None, description="quantizer name for the weights, or none")
+    weights: str | None = Field(
+        None, description="name of a per_channel int8 quantizer (int8_weight, or a third-party one): every linear layer "
+                          "and an untied LM head hold int8 weights quantized at load time; none: float weights")
 
 
 class SpeculativeConfig(Section):
-    proposer: str | None = Field(None, description="speculative_proposer name, or none")
-    num_tokens: int = Field(4, ge=1, le=32, description="draft tokens per step")
-    options: dict[str, Any] = Field(default_factory=dict, description="the proposer's own options (see its docs)")
+    proposer: str | None = Field(
+        None, description="speculative_proposer name (ngram, draft_model, or a third-party one); none: no speculative "
+                          "decoding")
+    num_tokens: int = Field(4, ge=1, le=32, description="most draft tokens per request and step (k)")
+    options: dict[str, Any] = Field(
+        default_factory=dict, description="the proposer's own options, passed as cls(**options); unknown ones are "
+                                          "refused (ngram: min_n, max_n; draft_model: model, num_blocks, ...; see "
+                                          "docs/speculative.md)")
     disable_above_batch_size: int | None = Field(
         None, ge=1, description="no drafts while more requests than this run (decode is compute-bound there)")
 
@@ -87,10 +103,13 @@ class PluginsConfig(Section):
 class EngineConfig(Section):
     """Every setting of a kvforge engine."""
 
-    model: str = Field("kvforge-tiny", description="a local Hugging Face directory or a built-in model name")
-    device: Literal["auto", "cpu", "cuda"] = "auto"
-    dtype: Literal[FLOAT_KV_DTYPES] = "auto"
-    seed: int = 0
+    model: str = Field(
+        "kvforge-tiny", description="a local Hugging Face directory (safetensors) or a built-in model name "
+                                    "(a misspelt one is refused with the list)")
+    device: Literal["auto", "cpu", "cuda"] = Field("auto", description="where the model and KV cache live; auto: CUDA when present")
+    dtype: Literal[FLOAT_KV_DTYPES] = Field(
+        "auto", description="the model's compute dtype; auto: the checkpoint's (float32 when it names none)")
+    seed: int = Field(0, description="engine-wide random seed")
     linear_kernel: Literal["auto", "torch", "onednn"] = Field(
         "auto", description="kernel of the model's linear layers: onednn (CPU, weights packed once), torch, or auto "
                         "(onednn for weights of at least 512 x 512 where available); with quantization.weights, "

@@ -1,7 +1,7 @@
 """The pluggy hook a plugin implements. This docstring is the spec plugin authors read.
 
 A plugin is whatever its `kvforge.plugins` entry point loads: usually a module.
-It implements the hook with the `hookimpl` marker::
+It implements the hook with the `hookimpl` marker:
 
     from kvforge.core import hookimpl
 

@@ -54,6 +54,7 @@ class Implementation(ABC):
     """Base of the five interfaces.
 
     Class attributes every implementation sets:
+
       * `name` — unique within its kind; what users type in the config.
       * `api_version` — the (major, minor) of kvforge.core it was written for.
       * `priority` — `auto` picks the available, supporting implementation with

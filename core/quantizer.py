@@ -9,6 +9,7 @@ from typing import Any, ClassVar
 import torch
 
 from .api import QUANTIZER
+from .dtypes import dtype_name
 from .errors import QuantizationError
 from .implementation import Implementation
 
@@ -32,6 +33,7 @@ class QuantizedTensor:
 
 class Quantizer(Implementation):
     """Guarantees every implementation keeps (the conformance suite checks each):
+
       1. `dequantize(quantize(x))` differs from `x` by at most `error_bound` times
          the largest magnitude in x's scale group, elementwise.
       2. The scale has the declared granularity's shape, and is finite and positive.
@@ -54,7 +56,7 @@ class Quantizer(Implementation):
     @classmethod
     def capabilities(cls) -> dict[str, Any]:
         return {
-            "storage_dtype": str(cls.storage_dtype).removeprefix("torch."),
+            "storage_dtype": dtype_name(cls.storage_dtype),
             "granularity": cls.granularity,
             "error_bound": cls.error_bound,
         }

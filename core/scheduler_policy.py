@@ -38,6 +38,7 @@ class RequestView:
 
 class SchedulerPolicy(Implementation):
     """Guarantees every implementation keeps (the conformance suite checks each):
+
       1. `waiting_key` is a total order: two distinct requests never compare
          equal, and among otherwise equal requests the earlier arrival goes first.
       2. A preempted request returning to the waiting queue keeps its original

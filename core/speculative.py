@@ -45,6 +45,7 @@ class DraftProposal:
 
 class SpeculativeProposer(Implementation):
     """Guarantees every implementation keeps (the conformance suite checks each):
+
       1. `propose` returns one proposal per request, in order, each with at most
          `num_tokens` tokens, all inside the vocabulary.
       2. `probs`, when given, are rows of probabilities (non-negative, summing to 1)

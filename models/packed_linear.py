@@ -21,6 +21,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from kvforge.core import dtype_name
+
 from .base import activation
 
 LINEAR_KERNELS = ("auto", "torch", "onednn")
@@ -55,7 +57,7 @@ def onednn_unavailable(dtype: torch.dtype, device: torch.device) -> str | None:
         return None
     if dtype == torch.float16 and torch.ops.mkldnn._is_mkldnn_fp16_supported():
         return None
-    return f"oneDNN has no fast {str(dtype).removeprefix('torch.')} kernels on this CPU"
+    return f"oneDNN has no fast {dtype_name(dtype)} kernels on this CPU"
 
 
 class PackedLinear(nn.Module):

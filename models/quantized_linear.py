@@ -33,7 +33,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kvforge.core import PER_CHANNEL, Quantizer
+from kvforge.core import PER_CHANNEL, Quantizer, dtype_name
 from kvforge.core.errors import UnsupportedConfigurationError
 
 from .packed_linear import linear_weight
@@ -52,7 +52,7 @@ def int8_linear_unsupported(quantizer: type[Quantizer] | Quantizer) -> str | Non
     if quantizer.granularity != INT8_LINEAR_GRANULARITY:
         found.append(f"granularity {quantizer.granularity!r}")
     if quantizer.storage_dtype != INT8_LINEAR_STORAGE:
-        found.append(f"storage {str(quantizer.storage_dtype).removeprefix('torch.')}")
+        found.append(f"storage {dtype_name(quantizer.storage_dtype)}")
     if not found:
         return None
     return (f"quantizer {quantizer.name!r} has {' and '.join(found)}, but int8 linear layers need "

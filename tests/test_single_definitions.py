@@ -94,3 +94,15 @@ def test_no_selection_request_is_built_from_layer_fields_outside_attention_reque
     found = [str(path.relative_to(ROOT)) for path in python_sources()
              if pattern.search(path.read_text()) and str(path.relative_to(ROOT)) != "core/attention.py"]
     assert not found, "build the request with kvforge.core.attention_request: " + ", ".join(found)
+
+
+def test_no_dtype_is_named_outside_dtype_name():
+    """`str(dtype).removeprefix("torch.")` is `kvforge.core.dtype_name`, written once."""
+    found = offenders(re.compile(r"""str\([^)]*\)\.removeprefix\(["']torch\.["']\)"""), allowed={"core/dtypes.py"})
+    assert not found, "use kvforge.core.dtype_name instead:\n" + "\n".join(found)
+
+
+def test_every_allocator_check_uses_the_one_pool_shape():
+    found = offenders(re.compile(r"^(NUM_BLOCKS|BLOCK_SIZE) = "), allowed={"conformance/pool_snapshot.py"})
+    found = [line for line in found if line.startswith("conformance/check_block_allocator_")]
+    assert not found, "import the pool shape from kvforge.conformance.pool_snapshot:\n" + "\n".join(found)
