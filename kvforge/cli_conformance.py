@@ -28,6 +28,9 @@ def add_parser(commands) -> None:
                                                  "or KVFORGE_CONFORMANCE_SEED)")
     parser.add_argument("--time-limit", type=float, metavar="SECONDS",
                         help="fail a check that runs longer (default 120, or KVFORGE_CONFORMANCE_TIME_LIMIT; 0: none)")
+    parser.add_argument("--device", choices=("cpu", "cuda"),
+                        help="where attention backends run (default: cuda where a GPU is present and the backend "
+                             "declares it, else cpu); cuda without a GPU is an error")
     parser.add_argument("--report", metavar="FILE", help="also write the matrix to FILE.json or FILE.md")
     parser.add_argument("pytest_args", nargs="*", help="extra pytest arguments, after --, e.g. -- -v -x")
     parser.set_defaults(run=run)
@@ -41,6 +44,10 @@ def run(args: argparse.Namespace) -> int:
         return 2
     if args.time_limit is not None and not args.time_limit >= 0:
         print(f"error: --time-limit {args.time_limit:g} must be seconds >= 0 (0 turns the limit off)", file=sys.stderr)
+        return 2
+    device_problem = selection.device_problem(args.device)
+    if device_problem:
+        print(f"error: --device {args.device}: {device_problem}", file=sys.stderr)
         return 2
     console = Console(soft_wrap=True)  # a failure line is one line in a CI log, never wrapped
     selection.registry.cache_clear()
@@ -57,15 +64,14 @@ def run(args: argparse.Namespace) -> int:
     seed = runner.run_seed(args.seed)
     console.print(f"kvforge conformance: seed {seed}, per-check time limit "
                   f"{args.time_limit if args.time_limit is not None else selection.time_limit():g} s")
-    result = runner.run_conformance(args.kind, args.plugin, args.quick, args.pytest_args, seed, args.time_limit)
+    result = runner.run_conformance(args.kind, args.plugin, args.quick, args.pytest_args, seed, args.time_limit,
+                                    args.device)
     if {"--collect-only", "--co"} & set(args.pytest_args):
         return result.code
     print_matrix(console, result.results)
-    for r in result.results:
-        for f in r.failures:
-            console.print(f"[red]FAIL[/red] {escape(f'{r.implementation} {f.check}[{f.case}] seed={result.seed}')}: "
-                          f"{escape(f.message)}")
-    problems = unchecked(result.results, args.plugin)
+    for line in runner.failure_lines(result.results, result.seed):
+        console.print(f"[red]FAIL[/red] {escape(line)}")
+    problems = runner.unchecked(result.results, args.plugin)
     for problem in problems:
         console.print(f"[red]nothing checked[/red]: {escape(problem)}")
     failed = any(r.status == "fail" for r in result.results)
@@ -74,21 +80,6 @@ def run(args: argparse.Namespace) -> int:
     if args.report:
         console.print(f"report: {report.write_report(args.report, result, code, problems)}")
     return code
-
-
-def unchecked(results, plugins: list[str] | None) -> list[str]:
-    """What the run was asked to check but did not: everything, or a named implementation
-    whose every check was skipped (an unavailable backend certifies nothing)."""
-    if not any(r.passed or r.failed for r in results):
-        return ["no check ran: every selected check was skipped or deselected" if results
-                else "no check ran: no selected implementation has a check of the selected kinds"]
-    problems = []
-    for name in plugins or []:
-        mine = [r for r in results if name in (r.implementation, r.plugin)]
-        if mine and not any(r.passed or r.failed for r in mine):
-            reasons = "; ".join(dict.fromkeys(reason for r in mine for reason in r.skip_reasons))
-            problems.append(f"--plugin {name!r}: every check was skipped ({reasons})")
-    return problems
 
 
 def print_matrix(console: Console, results) -> None:
