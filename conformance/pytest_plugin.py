@@ -46,6 +46,8 @@ def pytest_addoption(parser):
                     help="the seed every check draws from (default: a fresh one, printed in the summary)")
     group.addoption("--kvforge-time-limit", type=float, metavar="SECONDS",
                     help=f"fail a check that runs longer (default {selection.DEFAULT_TIME_LIMIT_S:g}; 0: none)")
+    group.addoption("--kvforge-fail-fast", action="store_true", default=False,
+                    help="stop checking an implementation at its first failing check")
     group.addoption("--kvforge-device", choices=selection.DEVICES,
                     help="where attention backends run (default: cuda where present, else cpu)")
     group.addoption("--kvforge-report", metavar="FILE", help="also write the matrix to FILE.json or FILE.md")
@@ -61,6 +63,8 @@ class ConformanceSession:
         self.quick: bool = option.kvforge_quick
         self.time_limit_s: float | None = option.kvforge_time_limit
         self.device: str | None = option.kvforge_device
+        self.fail_fast: bool = option.kvforge_fail_fast
+        self.collect_only: bool = option.collectonly
         self.report_path: str | None = option.kvforge_report
         self._refuse_nonsense()
         self.seed = runner.run_seed(option.kvforge_seed)
@@ -83,8 +87,8 @@ class ConformanceSession:
 
     def begin(self) -> None:
         """Put the run's choices where the checks read them, and find the check groups it runs."""
-        self._environment.enter_context(
-            runner.run_environment(self.plugins, self.quick, self.seed, self.time_limit_s, self.device))
+        self._environment.enter_context(runner.run_environment(
+            self.plugins, self.quick, self.seed, self.time_limit_s, self.device, self.fail_fast))
         selection.registry.cache_clear()
         self.modules.update({name: (kind, group) for name, kind, group in runner.selected_check_modules(self.kinds)})
 
@@ -94,6 +98,8 @@ class ConformanceSession:
     def finish(self, exitstatus: int) -> int:
         """The run's exit code once every check ran: 5 where it checked nothing it was asked to."""
         results = self.collector.sorted_results()
+        if self.collect_only:
+            return exitstatus
         if self.collector.registration_of:
             self.problems = runner.unchecked(results, self.plugins, OPTIONS)
         else:
@@ -117,7 +123,8 @@ def _active(config) -> ConformanceSession | None:
 def _asked_for(config) -> bool:
     option = config.option
     return bool(option.kvforge_plugin or option.kvforge_kind or option.kvforge_quick or option.kvforge_report
-                or option.kvforge_seed is not None or option.kvforge_time_limit is not None or option.kvforge_device)
+                or option.kvforge_fail_fast or option.kvforge_device
+                or option.kvforge_seed is not None or option.kvforge_time_limit is not None)
 
 
 @pytest.hookimpl(tryfirst=True)
@@ -168,6 +175,14 @@ def pytest_collect_file(file_path, parent):
     if any(fnmatch.fnmatch(file_path.name, pattern) for pattern in parent.config.getini("python_files")):
         return None
     return pytest.Module.from_parent(parent, path=file_path)
+
+
+def pytest_collection_modifyitems(config, items):
+    run = _active(config)
+    if run is None:
+        return
+    rank = {name: i for i, name in enumerate(run.modules)}  # check_modules' order: light groups first
+    items.sort(key=lambda item: rank.get(item.path.stem, -1) if _suite_check_module(item.path) else -1)
 
 
 def pytest_sessionfinish(session, exitstatus):

@@ -72,7 +72,8 @@ class ConformanceRun:
 
 
 def check_modules(kinds: list[str] | None = None) -> list[tuple[str, str, str]]:
-    """(module name, kind, group) of every check module, optionally for some kinds."""
+    """(module name, kind, group) of every check module, optionally for some kinds, in the
+    order they run: by kind, a kind's light groups before those marked `HEAVY = True`."""
     found = []
     package_dir = Path(__file__).parent
     for info in pkgutil.iter_modules([str(package_dir)]):
@@ -80,8 +81,9 @@ def check_modules(kinds: list[str] | None = None) -> list[tuple[str, str, str]]:
             continue
         module = importlib.import_module(f"{__package__}.{info.name}")
         if kinds is None or module.KIND in kinds:
-            found.append((info.name, module.KIND, module.GROUP))
-    return sorted(found, key=lambda m: (KINDS.index(m[1]), m[2]))
+            found.append((getattr(module, "HEAVY", False), info.name, module.KIND, module.GROUP))
+    found.sort(key=lambda m: (KINDS.index(m[2]), m[0], m[3]))
+    return [(name, kind, group) for _, name, kind, group in found]
 
 
 def selected_check_modules(kinds: list[str] | None = None) -> list[tuple[str, str, str]]:
@@ -190,14 +192,16 @@ def run_seed(seed: int | None = None) -> int:
 
 def run_conformance(kinds: list[str] | None = None, plugins: list[str] | None = None, quick: bool = False,
                     pytest_args: list[str] | None = None, seed: int | None = None,
-                    time_limit_s: float | None = None, device: str | None = None) -> ConformanceRun:
+                    time_limit_s: float | None = None, device: str | None = None,
+                    fail_fast: bool = False) -> ConformanceRun:
     """Run every check group of `kinds` against the selected implementations, every
     check drawing from one `seed` (fresh when None), failing past `time_limit_s`
     seconds (None: the environment's or the default), attention backends on `device`
-    (None: CUDA where present). Returns what the run did."""
+    (None: CUDA where present); `fail_fast` skips an implementation's checks after its
+    first failure. Returns what the run did."""
     started = time.time()
     seed = run_seed(seed)
-    with run_environment(plugins, quick, seed, time_limit_s, device):
+    with run_environment(plugins, quick, seed, time_limit_s, device, fail_fast):
         limit = selection.time_limit()
         selection.registry.cache_clear()
         modules = selected_check_modules(kinds)
@@ -209,14 +213,14 @@ def run_conformance(kinds: list[str] | None = None, plugins: list[str] | None = 
 
 @contextlib.contextmanager
 def run_environment(plugins: list[str] | None, quick: bool, seed: int, time_limit_s: float | None = None,
-                    device: str | None = None):
+                    device: str | None = None, fail_fast: bool = False):
     """The checks read a run's choices from the environment, so that `kvforge conformance`,
     the pytest options (`--kvforge-plugin` ...) and plain pytest select alike; set them
     for one run only, so a later run in this process starts clean."""
     from .attention_cases import SEED_ENV
 
     values = {SEED_ENV: str(seed), selection.PLUGIN_ENV: ",".join(plugins or []),
-              selection.QUICK_ENV: "1" if quick else ""}
+              selection.QUICK_ENV: "1" if quick else "", selection.FAIL_FAST_ENV: "1" if fail_fast else ""}
     if time_limit_s is not None:
         values[selection.TIME_LIMIT_ENV] = f"{time_limit_s:g}"
     if device is not None:

@@ -16,6 +16,7 @@ from kvforge.core.registry import PLUGINS_ENV
 PLUGIN_ENV = "KVFORGE_CONFORMANCE_PLUGINS"  # comma-separated implementation or entry-point names
 QUICK_ENV = "KVFORGE_CONFORMANCE_QUICK"  # "1": the reduced grid
 TIME_LIMIT_ENV = "KVFORGE_CONFORMANCE_TIME_LIMIT"  # seconds one check may take; 0: no limit
+FAIL_FAST_ENV = "KVFORGE_CONFORMANCE_FAIL_FAST"  # "1": skip an implementation's checks after its first failure
 DEVICE_ENV = "KVFORGE_CONFORMANCE_DEVICE"  # where attention backends run: "cpu", "cuda"; unset: cuda where present
 DEFAULT_TIME_LIMIT_S = 120.0
 DEVICES = ("cpu", "cuda")
@@ -23,6 +24,10 @@ DEVICES = ("cpu", "cuda")
 
 def quick() -> bool:
     return os.environ.get(QUICK_ENV, "") == "1"
+
+
+def fail_fast() -> bool:
+    return os.environ.get(FAIL_FAST_ENV, "") == "1"
 
 
 def time_limit() -> float:

@@ -28,6 +28,9 @@ def add_parser(commands) -> None:
                                                  "or KVFORGE_CONFORMANCE_SEED)")
     parser.add_argument("--time-limit", type=float, metavar="SECONDS",
                         help="fail a check that runs longer (default 120, or KVFORGE_CONFORMANCE_TIME_LIMIT; 0: none)")
+    parser.add_argument("--fail-fast", action="store_true",
+                        help="stop checking an implementation at its first failing check (its other checks are "
+                             "skipped, saying so); pytest's -x stops the whole run instead")
     parser.add_argument("--device", choices=("cpu", "cuda"),
                         help="where attention backends run (default: cuda where a GPU is present and the backend "
                              "declares it, else cpu); cuda without a GPU is an error")
@@ -65,7 +68,7 @@ def run(args: argparse.Namespace) -> int:
     console.print(f"kvforge conformance: seed {seed}, per-check time limit "
                   f"{args.time_limit if args.time_limit is not None else selection.time_limit():g} s")
     result = runner.run_conformance(args.kind, args.plugin, args.quick, args.pytest_args, seed, args.time_limit,
-                                    args.device)
+                                    args.device, args.fail_fast)
     if {"--collect-only", "--co"} & set(args.pytest_args):
         return result.code
     print_matrix(console, result.results)

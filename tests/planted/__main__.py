@@ -1,6 +1,7 @@
 """`python -m tests.planted [--report FILE.json|FILE.md] [--time-limit S] [--seed N] [--full]`,
-from a checkout: run the conformance suite (its quick grid unless --full) on every
-planted bug and print, per kind, how many it caught; exit 1 when it missed one.
+from a checkout: run the conformance suite (its quick grid unless --full, with
+--fail-fast: one failure catches a bug) on every planted bug and print, per kind,
+how many it caught; exit 1 when it missed one.
 
 A bug counts as caught when a check fails it for a reason other than the time limit,
 except for the planted hangs (`hangs = True`), which only the time limit can end.
@@ -37,7 +38,8 @@ class Tally:
 def run_suite(report: Path, site: Path, time_limit_s: float, quick: bool = True, seed: int | None = None,
               timeout_s: float = 900) -> subprocess.CompletedProcess:
     """`kvforge conformance --plugin planted` in a fresh process, its JSON report at `report`."""
-    args = [sys.executable, "-m", "kvforge", "conformance", "--plugin", PLUGIN, "--time-limit", f"{time_limit_s:g}",
+    args = [sys.executable, "-m", "kvforge", "conformance", "--plugin", PLUGIN, "--fail-fast",
+            "--time-limit", f"{time_limit_s:g}",
             "--report", str(report), *(["--quick"] if quick else []), *(["--seed", str(seed)] if seed is not None else [])]
     env = {name: value for name, value in os.environ.items() if not name.startswith("KVFORGE_")}
     env |= {"COLUMNS": "200", "OMP_NUM_THREADS": "1", **expose(site)}

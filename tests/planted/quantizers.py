@@ -147,11 +147,15 @@ class AlwaysFloat32(Int8Quantizer):
 
 
 class UnknownGranularity(Int8Quantizer):
+    """Declares a granularity the interface does not know."""
+
     name = "unknown-granularity"
     granularity = "per_row"
 
 
 class ExactClaim(Int8Quantizer):
+    """Claims to be lossless: an error bound of 0."""
+
     name = "exact-claim"
     error_bound = 0.0
 

@@ -32,6 +32,8 @@ class RepeatLast(SpeculativeProposer):
 
 
 class OutOfVocabulary(RepeatLast):
+    """Proposes ids past the end of the target's vocabulary."""
+
     name = "out-of-vocabulary"
 
     def draft(self, request, num_tokens):
@@ -39,6 +41,8 @@ class OutOfVocabulary(RepeatLast):
 
 
 class TooMany(RepeatLast):
+    """Ignores the number of tokens asked for: one draft more than k."""
+
     name = "too-many"
 
     def draft(self, request, num_tokens):
