@@ -19,6 +19,7 @@ from kvforge.core import KINDS, Registration
 
 from . import selection
 
+NOTHING_CHECKED = int(pytest.ExitCode.NO_TESTS_COLLECTED)  # 5: a CI step that certified nothing must not pass
 # pytest's own verbosity flags: when the caller passes one, the runner's default `-q` steps aside
 _VERBOSITY_FLAGS = ("-v", "-q", "--verbose", "--quiet", "--verbosity")
 

@@ -12,14 +12,12 @@ from rich.table import Table
 
 from kvforge.core import KINDS
 
-NOTHING_CHECKED = 5  # pytest's exit code for "no tests ran": a CI step that certified nothing must not pass
-
 
 def add_parser(commands) -> None:
     parser = commands.add_parser(
         "conformance", help="run the shared conformance suite against registered implementations",
         description="Exit status: 0 every selected check passed; 1 a check failed; "
-                    f"{NOTHING_CHECKED} nothing was checked (no implementation selected, a --plugin name matching "
+                    "5 nothing was checked (no implementation selected, a --plugin name matching "
                     "nothing, or every check skipped).")
     parser.add_argument("--kind", action="append", choices=KINDS, help="only this kind (repeatable)")
     parser.add_argument("--plugin", action="append", help="only this implementation or plugin name (repeatable)")
@@ -59,10 +57,10 @@ def run(args: argparse.Namespace) -> int:
         for problem in problems:
             console.print(f"[red]nothing checked[/red]: {escape(problem)}")
         if args.report:
-            empty = runner.ConformanceRun(NOTHING_CHECKED, [], runner.run_seed(args.seed), selection.time_limit(),
+            empty = runner.ConformanceRun(runner.NOTHING_CHECKED, [], runner.run_seed(args.seed), selection.time_limit(),
                                           args.quick, time.time(), 0.0)
-            report.write_report(args.report, empty, NOTHING_CHECKED, problems)
-        return NOTHING_CHECKED
+            report.write_report(args.report, empty, runner.NOTHING_CHECKED, problems)
+        return runner.NOTHING_CHECKED
 
     seed = runner.run_seed(args.seed)
     console.print(f"kvforge conformance: seed {seed}, per-check time limit "
@@ -78,7 +76,7 @@ def run(args: argparse.Namespace) -> int:
     for problem in problems:
         console.print(f"[red]nothing checked[/red]: {escape(problem)}")
     failed = any(r.status == "fail" for r in result.results)
-    code = 1 if failed or result.code not in (0, 5) else NOTHING_CHECKED if problems else 0
+    code = 1 if failed or result.code not in (0, runner.NOTHING_CHECKED) else runner.NOTHING_CHECKED if problems else 0
     console.print(f"seed {result.seed}: replay this run with --seed {result.seed}")
     if args.report:
         console.print(f"report: {report.write_report(args.report, result, code, problems)}")
