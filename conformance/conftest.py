@@ -18,6 +18,7 @@ import pytest
 from kvforge.conformance.attention_cases import SEED_ENV
 from kvforge.conformance.selection import TIME_LIMIT_ENV, fail_fast, selected, time_limit
 
+TIMED_OUT = "ran past its time limit"  # in the message of every check the limit stopped or kept from running
 _seed_set_here = False
 _backstop_file = None  # where the backstop writes: the real stderr, not pytest's capture of it
 # implementation name -> its first check that ran past the limit: the rest of its checks
@@ -79,7 +80,7 @@ def limited(limit: float, what: str):
     alarm = hasattr(signal, "SIGALRM") and threading.current_thread() is threading.main_thread()
     if alarm:
         def expire(signum, frame):
-            raise CheckTimedOut(f"{what} ran past its time limit of {limit:g} s: the implementation hangs or is far "
+            raise CheckTimedOut(f"{what} {TIMED_OUT} of {limit:g} s: the implementation hangs or is far "
                                 f"too slow (raise the limit with --time-limit or {TIME_LIMIT_ENV}; 0 turns it off)")
         previous = signal.signal(signal.SIGALRM, expire)
         signal.setitimer(signal.ITIMER_REAL, limit)
@@ -103,7 +104,7 @@ def _implementation(item) -> str | None:
 def _not_after_a_timeout(request):
     name = _implementation(request.node)
     if name in _timed_out:
-        pytest.fail(f"not run: {_timed_out[name]} of {name} ran past its time limit, so {name}'s "
+        pytest.fail(f"not run: {_timed_out[name]} of {name} {TIMED_OUT}, so {name}'s "
                     "remaining checks fail without running", pytrace=False)
     if name in _failed:
         pytest.skip(f"not run: {name} failed {_failed[name]} (--fail-fast)")

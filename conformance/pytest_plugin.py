@@ -1,7 +1,8 @@
 """The pytest entry of the conformance suite, registered as the pytest plugin `kvforge`:
 
     pytest --pyargs kvforge.conformance --kvforge-plugin NAME [--kvforge-kind KIND] [--kvforge-quick]
-           [--kvforge-seed N] [--kvforge-time-limit S] [--kvforge-device cuda] [--kvforge-report FILE]
+           [--kvforge-seed N] [--kvforge-time-limit S] [--kvforge-fail-fast] [--kvforge-device cuda]
+           [--kvforge-report FILE.json|FILE.md]
 
 certifies an implementation in a plugin's own CI without a line of test code. The
 options are `kvforge conformance`'s and travel the same way, through
@@ -30,7 +31,6 @@ from kvforge.core import KINDS
 from . import report, runner, selection
 
 SUITE_DIR = Path(__file__).parent
-NOTHING_CHECKED = runner.NOTHING_CHECKED
 OPTIONS = "--kvforge-"  # the prefix of this entry's options, quoted in its messages
 _RUN = pytest.StashKey["ConformanceSession"]()
 
@@ -97,15 +97,15 @@ class ConformanceSession:
 
     def finish(self, exitstatus: int) -> int:
         """The run's exit code once every check ran: 5 where it checked nothing it was asked to."""
-        results = self.collector.sorted_results()
         if self.collect_only:
             return exitstatus
+        results = self.collector.sorted_results()
         if self.collector.registration_of:
             self.problems = runner.unchecked(results, self.plugins, OPTIONS)
         else:
             self.problems = ["no conformance check was collected: name the suite, "
                              "`pytest --pyargs kvforge.conformance --kvforge-plugin NAME`"]
-        self.exit_code = NOTHING_CHECKED if self.problems and exitstatus == 0 else exitstatus
+        self.exit_code = runner.NOTHING_CHECKED if self.problems and exitstatus == 0 else exitstatus
         self.write_report(results)
         return self.exit_code
 
@@ -150,9 +150,10 @@ def pytest_sessionstart(session):
         return
     problems = selection.unmatched(run.kinds, run.plugins, OPTIONS)
     if problems:
-        run.problems, run.exit_code = problems, NOTHING_CHECKED
+        run.problems, run.exit_code = problems, runner.NOTHING_CHECKED
         run.write_report([])
-        pytest.exit("\n".join(f"nothing checked: {problem}" for problem in problems), returncode=NOTHING_CHECKED)
+        pytest.exit("\n".join(f"nothing checked: {problem}" for problem in problems),
+                    returncode=runner.NOTHING_CHECKED)
 
 
 def _suite_check_module(path: Path) -> bool:

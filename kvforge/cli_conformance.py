@@ -57,8 +57,8 @@ def run(args: argparse.Namespace) -> int:
         for problem in problems:
             console.print(f"[red]nothing checked[/red]: {escape(problem)}")
         if args.report:
-            empty = runner.ConformanceRun(runner.NOTHING_CHECKED, [], runner.run_seed(args.seed), selection.time_limit(),
-                                          args.quick, time.time(), 0.0)
+            empty = runner.ConformanceRun(runner.NOTHING_CHECKED, [], runner.run_seed(args.seed),
+                                          selection.time_limit(), args.quick, time.time(), 0.0)
             report.write_report(args.report, empty, runner.NOTHING_CHECKED, problems)
         return runner.NOTHING_CHECKED
 

@@ -9,7 +9,7 @@ import json
 
 from kvforge.core import KINDS
 from tests.planted import PLANTED
-from tests.planted.__main__ import TIMED_OUT, Tally, run_suite, summary, tally
+from tests.planted.proof import TIMED_OUT, Tally, run_suite, summary, tally
 
 TIME_LIMIT_S = 20  # 6x the slowest planted check measured on 2 shared CPU cores; the hang waits it out asleep
 

@@ -272,4 +272,9 @@ class QuantizedWritesMinusOne(ReferenceAttentionBackend):
         super().write_kv(key, value, kv_cache, torch.where(slot_mapping < 0, last, slot_mapping))
 
 
-PLANTED = [IgnoresContext, IgnoresContextInChunks, MixedBatchAsPrefill, DecodeOneEarly, DecodeOneLate, ReadsBlockStartFromPreviousBlock, DropsTokenOpeningABlock, WrongHeadGroups, HalfPrecisionInside, SkipsLastToken, IgnoresWindow, IgnoresSoftCap, IgnoresAlibi, WritesMinusOne, SpillsIntoNextSlot, ReadsPadding, AcceptsAnything, IgnoresScales, StoresUnscaled, QuantizedWritesMinusOne]
+PLANTED = [
+    IgnoresContext, IgnoresContextInChunks, MixedBatchAsPrefill, DecodeOneEarly, DecodeOneLate,
+    ReadsBlockStartFromPreviousBlock, DropsTokenOpeningABlock, WrongHeadGroups, HalfPrecisionInside,
+    SkipsLastToken, IgnoresWindow, IgnoresSoftCap, IgnoresAlibi, WritesMinusOne, SpillsIntoNextSlot,
+    ReadsPadding, AcceptsAnything, IgnoresScales, StoresUnscaled, QuantizedWritesMinusOne,
+]

@@ -121,4 +121,7 @@ class ResetLeavesQueue(PrefixCachingAllocator):
         return cleared
 
 
-PLANTED = [ForgetfulCopy, HeadFirst, ScanningAllocate, CountsOnlyHits, EvictsCachedFirst, RandomRoot, IgnoresSeed, ResetsWhileHeld, ResetKeepsIndex, ResetLeavesQueue]
+PLANTED = [
+    ForgetfulCopy, HeadFirst, ScanningAllocate, CountsOnlyHits, EvictsCachedFirst, RandomRoot, IgnoresSeed,
+    ResetsWhileHeld, ResetKeepsIndex, ResetLeavesQueue,
+]

@@ -160,4 +160,8 @@ class ExactClaim(Int8Quantizer):
     error_bound = 0.0
 
 
-PLANTED = [SquaredScales, OverclaimedBound, ZeroScaleForZeros, SqueezedScales, AcceptsNaN, ChecksFirstRowOnly, NamelessError, StochasticRounding, DividesInPlace, ZeroPointUint8, PerTensorInDisguise, AsymmetricInt8, AlwaysFloat32, UnknownGranularity, ExactClaim]
+PLANTED = [
+    SquaredScales, OverclaimedBound, ZeroScaleForZeros, SqueezedScales, AcceptsNaN, ChecksFirstRowOnly,
+    NamelessError, StochasticRounding, DividesInPlace, ZeroPointUint8, PerTensorInDisguise, AsymmetricInt8,
+    AlwaysFloat32, UnknownGranularity, ExactClaim,
+]

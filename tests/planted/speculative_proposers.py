@@ -139,4 +139,7 @@ class ForgetsNothingOnRelease(RepeatLast):
         self.seen.remove(request_id)
 
 
-PLANTED = [OutOfVocabulary, TooMany, TensorIds, SkipsEmptyDrafts, SortedById, Unseeded, UnnormalizedProbs, DraftOutsideItsProbs, TransposedProbs, ForgetsNothingOnRelease]
+PLANTED = [
+    OutOfVocabulary, TooMany, TensorIds, SkipsEmptyDrafts, SortedById, Unseeded, UnnormalizedProbs,
+    DraftOutsideItsProbs, TransposedProbs, ForgetsNothingOnRelease,
+]
