@@ -22,6 +22,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, help="the run's seed (default: a fresh one, printed)")
     parser.add_argument("--full", action="store_true", help="the full grid instead of --quick")
     args = parser.parse_args(argv)
+    if args.report and not args.report.endswith((".json", ".md")):
+        parser.error(f"--report {args.report!r} must end in .json or .md")
     with tempfile.TemporaryDirectory() as scratch:
         report = Path(scratch) / "planted.json"
         result = run_suite(report, Path(scratch) / "site", args.time_limit, not args.full, args.seed)
