@@ -18,7 +18,7 @@ def add_parser(commands) -> None:
         "conformance", help="run the shared conformance suite against registered implementations",
         description="Exit status: 0 every selected check passed; 1 a check failed; "
                     "5 nothing was checked (no implementation selected, a --plugin name matching "
-                    "nothing, or every check skipped).")
+                    "nothing, or every check skipped); 2 a bad option (--device cuda where torch sees no GPU).")
     parser.add_argument("--kind", action="append", choices=KINDS, help="only this kind (repeatable)")
     parser.add_argument("--plugin", action="append", help="only this implementation or plugin name (repeatable)")
     parser.add_argument("--quick", action="store_true", help="the reduced grid")
