@@ -5,7 +5,8 @@ A check group is a module `check_<group>.py` in this package that sets
 taking the `registration` fixture (a `kvforge.core.Registration`), which is
 parametrized over every selected implementation of `KIND`. Adding a group is
 writing that module; the runner finds it. Run with `kvforge conformance` or
-`pytest --pyargs kvforge.conformance`.
+`pytest --pyargs kvforge.conformance [--kvforge-plugin NAME ...]` (the pytest plugin
+in `pytest_plugin.py`).
 """
 
 from .runner import ConformanceRun, Failure, GroupResult, run_conformance

@@ -42,6 +42,7 @@ from kvforge.core import (
     quantized_kv_views,
 )
 
+from . import selection
 from .attention_quick_grid import quick_lengths
 from .selection import quick
 
@@ -97,7 +98,15 @@ def target(registration: Registration) -> Target:
     if not availability.ok:
         pytest.skip(f"unavailable: {availability.reason}")
     devices = registration.cls.devices
-    if torch.cuda.is_available() and "cuda" in devices:
+    asked = selection.device()
+    if asked is not None:
+        problem = selection.device_problem(asked)
+        if problem:
+            pytest.fail(problem, pytrace=False)
+        if asked not in devices:
+            pytest.skip(f"declares devices {sorted(devices)}, not {asked!r}, the device this run checks on")
+        device = asked
+    elif torch.cuda.is_available() and "cuda" in devices:
         device = "cuda"
     elif "cpu" in devices:
         device = "cpu"

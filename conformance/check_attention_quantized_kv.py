@@ -55,6 +55,7 @@ from kvforge.conformance.selection import registry
 
 KIND = ATTENTION_BACKEND
 GROUP = "quantized kv"
+HEAVY = True  # runs after its kind's light groups: a broken implementation fails those in seconds
 pytestmark = pytest.mark.usefixtures("one_thread")
 KINDS = ("decode", "prefill", "chunked", "mixed")
 DRIFT_FACTOR = 6.0

@@ -11,6 +11,7 @@ from kvforge.core import BLOCK_ALLOCATOR, BlockStateError, OutOfBlocksError
 
 KIND = BLOCK_ALLOCATOR
 GROUP = "pool"
+HEAVY = True  # runs after its kind's light groups: a broken implementation fails those in seconds
 
 
 @pytest.fixture

@@ -20,6 +20,7 @@ from kvforge.core import BLOCK_ALLOCATOR
 
 KIND = BLOCK_ALLOCATOR
 GROUP = "scaling"
+HEAVY = True  # runs after its kind's light groups: a broken implementation fails those in seconds
 
 SMALL = 1_000
 LARGE = 100_000 if quick() else 1_000_000

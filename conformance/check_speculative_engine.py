@@ -31,6 +31,7 @@ from .selection import registry
 
 KIND = SPECULATIVE_PROPOSER
 GROUP = "engine"
+HEAVY = True  # runs after its kind's light groups: a broken implementation fails those in seconds
 TARGET = "kvforge-tiny"
 # Text the output tends to repeat, so lookup proposers have something to draft from.
 PROMPTS = ["the cat sat on the mat. the cat sat on the", "abcabcabcabcabc", "1 2 3 4 1 2 3 4 1 2",

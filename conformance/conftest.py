@@ -1,6 +1,7 @@
 """Pytest hooks of the suite: parametrizes the `registration` fixture of every check
 module over the selected implementations of the module's KIND, pins one seed for the
-whole run, and fails any check that runs past its time limit."""
+whole run, fails any check that runs past its time limit, and under --fail-fast skips
+an implementation's checks after its first failure."""
 
 from __future__ import annotations
 
@@ -15,13 +16,15 @@ import threading
 import pytest
 
 from kvforge.conformance.attention_cases import SEED_ENV
-from kvforge.conformance.selection import TIME_LIMIT_ENV, selected, time_limit
+from kvforge.conformance.selection import TIME_LIMIT_ENV, fail_fast, selected, time_limit
 
+TIMED_OUT = "ran past its time limit"  # in the message of every check the limit stopped or kept from running
 _seed_set_here = False
 _backstop_file = None  # where the backstop writes: the real stderr, not pytest's capture of it
 # implementation name -> its first check that ran past the limit: the rest of its checks
 # fail at once, so a hanging implementation costs one time limit, not one per check
 _timed_out: dict[str, str] = {}
+_failed: dict[str, str] = {}  # implementation name -> its first failing check, kept under --fail-fast
 
 
 class CheckTimedOut(BaseException):
@@ -47,6 +50,7 @@ def pytest_configure(config):
 def pytest_unconfigure(config):
     global _seed_set_here
     _timed_out.clear()
+    _failed.clear()
     if _seed_set_here:
         os.environ.pop(SEED_ENV, None)
         _seed_set_here = False
@@ -76,7 +80,7 @@ def limited(limit: float, what: str):
     alarm = hasattr(signal, "SIGALRM") and threading.current_thread() is threading.main_thread()
     if alarm:
         def expire(signum, frame):
-            raise CheckTimedOut(f"{what} ran past its time limit of {limit:g} s: the implementation hangs or is far "
+            raise CheckTimedOut(f"{what} {TIMED_OUT} of {limit:g} s: the implementation hangs or is far "
                                 f"too slow (raise the limit with --time-limit or {TIME_LIMIT_ENV}; 0 turns it off)")
         previous = signal.signal(signal.SIGALRM, expire)
         signal.setitimer(signal.ITIMER_REAL, limit)
@@ -100,16 +104,23 @@ def _implementation(item) -> str | None:
 def _not_after_a_timeout(request):
     name = _implementation(request.node)
     if name in _timed_out:
-        pytest.fail(f"not run: {_timed_out[name]} of {name} ran past its time limit, so {name}'s "
+        pytest.fail(f"not run: {_timed_out[name]} of {name} {TIMED_OUT}, so {name}'s "
                     "remaining checks fail without running", pytrace=False)
+    if name in _failed:
+        pytest.skip(f"not run: {name} failed {_failed[name]} (--fail-fast)")
 
 
 def _limited_phase(item, what: str):
     name = _implementation(item)
     with limited(time_limit(), what):
         outcome = yield
-    if name is not None and isinstance(outcome.excinfo and outcome.excinfo[1], CheckTimedOut):
+    error = outcome.excinfo[1] if outcome.excinfo else None
+    if name is None or error is None or isinstance(error, pytest.skip.Exception):
+        return
+    if isinstance(error, CheckTimedOut):
         _timed_out.setdefault(name, item.name)
+    elif fail_fast():
+        _failed.setdefault(name, item.originalname)
 
 
 @pytest.hookimpl(hookwrapper=True)

@@ -35,6 +35,7 @@ def report_data(run: ConformanceRun, exit_code: int, problems: list[str]) -> dic
         "exit_code": exit_code,
         "problems": problems,
         "implementations": list(implementations.values()),
+        "summary": summary(run),
         "results": [{
             "kind": r.kind, "implementation": r.implementation, "group": r.group, "status": r.status,
             "passed": r.passed, "failed": r.failed, "skipped": r.skipped, "duration_s": round(r.duration_s, 3),
@@ -42,6 +43,21 @@ def report_data(run: ConformanceRun, exit_code: int, problems: list[str]) -> dic
             "failures": [{"check": f.check, "case": f.case, "message": f.message} for f in r.failures],
         } for r in run.results],
     }
+
+
+def summary(run: ConformanceRun) -> list[dict]:
+    """Per kind, how many implementations passed (no group failed, one passed), failed
+    (a group failed) or were only skipped. Run on planted bugs, `failed` is caught/planted."""
+    status: dict[tuple[str, str], set[str]] = {}
+    for r in run.results:
+        status.setdefault((r.kind, r.implementation), set()).add(r.status)
+    counts: dict[str, dict] = {}
+    for (kind, _), statuses in status.items():
+        verdict = "fail" if "fail" in statuses else "pass" if "pass" in statuses else "skipped"
+        row = counts.setdefault(kind, {"kind": kind, "implementations": 0, "pass": 0, "fail": 0, "skipped": 0})
+        row["implementations"] += 1
+        row[verdict] += 1
+    return list(counts.values())
 
 
 def write_report(path: str | Path, run: ConformanceRun, exit_code: int, problems: list[str]) -> Path:
@@ -67,12 +83,15 @@ def markdown(data: dict) -> str:
              ""]
     lines += [f"- **problem**: {p}" for p in data["problems"]]
     versions = {(i["kind"], i["name"]): f"{i['distribution']} {i['version']}" for i in data["implementations"]}
+    counts = {row["kind"]: row for row in data["summary"]}
     for kind in dict.fromkeys(r["kind"] for r in data["results"]):
         of_kind = [r for r in data["results"] if r["kind"] == kind]
         groups = sorted({r["group"] for r in of_kind})
         cells = {(r["implementation"], r["group"]): r for r in of_kind}
-        lines += ["", f"## {kind}", "", "| implementation | from | " + " | ".join(groups) + " |",
-                  "|---|---|" + "---|" * len(groups)]
+        row = counts[kind]
+        lines += ["", f"## {kind}", "", f"{row['implementations']} implementation(s): {row['pass']} pass, "
+                  f"{row['fail']} fail, {row['skipped']} only skipped.",
+                  "", "| implementation | from | " + " | ".join(groups) + " |", "|---|---|" + "---|" * len(groups)]
         for name in dict.fromkeys(r["implementation"] for r in of_kind):
             row = []
             for group in groups:

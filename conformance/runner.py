@@ -19,6 +19,7 @@ from kvforge.core import KINDS, Registration
 
 from . import selection
 
+NOTHING_CHECKED = int(pytest.ExitCode.NO_TESTS_COLLECTED)  # 5: a CI step that certified nothing must not pass
 # pytest's own verbosity flags: when the caller passes one, the runner's default `-q` steps aside
 _VERBOSITY_FLAGS = ("-v", "-q", "--verbose", "--quiet", "--verbosity")
 
@@ -72,7 +73,8 @@ class ConformanceRun:
 
 
 def check_modules(kinds: list[str] | None = None) -> list[tuple[str, str, str]]:
-    """(module name, kind, group) of every check module, optionally for some kinds."""
+    """(module name, kind, group) of every check module, optionally for some kinds, in the
+    order they run: by kind, a kind's light groups before those marked `HEAVY = True`."""
     found = []
     package_dir = Path(__file__).parent
     for info in pkgutil.iter_modules([str(package_dir)]):
@@ -80,17 +82,30 @@ def check_modules(kinds: list[str] | None = None) -> list[tuple[str, str, str]]:
             continue
         module = importlib.import_module(f"{__package__}.{info.name}")
         if kinds is None or module.KIND in kinds:
-            found.append((info.name, module.KIND, module.GROUP))
-    return sorted(found, key=lambda m: (KINDS.index(m[1]), m[2]))
+            found.append((getattr(module, "HEAVY", False), info.name, module.KIND, module.GROUP))
+    found.sort(key=lambda m: (KINDS.index(m[2]), m[0], m[3]))
+    return [(name, kind, group) for _, name, kind, group in found]
 
 
-class _Collector:
+def selected_check_modules(kinds: list[str] | None = None) -> list[tuple[str, str, str]]:
+    """`check_modules(kinds)` less the groups of kinds with no selected implementation,
+    whose checks would only be collected to be skipped for an empty parameter set."""
+    return [module for module in check_modules(kinds) if selection.selected(module[1])]
+
+
+class Collector:
+    """A pytest plugin that folds each check's outcome into its (implementation, group)
+    result: the runner's, and the pytest entry's (`--kvforge-plugin`) alike."""
+
     def __init__(self, groups: dict[str, tuple[str, str]]):
         self.groups = groups  # module name -> (kind, group)
         self.results: dict[tuple[str, str], GroupResult] = {}
         self.registration_of: dict[str, Registration] = {}  # node id -> implementation
         self.case_of: dict[str, str] = {}  # node id -> parameter id
         self.error_of: dict[tuple[str, str], str] = {}  # (node id, phase) -> what broke
+
+    def sorted_results(self) -> list[GroupResult]:
+        return sorted(self.results.values(), key=lambda r: (KINDS.index(r.kind), r.implementation, r.group))
 
     def pytest_itemcollected(self, item):
         callspec = getattr(item, "callspec", None)
@@ -178,21 +193,19 @@ def run_seed(seed: int | None = None) -> int:
 
 def run_conformance(kinds: list[str] | None = None, plugins: list[str] | None = None, quick: bool = False,
                     pytest_args: list[str] | None = None, seed: int | None = None,
-                    time_limit_s: float | None = None) -> ConformanceRun:
+                    time_limit_s: float | None = None, device: str | None = None,
+                    fail_fast: bool = False) -> ConformanceRun:
     """Run every check group of `kinds` against the selected implementations, every
-    check drawing from one `seed` (fresh when None) and failing past `time_limit_s`
-    seconds (None: the environment's or the default). Returns what the run did."""
-    from .attention_cases import SEED_ENV
-
+    check drawing from one `seed` (fresh when None), failing past `time_limit_s`
+    seconds (None: the environment's or the default), attention backends on `device`
+    (None: CUDA where present); `fail_fast` skips an implementation's checks after its
+    first failure. Returns what the run did."""
     started = time.time()
     seed = run_seed(seed)
-    choices = {SEED_ENV: str(seed), selection.PLUGIN_ENV: ",".join(plugins or []),
-               selection.QUICK_ENV: "1" if quick else ""}
-    if time_limit_s is not None:
-        choices[selection.TIME_LIMIT_ENV] = f"{time_limit_s:g}"
-    with _environment(choices):
+    with run_environment(plugins, quick, seed, time_limit_s, device, fail_fast):
         limit = selection.time_limit()
-        modules = check_modules(kinds)
+        selection.registry.cache_clear()
+        modules = selected_check_modules(kinds)
         if not modules:
             return ConformanceRun(0, [], seed, limit, quick, started, 0.0)
         code, results = _run_pytest(modules, pytest_args)
@@ -200,9 +213,19 @@ def run_conformance(kinds: list[str] | None = None, plugins: list[str] | None = 
 
 
 @contextlib.contextmanager
-def _environment(values: dict[str, str]):
-    """The checks read the run's choices from the environment (so that plain pytest selects
-    alike); set them for one run only, so a later run in this process starts clean."""
+def run_environment(plugins: list[str] | None, quick: bool, seed: int, time_limit_s: float | None = None,
+                    device: str | None = None, fail_fast: bool = False):
+    """The checks read a run's choices from the environment, so that `kvforge conformance`,
+    the pytest options (`--kvforge-plugin` ...) and plain pytest select alike; set them
+    for one run only, so a later run in this process starts clean."""
+    from .attention_cases import SEED_ENV
+
+    values = {SEED_ENV: str(seed), selection.PLUGIN_ENV: ",".join(plugins or []),
+              selection.QUICK_ENV: "1" if quick else "", selection.FAIL_FAST_ENV: "1" if fail_fast else ""}
+    if time_limit_s is not None:
+        values[selection.TIME_LIMIT_ENV] = f"{time_limit_s:g}"
+    if device is not None:
+        values[selection.DEVICE_ENV] = device
     before = {name: os.environ.get(name) for name in values}
     os.environ.update(values)
     try:
@@ -215,9 +238,30 @@ def _environment(values: dict[str, str]):
                 os.environ[name] = value
 
 
+def unchecked(results: list[GroupResult], plugins: list[str] | None, options: str = "--") -> list[str]:
+    """What the run was asked to check but did not: everything, or a named implementation
+    whose every check was skipped (an unavailable backend certifies nothing). `options`
+    as in `selection.unmatched`."""
+    if not any(r.passed or r.failed for r in results):
+        return ["no check ran: every selected check was skipped or deselected" if results
+                else "no check ran: no selected implementation has a check of the selected kinds"]
+    problems = []
+    for name in plugins or []:
+        mine = [r for r in results if name in (r.implementation, r.plugin)]
+        if mine and not any(r.passed or r.failed for r in mine):
+            reasons = "; ".join(dict.fromkeys(reason for r in mine for reason in r.skip_reasons))
+            problems.append(f"{options}plugin {name!r}: every check was skipped ({reasons})")
+    return problems
+
+
+def failure_lines(results: list[GroupResult], seed: int) -> list[str]:
+    """One line per failing check, `implementation module::test[case] seed=N: what broke`,
+    the line a CI log shows and a developer greps for."""
+    return [f"{r.implementation} {f.check}[{f.case}] seed={seed}: {f.message}" for r in results for f in r.failures]
+
+
 def _run_pytest(modules: list[tuple[str, str, str]], pytest_args: list[str] | None) -> tuple[int, list[GroupResult]]:
-    selection.registry.cache_clear()
-    collector = _Collector({name: (kind, group) for name, kind, group in modules})
+    collector = Collector({name: (kind, group) for name, kind, group in modules})
     targets = [f"{__package__}.{name}" for name, _, _ in modules]
     extra = list(pytest_args or [])
     verbosity = [] if any(a.startswith(_VERBOSITY_FLAGS) for a in extra) else ["-q"]
@@ -225,4 +269,4 @@ def _run_pytest(modules: list[tuple[str, str, str]], pytest_args: list[str] | No
     args = ["--pyargs", *targets, *verbosity, "-p", "no:cacheprovider", "--no-header", "-rN",
             "--rootdir", str(Path(__file__).parent), *extra]
     code = pytest.main(args, plugins=[collector])
-    return int(code), sorted(collector.results.values(), key=lambda r: (KINDS.index(r.kind), r.implementation, r.group))
+    return int(code), collector.sorted_results()

@@ -16,11 +16,18 @@ from kvforge.core.registry import PLUGINS_ENV
 PLUGIN_ENV = "KVFORGE_CONFORMANCE_PLUGINS"  # comma-separated implementation or entry-point names
 QUICK_ENV = "KVFORGE_CONFORMANCE_QUICK"  # "1": the reduced grid
 TIME_LIMIT_ENV = "KVFORGE_CONFORMANCE_TIME_LIMIT"  # seconds one check may take; 0: no limit
+FAIL_FAST_ENV = "KVFORGE_CONFORMANCE_FAIL_FAST"  # "1": skip an implementation's checks after its first failure
+DEVICE_ENV = "KVFORGE_CONFORMANCE_DEVICE"  # where attention backends run: "cpu", "cuda"; unset: cuda where present
 DEFAULT_TIME_LIMIT_S = 120.0
+DEVICES = ("cpu", "cuda")
 
 
 def quick() -> bool:
     return os.environ.get(QUICK_ENV, "") == "1"
+
+
+def fail_fast() -> bool:
+    return os.environ.get(FAIL_FAST_ENV, "") == "1"
 
 
 def time_limit() -> float:
@@ -36,6 +43,28 @@ def time_limit() -> float:
         raise ConfigError(f"{TIME_LIMIT_ENV}={value!r} (or --time-limit) is not a number of seconds >= 0 "
                          f"(default {DEFAULT_TIME_LIMIT_S:g}; 0 turns the limit off)")
     return limit
+
+
+def device() -> str | None:
+    """The device the run asked for, or None for the default (CUDA where present and declared, else CPU)."""
+    return os.environ.get(DEVICE_ENV, "").strip() or None
+
+
+def device_problem(name: str | None) -> str | None:
+    """Why `name` cannot be the run's device, or None when it can: an unknown name,
+    or CUDA asked for where torch sees no GPU. Said before any check runs, so a CI
+    job on the wrong machine fails at once instead of skipping every backend."""
+    if name is None or name == "cpu":
+        return None
+    if name not in DEVICES:
+        return f"device {name!r} is not one of {', '.join(DEVICES)} (--device, or {DEVICE_ENV})"
+    import torch
+
+    if not torch.cuda.is_available():
+        built = f"built for CUDA {torch.version.cuda}" if torch.version.cuda else "a CPU-only build"
+        return (f"device 'cuda' was asked for, but torch {torch.__version__} ({built}) sees no GPU here; "
+                "run on a machine with one, or leave --device out to check on the CPU")
+    return None
 
 
 @functools.lru_cache(maxsize=1)
@@ -54,17 +83,18 @@ def selected(kind: str) -> list[Registration]:
     return [r for r in registry().implementations(kind) if not wanted or r.name in wanted or r.plugin in wanted]
 
 
-def unmatched(kinds: list[str] | None, plugins: list[str] | None) -> list[str]:
+def unmatched(kinds: list[str] | None, plugins: list[str] | None, options: str = "--") -> list[str]:
     """Why a selection would check nothing, one message per name or kind: each `plugins`
     name that selects no implementation of the kinds run (with its load error, the
     duplicate that disabled it, the filter that skipped it, or a "did you mean"), and
-    each kind asked for by name that is left with no implementation."""
+    each kind asked for by name that is left with no implementation. `options` prefixes
+    the option names the messages quote (`--kvforge-` for the pytest entry)."""
     reg, run = registry(), kinds or list(KINDS)
     problems = []
     for name in plugins or []:
         if any(r.kind in run and name in (r.name, r.plugin) for r in reg.implementations()):
             continue
-        problems.append(f"--plugin {name!r} selects nothing: " + _why_nothing(reg, name, run))
+        problems.append(f"{options}plugin {name!r} selects nothing: " + _why_nothing(reg, name, run, options))
     for kind in kinds or []:
         names = plugins or []
         found = [r for r in reg.implementations(kind) if not names or r.name in names or r.plugin in names]
@@ -72,11 +102,11 @@ def unmatched(kinds: list[str] | None, plugins: list[str] | None) -> list[str]:
             continue
         registered = ", ".join(r.name for r in reg.implementations(kind))
         among = f"; registered: {registered}" if registered else "; none is registered (see `kvforge plugins`)"
-        problems.append(f"--kind {kind} checks nothing: no {kind} implementation is selected{among}")
+        problems.append(f"{options}kind {kind} checks nothing: no {kind} implementation is selected{among}")
     return problems
 
 
-def _why_nothing(reg: Registry, name: str, run: list[str]) -> str:
+def _why_nothing(reg: Registry, name: str, run: list[str], options: str) -> str:
     reasons = [f"plugin {e.plugin!r} ({e.distribution} {e.version}) failed at {e.stage}: {e.message}"
                for e in reg.errors if e.plugin == name]
     reasons += [f"{kind} {name!r} is disabled because "
@@ -85,7 +115,7 @@ def _why_nothing(reg: Registry, name: str, run: list[str]) -> str:
                 for (kind, other), holders in reg.conflicts.items() if other == name and kind in run]
     if name in reg.skipped_plugins:
         reasons.append(f"plugin {name!r} is filtered out by {PLUGINS_ENV}={os.environ.get(PLUGINS_ENV, '')!r}")
-    reasons += [f"{r.name!r} is a {r.kind}, and only --kind {' --kind '.join(run)} runs"
+    reasons += [f"{r.name!r} is a {r.kind}, and only {options}kind {f' {options}kind '.join(run)} runs"
                 for r in reg.implementations() if name in (r.name, r.plugin) and r.kind not in run]
     if reasons:
         return "; ".join(dict.fromkeys(reasons))

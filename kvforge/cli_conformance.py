@@ -12,15 +12,13 @@ from rich.table import Table
 
 from kvforge.core import KINDS
 
-NOTHING_CHECKED = 5  # pytest's exit code for "no tests ran": a CI step that certified nothing must not pass
-
 
 def add_parser(commands) -> None:
     parser = commands.add_parser(
         "conformance", help="run the shared conformance suite against registered implementations",
         description="Exit status: 0 every selected check passed; 1 a check failed; "
-                    f"{NOTHING_CHECKED} nothing was checked (no implementation selected, a --plugin name matching "
-                    "nothing, or every check skipped).")
+                    "5 nothing was checked (no implementation selected, a --plugin name matching "
+                    "nothing, or every check skipped); 2 a bad option (--device cuda where torch sees no GPU).")
     parser.add_argument("--kind", action="append", choices=KINDS, help="only this kind (repeatable)")
     parser.add_argument("--plugin", action="append", help="only this implementation or plugin name (repeatable)")
     parser.add_argument("--quick", action="store_true", help="the reduced grid")
@@ -28,6 +26,12 @@ def add_parser(commands) -> None:
                                                  "or KVFORGE_CONFORMANCE_SEED)")
     parser.add_argument("--time-limit", type=float, metavar="SECONDS",
                         help="fail a check that runs longer (default 120, or KVFORGE_CONFORMANCE_TIME_LIMIT; 0: none)")
+    parser.add_argument("--fail-fast", action="store_true",
+                        help="stop checking an implementation at its first failing check (its other checks are "
+                             "skipped, saying so); pytest's -x stops the whole run instead")
+    parser.add_argument("--device", choices=("cpu", "cuda"),
+                        help="where attention backends run (default: cuda where a GPU is present and the backend "
+                             "declares it, else cpu); cuda without a GPU is an error")
     parser.add_argument("--report", metavar="FILE", help="also write the matrix to FILE.json or FILE.md")
     parser.add_argument("pytest_args", nargs="*", help="extra pytest arguments, after --, e.g. -- -v -x")
     parser.set_defaults(run=run)
@@ -42,6 +46,10 @@ def run(args: argparse.Namespace) -> int:
     if args.time_limit is not None and not args.time_limit >= 0:
         print(f"error: --time-limit {args.time_limit:g} must be seconds >= 0 (0 turns the limit off)", file=sys.stderr)
         return 2
+    device_problem = selection.device_problem(args.device)
+    if device_problem:
+        print(f"error: --device {args.device}: {device_problem}", file=sys.stderr)
+        return 2
     console = Console(soft_wrap=True)  # a failure line is one line in a CI log, never wrapped
     selection.registry.cache_clear()
     problems = selection.unmatched(args.kind, args.plugin)
@@ -49,46 +57,30 @@ def run(args: argparse.Namespace) -> int:
         for problem in problems:
             console.print(f"[red]nothing checked[/red]: {escape(problem)}")
         if args.report:
-            empty = runner.ConformanceRun(NOTHING_CHECKED, [], runner.run_seed(args.seed), selection.time_limit(),
-                                          args.quick, time.time(), 0.0)
-            report.write_report(args.report, empty, NOTHING_CHECKED, problems)
-        return NOTHING_CHECKED
+            empty = runner.ConformanceRun(runner.NOTHING_CHECKED, [], runner.run_seed(args.seed),
+                                          selection.time_limit(), args.quick, time.time(), 0.0)
+            report.write_report(args.report, empty, runner.NOTHING_CHECKED, problems)
+        return runner.NOTHING_CHECKED
 
     seed = runner.run_seed(args.seed)
     console.print(f"kvforge conformance: seed {seed}, per-check time limit "
                   f"{args.time_limit if args.time_limit is not None else selection.time_limit():g} s")
-    result = runner.run_conformance(args.kind, args.plugin, args.quick, args.pytest_args, seed, args.time_limit)
+    result = runner.run_conformance(args.kind, args.plugin, args.quick, args.pytest_args, seed, args.time_limit,
+                                    args.device, args.fail_fast)
     if {"--collect-only", "--co"} & set(args.pytest_args):
         return result.code
     print_matrix(console, result.results)
-    for r in result.results:
-        for f in r.failures:
-            console.print(f"[red]FAIL[/red] {escape(f'{r.implementation} {f.check}[{f.case}] seed={result.seed}')}: "
-                          f"{escape(f.message)}")
-    problems = unchecked(result.results, args.plugin)
+    for line in runner.failure_lines(result.results, result.seed):
+        console.print(f"[red]FAIL[/red] {escape(line)}")
+    problems = runner.unchecked(result.results, args.plugin)
     for problem in problems:
         console.print(f"[red]nothing checked[/red]: {escape(problem)}")
     failed = any(r.status == "fail" for r in result.results)
-    code = 1 if failed or result.code not in (0, 5) else NOTHING_CHECKED if problems else 0
+    code = 1 if failed or result.code not in (0, runner.NOTHING_CHECKED) else runner.NOTHING_CHECKED if problems else 0
     console.print(f"seed {result.seed}: replay this run with --seed {result.seed}")
     if args.report:
         console.print(f"report: {report.write_report(args.report, result, code, problems)}")
     return code
-
-
-def unchecked(results, plugins: list[str] | None) -> list[str]:
-    """What the run was asked to check but did not: everything, or a named implementation
-    whose every check was skipped (an unavailable backend certifies nothing)."""
-    if not any(r.passed or r.failed for r in results):
-        return ["no check ran: every selected check was skipped or deselected" if results
-                else "no check ran: no selected implementation has a check of the selected kinds"]
-    problems = []
-    for name in plugins or []:
-        mine = [r for r in results if name in (r.implementation, r.plugin)]
-        if mine and not any(r.passed or r.failed for r in mine):
-            reasons = "; ".join(dict.fromkeys(reason for r in mine for reason in r.skip_reasons))
-            problems.append(f"--plugin {name!r}: every check was skipped ({reasons})")
-    return problems
 
 
 def print_matrix(console: Console, results) -> None:

@@ -1,9 +1,7 @@
-"""The allocator checks added for guarantees 7, 8, 11 and 12 can fail: each broken
-allocator below (three of them the bugs a planted-bug run slipped past the suite)
-is caught by the check written for the guarantee it breaks, and the built-in
-`default` passes the same checks."""
-
-import os
+"""The allocator checks added for guarantees 7, 8, 11 and 12 can fail: each planted
+allocator (tests/planted/block_allocators.py; three of them the bugs a planted-bug run
+slipped past the suite) is caught by the check written for the guarantee it breaks,
+and the built-in `default` passes the same checks."""
 
 import pytest
 
@@ -13,6 +11,15 @@ from kvforge.conformance.pool_machine import run_pool_machine
 from kvforge.core import BlockAllocator, BlockStateError
 from kvforge.plugins.block_allocators import NoCacheAllocator, PrefixCachingAllocator
 from kvforge.plugins.block_pool import BlockPool
+from tests.planted.block_allocators import (
+    CountsOnlyHits,
+    EvictsCachedFirst,
+    IgnoresSeed,
+    RandomRoot,
+    ResetKeepsIndex,
+    ResetLeavesQueue,
+    ResetsWhileHeld,
+)
 
 
 def make_pool(cls):
@@ -21,84 +28,6 @@ def make_pool(cls):
 
 def reset_pool(cls):
     return cls(check_reset.NUM_BLOCKS, check_reset.BLOCK_SIZE)
-
-
-class CountsOnlyHits(PrefixCachingAllocator):
-    """`lookups` grows by the blocks found, not the blocks asked for: hit rate always 1.0."""
-
-    name = "counts-only-hits"
-
-    def lookup(self, block_hashes):
-        found = super().lookup(block_hashes)
-        self.lookups -= len(block_hashes) - len(found)
-        return found
-
-
-class EvictsCachedFirst(PrefixCachingAllocator):
-    """Evicts the least recently used cached block while never-cached ones are free."""
-
-    name = "evicts-cached-first"
-
-    def _take(self):
-        if self.cached_queue.size:
-            block = self.cached_queue.popleft()
-            del self.by_hash[block.hash]
-            block.hash = None
-            return block
-        return self.free_queue.popleft()
-
-
-class RandomRoot(PrefixCachingAllocator):
-    """Chains every sequence to a root drawn at random per instance."""
-
-    name = "random-root"
-
-    def __init__(self, *args, **kwargs):
-        super().__init__(*args, **kwargs)
-        self._root = os.urandom(32)
-
-
-class IgnoresSeed(PrefixCachingAllocator):
-    """Hashes as if every seed were 0."""
-
-    name = "ignores-seed"
-
-    def __init__(self, num_blocks, block_size, *, hash_algorithm="sha256", hash_seed=0):
-        super().__init__(num_blocks, block_size, hash_algorithm=hash_algorithm, hash_seed=0)
-
-
-class ResetsWhileHeld(PrefixCachingAllocator):
-    """Clears the free cached blocks even while others are held."""
-
-    name = "resets-while-held"
-
-    def _refuse_reset_while_held(self):
-        pass
-
-
-class ResetKeepsIndex(PrefixCachingAllocator):
-    """Clears every block's hash but keeps the hash -> block index."""
-
-    name = "reset-keeps-index"
-
-    def reset_prefix_cache(self):
-        index = dict(self.by_hash)
-        cleared = super().reset_prefix_cache()
-        self.by_hash.update(index)
-        return cleared
-
-
-class ResetLeavesQueue(PrefixCachingAllocator):
-    """Forgets the hashes but leaves their blocks in the cached queue."""
-
-    name = "reset-leaves-queue"
-
-    def reset_prefix_cache(self):
-        self._refuse_reset_while_held()
-        for block in self.by_hash.values():
-            block.hash = None
-        cleared, self.by_hash = len(self.by_hash), {}
-        return cleared
 
 
 class CachesWithoutReset(PrefixCachingAllocator):

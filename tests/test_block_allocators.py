@@ -21,6 +21,7 @@ from kvforge.core import (
 from kvforge.plugins.block_allocators import NoCacheAllocator, PrefixCachingAllocator
 from kvforge.plugins.block_hashing import available_algorithms
 from kvforge.plugins.block_pool import Block, FreeQueue
+from tests.planted.block_allocators import ForgetfulCopy, HeadFirst, ScanningAllocate
 
 HAS_XXHASH = importlib.util.find_spec("xxhash") is not None
 
@@ -199,42 +200,7 @@ def test_bad_frees_name_the_block_and_leave_the_pool_unchanged(cls, bad):
     assert pool.allocate(pool.usage().free) and pool.usage().free == 0  # still consistent
 
 
-# The conformance checks can fail: each broken allocator is caught by the check for its guarantee
-
-class ForgetfulCopy(NoCacheAllocator):
-    """copy_on_write keeps the caller's reference to the shared block."""
-
-    name = "forgetful-copy"
-
-    def copy_on_write(self, block_id):
-        if self.ref_count(block_id) == 1:
-            return block_id
-        return self.allocate(1)[0]
-
-
-class HeadFirst(PrefixCachingAllocator):
-    """Evicts the head of a freed sequence first."""
-
-    name = "head-first"
-
-    def free(self, block_ids):
-        super().free(list(block_ids)[::-1])
-
-
-class ScanningAllocate(NoCacheAllocator):
-    """Finds free blocks by scanning the whole pool."""
-
-    name = "scanning"
-
-    def allocate(self, count):
-        found = [b for b in self.blocks if b.ref_count == 0][:count]
-        if len(found) < count:
-            return super().allocate(count)
-        for block in found:
-            self.free_queue.remove(block)
-            block.ref_count = 1
-        return [b.id for b in found]
-
+# The conformance checks can fail: each planted allocator is caught by the check for its guarantee
 
 def registration(cls) -> Registration:
     return Registration(BLOCK_ALLOCATOR, cls.name, cls, "test", "test", "0", (1, 0))

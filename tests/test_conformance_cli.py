@@ -11,67 +11,39 @@ from kvforge.conformance.conftest import CheckTimedOut, limited
 from kvforge.conformance.runner import describe_error
 from kvforge.conformance.selection import DEFAULT_TIME_LIMIT_S, TIME_LIMIT_ENV, time_limit
 from kvforge.core import ConfigError
+from tests import planted
 from tests.conftest import policy_plugin
 from tests.test_cli import kvforge
 
-BROKEN_POLICIES = '''
-from kvforge.core import SchedulerPolicy, hookimpl
-
-class Livelock(SchedulerPolicy):
-    """may_preempt always says yes: two requests take each other's place forever."""
-    name = "livelock"
-
-    def waiting_key(self, request):
-        return (request.arrival_index,)
-
-    def may_preempt(self, waiting, running):
-        return True
-
-    def choose_victim(self, running):
-        return max(running, key=lambda r: r.arrival_index, default=None)
-
-class Hang(Livelock):
-    """Never returns from waiting_key."""
-    name = "hang"
-
-    def waiting_key(self, request):
-        while True:
-            pass
-
-@hookimpl
-def kvforge_implementations():
-    return [Livelock, Hang]
-'''
-
-
 @pytest.fixture
-def broken_site(fake_site):
-    fake_site.add("fakeplug-broken", "1.0", {"fakeplug_broken": BROKEN_POLICIES}, {"broken": "fakeplug_broken"})
-    return {"PYTHONPATH": str(fake_site.root)}
+def broken_site(tmp_path):
+    """The planted scheduler policies (tests/planted/scheduler_policies.py) as an installed plugin."""
+    return planted.expose(tmp_path / "planted-site")
 
 
 def test_a_livelocking_policy_fails_the_queueing_check_instead_of_hanging(broken_site, tmp_path):
-    result = kvforge("conformance", "--kind", "scheduler_policy", "--plugin", "livelock", "--", "-k", "queue",
+    result = kvforge("conformance", "--kind", "scheduler_policy", "--plugin", "always-preempts", "--", "-k", "queue",
                      env=broken_site, cwd=tmp_path)
     assert result.returncode == 1, result.stdout + result.stderr
     assert "so the policy livelocks" in result.stdout and "guarantee 4" in result.stdout
 
 
 def test_a_hanging_check_fails_at_its_time_limit_and_the_rest_of_its_checks_at_once(broken_site, tmp_path):
-    result = kvforge("conformance", "--kind", "scheduler_policy", "--plugin", "hang", "--time-limit", "1",
+    result = kvforge("conformance", "--kind", "scheduler_policy", "--plugin", "never-returns", "--time-limit", "1",
                      "--", "-k", "waiting_order", env=broken_site, cwd=tmp_path)
     assert result.returncode == 1, result.stdout + result.stderr
-    fails = [line for line in result.stdout.splitlines() if line.startswith("FAIL hang ")]
+    fails = [line for line in result.stdout.splitlines() if line.startswith("FAIL never-returns ")]
     assert len(fails) == 5  # -k reached pytest: one check, five seeds
     assert "ran past its time limit of 1 s" in fails[0]
-    assert all("[hang-0] of hang ran past its time limit, so hang's remaining checks fail" in line for line in fails[1:])
+    assert all("[never-returns-0] of never-returns ran past its time limit, so never-returns's remaining checks fail"
+               in line for line in fails[1:])
 
 
 def test_extra_args_reach_pytest(broken_site, tmp_path):
-    result = kvforge("conformance", "--kind", "scheduler_policy", "--plugin", "livelock", "--", "-x",
+    result = kvforge("conformance", "--kind", "scheduler_policy", "--plugin", "always-preempts", "--", "-x",
                      env=broken_site, cwd=tmp_path)
     assert result.returncode == 1 and "stopping after 1 failures" in result.stdout
-    assert len([line for line in result.stdout.splitlines() if line.startswith("FAIL livelock ")]) == 1
+    assert len([line for line in result.stdout.splitlines() if line.startswith("FAIL always-preempts ")]) == 1
 
 
 def test_time_limit_interrupts_a_loop_that_swallows_exceptions():

@@ -1,5 +1,5 @@
 """`pip install .` (a built wheel) carries every subpackage under the one name
-`kvforge`, the built-in entry points and the console script."""
+`kvforge`, the built-in entry points, the console script and the pytest plugin."""
 
 import subprocess
 import sys
@@ -57,3 +57,22 @@ def test_every_declared_builtin_plugin_imports_and_registers_cleanly():
         registry.register_plugin(import_module(target), name, "kvforge", "test")
     assert not registry.errors
     assert len(registry.implementations()) >= len(declared)
+
+
+def test_wheel_declares_the_pytest_plugin_and_it_certifies_from_an_installed_copy(wheel, tmp_path):
+    import os
+
+    (entry_points,) = [n for n in wheel.namelist() if n.endswith(".dist-info/entry_points.txt")]
+    assert "[pytest11]\nkvforge = kvforge.conformance.pytest_plugin" in wheel.read(entry_points).decode()
+    # installed, not editable: the suite is collected from site-packages, as in a plugin author's CI
+    site = tmp_path / "site"
+    install = subprocess.run([sys.executable, "-m", "pip", "install", "--quiet", "--no-deps", "--target", str(site),
+                              wheel.filename], capture_output=True, text=True, timeout=300)
+    assert install.returncode == 0, install.stderr
+    env = {name: value for name, value in os.environ.items() if not name.startswith(("KVFORGE_", "PYTEST_"))}
+    env["PYTHONPATH"] = str(site)
+    run = subprocess.run([sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-v", "--pyargs",
+                          "kvforge.conformance", "--kvforge-plugin", "fcfs", "--kvforge-seed", "1"],
+                         capture_output=True, text=True, cwd=tmp_path, env=env, timeout=300)
+    assert run.returncode == 0, run.stdout + run.stderr
+    assert "site/kvforge/conformance/check_scheduler_policy.py::" in run.stdout and " PASSED" in run.stdout
