@@ -46,15 +46,19 @@ def report_data(run: ConformanceRun, exit_code: int, problems: list[str]) -> dic
 
 
 def summary(run: ConformanceRun) -> list[dict]:
-    """Per kind, how many implementations passed (no group failed, one passed), failed
-    (a group failed) or were only skipped. Run on planted bugs, `failed` is caught/planted."""
+    """Per kind, how many implementations passed (every group passed), passed in part
+    (none failed, some were only skipped: a backend unavailable here still passes its
+    refusal checks), failed (a group failed) or were only skipped. Run on planted bugs,
+    `failed` is caught/planted."""
     status: dict[tuple[str, str], set[str]] = {}
     for r in run.results:
         status.setdefault((r.kind, r.implementation), set()).add(r.status)
     counts: dict[str, dict] = {}
     for (kind, _), statuses in status.items():
-        verdict = "fail" if "fail" in statuses else "pass" if "pass" in statuses else "skipped"
-        row = counts.setdefault(kind, {"kind": kind, "implementations": 0, "pass": 0, "fail": 0, "skipped": 0})
+        verdict = ("fail" if "fail" in statuses else "skipped" if "pass" not in statuses
+                   else "partial" if "skipped" in statuses else "pass")
+        row = counts.setdefault(kind, {"kind": kind, "implementations": 0, "pass": 0, "partial": 0, "fail": 0,
+                                       "skipped": 0})
         row["implementations"] += 1
         row[verdict] += 1
     return list(counts.values())
@@ -90,7 +94,7 @@ def markdown(data: dict) -> str:
         cells = {(r["implementation"], r["group"]): r for r in of_kind}
         row = counts[kind]
         lines += ["", f"## {kind}", "", f"{row['implementations']} implementation(s): {row['pass']} pass, "
-                  f"{row['fail']} fail, {row['skipped']} only skipped.",
+                  f"{row['partial']} pass with groups skipped, {row['fail']} fail, {row['skipped']} only skipped.",
                   "", "| implementation | from | " + " | ".join(groups) + " |", "|---|---|" + "---|" * len(groups)]
         for name in dict.fromkeys(r["implementation"] for r in of_kind):
             row = []

@@ -172,3 +172,18 @@ def test_the_allocator_state_machine_follows_the_run_seed(monkeypatch):
     first = operations(1)
     assert first and operations(1) == first  # the same seed replays the same sequences
     assert operations(2) != first  # another seed explores others
+
+
+def test_report_summary_tells_a_partly_skipped_implementation_from_a_full_pass():
+    from kvforge.conformance.report import summary
+    from kvforge.conformance.runner import ConformanceRun, GroupResult
+
+    def group(name, group_name, passed=0, failed=0, skipped=0):
+        return GroupResult("attention_backend", name, group_name, passed=passed, failed=failed, skipped=skipped)
+
+    results = [group("full", "decode", passed=3), group("full", "refusal", passed=1),
+               group("unavailable", "decode", skipped=3), group("unavailable", "refusal", passed=1),
+               group("broken", "decode", passed=2, failed=1), group("absent", "decode", skipped=3)]
+    run = ConformanceRun(1, results, seed=1, time_limit_s=120, quick=True, started=0.0, duration_s=1.0)
+    assert summary(run) == [{"kind": "attention_backend", "implementations": 4, "pass": 1, "partial": 1, "fail": 1,
+                             "skipped": 1}]

@@ -43,7 +43,8 @@ def test_a_conformant_builtin_passes_prints_its_seed_and_writes_the_report(tmp_p
     assert data["seed"] == 11 and data["exit_code"] == 0
     assert {(r["implementation"], r["group"], r["status"]) for r in data["results"]} == {
         ("fcfs", "ordering", "pass"), ("fcfs", "queueing", "pass")}
-    assert data["summary"] == [{"kind": "scheduler_policy", "implementations": 1, "pass": 1, "fail": 0, "skipped": 0}]
+    assert data["summary"] == [{"kind": "scheduler_policy", "implementations": 1, "pass": 1, "partial": 0, "fail": 0,
+                                "skipped": 0}]
 
 
 def test_a_planted_bug_fails_with_the_cli_failure_line_and_fail_fast_stops_it_there(tmp_path):
