@@ -78,6 +78,16 @@ class SpeculativeConfig(Section):
         None, ge=1, description="no drafts while more requests than this run (decode is compute-bound there)")
 
 
+class ParallelConfig(Section):
+    tensor_parallel_size: int = Field(
+        1, ge=1, description="ranks that split every layer's heads and MLP (Megatron-style); 1: no tensor parallelism")
+    executor: Literal["auto", "mp"] = Field(
+        "auto", description="how the workers of ranks 1.. run: mp (processes on this host, torch.multiprocessing); "
+                            "auto: mp. The engine's own process is always rank 0")
+    collective_timeout_s: float = Field(
+        120.0, gt=0, description="seconds a collective may wait for a rank before the engine fails, naming it")
+
+
 class PluginsConfig(Section):
     allow: list[str] | None = Field(None, description="entry-point names to load; none means all")
     deny: list[str] = Field(default_factory=list, description="entry-point names never to load")
@@ -103,6 +113,7 @@ class EngineConfig(Section):
     scheduler: SchedulerConfig = Field(default_factory=SchedulerConfig)
     quantization: QuantizationConfig = Field(default_factory=QuantizationConfig)
     speculative: SpeculativeConfig = Field(default_factory=SpeculativeConfig)
+    parallel: ParallelConfig = Field(default_factory=ParallelConfig)
     plugins: PluginsConfig = Field(default_factory=PluginsConfig)
 
 

@@ -1,0 +1,85 @@
+"""The ranks of one tensor-parallel engine and the collectives between them.
+
+A `TensorParallelGroup` wraps one torch.distributed process group built from a
+TCP store on 127.0.0.1 (gloo on CPU, NCCL on CUDA), never the process-wide
+default group: an engine's group lives and dies with the engine, so several
+engines can follow one another in a process (the tests build many).
+
+Every collective waits at most `timeout_s`. A failure (a peer that closed its
+socket, a timeout) goes to `on_failure`, which the driver sets to name the rank
+that died; on a worker the default raises `DistributedError` as it is.
+"""
+
+from __future__ import annotations
+
+import datetime
+import time
+from collections.abc import Callable
+
+import torch
+import torch.distributed as dist
+
+from kvforge.core import DistributedError
+
+HOST = "127.0.0.1"
+
+
+def _default_failure(what: str, exc: Exception) -> DistributedError:
+    return DistributedError(f"tensor-parallel {what} failed: {exc}")
+
+
+class TensorParallelGroup:
+    """This process's rank among `size` ranks, and the collectives the layers use.
+
+    `comm_seconds` adds up the time spent inside collectives (waiting for the
+    slowest rank included), so a step's communication share can be measured."""
+
+    def __init__(self, store: dist.Store, rank: int, size: int, device: torch.device, timeout_s: float):
+        self.rank, self.size, self.device, self.timeout_s = rank, size, torch.device(device), timeout_s
+        timeout = datetime.timedelta(seconds=timeout_s)
+        if self.device.type == "cuda":
+            options = dist.ProcessGroupNCCL.Options()
+            options._timeout = timeout
+            self._pg = dist.ProcessGroupNCCL(store, rank, size, options)
+        else:
+            self._pg = dist.ProcessGroupGloo(store, rank, size, timeout)
+        self.comm_seconds = 0.0
+        self.on_failure: Callable[[str, Exception], Exception] = _default_failure
+
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        """Sum `x` (contiguous) over all ranks, in place; returns `x`."""
+        self._run("all-reduce", lambda: self._pg.allreduce([x]))
+        return x
+
+    def broadcast(self, x: torch.Tensor, root: int = 0) -> torch.Tensor:
+        """Overwrite `x` on every rank with rank `root`'s `x`, in place; returns `x`."""
+        self._run("broadcast", lambda: self._pg.broadcast(x, root))
+        return x
+
+    def all_gather(self, x: torch.Tensor) -> list[torch.Tensor]:
+        """Every rank's `x` (same shape on all), by rank."""
+        out = [torch.empty_like(x) for _ in range(self.size)]
+        self._run("all-gather", lambda: self._pg.allgather([out], [x]))
+        return out
+
+    def _run(self, what: str, start: Callable[[], dist.Work]) -> None:
+        begin = time.perf_counter()
+        try:
+            start().wait()
+        except DistributedError:
+            raise
+        except RuntimeError as exc:  # gloo and NCCL report a dead peer or a timeout as RuntimeError
+            raise self.on_failure(what, exc) from exc
+        finally:
+            self.comm_seconds += time.perf_counter() - begin
+
+
+def driver_store(size: int, timeout_s: float) -> dist.TCPStore:
+    """The rendezvous store, held by rank 0 on a free port of 127.0.0.1 (`.port`)."""
+    return dist.TCPStore(HOST, 0, size, True, timeout=datetime.timedelta(seconds=timeout_s),
+                         wait_for_workers=False)
+
+
+def worker_store(port: int, size: int, timeout_s: float) -> dist.TCPStore:
+    """A worker's client of the driver's rendezvous store."""
+    return dist.TCPStore(HOST, port, size, False, timeout=datetime.timedelta(seconds=timeout_s))

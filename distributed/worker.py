@@ -1,0 +1,66 @@
+"""A tensor-parallel worker process (ranks 1..size-1): load a shard, then run steps.
+
+The worker has no scheduler, allocator or sampler: each step it receives the
+driver's plan (`step_message`), applies the block copies to its KV shard and
+runs its slice of the model, meeting the other ranks in the layers'
+all-reduces. Logits are computed on rank 0 only. Any failure is written to the
+rendezvous store under `error/RANK`, so the driver can quote it when it names
+this rank.
+"""
+
+from __future__ import annotations
+
+import traceback
+
+import torch
+
+from kvforge.engine import components
+from kvforge.engine.model_runner import copy_blocks
+
+from . import step_message
+from .group import TensorParallelGroup, worker_store
+from .shard_loading import WorkerSpec, load_worker_shard, rank_device
+
+
+def error_key(rank: int) -> str:
+    return f"error/{rank}"
+
+
+def run_worker(spec: WorkerSpec, rank: int) -> None:
+    """The worker's whole life; the entry point of its process."""
+    config = spec.engine_config
+    parallel = config.parallel
+    size, timeout = parallel.tensor_parallel_size, parallel.collective_timeout_s
+    torch.set_num_threads(spec.threads)
+    store = worker_store(spec.port, size, timeout)
+    try:
+        device = rank_device(components.resolve_device(config), rank)
+        if device.type == "cuda":
+            torch.cuda.set_device(device)
+        group = TensorParallelGroup(store, rank, size, device, timeout)
+        model = load_worker_shard(spec, group)
+        serve(model, group, config.cache.block_size)
+    except BaseException:
+        store.set(error_key(rank), traceback.format_exc()[-4000:])
+        raise
+
+
+@torch.inference_mode()
+def serve(model, group: TensorParallelGroup, block_size: int) -> None:
+    """Allocate this rank's KV shard at the driver's block count, report memory, run steps until STOP."""
+    num_blocks = int(group.broadcast(torch.zeros(1, dtype=torch.int64, device=group.device)).item())
+    kv_caches = model.allocate_kv_cache(num_blocks, block_size)
+    report_memory(group, model, kv_caches)
+    while True:
+        message = step_message.receive(group, block_size)
+        if message is None:
+            return
+        copy_blocks(kv_caches, message.copies, group.device)
+        model.forward(message.input_ids, message.positions, kv_caches, model.plan(message.batch))
+
+
+def report_memory(group: TensorParallelGroup, model, kv_caches: list[torch.Tensor]) -> list[tuple[int, int]]:
+    """Every rank's (weight bytes, KV cache bytes), by rank; every rank calls it once."""
+    kv_bytes = sum(c.numel() * c.element_size() for c in kv_caches)
+    mine = torch.tensor([model.weight_bytes(), kv_bytes], dtype=torch.int64, device=group.device)
+    return [tuple(int(v) for v in t.tolist()) for t in group.all_gather(mine)]
