@@ -5,9 +5,9 @@ the engine's process is rank 0 (scheduler, allocator, sampling, shard 0) and
 N - 1 worker processes hold the other shards. See docs/distributed.md.
 """
 
-from .executor import MultiprocExecutor, TensorParallelRunner
-from .group import TensorParallelGroup
+from .executor import MultiprocExecutor, DriverRunner
+from .group import RankGroup
 from .tensor_parallel import HeadShard, RowParallelLinear, head_shard, shard_model
 
-__all__ = ["HeadShard", "MultiprocExecutor", "RowParallelLinear", "TensorParallelGroup", "TensorParallelRunner",
+__all__ = ["HeadShard", "MultiprocExecutor", "RowParallelLinear", "RankGroup", "DriverRunner",
            "head_shard", "shard_model"]

@@ -5,7 +5,7 @@ runs the scheduler, the block allocator and sampling once, holds shard 0 of the
 weights and the KV cache, and computes the logits. `MultiprocExecutor` starts
 ranks 1..size-1 as processes (torch.multiprocessing, spawn), meets them on a
 TCP store on 127.0.0.1, and each step broadcasts the plan to them
-(`TensorParallelRunner`) before running its own shard.
+(`DriverRunner`) before running its own shard.
 
 A worker that dies or hangs never hangs the engine: every collective has
 `parallel.collective_timeout_s`, the workers' liveness is checked before every
@@ -27,11 +27,13 @@ from kvforge.core import DistributedError, EngineConfig, Quantizer, UnsupportedC
 from kvforge.engine.model_runner import ModelRunner, copy_blocks
 
 from . import step_message
-from .group import TensorParallelGroup, driver_store
+from .group import RankGroup, driver_store
 from .shard_loading import WorkerSpec, load_shard, rank_device
+from .timing import RankTiming, StageTimer, gather_timings
 from .worker import error_key, report_memory, run_worker
 
 STOP_WAIT_S = 10.0  # how long a worker gets to leave its loop before it is terminated
+TERMINATE_WAIT_S = 2.0  # how long a terminated worker gets to exit before it is killed
 DEATH_SETTLE_S = 2.0  # a peer's socket can close a moment before the OS reports its exit
 
 
@@ -46,7 +48,8 @@ class MultiprocExecutor:
     def __init__(self, config: EngineConfig, attention_backend: type, kv_quantizer: Quantizer | None,
                  weight_quantizer: Quantizer | None, device: torch.device, dtype: torch.dtype):
         parallel = config.parallel
-        self.size = parallel.tensor_parallel_size
+        self.size = config.parallel.world_size
+        self.pipeline = parallel.pipeline_parallel_size > 1
         self.timeout_s = parallel.collective_timeout_s
         check_devices(device, self.size)
         self.failure: DistributedError | None = None
@@ -60,7 +63,7 @@ class MultiprocExecutor:
             worker.start()
         self._finalizer = weakref.finalize(self, _terminate, list(self.workers))
         try:
-            self.group = TensorParallelGroup(self._store, 0, self.size, rank_device(device, 0), self.timeout_s)
+            self.group = RankGroup(self._store, 0, self.size, rank_device(device, 0), self.timeout_s)
             self.group.on_failure = self._failed
             self.model = load_shard(config, self.group, dtype, attention_backend, kv_quantizer, weight_quantizer)
         except RuntimeError as exc:
@@ -72,14 +75,23 @@ class MultiprocExecutor:
             raise
         self._serving = False  # True once the workers wait for steps (and so understand STOP)
 
-    def runner(self, kv, kv_caches: list[torch.Tensor], block_size: int, num_blocks: int) -> "TensorParallelRunner":
+    def runner(self, kv, kv_caches: list[torch.Tensor], block_size: int, num_blocks: int) -> "DriverRunner":
         """The engine's runner over the driver's KV shard; tells the workers to allocate
         theirs at `num_blocks` blocks, and gathers every rank's memory figures."""
         self.check_workers("start-up")
         self.group.broadcast(torch.tensor([num_blocks], dtype=torch.int64, device=self.group.device))
         self.memory = report_memory(self.group, self.model, kv_caches)
+        self.timer = StageTimer(self.group)
         self._serving = True
-        return TensorParallelRunner(self, kv, kv_caches, block_size)
+        return DriverRunner(self, kv, kv_caches, block_size)
+
+    def timings(self) -> list[RankTiming]:
+        """Every rank's forward, compute and communication seconds since it started, by
+        rank (for pipeline stages: each stage's compute; for tensor parallelism: the
+        communication share)."""
+        self.check_workers("timing report")
+        step_message.send_command(self.group, step_message.REPORT)
+        return gather_timings(self.group, self.timer)
 
     def check_workers(self, during: str) -> None:
         """Raise the executor's failure, or a new one if a worker has exited."""
@@ -121,7 +133,7 @@ class MultiprocExecutor:
         whatever is still running. Idempotent."""
         if self.failure is None and getattr(self, "_serving", False) and all(w.is_alive() for w in self.workers):
             try:
-                step_message.send_stop(self.group)
+                step_message.send_command(self.group, step_message.STOP)
             except DistributedError:
                 pass
         for worker in self.workers:
@@ -135,9 +147,10 @@ def _terminate(workers) -> None:
     for worker in workers:
         if worker.is_alive():
             worker.terminate()
-            worker.join(STOP_WAIT_S)
-        if worker.is_alive():
+            worker.join(TERMINATE_WAIT_S)
+        if worker.is_alive():  # stopped (SIGSTOP) or ignoring SIGTERM
             worker.kill()
+            worker.join(TERMINATE_WAIT_S)
 
 
 def exit_reason(exitcode: int | None) -> str:
@@ -156,7 +169,7 @@ def check_devices(device: torch.device, size: int) -> None:
             f"{torch.cuda.device_count()}; lower it, or run on CPU (device = 'cpu') where the ranks share the host")
 
 
-class TensorParallelRunner(ModelRunner):
+class DriverRunner(ModelRunner):
     """The driver's `ModelRunner`: each step goes to the workers before rank 0 runs it."""
 
     def __init__(self, executor: MultiprocExecutor, kv, kv_caches: list[torch.Tensor], block_size: int):
@@ -174,4 +187,8 @@ class TensorParallelRunner(ModelRunner):
         step_message.send_step(self.executor.group,
                                step_message.StepMessage(input_ids, positions, batch, self._copies))
         self._copies = []
-        return super().forward(input_ids, positions, batch)
+        with self.executor.timer:
+            hidden = super().forward(input_ids, positions, batch)
+            if self.executor.pipeline:  # rank 0 ran the first stage; the last sends back the final hidden states
+                hidden = self.executor.group.recv(torch.empty_like(hidden), self.executor.size - 1)
+        return hidden

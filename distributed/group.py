@@ -1,6 +1,6 @@
-"""The ranks of one tensor-parallel engine and the collectives between them.
+"""The ranks of one distributed engine and the collectives between them.
 
-A `TensorParallelGroup` wraps one torch.distributed process group built from a
+A `RankGroup` wraps one torch.distributed process group built from a
 TCP store on 127.0.0.1 (gloo on CPU, NCCL on CUDA), never the process-wide
 default group: an engine's group lives and dies with the engine, so several
 engines can follow one another in a process (the tests build many).
@@ -25,18 +25,19 @@ HOST = "127.0.0.1"
 
 
 def _default_failure(what: str, exc: Exception) -> DistributedError:
-    return DistributedError(f"tensor-parallel {what} failed: {exc}")
+    return DistributedError(f"distributed {what} failed: {exc}")
 
 
-class TensorParallelGroup:
-    """This process's rank among `size` ranks, and the collectives the layers use.
+class RankGroup:
+    """This process's rank among `size` ranks, and the collectives the layers use
+    (all-reduce for tensor parallelism, send and receive between pipeline stages).
 
     `comm_seconds` adds up the time spent inside collectives (waiting for the
     slowest rank included), so a step's communication share can be measured."""
 
     def __init__(self, store: dist.Store, rank: int, size: int, device: torch.device, timeout_s: float):
         self.rank, self.size, self.device, self.timeout_s = rank, size, torch.device(device), timeout_s
-        timeout = datetime.timedelta(seconds=timeout_s)
+        self._timeout = timeout = datetime.timedelta(seconds=timeout_s)
         if self.device.type == "cuda":
             options = dist.ProcessGroupNCCL.Options()
             options._timeout = timeout
@@ -62,10 +63,19 @@ class TensorParallelGroup:
         self._run("all-gather", lambda: self._pg.allgather([out], [x]))
         return out
 
+    def send(self, x: torch.Tensor, dst: int) -> None:
+        """Send `x` (contiguous) to rank `dst`, which must `recv` it."""
+        self._run("send", lambda: self._pg.send([x], dst, 0))
+
+    def recv(self, x: torch.Tensor, src: int) -> torch.Tensor:
+        """Fill `x` with what rank `src` sends; returns `x`."""
+        self._run("receive", lambda: self._pg.recv([x], src, 0))
+        return x
+
     def _run(self, what: str, start: Callable[[], dist.Work]) -> None:
         begin = time.perf_counter()
         try:
-            start().wait()
+            start().wait(self._timeout)
         except DistributedError:
             raise
         except RuntimeError as exc:  # gloo and NCCL report a dead peer or a timeout as RuntimeError

@@ -1,6 +1,7 @@
 """How every rank, driver or worker, loads its shard of the model: one path.
 
-A rank loads the checkpoint in float, keeps its slice (`shard_model`), and only
+A rank loads the checkpoint in float, keeps its slice (`shard_model` under tensor
+parallelism, its stage under pipeline parallelism: `split_stages`), and only
 then quantizes and packs its linear layers and takes the KV quantizer and the
 attention backend (all inside `load_model`). The whole checkpoint passes
 through each rank's memory once while loading; what stays is its slice.
@@ -18,7 +19,8 @@ from kvforge.engine import components
 from kvforge.models import load_model
 from kvforge.models.base import CausalLM
 
-from .group import TensorParallelGroup
+from .group import RankGroup
+from .pipeline_parallel import split_stages
 from .tensor_parallel import shard_model
 
 
@@ -42,15 +44,23 @@ def rank_device(device: torch.device, rank: int) -> torch.device:
     return torch.device("cuda", rank) if device.type == "cuda" else torch.device("cpu")
 
 
-def load_shard(config: EngineConfig, group: TensorParallelGroup, dtype: torch.dtype, attention_backend: type,
+def load_shard(config: EngineConfig, group: RankGroup, dtype: torch.dtype, attention_backend: type,
                kv_quantizer: Quantizer | None, weight_quantizer: Quantizer | None) -> CausalLM:
     """This rank's shard of `config.model`, ready to run."""
     return load_model(config.model, dtype=dtype, device=group.device, attention_backend=attention_backend,
                       linear_kernel=config.linear_kernel, kv_quantizer=kv_quantizer,
-                      weight_quantizer=weight_quantizer, shard=lambda model: shard_model(model, group))
+                      weight_quantizer=weight_quantizer, shard=lambda model: keep_part(config, model, group))
 
 
-def load_worker_shard(spec: WorkerSpec, group: TensorParallelGroup) -> CausalLM:
+def keep_part(config: EngineConfig, model: CausalLM, group: RankGroup) -> None:
+    """Keep this rank's part of a loaded float model: its shard or its stage."""
+    if config.parallel.pipeline_parallel_size > 1:
+        split_stages(model, group)
+    else:
+        shard_model(model, group)
+
+
+def load_worker_shard(spec: WorkerSpec, group: RankGroup) -> CausalLM:
     """A worker's shard, its implementations resolved by name as the driver's were."""
     config = spec.engine_config
     plugins = config.plugins

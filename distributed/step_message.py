@@ -4,7 +4,8 @@ The driver schedules; a worker only needs what its model call reads: the
 step's tokens and positions, the `AttentionBatch`, and the copy-on-write block
 copies to apply first. They travel as a fixed-size header (command and sizes)
 then one flat payload, so a step costs two broadcasts whatever the batch, and
-no pickling. A `STOP` header ends a worker's loop.
+no pickling. A `STOP` header ends a worker's loop; a `REPORT` header asks every
+rank for its timings (`timing.gather_timings`).
 """
 
 from __future__ import annotations
@@ -15,9 +16,9 @@ import torch
 
 from kvforge.core import AttentionBatch
 
-from .group import TensorParallelGroup
+from .group import RankGroup
 
-STOP, STEP = 0, 1
+STOP, STEP, REPORT = 0, 1, 2
 HEADER_SIZE = 7  # command, tokens, sequences, block-table columns, block copies, max query len, max seq len
 
 
@@ -31,11 +32,12 @@ class StepMessage:
     copies: list[tuple[int, int]]
 
 
-def send_stop(group: TensorParallelGroup) -> None:
-    group.broadcast(torch.tensor([STOP] + [0] * (HEADER_SIZE - 1), dtype=torch.int64, device=group.device))
+def send_command(group: RankGroup, command: int) -> None:
+    """Broadcast a header without a step: `STOP` or `REPORT`."""
+    group.broadcast(torch.tensor([command] + [0] * (HEADER_SIZE - 1), dtype=torch.int64, device=group.device))
 
 
-def send_step(group: TensorParallelGroup, message: StepMessage) -> None:
+def send_step(group: RankGroup, message: StepMessage) -> None:
     """Broadcast `message` from rank 0."""
     batch = message.batch
     tokens, seqs = message.input_ids.shape[0], batch.seq_lens.shape[0]
@@ -50,12 +52,12 @@ def send_step(group: TensorParallelGroup, message: StepMessage) -> None:
     group.broadcast(payload)
 
 
-def receive(group: TensorParallelGroup, block_size: int) -> StepMessage | None:
-    """The next step from rank 0; None when rank 0 sent `STOP`."""
+def receive(group: RankGroup, block_size: int) -> tuple[int, StepMessage | None]:
+    """The next command from rank 0, with its step when it is `STEP`."""
     header = group.broadcast(torch.empty(HEADER_SIZE, dtype=torch.int64, device=group.device)).tolist()
     command, tokens, seqs, cols, num_copies, max_query_len, max_seq_len = header
-    if command == STOP:
-        return None
+    if command != STEP:
+        return command, None
     sizes = [tokens, tokens, seqs + 1, seqs, seqs, seqs * cols, tokens, 2 * num_copies]
     payload = group.broadcast(torch.empty(sum(sizes), dtype=torch.int64, device=group.device))
     input_ids, positions, query_start_loc, seq_lens, context_lens, table, slots, copies = payload.split(sizes)
@@ -64,4 +66,4 @@ def receive(group: TensorParallelGroup, block_size: int) -> StepMessage | None:
         block_table=table.reshape(seqs, cols).int(), slot_mapping=slots.clone(), block_size=block_size,
         max_query_len=max_query_len, max_seq_len=max_seq_len)
     pairs = copies.reshape(2, -1).t().tolist()
-    return StepMessage(input_ids.clone(), positions.clone(), batch, [(s, d) for s, d in pairs])
+    return STEP, StepMessage(input_ids.clone(), positions.clone(), batch, [(s, d) for s, d in pairs])

@@ -34,7 +34,7 @@ from torch import nn
 from kvforge.core import AttentionLayerSpec, ConfigError
 from kvforge.models.llama import LlamaForCausalLM
 
-from .group import TensorParallelGroup
+from .group import RankGroup
 
 
 class RowParallelLinear(nn.Module):
@@ -43,7 +43,7 @@ class RowParallelLinear(nn.Module):
     `inner` is a bias-free linear layer over this rank's slice (it may later be
     packed or quantized like any other); the bias is added once, after the sum."""
 
-    def __init__(self, inner: nn.Module, bias: torch.Tensor | None, group: TensorParallelGroup):
+    def __init__(self, inner: nn.Module, bias: torch.Tensor | None, group: RankGroup):
         super().__init__()
         self.inner = inner
         self.register_buffer("bias", None if bias is None else bias.detach().clone())
@@ -116,14 +116,14 @@ def column_slice(layer: nn.Linear, start: int, stop: int) -> nn.Linear:
     return _linear(_rows(layer.weight, start, stop), bias)
 
 
-def row_parallel(layer: nn.Linear, start: int, stop: int, group: TensorParallelGroup) -> RowParallelLinear:
+def row_parallel(layer: nn.Linear, start: int, stop: int, group: RankGroup) -> RowParallelLinear:
     """Input features `[start, stop)` of `layer`, summed over the ranks."""
     weight = layer.weight[:, start:stop].contiguous().clone()
     return RowParallelLinear(_linear(weight, None), layer.bias, group)
 
 
 @torch.no_grad()
-def shard_llama(model: LlamaForCausalLM, group: TensorParallelGroup) -> None:
+def shard_llama(model: LlamaForCausalLM, group: RankGroup) -> None:
     """Keep this rank's slice of every decoder layer of a loaded Llama-family model
     (q, k and v already fused by `finish_loading`), in place."""
     rank, size = group.rank, group.size
@@ -154,7 +154,7 @@ def shard_llama(model: LlamaForCausalLM, group: TensorParallelGroup) -> None:
     model.layer_specs = specs
 
 
-def shard_model(model: nn.Module, group: TensorParallelGroup) -> None:
+def shard_model(model: nn.Module, group: RankGroup) -> None:
     """Keep this rank's slice of a loaded float model, in place; refuses, naming the
     supported architectures, a model tensor parallelism does not know."""
     if group.size == 1:

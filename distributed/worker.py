@@ -18,8 +18,9 @@ from kvforge.engine import components
 from kvforge.engine.model_runner import copy_blocks
 
 from . import step_message
-from .group import TensorParallelGroup, worker_store
+from .group import RankGroup, worker_store
 from .shard_loading import WorkerSpec, load_worker_shard, rank_device
+from .timing import StageTimer, gather_timings
 
 
 def error_key(rank: int) -> str:
@@ -30,14 +31,14 @@ def run_worker(spec: WorkerSpec, rank: int) -> None:
     """The worker's whole life; the entry point of its process."""
     config = spec.engine_config
     parallel = config.parallel
-    size, timeout = parallel.tensor_parallel_size, parallel.collective_timeout_s
+    size, timeout = config.parallel.world_size, parallel.collective_timeout_s
     torch.set_num_threads(spec.threads)
     store = worker_store(spec.port, size, timeout)
     try:
         device = rank_device(components.resolve_device(config), rank)
         if device.type == "cuda":
             torch.cuda.set_device(device)
-        group = TensorParallelGroup(store, rank, size, device, timeout)
+        group = RankGroup(store, rank, size, device, timeout)
         model = load_worker_shard(spec, group)
         serve(model, group, config.cache.block_size)
     except BaseException:
@@ -46,20 +47,26 @@ def run_worker(spec: WorkerSpec, rank: int) -> None:
 
 
 @torch.inference_mode()
-def serve(model, group: TensorParallelGroup, block_size: int) -> None:
-    """Allocate this rank's KV shard at the driver's block count, report memory, run steps until STOP."""
+def serve(model, group: RankGroup, block_size: int) -> None:
+    """Allocate this rank's KV shard at the driver's block count, report memory, then run
+steps (and answer timing reports) until STOP."""
     num_blocks = int(group.broadcast(torch.zeros(1, dtype=torch.int64, device=group.device)).item())
     kv_caches = model.allocate_kv_cache(num_blocks, block_size)
     report_memory(group, model, kv_caches)
+    timer = StageTimer(group)
     while True:
-        message = step_message.receive(group, block_size)
-        if message is None:
+        command, message = step_message.receive(group, block_size)
+        if command == step_message.STOP:
             return
+        if command == step_message.REPORT:
+            gather_timings(group, timer)
+            continue
         copy_blocks(kv_caches, message.copies, group.device)
-        model.forward(message.input_ids, message.positions, kv_caches, model.plan(message.batch))
+        with timer:
+            model.forward(message.input_ids, message.positions, kv_caches, model.plan(message.batch))
 
 
-def report_memory(group: TensorParallelGroup, model, kv_caches: list[torch.Tensor]) -> list[tuple[int, int]]:
+def report_memory(group: RankGroup, model, kv_caches: list[torch.Tensor]) -> list[tuple[int, int]]:
     """Every rank's (weight bytes, KV cache bytes), by rank; every rank calls it once."""
     kv_bytes = sum(c.numel() * c.element_size() for c in kv_caches)
     mine = torch.tensor([model.weight_bytes(), kv_bytes], dtype=torch.int64, device=group.device)

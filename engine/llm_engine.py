@@ -74,7 +74,7 @@ class LLMEngine:
             layers = components.model_layers(config.model)
             backend = components.select_backend(self.registry, config, layers, self.device, self.dtype, kv_quantizer)
             weight_quantizer = components.weight_quantizer(self.registry, config)
-            if config.parallel.tensor_parallel_size > 1:
+            if config.parallel.world_size > 1:
                 # The engine reaches kvforge.distributed only here, and only when asked to.
                 from kvforge.distributed import MultiprocExecutor
 
@@ -86,10 +86,11 @@ class LLMEngine:
                                    linear_kernel=config.linear_kernel, kv_quantizer=kv_quantizer,
                                    weight_quantizer=weight_quantizer)
             tokenizer = tokenizer if tokenizer is not None else load_tokenizer(config.model)
-        elif config.parallel.tensor_parallel_size > 1:
+        elif config.parallel.world_size > 1:
             raise ConfigError(
-                f"parallel.tensor_parallel_size = {config.parallel.tensor_parallel_size} needs the engine to load "
-                "the model itself (each rank loads its shard); pass a model name or directory, not a ready model")
+                f"parallel.tensor_parallel_size / pipeline_parallel_size over {config.parallel.world_size} ranks need "
+                "the engine to load the model itself (each rank loads its part); pass a model name or directory, "
+                "not a ready model")
         elif kv_quantizer is not None:
             components.use_kv_quantizer(model, kv_quantizer)
         self.model, self.tokenizer = model, tokenizer

@@ -33,6 +33,8 @@ def add_parser(commands) -> None:
     parser.add_argument("--tensor-parallel-size", type=int, metavar="N",
                         help="split the model over N ranks on this host (parallel.tensor_parallel_size; "
                              "N - 1 worker processes)")
+    parser.add_argument("--pipeline-parallel-size", type=int, metavar="N",
+                        help="split the model's layers into N stages on this host (parallel.pipeline_parallel_size)")
     parser.add_argument("--threads", type=int, help="CPU threads for torch (default: torch's choice); 1 is often "
                         "fastest for tiny models on a busy machine")
     parser.add_argument("-v", "--verbose", action="store_true",
@@ -98,9 +100,11 @@ def selection_line(engine, verbose: bool) -> str:
     if verbose:
         line += (f"; device {engine.device}, dtype {dtype_name(engine.dtype)}, {engine.num_blocks} KV blocks of "
                  f"{engine.kv.block_size} tokens")
-        size = engine.config.parallel.tensor_parallel_size
-        if size > 1:
-            line += f" per rank; tensor parallel over {size} ranks"
+        parallel = engine.config.parallel
+        if parallel.tensor_parallel_size > 1:
+            line += f" per rank; tensor parallel over {parallel.tensor_parallel_size} ranks"
+        if parallel.pipeline_parallel_size > 1:
+            line += f" per rank; pipeline parallel over {parallel.pipeline_parallel_size} stages"
     return line
 
 
@@ -125,6 +129,8 @@ def run(args: argparse.Namespace) -> int:
     overrides = list(args.overrides)
     if args.tensor_parallel_size is not None:
         overrides.append(f"parallel.tensor_parallel_size={args.tensor_parallel_size}")
+    if args.pipeline_parallel_size is not None:
+        overrides.append(f"parallel.pipeline_parallel_size={args.pipeline_parallel_size}")
     llm = LLM(config_file=args.config, overrides=overrides, **sections)
     try:
         return generate(llm, prompts, args)

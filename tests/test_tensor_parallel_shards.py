@@ -167,12 +167,13 @@ def test_a_step_reaches_the_worker_as_sent():
     wire = Wire()
     wire.replaying = False
     step_message.send_step(wire, sent)
-    step_message.send_stop(wire)
+    step_message.send_command(wire, step_message.STOP)
     wire.replaying = True
-    got = step_message.receive(wire, block_size=4)
+    command, got = step_message.receive(wire, block_size=4)
+    assert command == step_message.STEP
     assert torch.equal(got.input_ids, sent.input_ids) and torch.equal(got.positions, sent.positions)
     for name in ("query_start_loc", "seq_lens", "context_lens", "block_table", "slot_mapping"):
         mine, theirs = getattr(got.batch, name), getattr(batch, name)
         assert torch.equal(mine, theirs) and mine.dtype == theirs.dtype, name
     assert (got.batch.max_query_len, got.batch.max_seq_len, got.copies) == (3, 9, [(3, 1), (6, 2)])
-    assert step_message.receive(wire, block_size=4) is None  # STOP
+    assert step_message.receive(wire, block_size=4) == (step_message.STOP, None)
