@@ -1,8 +1,8 @@
 """The multiprocessing executor (`parallel.executor = "mp"`): the driver and its workers.
 
 The engine's own process is rank 0, the driver, as vLLM's driver worker: it
-runs the scheduler, the block allocator and sampling once, holds shard 0 of the
-weights and the KV cache, and computes the logits. `MultiprocExecutor` starts
+runs the scheduler, the block allocator and sampling once, holds shard 0 (or
+stage 0) of the weights and the KV cache, and computes the logits. `MultiprocExecutor` starts
 ranks 1..size-1 as processes (torch.multiprocessing, spawn), meets them on a
 TCP store on 127.0.0.1, and each step broadcasts the plan to them
 (`DriverRunner`) before running its own shard.
@@ -38,7 +38,7 @@ DEATH_SETTLE_S = 2.0  # a peer's socket can close a moment before the OS reports
 
 
 class MultiprocExecutor:
-    """Rank 0 of a tensor-parallel engine plus its worker processes.
+    """Rank 0 of a tensor- or pipeline-parallel engine plus its worker processes.
 
     `model` is the driver's shard; `runner(...)` gives the engine its
     `ModelRunner`; `memory` lists each rank's (weight bytes, KV cache bytes)
@@ -54,10 +54,11 @@ class MultiprocExecutor:
         check_devices(device, self.size)
         self.failure: DistributedError | None = None
         self.memory: list[tuple[int, int]] = []
+        self._serving = False  # True once the workers wait for steps (and so understand STOP)
         self._store = driver_store(self.size, self.timeout_s)
         spec = WorkerSpec(config.model_dump(), attention_backend.name, self._store.port, torch.get_num_threads())
         context = mp.get_context("spawn")
-        self.workers = [context.Process(target=run_worker, args=(spec, rank), name=f"kvforge-tp-rank{rank}",
+        self.workers = [context.Process(target=run_worker, args=(spec, rank), name=f"kvforge-rank{rank}",
                                         daemon=True) for rank in range(1, self.size)]
         for worker in self.workers:
             worker.start()
@@ -73,7 +74,6 @@ class MultiprocExecutor:
         except BaseException:
             self.shutdown()  # e.g. a ConfigError from loading: the workers hit it too, or are stopped here
             raise
-        self._serving = False  # True once the workers wait for steps (and so understand STOP)
 
     def runner(self, kv, kv_caches: list[torch.Tensor], block_size: int, num_blocks: int) -> "DriverRunner":
         """The engine's runner over the driver's KV shard; tells the workers to allocate
@@ -108,12 +108,12 @@ class MultiprocExecutor:
             time.sleep(0.05)
         dead = [(rank, w) for rank, w in enumerate(self.workers, start=1) if w.exitcode is not None]
         if dead:
-            lines = [f"tensor-parallel worker rank {rank} (pid {w.pid}) {exit_reason(w.exitcode)}{self._quote(rank)}"
+            lines = [f"distributed worker rank {rank} (pid {w.pid}) {exit_reason(w.exitcode)}{self._quote(rank)}"
                      for rank, w in dead]
             message = (f"{'; '.join(lines)}; the {what} could not complete. The engine cannot continue: shut it "
                        f"down and build a new one")
         else:
-            message = (f"tensor-parallel {what} failed with every worker process still running ({exc}); a rank is "
+            message = (f"distributed {what} failed with every worker process still running ({exc}); a rank is "
                        f"stuck or slower than parallel.collective_timeout_s = {self.timeout_s:g} s: raise it if "
                        f"steps are legitimately that slow. The engine cannot continue: build a new one")
         self.failure = DistributedError(message)
@@ -131,7 +131,7 @@ class MultiprocExecutor:
     def shutdown(self) -> None:
         """Stop the workers: a STOP message when the group still works, then terminate
         whatever is still running. Idempotent."""
-        if self.failure is None and getattr(self, "_serving", False) and all(w.is_alive() for w in self.workers):
+        if self.failure is None and self._serving and all(w.is_alive() for w in self.workers):
             try:
                 step_message.send_command(self.group, step_message.STOP)
             except DistributedError:
@@ -140,7 +140,7 @@ class MultiprocExecutor:
             worker.join(STOP_WAIT_S if self.failure is None else 0.1)
         self._finalizer()
         if self.failure is None:
-            self.failure = DistributedError("this tensor-parallel engine was shut down; build a new one")
+            self.failure = DistributedError("this distributed engine was shut down; build a new one")
 
 
 def _terminate(workers) -> None:
@@ -162,11 +162,12 @@ def exit_reason(exitcode: int | None) -> str:
 
 
 def check_devices(device: torch.device, size: int) -> None:
-    """Refuse a tensor-parallel size the host's devices cannot hold."""
+    """Refuse a rank count the host's devices cannot hold."""
     if device.type == "cuda" and torch.cuda.device_count() < size:
         raise UnsupportedConfigurationError(
-            f"parallel.tensor_parallel_size = {size} needs {size} CUDA devices, one per rank, but this host has "
-            f"{torch.cuda.device_count()}; lower it, or run on CPU (device = 'cpu') where the ranks share the host")
+            f"parallel.tensor_parallel_size x pipeline_parallel_size = {size} ranks need {size} CUDA devices, one "
+            f"per rank, but this host has {torch.cuda.device_count()}; lower it, or run on CPU (device = 'cpu') "
+            "where the ranks share the host")
 
 
 class DriverRunner(ModelRunner):

@@ -1,11 +1,12 @@
-"""A tensor-parallel worker process (ranks 1..size-1): load a shard, then run steps.
+"""A worker process (ranks 1..size-1): load its shard or stage, then run steps.
 
 The worker has no scheduler, allocator or sampler: each step it receives the
 driver's plan (`step_message`), applies the block copies to its KV shard and
-runs its slice of the model, meeting the other ranks in the layers'
-all-reduces. Logits are computed on rank 0 only. Any failure is written to the
-rendezvous store under `error/RANK`, so the driver can quote it when it names
-this rank.
+runs its part of the model, meeting the other ranks in the layers'
+all-reduces (tensor parallelism) or at the stage hand-offs (pipeline
+parallelism). Logits are computed on rank 0 only. Any failure is written to
+the rendezvous store under `error/RANK`, so the driver can quote it when it
+names this rank.
 """
 
 from __future__ import annotations
