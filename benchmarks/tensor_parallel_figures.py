@@ -2,7 +2,7 @@
 and communication per step, and weight and KV memory per rank, at TP=1, TP=2
 and PP=2.
 
-    python -m kvforge.benchmarks.tensor_parallel_figures [--model bench-llama-50m] [--batch 1 16]
+    python -m kvforge.benchmarks.tensor_parallel_figures [--model bench-llama-50m] [--batch 1 16] [--device cuda]
 
 Each configuration builds a fresh engine, prefills `--batch` requests of
 `--prompt` tokens untimed, then times `--steps` decode steps. "comm" is the
@@ -25,13 +25,14 @@ import torch
 from kvforge.benchmarks.model_dirs import model_dir
 
 
-def measure(path: str, parallel: dict, threads: int, batch: int, prompt: int, steps: int) -> dict:
+def measure(path: str, parallel: dict, threads: int, batch: int, prompt: int, steps: int,
+            device: str = "cpu") -> dict:
     from kvforge import LLMEngine, SamplingParams
     from kvforge.core import EngineConfig
 
     torch.set_num_threads(threads)  # the workers take the driver's count
     config = EngineConfig.model_validate({
-        "model": path, "device": "cpu", "dtype": "float32", "cache": {"num_blocks": batch * 8 + 8},
+        "model": path, "device": device, "dtype": "float32", "cache": {"num_blocks": batch * 8 + 8},
         "scheduler": {"max_num_seqs": batch, "max_num_batched_tokens": max(2048, batch * prompt)},
         "parallel": parallel})
     engine = LLMEngine(config)
@@ -79,6 +80,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--prompt", type=int, default=32)
     parser.add_argument("--steps", type=int, default=32)
     parser.add_argument("--threads-per-rank", type=int, default=1)
+    parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"],
+                        help="cuda: one GPU per rank (TP=2 and PP=2 need two); no thread-count rows")
     args = parser.parse_args(argv)
     path = str(model_dir(args.model))
     t = args.threads_per_rank
@@ -86,9 +89,11 @@ def main(argv: list[str] | None = None) -> None:
           "weights MB per rank | KV MB per rank |")
     print("|---:|---|---:|---:|---|---|---|---|")
     runs = [({}, t), ({}, 2 * t), ({"tensor_parallel_size": 2}, t), ({"pipeline_parallel_size": 2}, t)]
+    if args.device == "cuda":
+        runs = [run for run in runs if run[1] == t]
     for batch in args.batch:
         for parallel, threads in runs:
-            row = measure(path, parallel, threads, batch, args.prompt, args.steps)
+            row = measure(path, parallel, threads, batch, args.prompt, args.steps, args.device)
             print(f"| {batch} | {describe(parallel)}, {threads} thread(s) per rank | {row['tokens_per_s']:.1f} | "
                   f"{row['step_ms']:.1f} | {row['compute_ms']} | {row['comm_share']} | {row['weight_mb']} | "
                   f"{row['kv_mb']} |", flush=True)
