@@ -43,7 +43,11 @@ class RankGroup:
             options._timeout = timeout
             self._pg = dist.ProcessGroupNCCL(store, rank, size, options)
         else:
-            self._pg = dist.ProcessGroupGloo(store, rank, size, timeout)
+            options = dist.ProcessGroupGloo._Options()
+            options._timeout = timeout
+            # Bound to 127.0.0.1, not to whatever the host name resolves to: the ranks share this host.
+            options._devices = [dist.ProcessGroupGloo.create_device(hostname=HOST)]
+            self._pg = dist.ProcessGroupGloo(store, rank, size, options)
         self.comm_seconds = 0.0
         self.on_failure: Callable[[str, Exception], Exception] = _default_failure
 

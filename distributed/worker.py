@@ -15,7 +15,7 @@ import traceback
 
 import torch
 
-from kvforge.engine import components
+from kvforge.engine import components, heap
 from kvforge.engine.model_runner import copy_blocks
 
 from . import step_message
@@ -31,14 +31,15 @@ def error_key(rank: int) -> str:
 def run_worker(spec: WorkerSpec, rank: int) -> None:
     """The worker's whole life; the entry point of its process."""
     config = spec.engine_config
-    parallel = config.parallel
-    size, timeout = config.parallel.world_size, parallel.collective_timeout_s
+    size, timeout = config.parallel.world_size, config.parallel.collective_timeout_s
     torch.set_num_threads(spec.threads)
     store = worker_store(spec.port, size, timeout)
     try:
         device = rank_device(components.resolve_device(config), rank)
         if device.type == "cuda":
             torch.cuda.set_device(device)
+        elif config.keep_freed_memory:  # as the driver does (LLMEngine): no page faults on each step's activations
+            heap.keep_freed_memory()
         group = RankGroup(store, rank, size, device, timeout)
         model = load_worker_shard(spec, group)
         serve(model, group, config.cache.block_size)

@@ -67,7 +67,7 @@ class LLMEngine:
         components.check_supported(config, self.dtype)
         kv_quantizer = components.resolve_kv_quantizer(self.registry, config)
         weight_quantizer = None
-        self.executor = None  # a tensor-parallel executor (kvforge.distributed) when parallel.* asks for one
+        self.executor = None  # kvforge.distributed's executor when parallel.world_size > 1
         if model is None:
             from kvforge.models import load_model, load_tokenizer
 
@@ -210,8 +210,8 @@ class LLMEngine:
         return self._output(request_id, group)
 
     def shutdown(self) -> None:
-        """Stop the tensor-parallel worker processes, if any (also done at exit); the
-        engine cannot step afterwards. A single-process engine has nothing to stop."""
+        """Stop the worker processes of a tensor- or pipeline-parallel engine (also done
+        at exit); it cannot step afterwards. A single-process engine has nothing to stop."""
         if self.executor is not None:
             self.executor.shutdown()
 

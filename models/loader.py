@@ -163,8 +163,9 @@ def load_model(name_or_path: str | Path, *, dtype: torch.dtype | str = torch.flo
     `int8_weight`) turns every linear layer, and an untied LM head unless
     `quantize_lm_head` is False, into an int8 `Int8Linear` (see
     `quantized_linear`); `linear_kernel` then applies to the layers left in float.
-    `shard` (tensor parallelism: keep this rank's slice, see `kvforge.distributed`)
-    runs on the float model once its weights are in, before quantization and packing.
+    `shard` (tensor or pipeline parallelism: keep this rank's part, see
+    `kvforge.distributed`) runs on the float model once its weights are in, before
+    quantization and packing.
     """
     model_dir = resolve_model_dir(name_or_path)
     config = load_config(model_dir)
