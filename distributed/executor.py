@@ -28,7 +28,7 @@ from kvforge.engine.model_runner import ModelRunner, copy_blocks
 
 from . import step_message
 from .group import RankGroup, driver_store
-from .shard_loading import WorkerSpec, load_shard, rank_device
+from .shard_loading import WorkerSpec, check_split, load_shard, rank_device
 from .timing import RankTiming, StageTimer, gather_timings
 from .worker import error_key, report_memory, run_worker
 
@@ -52,6 +52,7 @@ class MultiprocExecutor:
         self.pipeline = parallel.pipeline_parallel_size > 1
         self.timeout_s = parallel.collective_timeout_s
         check_devices(device, self.size)
+        check_split(config)
         self.failure: DistributedError | None = None
         self.memory: list[tuple[int, int]] = []
         self._serving = False  # True once the workers wait for steps (and so understand STOP)

@@ -60,6 +60,29 @@ def keep_part(config: EngineConfig, model: CausalLM, group: RankGroup) -> None:
         shard_model(model, group)
 
 
+@dataclass(frozen=True)
+class DryRunRank:
+    """Rank 0 of `size`, for splitting a meta-device model: no collective is ever called."""
+
+    size: int
+    rank: int = 0
+    device: torch.device = torch.device("meta")
+
+
+def check_split(config: EngineConfig) -> None:
+    """Split a meta-device copy of `config.model` as rank 0 will, so a split the model
+    cannot take (heads, features or layers that do not divide, an architecture
+    without shards) is refused, with the sizes that work, before any process starts."""
+    from kvforge.models.loader import load_config, resolve_model_dir
+    from kvforge.models.registry import model_class
+
+    model_config = load_config(resolve_model_dir(config.model))
+    with torch.device("meta"):
+        model = model_class(model_config.get("architectures") or [])(model_config)
+        model.finish_loading()
+        keep_part(config, model, DryRunRank(config.parallel.world_size))
+
+
 def load_worker_shard(spec: WorkerSpec, group: RankGroup) -> CausalLM:
     """A worker's shard, its implementations resolved by name as the driver's were."""
     config = spec.engine_config

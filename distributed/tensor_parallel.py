@@ -127,13 +127,13 @@ def shard_llama(model: LlamaForCausalLM, group: RankGroup) -> None:
     """Keep this rank's slice of every decoder layer of a loaded Llama-family model
     (q, k and v already fused by `finish_loading`), in place."""
     rank, size = group.rank, group.size
+    shards = [head_shard(full.num_heads, full.num_kv_heads, rank, size) for full in model.layer_specs]
     inner = int(model.config["intermediate_size"])
     if inner % size:
         raise ConfigError(f"parallel.tensor_parallel_size = {size} does not divide the MLP's {inner} intermediate "
-                          f"features; choose one of: {', '.join(map(str, divisors(inner)))}")
+                          f"features; choose a size that divides it and the heads")
     specs = []
-    for layer, full in zip(model.model.layers, model.layer_specs):
-        shard = head_shard(full.num_heads, full.num_kv_heads, rank, size)
+    for layer, full, shard in zip(model.model.layers, model.layer_specs, shards):
         attn, head = layer.self_attn, full.head_size
         qkv = attn.qkv_proj
         rows = [(shard.q_start * head, shard.q_stop * head)]

@@ -70,6 +70,8 @@ def test_every_stage_reports_its_compute_and_communication_time():
         timings = engine.executor.timings()
     finally:
         engine.shutdown()
+    with pytest.raises(DistributedError, match="shut down"):  # its request is unfinished: this step needs the workers
+        engine.step()
     assert len(timings) == 2
     for timing in timings:
         assert 0 < timing.compute_seconds <= timing.forward_seconds

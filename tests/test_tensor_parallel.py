@@ -129,3 +129,24 @@ def test_another_attention_backend_over_a_quantized_kv_cache_runs_unchanged_on_f
     two, memory = run("kvforge-tiny", TP2, **sections)
     assert_same(two, one)
     assert [rank_kv for _, rank_kv in memory] == [kv // 2, kv // 2]  # int8 codes and their scales, split
+
+
+@pytest.mark.parametrize("parallel, message", [
+    ({"tensor_parallel_size": 2}, "does not divide the model's 3 attention heads; choose one of: 1, 3"),
+    ({"pipeline_parallel_size": 3}, "more than the model's 2 layers; choose at most 2"),
+])
+def test_a_split_the_model_cannot_take_is_refused_before_any_process_starts(tmp_path, monkeypatch, parallel,
+                                                                            message):
+    import transformers
+
+    from kvforge.distributed import executor
+
+    def no_processes(method):
+        raise AssertionError("a worker process was about to start")
+
+    monkeypatch.setattr(executor.mp, "get_context", no_processes)
+    config = transformers.LlamaConfig(vocab_size=64, hidden_size=48, intermediate_size=64, num_hidden_layers=2,
+                                      num_attention_heads=3, num_key_value_heads=3)
+    transformers.LlamaForCausalLM(config).save_pretrained(tmp_path)
+    with pytest.raises(ConfigError, match=message):
+        LLMEngine(EngineConfig(model=str(tmp_path), device="cpu", dtype="float32", parallel=parallel))
