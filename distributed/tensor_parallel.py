@@ -1,6 +1,7 @@
 """Megatron-style tensor parallelism of a loaded model: each rank keeps its slice.
 
-Per decoder layer (Llama family: Llama, Mistral, Qwen2, Qwen3):
+Per decoder layer (Llama family: Llama, Mistral, Qwen2, Qwen3; GPT-2 alike, with
+`c_attn`, `c_proj`, `c_fc` and `c_proj` in those roles and no gate):
 * the fused `qkv_proj` is column-parallel: rank r keeps the rows of its query
   heads and of their KV heads, still one fused GEMM (`[q_r; k_r; v_r]`);
 * `o_proj` is row-parallel (`RowParallelLinear`): rank r keeps the input columns
@@ -32,7 +33,9 @@ import torch
 from torch import nn
 
 from kvforge.core import AttentionLayerSpec, ConfigError
+from kvforge.models.gpt2 import GPT2LMHeadModel
 from kvforge.models.llama import LlamaForCausalLM
+from kvforge.models.packed_linear import linear_weight
 
 from .group import RankGroup
 
@@ -98,10 +101,6 @@ def divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
-def _rows(t: torch.Tensor, start: int, stop: int) -> torch.Tensor:
-    return t[start:stop].clone()  # a copy, so the full tensor's memory goes with it
-
-
 def _linear(weight: torch.Tensor, bias: torch.Tensor | None) -> nn.Linear:
     layer = nn.Linear(weight.shape[1], weight.shape[0], bias=bias is not None, device="meta")
     layer.weight = nn.Parameter(weight, requires_grad=False)
@@ -110,16 +109,36 @@ def _linear(weight: torch.Tensor, bias: torch.Tensor | None) -> nn.Linear:
     return layer
 
 
-def column_slice(layer: nn.Linear, start: int, stop: int) -> nn.Linear:
-    """Output features `[start, stop)` of `layer`."""
-    bias = None if layer.bias is None else _rows(layer.bias, start, stop)
-    return _linear(_rows(layer.weight, start, stop), bias)
+def keep_outputs(layer: nn.Module, spans: list[tuple[int, int]]) -> nn.Linear:
+    """An `nn.Linear` computing only the output features in `spans` of `layer` (an
+    `nn.Linear` or GPT-2's `Conv1D`), in that order: a column-parallel shard. The
+    slices are copies, so the full weight's memory goes with the old layer."""
+    weight, bias = linear_weight(layer)
+    kept = torch.cat([weight[a:b] for a, b in spans]).contiguous()
+    return _linear(kept, None if bias is None else torch.cat([bias[a:b] for a, b in spans]))
 
 
-def row_parallel(layer: nn.Linear, start: int, stop: int, group: RankGroup) -> RowParallelLinear:
+def row_parallel(layer: nn.Module, start: int, stop: int, group: RankGroup) -> RowParallelLinear:
     """Input features `[start, stop)` of `layer`, summed over the ranks."""
-    weight = layer.weight[:, start:stop].contiguous().clone()
-    return RowParallelLinear(_linear(weight, None), layer.bias, group)
+    weight, bias = linear_weight(layer)
+    return RowParallelLinear(_linear(weight[:, start:stop].clone(memory_format=torch.contiguous_format), None), bias,
+                             group)
+
+
+def fused_qkv_spans(full: AttentionLayerSpec, shard: HeadShard) -> list[tuple[int, int]]:
+    """The output features of a fused `[q; k; v]` projection that `shard`'s heads need."""
+    head = full.head_size
+    k_base = full.num_heads * head
+    v_base = k_base + full.num_kv_heads * head
+    return [(shard.q_start * head, shard.q_stop * head),
+            *((base + shard.kv_start * head, base + shard.kv_stop * head) for base in (k_base, v_base))]
+
+
+def _mlp_part(inner: int, size: int) -> int:
+    if inner % size:
+        raise ConfigError(f"parallel.tensor_parallel_size = {size} does not divide the MLP's {inner} intermediate "
+                          f"features; choose a size that divides it and the heads")
+    return inner // size
 
 
 @torch.no_grad()
@@ -128,30 +147,36 @@ def shard_llama(model: LlamaForCausalLM, group: RankGroup) -> None:
     (q, k and v already fused by `finish_loading`), in place."""
     rank, size = group.rank, group.size
     shards = [head_shard(full.num_heads, full.num_kv_heads, rank, size) for full in model.layer_specs]
-    inner = int(model.config["intermediate_size"])
-    if inner % size:
-        raise ConfigError(f"parallel.tensor_parallel_size = {size} does not divide the MLP's {inner} intermediate "
-                          f"features; choose a size that divides it and the heads")
-    specs = []
+    part = _mlp_part(int(model.config["intermediate_size"]), size)
+    mlp_span = (rank * part, (rank + 1) * part)
     for layer, full, shard in zip(model.model.layers, model.layer_specs, shards):
         attn, head = layer.self_attn, full.head_size
-        qkv = attn.qkv_proj
-        rows = [(shard.q_start * head, shard.q_stop * head)]
-        k_base = full.num_heads * head
-        v_base = k_base + full.num_kv_heads * head
-        rows += [(base + shard.kv_start * head, base + shard.kv_stop * head) for base in (k_base, v_base)]
-        weight = torch.cat([qkv.weight[a:b] for a, b in rows])
-        bias = None if qkv.bias is None else torch.cat([qkv.bias[a:b] for a, b in rows])
-        attn.qkv_proj = _linear(weight, bias)
+        attn.qkv_proj = keep_outputs(attn.qkv_proj, fused_qkv_spans(full, shard))
         attn.o_proj = row_parallel(attn.o_proj, shard.q_start * head, shard.q_stop * head, group)
-        spec = shard.spec(full)
-        attn.attn.spec = spec
-        specs.append(spec)
-        mlp, part = layer.mlp, inner // size
-        mlp.gate_proj = column_slice(mlp.gate_proj, rank * part, (rank + 1) * part)
-        mlp.up_proj = column_slice(mlp.up_proj, rank * part, (rank + 1) * part)
-        mlp.down_proj = row_parallel(mlp.down_proj, rank * part, (rank + 1) * part, group)
-    model.layer_specs = specs
+        attn.attn.spec = shard.spec(full)
+        mlp = layer.mlp
+        mlp.gate_proj = keep_outputs(mlp.gate_proj, [mlp_span])
+        mlp.up_proj = keep_outputs(mlp.up_proj, [mlp_span])
+        mlp.down_proj = row_parallel(mlp.down_proj, *mlp_span, group)
+    model.layer_specs = [shard.spec(full) for full, shard in zip(model.layer_specs, shards)]
+
+
+@torch.no_grad()
+def shard_gpt2(model: GPT2LMHeadModel, group: RankGroup) -> None:
+    """Keep this rank's slice of every block of a loaded GPT-2 (fused `c_attn`, every
+    head its own KV head), in place; the layers become `nn.Linear` shards."""
+    rank, size = group.rank, group.size
+    shards = [head_shard(full.num_heads, full.num_kv_heads, rank, size) for full in model.layer_specs]
+    part = _mlp_part(model.transformer.h[0].mlp.c_fc.weight.shape[1], size)  # Conv1D: [in, out]
+    mlp_span = (rank * part, (rank + 1) * part)
+    for block, full, shard in zip(model.transformer.h, model.layer_specs, shards):
+        attn, head = block.attn, full.head_size
+        attn.c_attn = keep_outputs(attn.c_attn, fused_qkv_spans(full, shard))
+        attn.c_proj = row_parallel(attn.c_proj, shard.q_start * head, shard.q_stop * head, group)
+        attn.attn.spec = shard.spec(full)
+        block.mlp.c_fc = keep_outputs(block.mlp.c_fc, [mlp_span])
+        block.mlp.c_proj = row_parallel(block.mlp.c_proj, *mlp_span, group)
+    model.layer_specs = [shard.spec(full) for full, shard in zip(model.layer_specs, shards)]
 
 
 def shard_model(model: nn.Module, group: RankGroup) -> None:
@@ -159,7 +184,10 @@ def shard_model(model: nn.Module, group: RankGroup) -> None:
     supported architectures, a model tensor parallelism does not know."""
     if group.size == 1:
         return
-    if not isinstance(model, LlamaForCausalLM):
-        raise ConfigError(f"tensor parallelism supports the Llama family (Llama, Mistral, Qwen2, Qwen3), not "
-                          f"{type(model).__name__}; set parallel.tensor_parallel_size = 1 for this model")
-    shard_llama(model, group)
+    if isinstance(model, LlamaForCausalLM):
+        shard_llama(model, group)
+    elif isinstance(model, GPT2LMHeadModel):
+        shard_gpt2(model, group)
+    else:
+        raise ConfigError(f"tensor parallelism supports the Llama family (Llama, Mistral, Qwen2, Qwen3) and GPT-2, "
+                          f"not {type(model).__name__}; set parallel.tensor_parallel_size = 1 for this model")

@@ -54,6 +54,28 @@ def test_llama_with_one_kv_head_replicates_it_on_every_rank(tmp_path_factory):
 
 
 @pytest.mark.slow
+def test_gpt2_splits_its_fused_qkv_and_biases(tmp_path):
+    import torch
+    import transformers
+
+    config = transformers.GPT2Config(vocab_size=128, n_embd=64, n_layer=2, n_head=4, n_positions=128,
+                                     bos_token_id=None, eos_token_id=None)
+    torch.manual_seed(0)
+    model = transformers.GPT2LMHeadModel(config).eval()
+    with torch.no_grad():  # non-zero biases, so a bias added twice (or not at all) shows
+        for name, param in model.named_parameters():
+            if name.endswith(".bias"):
+                param.normal_(0, 0.2)
+    model.save_pretrained(tmp_path)
+    one, [(weights, kv)] = run(str(tmp_path))
+    two, memory = run(str(tmp_path), TP2)
+    assert_same(two, one)
+    for rank_weights, rank_kv in memory:
+        assert_half(rank_weights, weights, slack=0.6)  # token and position embeddings replicated
+        assert rank_kv == kv // 2
+
+
+@pytest.mark.slow
 def test_forked_samples_and_prefix_hits_copy_blocks_on_every_rank():
     """n > 1 forks share the prompt's blocks and copy the last one on write: the
     copies must reach the workers' shards too, or the samples' KV would differ."""

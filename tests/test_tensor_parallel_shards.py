@@ -14,6 +14,7 @@ from torch import nn
 from kvforge.core import AttentionBatch, ConfigError
 from kvforge.distributed import head_shard, shard_model
 from kvforge.distributed import step_message
+from kvforge.distributed.pipeline_parallel import split_stages
 from kvforge.distributed.tensor_parallel import HeadShard, row_parallel
 from kvforge.models import load_model
 from kvforge.models.base import ModelConfig
@@ -132,12 +133,17 @@ def test_a_row_parallel_bias_is_added_once_after_the_sum():
         torch.testing.assert_close(layer(x[:, 3 * rank:3 * rank + 3]), full(x), rtol=1e-10, atol=1e-10)
 
 
-def test_architectures_without_tensor_parallel_shards_are_refused_by_name():
-    config = ModelConfig(vocab_size=16, n_embd=8, n_head=2, n_layer=1, n_positions=8)
+def test_architectures_without_shards_are_refused_by_name():
+    class OtherLM(nn.Module):
+        pass
+
+    with pytest.raises(ConfigError, match="Llama family.*GPT-2, not OtherLM.*tensor_parallel_size = 1"):
+        shard_model(OtherLM(), FakeGroup(0, 2))
+    config = ModelConfig(vocab_size=16, n_embd=8, n_head=2, n_layer=2, n_positions=8)
     with torch.device("meta"):
-        model = GPT2LMHeadModel(config)
-    with pytest.raises(ConfigError, match="Llama family.*GPT2LMHeadModel.*tensor_parallel_size = 1"):
-        shard_model(model, FakeGroup(0, 2))
+        gpt2 = GPT2LMHeadModel(config)
+    with pytest.raises(ConfigError, match="Llama family.*not GPT2LMHeadModel.*pipeline_parallel_size = 1"):
+        split_stages(gpt2, FakeGroup(0, 2))  # its position embedding is added to the token embedding's output
 
 
 class Wire:
