@@ -33,11 +33,16 @@ class RankGroup:
     (all-reduce for tensor parallelism, send and receive between pipeline stages).
 
     `comm_seconds` adds up the time spent inside collectives (waiting for the
-    slowest rank included), so a step's communication share can be measured."""
+    slowest rank included), so a step's communication share can be measured
+    (on CUDA only the host's share: NCCL collectives run on the device's streams)."""
 
     def __init__(self, store: dist.Store, rank: int, size: int, device: torch.device, timeout_s: float):
         self.rank, self.size, self.device, self.timeout_s = rank, size, torch.device(device), timeout_s
-        self._timeout = timeout = datetime.timedelta(seconds=timeout_s)
+        timeout = datetime.timedelta(seconds=timeout_s)
+        # gloo: wait on the host, at most the timeout. NCCL: a bare wait() only orders the
+        # device streams (a timeout would block the host on every collective); its watchdog
+        # enforces the same timeout.
+        self._wait_timeout = timeout if self.device.type != "cuda" else None
         if self.device.type == "cuda":
             options = dist.ProcessGroupNCCL.Options()
             options._timeout = timeout
@@ -79,7 +84,11 @@ class RankGroup:
     def _run(self, what: str, start: Callable[[], dist.Work]) -> None:
         begin = time.perf_counter()
         try:
-            start().wait(self._timeout)
+            work = start()
+            if self._wait_timeout is None:
+                work.wait()
+            else:
+                work.wait(self._wait_timeout)
         except DistributedError:
             raise
         except RuntimeError as exc:  # gloo and NCCL report a dead peer or a timeout as RuntimeError
