@@ -27,10 +27,10 @@ from kvforge.core import DistributedError, EngineConfig, Quantizer, UnsupportedC
 from kvforge.engine.model_runner import ModelRunner, copy_blocks
 
 from . import step_message
-from .group import RankGroup, driver_store
+from .group import STARTUP_TIMEOUT_S, RankGroup, driver_store
 from .shard_loading import WorkerSpec, check_split, load_shard, rank_device
 from .timing import RankTiming, StageTimer, gather_timings
-from .worker import error_key, report_memory, run_worker
+from .worker import NUM_BLOCKS_KEY, error_key, loaded_key, ready_key, report_memory, run_worker
 
 STOP_WAIT_S = 10.0  # how long a worker gets to leave its loop before it is terminated
 TERMINATE_WAIT_S = 2.0  # how long a terminated worker gets to exit before it is killed
@@ -56,7 +56,7 @@ class MultiprocExecutor:
         self.failure: DistributedError | None = None
         self.memory: list[tuple[int, int]] = []
         self._serving = False  # True once the workers wait for steps (and so understand STOP)
-        self._store = driver_store(self.size, self.timeout_s)
+        self._store = driver_store(self.size)
         spec = WorkerSpec(config.model_dump(), attention_backend.name, self._store.port, torch.get_num_threads())
         context = mp.get_context("spawn")
         self.workers = [context.Process(target=run_worker, args=(spec, rank), name=f"kvforge-rank{rank}",
@@ -65,6 +65,7 @@ class MultiprocExecutor:
             worker.start()
         self._finalizer = weakref.finalize(self, _terminate, list(self.workers))
         try:
+            self._await_workers(ready_key, "start")
             self.group = RankGroup(self._store, 0, self.size, rank_device(device, 0), self.timeout_s)
             self.group.on_failure = self._failed
             self.model = load_shard(config, self.group, dtype, attention_backend, kv_quantizer, weight_quantizer)
@@ -79,12 +80,28 @@ class MultiprocExecutor:
     def runner(self, kv, kv_caches: list[torch.Tensor], block_size: int, num_blocks: int) -> "DriverRunner":
         """The engine's runner over the driver's KV shard; tells the workers to allocate
         theirs at `num_blocks` blocks, and gathers every rank's memory figures."""
-        self.check_workers("start-up")
-        self.group.broadcast(torch.tensor([num_blocks], dtype=torch.int64, device=self.group.device))
+        self._await_workers(loaded_key, "load its part of the model")
+        self._store.set(NUM_BLOCKS_KEY, str(num_blocks))
         self.memory = report_memory(self.group, self.model, kv_caches)
         self.timer = StageTimer(self.group)
         self._serving = True
         return DriverRunner(self, kv, kv_caches, block_size)
+
+    def _await_workers(self, key, what: str) -> None:
+        """Wait, up to `STARTUP_TIMEOUT_S`, until every worker has set `key(rank)` in the
+        store; a worker that exits meanwhile is named at once, one that never does at the end."""
+        deadline = time.monotonic() + STARTUP_TIMEOUT_S
+        pending = list(range(1, self.size))
+        while pending:
+            self.check_workers("start-up")
+            pending = [rank for rank in pending if not self._store.check([key(rank)])]
+            if pending and time.monotonic() > deadline:
+                self.failure = DistributedError(
+                    f"distributed worker rank(s) {', '.join(map(str, pending))} did not {what} within "
+                    f"{STARTUP_TIMEOUT_S:g} s; the engine cannot start")
+                self.shutdown()
+                raise self.failure
+            time.sleep(0.02 if pending else 0)
 
     def timings(self) -> list[RankTiming]:
         """Every rank's forward, compute and communication seconds since it started, by

@@ -22,6 +22,9 @@ import torch.distributed as dist
 from kvforge.core import DistributedError
 
 HOST = "127.0.0.1"
+STARTUP_TIMEOUT_S = 600.0
+"""How long start-up (spawning, importing, loading a checkpoint) may take before a rank
+that has not come up is named: minutes, where a step's collective gets seconds."""
 
 
 def _default_failure(what: str, exc: Exception) -> DistributedError:
@@ -97,12 +100,13 @@ class RankGroup:
             self.comm_seconds += time.perf_counter() - begin
 
 
-def driver_store(size: int, timeout_s: float) -> dist.TCPStore:
-    """The rendezvous store, held by rank 0 on a free port of 127.0.0.1 (`.port`)."""
-    return dist.TCPStore(HOST, 0, size, True, timeout=datetime.timedelta(seconds=timeout_s),
+def driver_store(size: int) -> dist.TCPStore:
+    """The rendezvous store, held by rank 0 on a free port of 127.0.0.1 (`.port`). Its
+    waits (a key not there yet) last up to `STARTUP_TIMEOUT_S`: only start-up waits on it."""
+    return dist.TCPStore(HOST, 0, size, True, timeout=datetime.timedelta(seconds=STARTUP_TIMEOUT_S),
                          wait_for_workers=False)
 
 
-def worker_store(port: int, size: int, timeout_s: float) -> dist.TCPStore:
+def worker_store(port: int, size: int) -> dist.TCPStore:
     """A worker's client of the driver's rendezvous store."""
-    return dist.TCPStore(HOST, port, size, False, timeout=datetime.timedelta(seconds=timeout_s))
+    return dist.TCPStore(HOST, port, size, False, timeout=datetime.timedelta(seconds=STARTUP_TIMEOUT_S))

@@ -24,8 +24,21 @@ from .shard_loading import WorkerSpec, load_worker_shard, rank_device
 from .timing import StageTimer, gather_timings
 
 
+NUM_BLOCKS_KEY = "num_blocks"
+
+
 def error_key(rank: int) -> str:
     return f"error/{rank}"
+
+
+def ready_key(rank: int) -> str:
+    """Set once the rank is up and about to join the process group."""
+    return f"ready/{rank}"
+
+
+def loaded_key(rank: int) -> str:
+    """Set once the rank holds its part of the model."""
+    return f"loaded/{rank}"
 
 
 def run_worker(spec: WorkerSpec, rank: int) -> None:
@@ -33,26 +46,29 @@ def run_worker(spec: WorkerSpec, rank: int) -> None:
     config = spec.engine_config
     size, timeout = config.parallel.world_size, config.parallel.collective_timeout_s
     torch.set_num_threads(spec.threads)
-    store = worker_store(spec.port, size, timeout)
+    store = worker_store(spec.port, size)
     try:
         device = rank_device(components.resolve_device(config), rank)
         if device.type == "cuda":
             torch.cuda.set_device(device)
         elif config.keep_freed_memory:  # as the driver does (LLMEngine): no page faults on each step's activations
             heap.keep_freed_memory()
+        store.set(ready_key(rank), "1")
         group = RankGroup(store, rank, size, device, timeout)
         model = load_worker_shard(spec, group)
-        serve(model, group, config.cache.block_size)
+        store.set(loaded_key(rank), "1")
+        # The driver's block count comes through the store, which waits minutes, not through a
+        # collective, which waits seconds: the driver may still be loading its own shard.
+        serve(model, group, config.cache.block_size, int(store.get(NUM_BLOCKS_KEY)))
     except BaseException:
         store.set(error_key(rank), traceback.format_exc()[-4000:])
         raise
 
 
 @torch.inference_mode()
-def serve(model, group: RankGroup, block_size: int) -> None:
+def serve(model, group: RankGroup, block_size: int, num_blocks: int) -> None:
     """Allocate this rank's KV shard at the driver's block count, report memory, then run
-steps (and answer timing reports) until STOP."""
-    num_blocks = int(group.broadcast(torch.zeros(1, dtype=torch.int64, device=group.device)).item())
+    steps (and answer timing reports) until STOP."""
     kv_caches = model.allocate_kv_cache(num_blocks, block_size)
     report_memory(group, model, kv_caches)
     timer = StageTimer(group)

@@ -74,7 +74,7 @@ def started_engine(parallel: dict) -> LLMEngine:
 
 
 def step_in_thread(engine: LLMEngine) -> BaseException | None:
-    """Step `engine` until it fails or finishes, in a thread; the error it raised."""
+    """Step `engine` until it fails or finishes, in a thread, then shut it down; the error it raised."""
     caught: list[BaseException] = []
 
     def target():
@@ -86,6 +86,9 @@ def step_in_thread(engine: LLMEngine) -> BaseException | None:
 
     thread = threading.Thread(target=target, daemon=True)
     thread.start()
-    thread.join(HANG_GUARD_S)
-    assert not thread.is_alive(), "the engine hung after a worker failed"
+    try:
+        thread.join(HANG_GUARD_S)
+        assert not thread.is_alive(), "the engine hung after a worker failed"
+    finally:
+        engine.shutdown()
     return caught[0] if caught else None

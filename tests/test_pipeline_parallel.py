@@ -85,5 +85,4 @@ def test_a_killed_stage_fails_the_engine_naming_the_rank():
     worker = engine.executor.workers[0]
     os.kill(worker.pid, signal.SIGKILL)
     error = step_in_thread(engine)
-    engine.shutdown()
     assert isinstance(error, DistributedError) and "rank 1" in str(error) and "SIGKILL" in str(error)

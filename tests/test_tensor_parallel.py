@@ -107,7 +107,6 @@ def test_a_killed_worker_fails_the_engine_naming_the_rank():
     assert "rank 1" in str(error) and f"pid {worker.pid}" in str(error) and "SIGKILL" in str(error)
     with pytest.raises(DistributedError, match="rank 1"):  # and it stays failed, without waiting again
         engine.step()
-    engine.shutdown()
 
 
 @pytest.mark.slow
@@ -116,7 +115,6 @@ def test_a_stuck_worker_fails_the_engine_after_the_collective_timeout():
     worker = engine.executor.workers[0]
     os.kill(worker.pid, signal.SIGSTOP)  # alive, never answering
     error = step_in_thread(engine)
-    engine.shutdown()
     assert isinstance(error, DistributedError)
     assert "collective_timeout_s = 3 s" in str(error)
     worker.join(30)
