@@ -6,7 +6,8 @@
 #      greedy generation with each against the `reference` backend (benchmarks/generate_parity.py),
 #   2. the attention kernel benchmarks (benchmarks/bench_attention.py), and the decode shape over
 #      each quantized KV dtype a backend declares (int8, fp8: triton), against its float-KV time,
-#   3. a device-copy bandwidth probe, and the Triton tuning sweeps (benchmarks/triton_sweep.py),
+#   3. a device-copy bandwidth probe, the Triton tuning sweeps (benchmarks/triton_sweep.py), and,
+#      with two GPUs, TP=2 / PP=2 parity and figures,
 # and prints a short table last. Logs go to $GPU_CHECK_DIR (default /tmp/kvforge_gpu_check).
 #
 #   bash benchmarks/gpu_check.sh                # full grid
@@ -144,6 +145,29 @@ EOF
 quantized_bench_rc=$?
 tail -n 4 "$OUT/quantized_bench.log"
 [ "$quantized_bench_rc" -eq 0 ] || bench_rc=1
+
+# 2c. Tensor and pipeline parallelism, where the machine has two GPUs (NCCL): TP=2 and PP=2 give
+# one process's greedy tokens on kvforge-tiny, then the figures on bench-llama-50m.
+echo "== tensor/pipeline parallel (log: $OUT/parallel.log)"
+timeout "$BENCH_TIMEOUT" "$PYTHON" - > "$OUT/parallel.log" 2>&1 <<'EOF'
+import sys, torch
+if torch.cuda.device_count() < 2:
+    print(f"skipped: {torch.cuda.device_count()} CUDA device(s); TP=2 and PP=2 need one per rank")
+    sys.exit(0)
+from kvforge import LLM, SamplingParams
+from kvforge.benchmarks.tensor_parallel_figures import main
+params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
+tokens = []
+for parallel in ({}, {"tensor_parallel_size": 2}, {"pipeline_parallel_size": 2}):
+    llm = LLM("kvforge-tiny", device="cuda", dtype="float32", parallel=parallel)
+    tokens.append([o.outputs[0].token_ids for o in llm.generate(["def main(", "Hello"], params)])
+    llm.engine.shutdown()
+print(f"greedy tokens TP=2 == one process: {tokens[1] == tokens[0]}; PP=2 == one process: {tokens[2] == tokens[0]}")
+main(["--device", "cuda"])
+sys.exit(0 if tokens[1] == tokens[0] == tokens[2] else 1)
+EOF
+[ $? -eq 0 ] || bench_rc=1
+tail -n 12 "$OUT/parallel.log"
 
 # 3. Memory bandwidth the kernels are judged against: a large device-to-device copy.
 "$PYTHON" - > "$OUT/bandwidth.txt" 2>&1 <<'EOF'

@@ -43,6 +43,7 @@ from .errors import (
     ApiVersionError,
     BlockStateError,
     ConfigError,
+    DistributedError,
     DuplicateImplementationError,
     KvforgeError,
     OutOfBlocksError,

@@ -11,7 +11,7 @@ import re
 from typing import Any, Literal
 
 import torch
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from .api import ATTENTION_BACKEND, BLOCK_ALLOCATOR, QUANTIZER, SCHEDULER_POLICY, SPECULATIVE_PROPOSER
 
@@ -94,6 +94,31 @@ class SpeculativeConfig(Section):
         None, ge=1, description="no drafts while more requests than this run (decode is compute-bound there)")
 
 
+class ParallelConfig(Section):
+    tensor_parallel_size: int = Field(
+        1, ge=1, description="ranks that split every layer's heads and MLP (Megatron-style); 1: no tensor parallelism")
+    pipeline_parallel_size: int = Field(
+        1, ge=1, description="ranks that each hold a stage of consecutive layers, run one after another; "
+                             "1: no pipeline parallelism")
+    executor: Literal["auto", "mp"] = Field(
+        "auto", description="how the workers of ranks 1.. run: mp (processes on this host, torch.multiprocessing); "
+                            "auto: mp. The engine's own process is always rank 0")
+    collective_timeout_s: float = Field(
+        120.0, gt=0, description="seconds a collective may wait for a rank before the engine fails, naming it")
+
+    @model_validator(mode="after")
+    def _one_kind(self):
+        if self.tensor_parallel_size > 1 and self.pipeline_parallel_size > 1:
+            raise ValueError("tensor and pipeline parallelism together are not supported yet; set "
+                             "tensor_parallel_size or pipeline_parallel_size to 1")
+        return self
+
+    @property
+    def world_size(self) -> int:
+        """How many ranks (processes) the engine runs: 1 for a single-process engine."""
+        return self.tensor_parallel_size * self.pipeline_parallel_size
+
+
 class PluginsConfig(Section):
     allow: list[str] | None = Field(None, description="entry-point names to load; none means all")
     deny: list[str] = Field(default_factory=list, description="entry-point names never to load")
@@ -122,6 +147,7 @@ class EngineConfig(Section):
     scheduler: SchedulerConfig = Field(default_factory=SchedulerConfig)
     quantization: QuantizationConfig = Field(default_factory=QuantizationConfig)
     speculative: SpeculativeConfig = Field(default_factory=SpeculativeConfig)
+    parallel: ParallelConfig = Field(default_factory=ParallelConfig)
     plugins: PluginsConfig = Field(default_factory=PluginsConfig)
 
 

@@ -47,3 +47,8 @@ class RequestError(KvforgeError, ValueError):
 
 class QuantizationError(KvforgeError, ValueError):
     """A quantizer was given input it cannot represent (NaN or infinity)."""
+
+
+class DistributedError(KvforgeError, RuntimeError):
+    """A rank of a tensor-parallel engine died, or a collective timed out; the message
+    names the rank. The engine cannot go on: build a new one."""

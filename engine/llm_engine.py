@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-from kvforge.core import BlockStateError, EngineConfig, ProposerTarget, RequestError, build_registry, cdiv
+from kvforge.core import BlockStateError, ConfigError, EngineConfig, ProposerTarget, RequestError, build_registry, cdiv
 
 from . import components, heap
 from .detokenizer import IncrementalDetokenizer
@@ -67,16 +67,30 @@ class LLMEngine:
         components.check_supported(config, self.dtype)
         kv_quantizer = components.resolve_kv_quantizer(self.registry, config)
         weight_quantizer = None
+        self.executor = None  # kvforge.distributed's executor when parallel.world_size > 1
         if model is None:
             from kvforge.models import load_model, load_tokenizer
 
             layers = components.model_layers(config.model)
             backend = components.select_backend(self.registry, config, layers, self.device, self.dtype, kv_quantizer)
             weight_quantizer = components.weight_quantizer(self.registry, config)
-            model = load_model(config.model, dtype=self.dtype, device=self.device, attention_backend=backend,
-                               linear_kernel=config.linear_kernel, kv_quantizer=kv_quantizer,
-                               weight_quantizer=weight_quantizer)
+            if config.parallel.world_size > 1:
+                # The engine reaches kvforge.distributed only here, and only when asked to.
+                from kvforge.distributed import MultiprocExecutor
+
+                self.executor = MultiprocExecutor(config, backend, kv_quantizer, weight_quantizer, self.device,
+                                                  self.dtype)
+                model = self.executor.model
+            else:
+                model = load_model(config.model, dtype=self.dtype, device=self.device, attention_backend=backend,
+                                   linear_kernel=config.linear_kernel, kv_quantizer=kv_quantizer,
+                                   weight_quantizer=weight_quantizer)
             tokenizer = tokenizer if tokenizer is not None else load_tokenizer(config.model)
+        elif config.parallel.world_size > 1:
+            raise ConfigError(
+                f"parallel.tensor_parallel_size / pipeline_parallel_size over {config.parallel.world_size} ranks need "
+                "the engine to load the model itself (each rank loads its part); pass a model name or directory, "
+                "not a ready model")
         elif kv_quantizer is not None:
             components.use_kv_quantizer(model, kv_quantizer)
         self.model, self.tokenizer = model, tokenizer
@@ -91,7 +105,10 @@ class LLMEngine:
                                    max_num_batched_tokens=config.scheduler.max_num_batched_tokens,
                                    max_model_len=int(model.max_model_len))
         kv_caches = model.allocate_kv_cache(self.num_blocks, block_size)
-        self.runner = ModelRunner(model, self.kv, kv_caches, block_size, self.device)
+        if self.executor is None:
+            self.runner = ModelRunner(model, self.kv, kv_caches, block_size, self.device)
+        else:
+            self.runner = self.executor.runner(self.kv, kv_caches, block_size, self.num_blocks)
         self.sampler = Sampler(config.seed)
         self.verifier = RejectionSampler(self.sampler)
         self.max_model_len = int(model.max_model_len)
@@ -191,6 +208,12 @@ class LLMEngine:
             self.drafter.release(group.samples)
         self.stats.num_aborted += 1
         return self._output(request_id, group)
+
+    def shutdown(self) -> None:
+        """Stop the worker processes of a tensor- or pipeline-parallel engine (also done
+        at exit); it cannot step afterwards. A single-process engine has nothing to stop."""
+        if self.executor is not None:
+            self.executor.shutdown()
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.groups)

@@ -67,12 +67,13 @@ class ModelRunner:
     def apply_block_copies(self) -> int:
         """Copy-on-write: copy each pending (src, dst) block in every layer's cache."""
         copies = self.kv.pop_pending_copies()
-        if copies:
-            src = torch.tensor([s for s, _ in copies], device=self.device)
-            dst = torch.tensor([d for _, d in copies], device=self.device)
-            for cache in self.kv_caches:
-                cache[dst] = cache[src]
+        copy_blocks(self.kv_caches, copies, self.device)
         return len(copies)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, batch: AttentionBatch) -> torch.Tensor:
+        """The model's hidden states for one step's batch: `plan` once, then `forward`."""
+        plan = self.model.plan(batch)
+        return self.model.forward(input_ids, positions, self.kv_caches, plan)
 
     @torch.inference_mode()
     def execute(self, scheduled: Sequence[ScheduledRequest]) -> torch.Tensor:
@@ -80,8 +81,7 @@ class ModelRunner:
         of every scheduled entry, entry after entry: `[sum of num_logit_rows, vocab]`."""
         self.apply_block_copies()
         input_ids, positions, batch = self.build_batch(scheduled)
-        plan = self.model.plan(batch)
-        hidden = self.model.forward(input_ids, positions, self.kv_caches, plan)
+        hidden = self.forward(input_ids, positions, batch)
         counts = torch.tensor([entry.num_logit_rows for entry in scheduled], dtype=torch.int64)
         total = int(counts.sum())
         if total == 0:
@@ -91,6 +91,16 @@ class ModelRunner:
         first = torch.repeat_interleave(ends - counts, counts)
         within = torch.arange(total) - torch.repeat_interleave(torch.cumsum(counts, 0) - counts, counts)
         return self.model.compute_logits(hidden[(first + within).to(hidden.device)]).float()
+
+
+def copy_blocks(kv_caches: Sequence[torch.Tensor], copies: Sequence[tuple[int, int]], device: torch.device) -> None:
+    """Copy block `src` to block `dst` in every layer's cache, for each `(src, dst)`."""
+    if not copies:
+        return
+    src = torch.tensor([s for s, _ in copies], device=device)
+    dst = torch.tensor([d for _, d in copies], device=device)
+    for cache in kv_caches:
+        cache[dst] = cache[src]
 
 
 def token_slice(request, start: int, end: int) -> list[int]:

@@ -30,6 +30,11 @@ def add_parser(commands) -> None:
     parser.add_argument("--seed", type=int, help="seed; prompt i uses seed + i, so each is reproducible alone")
     parser.add_argument("--stream", action="store_true", help="print tokens as they are generated")
     parser.add_argument("--jsonl", action="store_true", help="one JSON object per request on stdout")
+    parser.add_argument("--tensor-parallel-size", type=int, metavar="N",
+                        help="split the model over N ranks on this host (parallel.tensor_parallel_size; "
+                             "N - 1 worker processes)")
+    parser.add_argument("--pipeline-parallel-size", type=int, metavar="N",
+                        help="split the model's layers into N stages on this host (parallel.pipeline_parallel_size)")
     parser.add_argument("--threads", type=int, help="CPU threads for torch (default: torch's choice); 1 is often "
                         "fastest for tiny models on a busy machine")
     parser.add_argument("-v", "--verbose", action="store_true",
@@ -95,6 +100,11 @@ def selection_line(engine, verbose: bool) -> str:
     if verbose:
         line += (f"; device {engine.device}, dtype {dtype_name(engine.dtype)}, {engine.num_blocks} KV blocks of "
                  f"{engine.kv.block_size} tokens")
+        parallel = engine.config.parallel
+        if parallel.tensor_parallel_size > 1:
+            line += f" per rank; tensor parallel over {parallel.tensor_parallel_size} ranks"
+        if parallel.pipeline_parallel_size > 1:
+            line += f" per rank; pipeline parallel over {parallel.pipeline_parallel_size} stages"
     return line
 
 
@@ -106,7 +116,6 @@ def record(output, selected: dict[str, str]) -> dict:
 
 def run(args: argparse.Namespace) -> int:
     from kvforge.engine.llm import LLM
-    from kvforge.engine.sampling_params import SamplingParams
 
     prompts = read_prompts(args)
     if not prompts:
@@ -117,7 +126,22 @@ def run(args: argparse.Namespace) -> int:
 
         torch.set_num_threads(args.threads)
     sections = {"model": args.model} if args.model else {}
-    llm = LLM(config_file=args.config, overrides=args.overrides, **sections)
+    overrides = list(args.overrides)
+    if args.tensor_parallel_size is not None:
+        overrides.append(f"parallel.tensor_parallel_size={args.tensor_parallel_size}")
+    if args.pipeline_parallel_size is not None:
+        overrides.append(f"parallel.pipeline_parallel_size={args.pipeline_parallel_size}")
+    llm = LLM(config_file=args.config, overrides=overrides, **sections)
+    try:
+        return generate(llm, prompts, args)
+    finally:
+        llm.engine.shutdown()
+
+
+def generate(llm, prompts: list[str], args: argparse.Namespace) -> int:
+    """Run `prompts` through `llm` as `args` asks; print the outputs and the summary."""
+    from kvforge.engine.sampling_params import SamplingParams
+
     selected = llm.engine.selected
     if not args.no_summary:
         print(selection_line(llm.engine, args.verbose), file=sys.stderr)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import difflib
 import json
 import logging
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -148,7 +149,7 @@ def attention_specs(name_or_path: str | Path) -> list[AttentionLayerSpec]:
 def load_model(name_or_path: str | Path, *, dtype: torch.dtype | str = torch.float32, device: str | torch.device = "cpu",
                attention_backend: type[AttentionBackend] | None = None, linear_kernel: str = "auto",
                kv_quantizer: Quantizer | None = None, weight_quantizer: Quantizer | None = None,
-               quantize_lm_head: bool = True) -> CausalLM:
+               quantize_lm_head: bool = True, shard: Callable[[CausalLM], None] | None = None) -> CausalLM:
     """Build and load a model; attention runs through instances of `attention_backend`.
 
     `name_or_path` is a built-in name (`kvforge-tiny`, `kvforge-tiny-draft`) or a
@@ -162,6 +163,9 @@ def load_model(name_or_path: str | Path, *, dtype: torch.dtype | str = torch.flo
     `int8_weight`) turns every linear layer, and an untied LM head unless
     `quantize_lm_head` is False, into an int8 `Int8Linear` (see
     `quantized_linear`); `linear_kernel` then applies to the layers left in float.
+    `shard` (tensor or pipeline parallelism: keep this rank's part, see
+    `kvforge.distributed`) runs on the float model once its weights are in, before
+    quantization and packing.
     """
     model_dir = resolve_model_dir(name_or_path)
     config = load_config(model_dir)
@@ -173,6 +177,8 @@ def load_model(name_or_path: str | Path, *, dtype: torch.dtype | str = torch.flo
     load_weights(model, checkpoint_files(model_dir), dtype, device)
     model.finish_loading()
     model.eval()
+    if shard is not None:
+        shard(model)
     if weight_quantizer is not None:
         quantize_linears(model, weight_quantizer, lm_head=quantize_lm_head)
     use_linear_kernel(model, linear_kernel)

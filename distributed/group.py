@@ -1,0 +1,112 @@
+"""The ranks of one distributed engine and the collectives between them.
+
+A `RankGroup` wraps one torch.distributed process group built from a
+TCP store on 127.0.0.1 (gloo on CPU, NCCL on CUDA), never the process-wide
+default group: an engine's group lives and dies with the engine, so several
+engines can follow one another in a process (the tests build many).
+
+Every collective waits at most `timeout_s`. A failure (a peer that closed its
+socket, a timeout) goes to `on_failure`, which the driver sets to name the rank
+that died; on a worker the default raises `DistributedError` as it is.
+"""
+
+from __future__ import annotations
+
+import datetime
+import time
+from collections.abc import Callable
+
+import torch
+import torch.distributed as dist
+
+from kvforge.core import DistributedError
+
+HOST = "127.0.0.1"
+STARTUP_TIMEOUT_S = 600.0
+"""How long start-up (spawning, importing, loading a checkpoint) may take before a rank
+that has not come up is named: minutes, where a step's collective gets seconds."""
+
+
+def _default_failure(what: str, exc: Exception) -> DistributedError:
+    return DistributedError(f"distributed {what} failed: {exc}")
+
+
+class RankGroup:
+    """This process's rank among `size` ranks, and the collectives the layers use
+    (all-reduce for tensor parallelism, send and receive between pipeline stages).
+
+    `comm_seconds` adds up the time spent inside collectives (waiting for the
+    slowest rank included), so a step's communication share can be measured
+    (on CUDA only the host's share: NCCL collectives run on the device's streams)."""
+
+    def __init__(self, store: dist.Store, rank: int, size: int, device: torch.device, timeout_s: float):
+        self.rank, self.size, self.device, self.timeout_s = rank, size, torch.device(device), timeout_s
+        timeout = datetime.timedelta(seconds=timeout_s)
+        # gloo: wait on the host, at most the timeout. NCCL: a bare wait() only orders the
+        # device streams (a timeout would block the host on every collective); its watchdog
+        # enforces the same timeout.
+        self._wait_timeout = timeout if self.device.type != "cuda" else None
+        if self.device.type == "cuda":
+            options = dist.ProcessGroupNCCL.Options()
+            options._timeout = timeout
+            self._pg = dist.ProcessGroupNCCL(store, rank, size, options)
+        else:
+            options = dist.ProcessGroupGloo._Options()
+            options._timeout = timeout
+            # Bound to 127.0.0.1, not to whatever the host name resolves to: the ranks share this host.
+            options._devices = [dist.ProcessGroupGloo.create_device(hostname=HOST)]
+            self._pg = dist.ProcessGroupGloo(store, rank, size, options)
+        self.comm_seconds = 0.0
+        self.on_failure: Callable[[str, Exception], Exception] = _default_failure
+
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        """Sum `x` (contiguous) over all ranks, in place; returns `x`."""
+        self._run("all-reduce", lambda: self._pg.allreduce([x]))
+        return x
+
+    def broadcast(self, x: torch.Tensor, root: int = 0) -> torch.Tensor:
+        """Overwrite `x` on every rank with rank `root`'s `x`, in place; returns `x`."""
+        self._run("broadcast", lambda: self._pg.broadcast(x, root))
+        return x
+
+    def all_gather(self, x: torch.Tensor) -> list[torch.Tensor]:
+        """Every rank's `x` (same shape on all), by rank."""
+        out = [torch.empty_like(x) for _ in range(self.size)]
+        self._run("all-gather", lambda: self._pg.allgather([out], [x]))
+        return out
+
+    def send(self, x: torch.Tensor, dst: int) -> None:
+        """Send `x` (contiguous) to rank `dst`, which must `recv` it."""
+        self._run("send", lambda: self._pg.send([x], dst, 0))
+
+    def recv(self, x: torch.Tensor, src: int) -> torch.Tensor:
+        """Fill `x` with what rank `src` sends; returns `x`."""
+        self._run("receive", lambda: self._pg.recv([x], src, 0))
+        return x
+
+    def _run(self, what: str, start: Callable[[], dist.Work]) -> None:
+        begin = time.perf_counter()
+        try:
+            work = start()
+            if self._wait_timeout is None:
+                work.wait()
+            else:
+                work.wait(self._wait_timeout)
+        except DistributedError:
+            raise
+        except RuntimeError as exc:  # gloo and NCCL report a dead peer or a timeout as RuntimeError
+            raise self.on_failure(what, exc) from exc
+        finally:
+            self.comm_seconds += time.perf_counter() - begin
+
+
+def driver_store(size: int) -> dist.TCPStore:
+    """The rendezvous store, held by rank 0 on a free port of 127.0.0.1 (`.port`). Its
+    waits (a key not there yet) last up to `STARTUP_TIMEOUT_S`: only start-up waits on it."""
+    return dist.TCPStore(HOST, 0, size, True, timeout=datetime.timedelta(seconds=STARTUP_TIMEOUT_S),
+                         wait_for_workers=False)
+
+
+def worker_store(port: int, size: int) -> dist.TCPStore:
+    """A worker's client of the driver's rendezvous store."""
+    return dist.TCPStore(HOST, port, size, False, timeout=datetime.timedelta(seconds=STARTUP_TIMEOUT_S))

@@ -1,0 +1,84 @@
+"""Pipeline parallelism of a loaded model: each rank keeps a stage of consecutive layers.
+
+Stage s of P holds decoder layers `stage_layers(L, P, s)` and their KV cache.
+The model's own `forward` runs unchanged on every stage; only its two ends are
+swapped for the wire:
+* on stages after the first, the token embedding becomes `ReceiveFromRank`,
+  which returns the previous stage's hidden states instead of looking tokens up;
+* on stages before the last, the final norm becomes `SendToRank` (to the next
+  stage), and on the last stage the norm runs and its output goes to rank 0,
+  which holds the embedding and LM head, computes the logits and samples.
+
+So a step is: rank 0 broadcasts the plan, then the hidden states walk
+0 -> 1 -> ... -> P-1 -> 0. Stages run one after another (no micro-batches),
+so PP divides the weights and the KV cache, not the time: correct first.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from kvforge.core import ConfigError
+from kvforge.models.llama import LlamaForCausalLM
+
+from .group import RankGroup
+
+
+def stage_layers(num_layers: int, stages: int, stage: int) -> range:
+    """The decoder layers of `stage`: consecutive, as even as they divide. The first
+    stages take the remainder, so no stage holds more layers than rank 0, whose KV
+    spec sizes the block count every stage allocates."""
+    if num_layers < stages:
+        raise ConfigError(f"parallel.pipeline_parallel_size = {stages} is more than the model's {num_layers} "
+                          f"layers; choose at most {num_layers}")
+    base, extra = divmod(num_layers, stages)
+    start = stage * base + min(stage, extra)
+    return range(start, start + base + (stage < extra))
+
+
+class ReceiveFromRank(nn.Module):
+    """Stands in for the token embedding: the previous stage's hidden states, `[tokens, hidden]`."""
+
+    weight = None  # a tied LM head reads the embedding's weight: this stage computes no logits
+
+    def __init__(self, group: RankGroup, src: int, hidden_size: int, dtype: torch.dtype):
+        super().__init__()
+        self.group, self.src, self.hidden_size, self.dtype = group, src, hidden_size, dtype
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        x = torch.empty(input_ids.shape[0], self.hidden_size, dtype=self.dtype, device=input_ids.device)
+        return self.group.recv(x, self.src)
+
+
+class SendToRank(nn.Module):
+    """Stands in for (or follows) the final norm: sends its output to rank `dst` and returns it."""
+
+    def __init__(self, group: RankGroup, dst: int, inner: nn.Module | None = None):
+        super().__init__()
+        self.group, self.dst, self.inner = group, dst, inner
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = (self.inner(x) if self.inner is not None else x).contiguous()
+        self.group.send(out, self.dst)
+        return out
+
+
+def split_stages(model: LlamaForCausalLM, group: RankGroup) -> None:
+    """Keep this rank's stage of a loaded Llama-family model (one rank per stage), in place."""
+    if group.size == 1:
+        return
+    if not isinstance(model, LlamaForCausalLM):
+        raise ConfigError(f"pipeline parallelism supports the Llama family (Llama, Mistral, Qwen2, Qwen3), not "
+                          f"{type(model).__name__}; set parallel.pipeline_parallel_size = 1 for this model")
+    stage, stages = group.rank, group.size
+    keep = stage_layers(len(model.layer_specs), stages, stage)
+    inner = model.model
+    inner.layers = nn.ModuleList(inner.layers[i] for i in keep)
+    model.layer_specs = [model.layer_specs[i] for i in keep]
+    last = stage == stages - 1
+    if stage > 0:
+        inner.embed_tokens = ReceiveFromRank(group, stage - 1, int(model.config["hidden_size"]), model.dtype)
+        if not model.tied:
+            model.lm_head = nn.Identity()  # only rank 0 computes logits
+    inner.norm = SendToRank(group, 0, inner.norm) if last else SendToRank(group, stage + 1)

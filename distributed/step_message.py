@@ -1,0 +1,69 @@
+"""One step's plan as the driver broadcasts it to the workers: two int64 tensors.
+
+The driver schedules; a worker only needs what its model call reads: the
+step's tokens and positions, the `AttentionBatch`, and the copy-on-write block
+copies to apply first. They travel as a fixed-size header (command and sizes)
+then one flat payload, so a step costs two broadcasts whatever the batch, and
+no pickling. A `STOP` header ends a worker's loop; a `REPORT` header asks every
+rank for its timings (`timing.gather_timings`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from kvforge.core import AttentionBatch
+
+from .group import RankGroup
+
+STOP, STEP, REPORT = 0, 1, 2
+HEADER_SIZE = 7  # command, tokens, sequences, block-table columns, block copies, max query len, max seq len
+
+
+@dataclass
+class StepMessage:
+    """What a worker needs to run one step: the model inputs and the block copies."""
+
+    input_ids: torch.Tensor
+    positions: torch.Tensor
+    batch: AttentionBatch
+    copies: list[tuple[int, int]]
+
+
+def send_command(group: RankGroup, command: int) -> None:
+    """Broadcast a header without a step: `STOP` or `REPORT`."""
+    group.broadcast(torch.tensor([command] + [0] * (HEADER_SIZE - 1), dtype=torch.int64, device=group.device))
+
+
+def send_step(group: RankGroup, message: StepMessage) -> None:
+    """Broadcast `message` from rank 0."""
+    batch = message.batch
+    tokens, seqs = message.input_ids.shape[0], batch.seq_lens.shape[0]
+    header = [STEP, tokens, seqs, batch.block_table.shape[1], len(message.copies), batch.max_query_len,
+              batch.max_seq_len]
+    copies = torch.tensor(message.copies, dtype=torch.int64).reshape(-1, 2).t().reshape(-1)
+    device = group.device
+    parts = [message.input_ids, message.positions, batch.query_start_loc, batch.seq_lens, batch.context_lens,
+             batch.block_table.reshape(-1), batch.slot_mapping, copies.to(device)]
+    payload = torch.cat([p.to(device=device, dtype=torch.int64) for p in parts])
+    group.broadcast(torch.tensor(header, dtype=torch.int64, device=device))
+    group.broadcast(payload)
+
+
+def receive(group: RankGroup, block_size: int) -> tuple[int, StepMessage | None]:
+    """The next command from rank 0, with its step when it is `STEP`."""
+    header = group.broadcast(torch.empty(HEADER_SIZE, dtype=torch.int64, device=group.device)).tolist()
+    command, tokens, seqs, cols, num_copies, max_query_len, max_seq_len = header
+    if command != STEP:
+        return command, None
+    sizes = [tokens, tokens, seqs + 1, seqs, seqs, seqs * cols, tokens, 2 * num_copies]
+    payload = group.broadcast(torch.empty(sum(sizes), dtype=torch.int64, device=group.device))
+    input_ids, positions, query_start_loc, seq_lens, context_lens, table, slots, copies = payload.split(sizes)
+    batch = AttentionBatch(
+        query_start_loc=query_start_loc.int(), seq_lens=seq_lens.int(), context_lens=context_lens.int(),
+        block_table=table.reshape(seqs, cols).int(), slot_mapping=slots.clone(), block_size=block_size,
+        max_query_len=max_query_len, max_seq_len=max_seq_len)
+    pairs = copies.reshape(2, -1).t().tolist()
+    return STEP, StepMessage(input_ids.clone(), positions.clone(), batch, [(s, d) for s, d in pairs])

@@ -1,0 +1,91 @@
+"""A worker process (ranks 1..size-1): load its shard or stage, then run steps.
+
+The worker has no scheduler, allocator or sampler: each step it receives the
+driver's plan (`step_message`), applies the block copies to its KV shard and
+runs its part of the model, meeting the other ranks in the layers'
+all-reduces (tensor parallelism) or at the stage hand-offs (pipeline
+parallelism). Logits are computed on rank 0 only. Any failure is written to
+the rendezvous store under `error/RANK`, so the driver can quote it when it
+names this rank.
+"""
+
+from __future__ import annotations
+
+import traceback
+
+import torch
+
+from kvforge.engine import components, heap
+from kvforge.engine.model_runner import copy_blocks
+
+from . import step_message
+from .group import RankGroup, worker_store
+from .shard_loading import WorkerSpec, load_worker_shard, rank_device
+from .timing import StageTimer, gather_timings
+
+
+NUM_BLOCKS_KEY = "num_blocks"
+
+
+def error_key(rank: int) -> str:
+    return f"error/{rank}"
+
+
+def ready_key(rank: int) -> str:
+    """Set once the rank is up and about to join the process group."""
+    return f"ready/{rank}"
+
+
+def loaded_key(rank: int) -> str:
+    """Set once the rank holds its part of the model."""
+    return f"loaded/{rank}"
+
+
+def run_worker(spec: WorkerSpec, rank: int) -> None:
+    """The worker's whole life; the entry point of its process."""
+    config = spec.engine_config
+    size, timeout = config.parallel.world_size, config.parallel.collective_timeout_s
+    torch.set_num_threads(spec.threads)
+    store = worker_store(spec.port, size)
+    try:
+        device = rank_device(components.resolve_device(config), rank)
+        if device.type == "cuda":
+            torch.cuda.set_device(device)
+        elif config.keep_freed_memory:  # as the driver does (LLMEngine): no page faults on each step's activations
+            heap.keep_freed_memory()
+        store.set(ready_key(rank), "1")
+        group = RankGroup(store, rank, size, device, timeout)
+        model = load_worker_shard(spec, group)
+        store.set(loaded_key(rank), "1")
+        # The driver's block count comes through the store, which waits minutes, not through a
+        # collective, which waits seconds: the driver may still be loading its own shard.
+        serve(model, group, config.cache.block_size, int(store.get(NUM_BLOCKS_KEY)))
+    except BaseException:
+        store.set(error_key(rank), traceback.format_exc()[-4000:])
+        raise
+
+
+@torch.inference_mode()
+def serve(model, group: RankGroup, block_size: int, num_blocks: int) -> None:
+    """Allocate this rank's KV shard at the driver's block count, report memory, then run
+    steps (and answer timing reports) until STOP."""
+    kv_caches = model.allocate_kv_cache(num_blocks, block_size)
+    report_memory(group, model, kv_caches)
+    timer = StageTimer(group)
+    while True:
+        command, message = step_message.receive(group, block_size)
+        if command == step_message.STOP:
+            return
+        if command == step_message.REPORT:
+            gather_timings(group, timer)
+            continue
+        copy_blocks(kv_caches, message.copies, group.device)
+        with timer:
+            model.forward(message.input_ids, message.positions, kv_caches, model.plan(message.batch))
+
+
+def report_memory(group: RankGroup, model, kv_caches: list[torch.Tensor]) -> list[tuple[int, int]]:
+    """Every rank's (weight bytes, KV cache bytes), by rank; every rank calls it once."""
+    kv_bytes = sum(c.numel() * c.element_size() for c in kv_caches)
+    mine = torch.tensor([model.weight_bytes(), kv_bytes], dtype=torch.int64, device=group.device)
+    return [tuple(int(v) for v in t.tolist()) for t in group.all_gather(mine)]
