@@ -74,8 +74,8 @@ class OpenAIServer:
 
     async def completions(self, request: Request, body: CompletionRequest) -> Response:
         self._check_model(body.model)
-        prompts = [self._tokenize(p, f"prompt[{i}]" if len(body.prompt) > 1 and not isinstance(body.prompt, str)
-                                  else "prompt") for i, p in enumerate(body.prompts())]
+        given = body.prompts()
+        prompts = [self._tokenize(p, f"prompt[{i}]" if len(given) > 1 else "prompt") for i, p in enumerate(given)]
         if not prompts:
             raise bad_request("prompt is empty; give a string, a list of strings or token ids", param="prompt")
         prepared = self._prepare("cmpl", body, prompts, body.max_tokens, body.logprobs, "prompt")

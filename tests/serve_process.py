@@ -57,7 +57,7 @@ class ServerProcess:
         try:
             conn.request(method, path, body=body, headers={"Content-Type": "application/json", **(headers or {})})
             response = conn.getresponse()
-            return response.status, dict(response.getheaders()), response.read()
+            return response.status, {k.lower(): v for k, v in response.getheaders()}, response.read()
         finally:
             conn.close()
 
