@@ -9,6 +9,7 @@ import signal
 import socket
 import sys
 import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -38,22 +39,26 @@ def long_greedy_text(offline, max_tokens: int = LONG) -> str:
 class BackgroundStream(threading.Thread):
     """A streamed greedy completion in a thread; `started` is set at its first chunk."""
 
-    def __init__(self, server, max_tokens: int = LONG, api_key: str = "unused"):
+    def __init__(self, server, max_tokens: int = LONG, api_key: str = "unused", priority: int = 0):
         super().__init__(daemon=True)
         self.client = openai_client(server, api_key=api_key)
         self.max_tokens = max_tokens
+        self.priority = priority
+        self.finished_at = None
         self.started = threading.Event()
         self.text, self.finish_reason, self.error, self.chunks = "", None, None, 0
 
     def run(self):
         try:
             stream = self.client.completions.create(model=MODEL, prompt=LONG_PROMPT, max_tokens=self.max_tokens,
-                                                    temperature=0, stream=True, extra_body={"ignore_eos": True})
+                                                    temperature=0, stream=True,
+                                                    extra_body={"ignore_eos": True, "priority": self.priority})
             for chunk in stream:
                 self.chunks += 1
                 self.text += chunk.choices[0].text
                 self.finish_reason = chunk.choices[0].finish_reason or self.finish_reason
                 self.started.set()
+            self.finished_at = time.monotonic()  # for the order of finishing only
         except Exception as exc:  # reported by the test that reads it
             self.error = exc
         finally:
@@ -169,22 +174,27 @@ def test_api_key_is_required_on_v1_routes_only():
         assert server.get("/health")[0] == 200 and server.get("/metrics")[0] == 200
 
 
-def test_a_full_queue_answers_503_with_retry_after_and_serves_the_others(offline):
-    expected_long = long_greedy_text(offline, 300)
-    with running_server("--max-waiting-requests", "1", "--set", "scheduler.max_num_seqs=1") as server:
-        running = BackgroundStream(server, max_tokens=300)
+def test_a_full_queue_answers_503_with_retry_after_and_priority_orders_the_waiting(offline):
+    expected = long_greedy_text(offline, 200)
+    with running_server("--max-waiting-requests", "2", "--set", "scheduler.max_num_seqs=1",
+                        "--set", "scheduler.policy=priority") as server:
+        running = BackgroundStream(server, max_tokens=200, priority=-5)  # never preempted by the others
         running.start()
         assert running.started.wait(timeout=120)
-        queued = BackgroundStream(server, max_tokens=300)
-        queued.start()
-        server.wait_for(lambda: server.metric("vllm:num_requests_waiting") == 1, "the second request to wait")
+        low = BackgroundStream(server, max_tokens=200, priority=5)
+        low.start()
+        server.wait_for(lambda: server.metric("vllm:num_requests_waiting") == 1, "the low-priority request to wait")
+        high = BackgroundStream(server, max_tokens=200, priority=-1)
+        high.start()
+        server.wait_for(lambda: server.metric("vllm:num_requests_waiting") == 2, "both to wait")
         status, headers, body = server.post_json("/v1/completions", {"prompt": "x", "max_tokens": 2})
         assert status == 503, body
         assert int(headers["retry-after"]) >= 1
-        assert body["error"]["code"] == "server_busy" and "limit 1" in body["error"]["message"]
-        assert running.chunks < 300, "the running stream ended before the 503 check; lengthen it"
-        for stream in (running.result(), queued.result()):
-            assert stream.error is None and stream.text == expected_long and stream.finish_reason == "length"
+        assert body["error"]["code"] == "server_busy" and "limit 2" in body["error"]["message"]
+        assert running.chunks < 200, "the running stream ended before the 503 check; lengthen it"
+        for stream in (running.result(), low.result(), high.result()):
+            assert stream.error is None and stream.text == expected and stream.finish_reason == "length"
+        assert high.finished_at < low.finished_at, "priority -1 was served after priority 5"
         reply = openai_client(server).completions.create(model=MODEL, prompt="x", max_tokens=2)
         assert reply.usage.completion_tokens == 2  # served again once the queue drained
 
