@@ -11,10 +11,11 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
+from starlette.exceptions import HTTPException
 
 from kvforge.engine.llm_engine import LLMEngine
 
-from .errors import APIError, api_error_handler, validation_error_handler
+from .errors import APIError, api_error_handler, http_error_handler, validation_error_handler
 from .openai_api import OpenAIServer, ServeSettings
 from .protocol import ChatCompletionRequest, CompletionRequest
 
@@ -58,6 +59,7 @@ def build_app(engine: LLMEngine, settings: ServeSettings) -> FastAPI:
     app.state.server = server
     app.add_exception_handler(APIError, api_error_handler)
     app.add_exception_handler(RequestValidationError, validation_error_handler)
+    app.add_exception_handler(HTTPException, http_error_handler)
     if settings.api_key:
         app.add_middleware(ApiKeyMiddleware, api_key=settings.api_key)
 

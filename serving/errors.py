@@ -9,6 +9,7 @@ from __future__ import annotations
 from fastapi import Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException
 
 ERROR_TYPES = {
     400: "invalid_request_error",
@@ -46,6 +47,14 @@ def bad_request(message: str, param: str | None = None, code: str | None = None)
 
 async def api_error_handler(request: Request, exc: APIError) -> JSONResponse:
     return exc.response()
+
+
+async def http_error_handler(request: Request, exc: HTTPException) -> JSONResponse:
+    """Starlette's own refusals (unknown route, wrong method) in the same shape."""
+    message = f"{request.method} {request.url.path}: {exc.detail}"
+    if exc.status_code == 404:
+        message += "; the routes are /v1/completions, /v1/chat/completions, /v1/models, /health and /metrics"
+    return JSONResponse(error_body(exc.status_code, message), status_code=exc.status_code, headers=exc.headers)
 
 
 async def validation_error_handler(request: Request, exc: RequestValidationError) -> JSONResponse:

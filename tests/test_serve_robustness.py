@@ -121,6 +121,13 @@ def test_bad_inputs_get_400_naming_the_field_while_a_long_stream_finishes_intact
     assert server.get("/health")[0] == 200
 
 
+def test_unknown_routes_answer_in_the_openai_error_shape(server):
+    status, _, body = server.post_json("/v1/embeddings", {"input": "x"})
+    assert status == 404 and "/v1/completions" in body["error"]["message"]
+    status, _, raw = server.request("GET", "/v1/completions")
+    assert status == 405 and json.loads(raw)["error"]["message"].startswith("GET /v1/completions")
+
+
 def test_openai_client_raises_bad_request_with_the_param(server):
     client = openai_client(server)
     with pytest.raises(openai.BadRequestError) as info:
