@@ -182,23 +182,23 @@ def test_api_key_is_required_on_v1_routes_only():
 
 
 def test_a_full_queue_answers_503_with_retry_after_and_priority_orders_the_waiting(offline):
-    expected = long_greedy_text(offline, 200)
+    expected = long_greedy_text(offline, 300)
     with running_server("--max-waiting-requests", "2", "--set", "scheduler.max_num_seqs=1",
                         "--set", "scheduler.policy=priority") as server:
-        running = BackgroundStream(server, max_tokens=200, priority=-5)  # never preempted by the others
+        running = BackgroundStream(server, max_tokens=300, priority=-5)  # never preempted by the others
         running.start()
         assert running.started.wait(timeout=120)
-        low = BackgroundStream(server, max_tokens=200, priority=5)
+        low = BackgroundStream(server, max_tokens=300, priority=5)
         low.start()
         server.wait_for(lambda: server.metric("vllm:num_requests_waiting") == 1, "the low-priority request to wait")
-        high = BackgroundStream(server, max_tokens=200, priority=-1)
+        high = BackgroundStream(server, max_tokens=300, priority=-1)
         high.start()
         server.wait_for(lambda: server.metric("vllm:num_requests_waiting") == 2, "both to wait")
         status, headers, body = server.post_json("/v1/completions", {"prompt": "x", "max_tokens": 2})
         assert status == 503, body
         assert int(headers["retry-after"]) >= 1
         assert body["error"]["code"] == "server_busy" and "limit 2" in body["error"]["message"]
-        assert running.chunks < 200, "the running stream ended before the 503 check; lengthen it"
+        assert running.chunks < 300, "the running stream ended before the 503 check; lengthen it"
         for stream in (running.result(), low.result(), high.result()):
             assert stream.error is None and stream.text == expected and stream.finish_reason == "length"
         assert high.finished_at < low.finished_at, "priority -1 was served after priority 5"
