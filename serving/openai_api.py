@@ -10,7 +10,6 @@ disturbs the others.
 from __future__ import annotations
 
 import asyncio
-import itertools
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable
@@ -68,7 +67,6 @@ class OpenAIServer:
         self.metrics = ServerMetrics(settings.model_name, engine.max_model_len, engine.kv.block_size)
         self.loop = EngineLoop(engine, on_step=self.metrics.on_step)
         self.token_text = TokenText(engine.tokenizer)
-        self._serial = itertools.count()
 
     # Endpoints
 
