@@ -65,8 +65,10 @@ def server_command(engine: str, python: str, model_dir: str, port: int, kv_cache
                    "--set", f"cache.memory_budget={int(kv_cache_gib * 2**30)}"]
         return command + (["--threads", str(threads)] if threads else [])
     if engine == "vllm":
+        # kvforge's scheduler defaults, so both batch alike
         return [python, "-m", "vllm.entrypoints.openai.api_server", "--model", model_dir, "--served-model-name",
-                SERVED_NAME, "--host", "127.0.0.1", "--port", str(port), "--dtype", "float32", "--seed", "0"]
+                SERVED_NAME, "--host", "127.0.0.1", "--port", str(port), "--dtype", "float32", "--seed", "0",
+                "--max-num-seqs", "128", "--max-num-batched-tokens", "2048"]
     raise ValueError(f"unknown server engine {engine!r}; choose kvforge or vllm")
 
 
@@ -80,6 +82,9 @@ class Server:
         self.log_path = log_path
         self._log = open(log_path, "w")
         env = peer_env(engine, kv_cache_gib, threads)
+        # The offline vLLM peer runs its engine core in-process to time its steps; a server
+        # runs it as `vllm serve` does, in its own process beside the HTTP front end.
+        env.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)
         env["NO_PROXY"] = env["no_proxy"] = "127.0.0.1"
         self.proc = subprocess.Popen(server_command(engine, python, model_dir, self.port, kv_cache_gib, threads),
                                      stdout=self._log, stderr=subprocess.STDOUT, env=env)
