@@ -114,14 +114,16 @@ class EngineLoop:
 
     def abort(self, request_id: str) -> None:
         """Stop a request (before or after the engine took it); its blocks are
-        freed before the next step."""
-        self._queues.pop(request_id, None)
+        freed before the next step. One already finished or aborted is left alone."""
         for add in self._adds:
             if add.request_id == request_id:
                 self._adds.remove(add)
+                self._queues.pop(request_id, None)
                 if not add.accepted.done():
                     add.accepted.cancel()
                 return
+        if self._queues.pop(request_id, None) is None:  # every unfinished submitted request has its queue
+            return
         self._aborts.append(request_id)
         if self._wake is not None:
             self._wake.set()

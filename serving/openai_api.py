@@ -80,7 +80,7 @@ class OpenAIServer:
         queue = await self._submit(prepared, body)
         outputs = self.loop.outputs(queue, [rid for rid, _, _ in prepared.requests])
         if body.stream:
-            return _event_stream(self._completion_events(prepared, body, outputs))
+            return _event_stream(self._completion_events(prepared, body, outputs), self._aborter(prepared))
         finals = await _until_disconnected(request, _finals(outputs))
         if finals is None:
             return Response(status_code=499)
@@ -108,7 +108,7 @@ class OpenAIServer:
         queue = await self._submit(prepared, body)
         outputs = self.loop.outputs(queue, [prepared.requests[0][0]])
         if body.stream:
-            return _event_stream(self._chat_events(prepared, body, outputs))
+            return _event_stream(self._chat_events(prepared, body, outputs), self._aborter(prepared))
         finals = await _until_disconnected(request, _finals(outputs))
         if finals is None:
             return Response(status_code=499)
@@ -186,6 +186,10 @@ class OpenAIServer:
         except EngineDeadError as exc:
             raise APIError(503, str(exc), code="engine_dead") from None
         return queue
+
+    def _aborter(self, prepared: _Prepared):
+        """Aborts whatever of `prepared` is unfinished; a no-op once all finished."""
+        return lambda: [self.loop.abort(request_id) for request_id, _, _ in prepared.requests]
 
     # Streams
 
@@ -281,7 +285,23 @@ async def _until_disconnected(request: Request, work: Awaitable):
         raise APIError(500, str(exc), code="engine_dead") from None
 
 
-def _event_stream(events: AsyncIterator[str]) -> StreamingResponse:
+class _AbortingStream(StreamingResponse):
+    """A stream that aborts its requests however the response ends, even when the
+    client left before its first event (then its generator never started, so no
+    `finally` of the generator runs)."""
+
+    def __init__(self, content, abort):
+        super().__init__(content, media_type="text/event-stream")
+        self._abort = abort
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self._abort()
+
+
+def _event_stream(events: AsyncIterator[str], abort) -> StreamingResponse:
     """The events, then `[DONE]`; an error mid-stream becomes an error event, as
     vLLM sends it, since the status line has already gone out."""
     async def framed() -> AsyncIterator[str]:
@@ -294,4 +314,4 @@ def _event_stream(events: AsyncIterator[str]) -> StreamingResponse:
             yield sse(error_body(500, str(exc), code="engine_dead"))
         yield SSE_DONE
 
-    return StreamingResponse(framed(), media_type="text/event-stream")
+    return _AbortingStream(framed(), abort)
