@@ -14,6 +14,7 @@ for every engine and rate; arrival times come from a fixed seed.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import random
 import socket
@@ -124,7 +125,9 @@ async def _one(client, request: dict, send_at: float, start: float) -> dict:
             model=SERVED_NAME, prompt=request["prompt_token_ids"], max_tokens=request["max_tokens"], temperature=0,
             stream=True, stream_options={"include_usage": True}, extra_body={"ignore_eos": True})
         async for chunk in stream:
-            if chunk.choices and chunk.choices[0].text:
+            # A chunk with a choice carries the step's new tokens, even when their text is
+            # still empty (a character's bytes pending); a usage chunk has none.
+            if chunk.choices and (chunk.choices[0].text or not chunk.choices[0].finish_reason):
                 token_times.append(time.perf_counter())
             if chunk.usage is not None:
                 tokens = chunk.usage.completion_tokens
@@ -173,26 +176,34 @@ def summarize(records: list[dict], seconds: float, target: LatencyTarget) -> dic
 
 def bench_serve(engines: dict[str, str], model_dir: str, requests: list[dict], rates: list[float], *,
                 kv_cache_gib: float, threads: int | None, target: LatencyTarget, out: Path, log=print) -> dict:
-    """Every engine at every rate; writes serve.json, serve.md and serve.png under `out`."""
+    """Every engine at every rate; writes serve.json, serve.md and serve.png under `out`.
+
+    All servers are up at once and the engines take turns at each rate, so a slow
+    phase of a shared machine falls on every engine alike instead of on one."""
     out.mkdir(parents=True, exist_ok=True)
     results = {"model_dir": model_dir, "requests": len(requests), "rates": rates, "kv_cache_gib": kv_cache_gib,
                "threads": threads, "target": {"ttft_s": target.ttft_s, "tpot_s": target.tpot_s},
                "started": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()), "engines": {}}
-    for engine, python in engines.items():
-        entry = results["engines"][engine] = {"python": python, "rates": []}
-        log(f"serve: starting {engine} ...")
-        try:
-            with Server(engine, python, model_dir, kv_cache_gib, threads, out / f"serve-{engine}.log") as server:
-                asyncio.run(run_rate(server.base_url, requests[:2], rates[0]))  # warm-up, not reported
-                for rate in rates:
-                    records, seconds = asyncio.run(run_rate(server.base_url, requests, rate))
-                    figures = {"rate": rate, **summarize(records, seconds, target)}
-                    entry["rates"].append(figures)
-                    log(f"serve: {engine} at {rate:g} req/s: " + format_row(figures))
-            entry["status"] = "ok"
-        except Exception as exc:
-            entry["status"] = f"failed: {exc}"
-            log(f"serve: {engine} failed: {exc}")
+    with contextlib.ExitStack() as stack:
+        servers = {}
+        for engine, python in engines.items():
+            entry = results["engines"][engine] = {"python": python, "rates": [], "status": "ok"}
+            log(f"serve: starting {engine} ...")
+            try:
+                servers[engine] = stack.enter_context(
+                    Server(engine, python, model_dir, kv_cache_gib, threads, out / f"serve-{engine}.log"))
+                asyncio.run(run_rate(servers[engine].base_url, requests[:2], rates[0]))  # warm-up, not reported
+            except Exception as exc:
+                entry["status"] = f"failed: {exc}"
+                log(f"serve: {engine} failed: {exc}")
+                servers.pop(engine, None)
+        for rate in rates:
+            for engine, server in servers.items():
+                records, seconds = asyncio.run(run_rate(server.base_url, requests, rate))
+                figures = {"rate": rate, **summarize(records, seconds, target)}
+                results["engines"][engine]["rates"].append(figures)
+                log(f"serve: {engine} at {rate:g} req/s: " + format_row(figures))
+    for entry in results["engines"].values():
         entry["max_rate_meeting_target"] = max(
             (r["rate"] for r in entry["rates"] if r["errors"] == 0 and r["met_target"] == r["requests"]), default=None)
     (out / "serve.json").write_text(json.dumps(results, indent=2))
