@@ -202,3 +202,31 @@ def test_same_prompt_twice_hits_the_prefix_cache_unless_salts_differ(server, cli
     hits_of(cache_salt="a")
     assert hits_of(cache_salt="a") > 0
     assert hits_of(cache_salt="b") == 0
+
+
+def test_streamed_choices_of_several_prompts_and_samples_add_up_to_the_non_streamed_ones(client):
+    kwargs = dict(model=MODEL, prompt=PROMPTS[20:22], max_tokens=6, temperature=0.9, n=2, seed=5)
+    whole = {c.index: c.text for c in client.completions.create(**kwargs).choices}
+    assert sorted(whole) == [0, 1, 2, 3]  # prompt i, sample j at i * n + j
+    streamed: dict[int, str] = {}
+    finishes: dict[int, int] = {}
+    for chunk in client.completions.create(**kwargs, stream=True):
+        for choice in chunk.choices:
+            streamed[choice.index] = streamed.get(choice.index, "") + choice.text
+            finishes[choice.index] = finishes.get(choice.index, 0) + (choice.finish_reason is not None)
+    assert streamed == whole
+    assert finishes == {i: 1 for i in range(4)}  # each choice finishes exactly once
+
+
+def test_streamed_chat_samples_open_with_the_role_and_add_up(client):
+    kwargs = dict(model=MODEL, messages=[{"role": "user", "content": "while"}], max_tokens=5, temperature=0.9, n=2,
+                  seed=9)
+    whole = {c.index: c.message.content for c in client.chat.completions.create(**kwargs).choices}
+    streamed: dict[int, str] = {}
+    roles = []
+    for chunk in client.chat.completions.create(**kwargs, stream=True):
+        for choice in chunk.choices:
+            if choice.delta.role:
+                roles.append(choice.index)
+            streamed[choice.index] = streamed.get(choice.index, "") + (choice.delta.content or "")
+    assert sorted(roles) == [0, 1] and streamed == whole
