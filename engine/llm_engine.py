@@ -134,18 +134,26 @@ class LLMEngine:
 
     def add_request(self, request_id: str, prompt: str | Sequence[int] | None = None,
                     params: SamplingParams | None = None, priority: int = 0, *,
-                    prompt_token_ids: Sequence[int] | None = None, arrival_time: float | None = None) -> None:
+                    prompt_token_ids: Sequence[int] | None = None, arrival_time: float | None = None,
+                    cache_salt: str | None = None) -> None:
         """Queue a request. Raises `RequestError` naming what is wrong (and changes
-        nothing) for an invalid request; other requests are unaffected."""
+        nothing) for an invalid request; other requests are unaffected.
+
+        `cache_salt` (vLLM's name) goes into the hash of every prefix-cache block of
+        this request, so requests with different salts (tenants) never share cached
+        blocks, and none can learn from timing what another has cached."""
         params = params if params is not None else SamplingParams()
         text, token_ids = self._prompt_tokens(request_id, prompt, prompt_token_ids)
         self._check_request(request_id, token_ids, params, priority)
+        if cache_salt is not None and (not isinstance(cache_salt, str) or not cache_salt):
+            raise RequestError(f"request {request_id!r}: cache_salt must be a non-empty string or None, "
+                               f"got {cache_salt!r}")
         arrival_index = next(self._arrivals)
         arrival_time = time.monotonic() if arrival_time is None else arrival_time
         samples = [
             Request(request_id if i == 0 else f"{request_id}#{i}", token_ids, params, priority=priority,
                     arrival_index=arrival_index, arrival_time=arrival_time, group_id=request_id, sample_index=i,
-                    prompt=text, eos_token_id=None if params.ignore_eos else self.eos_token_id,
+                    prompt=text, eos_token_id=None if params.ignore_eos else self.eos_token_id, cache_salt=cache_salt,
                     detokenizer=IncrementalDetokenizer(self.tokenizer)
                     if self.tokenizer is not None and params.detokenize else None)
             for i in range(params.n)

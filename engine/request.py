@@ -54,6 +54,7 @@ class Request:
     sample_index: int = 0
     prompt: str | None = None
     eos_token_id: int | None = None
+    cache_salt: str | None = None  # mixed into its prefix-cache block hashes: different salts never share blocks
 
     status: RequestStatus = RequestStatus.WAITING
     output_token_ids: list[int] = field(default_factory=list)

@@ -211,7 +211,8 @@ class Scheduler:
                 if victim is None:
                     break
                 preempt(victim)
-            computed = self.kv.admit(request.request_id, request.all_token_ids)
+            salt = () if request.cache_salt is None else (("cache_salt", request.cache_salt),)
+            computed = self.kv.admit(request.request_id, request.all_token_ids, salt)
             num_new = min(request.num_tokens - computed, budget)
             admitted = self.grow(request, computed + num_new)
             while not admitted:

@@ -26,7 +26,9 @@ def add_parser(commands) -> None:
     from kvforge.benchmarks.scenarios import NAMES
 
     parser = commands.add_parser("bench", help="benchmark kvforge side by side with peers; JSON, Markdown and plots")
-    parser.add_argument("scenarios", nargs="*", metavar="SCENARIO", help=f"any of: {', '.join(NAMES)} (default: all)")
+    parser.add_argument("scenarios", nargs="*", metavar="SCENARIO",
+                        help=f"any of: {', '.join(NAMES)} (default: all); or 'serve' alone: streamed requests with "
+                             "Poisson arrivals against kvforge serve (and vLLM's server with --peer vllm=PYTHON)")
     parser.add_argument("--quick", action="store_true", help="small workloads and model: minutes on 2 CPU cores")
     parser.add_argument("--out", default="bench-results", metavar="DIR", help="where results go (default: bench-results)")
     parser.add_argument("--peer", action="append", metavar="NAME=PYTHON",
@@ -48,6 +50,12 @@ def add_parser(commands) -> None:
     parser.add_argument("--max-requests", type=int, default=None, metavar="N",
                         help="keep the first N requests of each workload (the same N for every engine), for "
                              "peers too slow for the whole workload")
+    parser.add_argument("--rates", default=None, metavar="R1,R2,...",
+                        help="serve only: arrival rates in requests/s (default: 1,2,4 with --quick, else 0.5,1,2,4,8)")
+    parser.add_argument("--ttft-target-ms", type=float, default=2000.0,
+                        help="serve only: goodput counts requests with TTFT within this (default: 2000)")
+    parser.add_argument("--tpot-target-ms", type=float, default=200.0,
+                        help="serve only: ... and time per output token within this (default: 200)")
     parser.set_defaults(run=run)
 
 
@@ -97,6 +105,8 @@ def run(args: argparse.Namespace) -> int:
 
     if args.max_requests is not None and args.max_requests < 1:
         raise ConfigError(f"--max-requests must be at least 1, got {args.max_requests}")
+    if "serve" in args.scenarios:
+        return run_serve(args)
     names = args.scenarios or list(NAMES)
     unknown = [n for n in names if n not in NAMES]
     if unknown:
@@ -128,3 +138,40 @@ def run(args: argparse.Namespace) -> int:
               f"each run's log is {out}/<scenario>/run<N>.log", file=sys.stderr)
         return 1
     return 0
+
+
+def run_serve(args: argparse.Namespace) -> int:
+    """`kvforge bench serve`: every engine's server under Poisson load at each rate."""
+    from kvforge.benchmarks import harness, scenarios, serve_load
+    from kvforge.benchmarks.model_dirs import model_dir
+    from kvforge.core import ConfigError
+
+    if args.scenarios != ["serve"]:
+        raise ConfigError(f"'serve' runs alone; got {' '.join(args.scenarios)}; run the other scenarios separately")
+    try:
+        rates = [float(r) for r in (args.rates or ("1,2,4" if args.quick else "0.5,1,2,4,8")).split(",")]
+    except ValueError:
+        raise ConfigError(f"--rates must be numbers separated by commas, got {args.rates!r}") from None
+    if not rates or min(rates) <= 0:
+        raise ConfigError(f"--rates must be positive, got {args.rates!r}")
+    peers = harness.peer_pythons(args.peer)
+    engines = {"kvforge": peers.get("kvforge") or sys.executable}
+    if peers.get("vllm"):
+        engines["vllm"] = peers["vllm"]
+    else:
+        print("peer vllm not given, not run (--peer vllm=PATH/TO/python)", file=sys.stderr)
+    model = args.model or (QUICK_MODEL if args.quick else FULL_MODEL)
+    path = model_dir(model)
+    vocab = json.loads((path / "config.json").read_text())["vocab_size"]
+    requests = scenarios.build("mixed", vocab, args.quick).requests
+    if args.max_requests is not None:
+        requests = requests[:args.max_requests]
+    target = serve_load.LatencyTarget(args.ttft_target_ms / 1e3, args.tpot_target_ms / 1e3)
+    out = Path(args.out)
+    results = serve_load.bench_serve(engines, str(path), requests, rates,
+                                     kv_cache_gib=args.kv_cache_gib or (0.5 if args.quick else 2.0),
+                                     threads=args.threads or None, target=target, out=out,
+                                     log=lambda line: print(line, file=sys.stderr))
+    print(f"wrote {out / 'serve.json'}, {out / 'serve.md'} and {out / 'serve.png'}", file=sys.stderr)
+    print(serve_load.markdown(results))
+    return 0 if results["engines"]["kvforge"].get("status") == "ok" else 1

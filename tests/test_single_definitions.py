@@ -19,8 +19,8 @@ from kvforge.engine import cache_sizing, components
 from kvforge.models import loader
 
 ROOT = Path(__file__).resolve().parents[1]
-SOURCE_DIRS = ("core", "engine", "models", "backends", "plugins", "conformance", "benchmarks", "kvforge", "tests",
-               "examples")
+SOURCE_DIRS = ("core", "engine", "models", "backends", "plugins", "conformance", "benchmarks", "serving", "kvforge",
+               "tests", "examples")
 
 
 def python_sources():

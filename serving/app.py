@@ -1,0 +1,88 @@
+"""The FastAPI application: routes, the API-key check, error handlers, and the
+engine loop started and stopped with the app's lifespan."""
+
+from __future__ import annotations
+
+import contextlib
+import hmac
+import time
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response
+from prometheus_client import CONTENT_TYPE_LATEST
+from starlette.exceptions import HTTPException
+
+from kvforge.engine.llm_engine import LLMEngine
+
+from .errors import APIError, api_error_handler, http_error_handler, validation_error_handler
+from .openai_api import OpenAIServer, ServeSettings
+from .protocol import ChatCompletionRequest, CompletionRequest
+
+
+class ApiKeyMiddleware:
+    """With an API key set, every `/v1/...` request must carry
+    `Authorization: Bearer KEY`; the comparison takes the same time whatever the
+    given key, so timing does not reveal how much of it was right. `/health` and
+    `/metrics` stay open, as in vLLM."""
+
+    def __init__(self, app, api_key: str):
+        self.app = app
+        self.expected = f"Bearer {api_key}".encode()
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] == "http" and scope["path"].startswith("/v1") and scope["method"] != "OPTIONS":
+            given = dict(scope["headers"]).get(b"authorization", b"")
+            if not hmac.compare_digest(given, self.expected):
+                message = ("missing API key; send 'Authorization: Bearer KEY'" if not given
+                           else "incorrect API key; send the key the server was started with (--api-key)")
+                await APIError(401, message, code="invalid_api_key").response()(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+
+def build_app(engine: LLMEngine, settings: ServeSettings) -> FastAPI:
+    """An app serving `engine` under `settings.model_name`. The engine loop runs
+    while the app is up (its lifespan)."""
+    server = OpenAIServer(engine, settings)
+    started = int(time.time())
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI):
+        server.loop.start()
+        try:
+            yield
+        finally:
+            await server.loop.stop()
+
+    app = FastAPI(title="kvforge", lifespan=lifespan)
+    app.state.server = server
+    app.add_exception_handler(APIError, api_error_handler)
+    app.add_exception_handler(RequestValidationError, validation_error_handler)
+    app.add_exception_handler(HTTPException, http_error_handler)
+    if settings.api_key:
+        app.add_middleware(ApiKeyMiddleware, api_key=settings.api_key)
+
+    @app.get("/health")
+    async def health() -> Response:
+        return Response(status_code=200 if server.loop.alive else 503)
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return Response(server.metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/v1/models")
+    async def models() -> JSONResponse:
+        return JSONResponse({"object": "list", "data": [{
+            "id": settings.model_name, "object": "model", "created": started, "owned_by": "kvforge",
+            "root": str(engine.config.model), "max_model_len": engine.max_model_len}]})
+
+    @app.post("/v1/completions")
+    async def completions(request: Request, body: CompletionRequest) -> Response:
+        return await server.completions(request, body)
+
+    @app.post("/v1/chat/completions")
+    async def chat(request: Request, body: ChatCompletionRequest) -> Response:
+        return await server.chat(request, body)
+
+    return app

@@ -1,0 +1,142 @@
+"""`/metrics`: Prometheus counters, gauges and histograms under vLLM's names and
+buckets (`vllm:num_requests_running`, `vllm:time_to_first_token_seconds`, ...),
+so dashboards built for `vllm serve` read a kvforge server unchanged.
+
+The metrics are built once per server and updated after every engine step (and
+after aborts); a scrape only renders them. Counters follow the engine's own
+running totals, so a scrape never misses what happened between two scrapes.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+# vLLM's buckets (vllm/v1/metrics/loggers.py), so histogram quantiles compare across servers.
+TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
+                20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
+TOKEN_LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
+                         20.0, 40.0, 80.0)
+REQUEST_LATENCY_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0,
+                           240.0, 480.0, 960.0, 1920.0, 7680.0)
+N_BUCKETS = (1, 2, 5, 10, 20)
+FINISH_REASONS = ("stop", "length", "abort", "error")
+
+
+def buckets_1_2_5(max_value: int) -> list[int]:
+    """1, 2, 5, 10, 20, 50, ... up to `max_value` (vLLM's token-count buckets)."""
+    out, scale = [], 1
+    while True:
+        for mantissa in (1, 2, 5):
+            if mantissa * scale > max_value:
+                return out
+            out.append(mantissa * scale)
+        scale *= 10
+
+
+class ServerMetrics:
+    """Every metric of one server, labelled `model_name` and `engine` as vLLM's are."""
+
+    def __init__(self, model_name: str, max_model_len: int, block_size: int):
+        self.registry = CollectorRegistry()
+        self.block_size = block_size
+        labels = {"model_name": model_name, "engine": "0"}
+        names = list(labels)
+
+        def gauge(name, doc):
+            return Gauge(name, doc, names, registry=self.registry).labels(**labels)
+
+        def counter(name, doc):
+            return Counter(name, doc, names, registry=self.registry).labels(**labels)
+
+        def histogram(name, doc, buckets):
+            return Histogram(name, doc, names, buckets=buckets, registry=self.registry).labels(**labels)
+
+        self.running = gauge("vllm:num_requests_running", "Number of requests in model execution batches.")
+        self.waiting = gauge("vllm:num_requests_waiting", "Number of requests waiting to be processed.")
+        self.kv_usage = gauge("vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.")
+        self.prefix_queries = counter("vllm:prefix_cache_queries",
+                                      "Prefix cache queries, in tokens (looked-up blocks times the block size).")
+        self.prefix_hits = counter("vllm:prefix_cache_hits",
+                                   "Prefix cache hits, in tokens (hit blocks times the block size).")
+        self.preemptions = counter("vllm:num_preemptions", "Cumulative number of preemption from the engine.")
+        self.prompt_tokens = counter("vllm:prompt_tokens", "Number of prefill tokens processed.")
+        self.generation_tokens = counter("vllm:generation_tokens", "Number of generation tokens processed.")
+        self.spec_drafts = counter("vllm:spec_decode_num_drafts", "Number of spec decoding drafts.")
+        self.spec_draft_tokens = counter("vllm:spec_decode_num_draft_tokens", "Number of draft tokens.")
+        self.spec_accepted_tokens = counter("vllm:spec_decode_num_accepted_tokens", "Number of accepted tokens.")
+        success = Counter("vllm:request_success", "Count of successfully processed requests.",
+                          [*names, "finished_reason"], registry=self.registry)
+        self.success = {reason: success.labels(**labels, finished_reason=reason) for reason in FINISH_REASONS}
+        token_buckets = buckets_1_2_5(max_model_len)
+        self.request_prompt_tokens = histogram("vllm:request_prompt_tokens", "Number of prefill tokens processed.",
+                                               token_buckets)
+        self.request_generation_tokens = histogram("vllm:request_generation_tokens",
+                                                   "Number of generation tokens processed.", token_buckets)
+        self.request_max_tokens = histogram("vllm:request_params_max_tokens",
+                                            "Histogram of the max_tokens request parameter.", token_buckets)
+        self.request_n = histogram("vllm:request_params_n", "Histogram of the n request parameter.", N_BUCKETS)
+        self.ttft = histogram("vllm:time_to_first_token_seconds", "Histogram of time to first token in seconds.",
+                              TTFT_BUCKETS)
+        self.tpot = histogram("vllm:time_per_output_token_seconds",
+                              "Histogram of time per output token in seconds.", TOKEN_LATENCY_BUCKETS)
+        self.itl = histogram("vllm:inter_token_latency_seconds", "Histogram of inter-token latency in seconds.",
+                             TOKEN_LATENCY_BUCKETS)
+        self.e2e = histogram("vllm:e2e_request_latency_seconds", "Histogram of e2e request latency in seconds.",
+                             REQUEST_LATENCY_BUCKETS)
+        self._totals: dict[str, int] = {}
+        self._last_token_time: dict[str, float] = {}  # per engine request: when its latest token came
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
+
+    def on_step(self, engine, outputs, now: float) -> None:
+        """Bring every metric up to date after a step (or after aborts)."""
+        self.running.set(len(engine.scheduler.running))
+        self.waiting.set(len(engine.scheduler.waiting))
+        usage = engine.kv.usage()
+        self.kv_usage.set(usage.usage)
+        stats = engine.stats
+        self._advance(self.prefix_queries, "queries", usage.lookups * self.block_size)
+        self._advance(self.prefix_hits, "hits", usage.hits * self.block_size)
+        self._advance(self.preemptions, "preemptions", engine.scheduler.num_preemptions)
+        self._advance(self.prompt_tokens, "prompt", stats.num_prompt_tokens)
+        self._advance(self.generation_tokens, "generation", stats.num_generated_tokens)
+        self._advance(self.spec_drafts, "drafts", stats.num_verifications)
+        self._advance(self.spec_draft_tokens, "draft_tokens", stats.num_draft_tokens)
+        self._advance(self.spec_accepted_tokens, "accepted", stats.num_accepted_tokens)
+        for output in outputs:
+            self._observe(output, now)
+
+    def _advance(self, counter, key: str, total: int) -> None:
+        delta = total - self._totals.get(key, 0)
+        if delta > 0:
+            counter.inc(delta)
+        self._totals[key] = total
+
+    def _observe(self, output, now: float) -> None:
+        request_id = output.request_id
+        if any(c.new_token_ids for c in output.outputs):
+            last = self._last_token_time.get(request_id)
+            if last is None:
+                if output.timings.ttft is not None:
+                    self.ttft.observe(output.timings.ttft)
+            else:
+                self.itl.observe(now - last)
+            self._last_token_time[request_id] = now
+        if not output.finished:
+            return
+        self._last_token_time.pop(request_id, None)
+        timings = output.timings
+        reason = output.outputs[0].finish_reason or "abort"
+        self.success[reason if reason in self.success else "error"].inc()
+        self.e2e.observe((timings.finish_time or now) - timings.arrival_time)
+        if timings.tpot is not None:
+            self.tpot.observe(timings.tpot)
+        self.request_prompt_tokens.observe(len(output.prompt_token_ids))
+        self.request_generation_tokens.observe(sum(len(c.token_ids) for c in output.outputs))
+
+    def on_request(self, max_tokens: int, n: int) -> None:
+        """A request was accepted with these parameters."""
+        self.request_max_tokens.observe(max_tokens)
+        self.request_n.observe(n)
+

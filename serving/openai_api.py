@@ -1,0 +1,317 @@
+"""`/v1/completions` and `/v1/chat/completions`: check the request, hand its
+prompts to the engine loop, and answer with one JSON body or a stream of
+server-sent events, in OpenAI's shapes.
+
+Everything that can be refused is refused before the engine sees the request
+(400 naming the field, 503 when the queue is full), so a bad request never
+disturbs the others.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from collections.abc import AsyncIterator, Awaitable
+from dataclasses import dataclass
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from kvforge.core import RequestError
+from kvforge.engine.llm_engine import LLMEngine
+from kvforge.engine.outputs import RequestOutput
+from kvforge.engine.sampling_params import SamplingParams
+
+from .chat_template import chat_prompt_token_ids
+from .engine_loop import EngineDeadError, EngineLoop
+from .errors import APIError, bad_request, error_body
+from .metrics import ServerMetrics
+from .protocol import ChatCompletionRequest, CompletionRequest, SamplingFields
+from .responses import SSE_DONE, TokenText, chat_logprobs, choice_index, completion_logprobs, failed, sse, usage
+
+
+@dataclass
+class ServeSettings:
+    """How the server answers. `model_name` is the id clients send as `model`;
+    `max_waiting_requests` bounds requests accepted but not yet scheduled (None:
+    unbounded), beyond which a request gets 503 with `Retry-After`."""
+
+    model_name: str
+    api_key: str | None = None
+    max_waiting_requests: int | None = None
+    retry_after_s: int = 1
+
+
+@dataclass
+class _Prepared:
+    """One HTTP request, checked and split into engine requests (one per prompt)."""
+
+    response_id: str
+    created: int
+    requests: list[tuple[str, list[int], SamplingParams]]
+    n: int
+    logprobs: int | None
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return sum(len(ids) for _, ids, _ in self.requests)
+
+
+class OpenAIServer:
+    """The engine loop, the metrics, and the two generation endpoints."""
+
+    def __init__(self, engine: LLMEngine, settings: ServeSettings):
+        self.engine = engine
+        self.settings = settings
+        self.metrics = ServerMetrics(settings.model_name, engine.max_model_len, engine.kv.block_size)
+        self.loop = EngineLoop(engine, on_step=self.metrics.on_step)
+        self.token_text = TokenText(engine.tokenizer)
+
+    # Endpoints
+
+    async def completions(self, request: Request, body: CompletionRequest) -> Response:
+        self._check_model(body.model)
+        given = body.prompts()
+        prompts = [self._tokenize(p, f"prompt[{i}]" if len(given) > 1 else "prompt") for i, p in enumerate(given)]
+        if not prompts:
+            raise bad_request("prompt is empty; give a string, a list of strings or token ids", param="prompt")
+        prepared = self._prepare("cmpl", body, prompts, body.max_tokens, body.logprobs, "prompt")
+        queue = await self._submit(prepared, body)
+        outputs = self.loop.outputs(queue, [rid for rid, _, _ in prepared.requests])
+        if body.stream:
+            return _event_stream(self._completion_events(prepared, body, outputs), self._aborter(prepared))
+        finals = await _until_disconnected(request, _finals(outputs))
+        if finals is None:
+            return Response(status_code=499)
+        choices, completion_tokens = [], 0
+        for p, (rid, _, _) in enumerate(prepared.requests):
+            output = finals[rid]
+            _raise_if_failed(output)
+            for c in output.outputs:
+                completion_tokens += len(c.token_ids)
+                choices.append({"index": choice_index(p, prepared.n, c), "text": c.text,
+                                "logprobs": completion_logprobs(c, prepared.logprobs or 0, self.token_text, False),
+                                "finish_reason": c.finish_reason, "stop_reason": c.stop_reason})
+        choices.sort(key=lambda choice: choice["index"])
+        return JSONResponse({"id": prepared.response_id, "object": "text_completion", "created": prepared.created,
+                             "model": self.settings.model_name, "choices": choices,
+                             "usage": usage(prepared.num_prompt_tokens, completion_tokens)})
+
+    async def chat(self, request: Request, body: ChatCompletionRequest) -> Response:
+        self._check_model(body.model)
+        messages = [{"role": m.role, "content": m.text()} for m in body.messages]
+        prompt = chat_prompt_token_ids(self.engine.tokenizer, messages)
+        prepared = self._prepare("chatcmpl", body, [prompt], body.requested_max_tokens, body.num_logprobs, "messages",
+                                 max_tokens_param="max_completion_tokens" if body.max_completion_tokens is not None
+                                 else "max_tokens")
+        queue = await self._submit(prepared, body)
+        outputs = self.loop.outputs(queue, [prepared.requests[0][0]])
+        if body.stream:
+            return _event_stream(self._chat_events(prepared, body, outputs), self._aborter(prepared))
+        finals = await _until_disconnected(request, _finals(outputs))
+        if finals is None:
+            return Response(status_code=499)
+        output = finals[prepared.requests[0][0]]
+        _raise_if_failed(output)
+        choices = [{"index": c.index, "message": {"role": "assistant", "content": c.text},
+                    "logprobs": chat_logprobs(c, prepared.logprobs or 0, self.token_text, False),
+                    "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}
+                   for c in sorted(output.outputs, key=lambda c: c.index)]
+        return JSONResponse({"id": prepared.response_id, "object": "chat.completion", "created": prepared.created,
+                             "model": self.settings.model_name, "choices": choices,
+                             "usage": usage(prepared.num_prompt_tokens, sum(len(c.token_ids) for c in output.outputs))})
+
+    # Checks
+
+    def _check_model(self, model: str | None) -> None:
+        if model is not None and model != self.settings.model_name:
+            raise bad_request(f"model {model!r} is not served here; this server serves {self.settings.model_name!r} "
+                              "(see GET /v1/models)", param="model", code="model_not_found")
+
+    def _tokenize(self, prompt: str | list[int], param: str) -> list[int]:
+        if isinstance(prompt, list):
+            bad = [t for t in prompt if not 0 <= t < self.engine.vocab_size]
+            if bad:
+                raise bad_request(f"token ids {bad[:5]} are outside the vocabulary [0, {self.engine.vocab_size})",
+                                  param=param)
+            return list(prompt)
+        if self.engine.tokenizer is None:
+            raise bad_request("this model has no tokenizer; send the prompt as token ids", param=param)
+        return list(self.engine.tokenizer.encode(prompt))
+
+    def _prepare(self, prefix: str, body: SamplingFields, prompts: list[list[int]], max_tokens: int | None,
+                 logprobs: int | None, prompt_param: str, max_tokens_param: str = "max_tokens") -> _Prepared:
+        context = self.engine.max_model_len
+        response_id = f"{prefix}-{uuid.uuid4().hex}"
+        requests = []
+        for i, token_ids in enumerate(prompts):
+            if not token_ids:
+                raise bad_request("the prompt is empty; give at least one token", param=prompt_param)
+            room = context - len(token_ids)
+            if room < 1:
+                raise bad_request(f"the prompt has {len(token_ids)} tokens, but this model's context is {context} "
+                                  "tokens and one must be left to generate; shorten the prompt", param=prompt_param,
+                                  code="context_length_exceeded")
+            wanted = room if max_tokens is None else max_tokens
+            if wanted > room:
+                raise bad_request(f"{max_tokens_param} is {wanted}, but the prompt's {len(token_ids)} tokens leave "
+                                  f"room for {room} of this model's {context}-token context; lower {max_tokens_param} "
+                                  "or shorten the prompt", param=max_tokens_param, code="context_length_exceeded")
+            try:
+                params = body.sampling_params(wanted, logprobs)
+            except RequestError as exc:
+                raise bad_request(str(exc)) from None
+            requests.append((f"{response_id}-{i}", token_ids, params))
+        return _Prepared(response_id, int(time.time()), requests, body.n, logprobs)
+
+    async def _submit(self, prepared: _Prepared, body: SamplingFields) -> asyncio.Queue:
+        limit = self.settings.max_waiting_requests
+        if limit is not None and self.loop.num_queued + len(prepared.requests) > limit:
+            raise APIError(503, f"the server is busy: {self.loop.num_queued} requests are already waiting (limit "
+                           f"{limit}); retry after {self.settings.retry_after_s} s", code="server_busy",
+                           headers={"Retry-After": str(self.settings.retry_after_s)})
+        queue: asyncio.Queue = asyncio.Queue()
+        submitted = []
+        try:
+            for request_id, token_ids, params in prepared.requests:
+                await self.loop.submit(request_id, token_ids, params, queue, priority=body.priority,
+                                       cache_salt=body.cache_salt)
+                submitted.append(request_id)
+                self.metrics.on_request(params.max_tokens, params.n)
+        except RequestError as exc:
+            for request_id in submitted:
+                self.loop.abort(request_id)
+            raise bad_request(str(exc)) from None
+        except EngineDeadError as exc:
+            raise APIError(503, str(exc), code="engine_dead") from None
+        return queue
+
+    def _aborter(self, prepared: _Prepared):
+        """Aborts whatever of `prepared` is unfinished; a no-op once all finished."""
+        return lambda: [self.loop.abort(request_id) for request_id, _, _ in prepared.requests]
+
+    # Streams
+
+    async def _completion_events(self, prepared: _Prepared, body: CompletionRequest,
+                                 outputs: AsyncIterator[RequestOutput]) -> AsyncIterator[str]:
+        index_of = {rid: p for p, (rid, _, _) in enumerate(prepared.requests)}
+        tokens: dict[int, int] = {}  # choice index: its tokens so far
+        offsets: dict[int, int] = {}  # choice index: its text length so far (logprobs' text_offset)
+        done: set[int] = set()  # choices whose finish was sent
+        head = {"id": prepared.response_id, "object": "text_completion", "created": prepared.created,
+                "model": self.settings.model_name}
+        async for output in outputs:
+            _raise_if_failed(output)
+            for c in output.outputs:
+                index = choice_index(index_of[output.request_id], prepared.n, c)
+                if index in done or not (c.new_text or c.new_token_ids or c.finished):
+                    continue
+                logprobs = completion_logprobs(c, prepared.logprobs or 0, self.token_text, True, offsets.get(index, 0))
+                offsets[index] = offsets.get(index, 0) + len(c.new_text)
+                tokens[index] = len(c.token_ids)
+                chunk = {**head, "choices": [{"index": index, "text": c.new_text, "logprobs": logprobs,
+                                              "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}]}
+                if body.continuous_usage:
+                    chunk["usage"] = usage(prepared.num_prompt_tokens, sum(tokens.values()))
+                if c.finished:
+                    done.add(index)
+                yield sse(chunk)
+        if body.include_usage:
+            yield sse({**head, "choices": [], "usage": usage(prepared.num_prompt_tokens, sum(tokens.values()))})
+
+    async def _chat_events(self, prepared: _Prepared, body: ChatCompletionRequest,
+                           outputs: AsyncIterator[RequestOutput]) -> AsyncIterator[str]:
+        head = {"id": prepared.response_id, "object": "chat.completion.chunk", "created": prepared.created,
+                "model": self.settings.model_name}
+        tokens: dict[int, int] = {}
+        done: set[int] = set()
+        for index in range(prepared.n):  # OpenAI opens each choice with the role
+            yield sse({**head, "choices": [{"index": index, "delta": {"role": "assistant", "content": ""},
+                                            "logprobs": None, "finish_reason": None}]})
+        async for output in outputs:
+            _raise_if_failed(output)
+            for c in output.outputs:
+                if c.index in done or not (c.new_text or c.new_token_ids or c.finished):
+                    continue
+                tokens[c.index] = len(c.token_ids)
+                chunk = {**head, "choices": [{
+                    "index": c.index, "delta": {"content": c.new_text} if c.new_text or not c.finished else {},
+                    "logprobs": chat_logprobs(c, prepared.logprobs or 0, self.token_text, True),
+                    "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}]}
+                if body.continuous_usage:
+                    chunk["usage"] = usage(prepared.num_prompt_tokens, sum(tokens.values()))
+                if c.finished:
+                    done.add(c.index)
+                yield sse(chunk)
+        if body.include_usage:
+            yield sse({**head, "choices": [], "usage": usage(prepared.num_prompt_tokens, sum(tokens.values()))})
+
+
+def _raise_if_failed(output: RequestOutput) -> None:
+    error = failed(output)
+    if error is not None:
+        raise APIError(500, f"generation failed: {error}", code="generation_failed")
+
+
+async def _finals(outputs: AsyncIterator[RequestOutput]) -> dict[str, RequestOutput]:
+    finals = {}
+    async for output in outputs:
+        if output.finished:
+            finals[output.request_id] = output
+    return finals
+
+
+async def _until_disconnected(request: Request, work: Awaitable):
+    """`work`'s result, or None if the client went away first; then `work` is
+    cancelled, which aborts its requests."""
+    async def disconnected() -> None:
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+
+    task = asyncio.ensure_future(work)
+    watch = asyncio.ensure_future(disconnected())
+    try:
+        await asyncio.wait({task, watch}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watch.cancel()
+        if not task.done():
+            task.cancel()
+    if not task.done() or task.cancelled():
+        return None
+    try:
+        return task.result()
+    except EngineDeadError as exc:
+        raise APIError(500, str(exc), code="engine_dead") from None
+
+
+class _AbortingStream(StreamingResponse):
+    """A stream that aborts its requests however the response ends, even when the
+    client left before its first event (then its generator never started, so no
+    `finally` of the generator runs)."""
+
+    def __init__(self, content, abort):
+        super().__init__(content, media_type="text/event-stream")
+        self._abort = abort
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self._abort()
+
+
+def _event_stream(events: AsyncIterator[str], abort) -> StreamingResponse:
+    """The events, then `[DONE]`; an error mid-stream becomes an error event, as
+    vLLM sends it, since the status line has already gone out."""
+    async def framed() -> AsyncIterator[str]:
+        try:
+            async for event in events:
+                yield event
+        except APIError as exc:
+            yield sse(exc.body())
+        except EngineDeadError as exc:
+            yield sse(error_body(500, str(exc), code="engine_dead"))
+        yield SSE_DONE
+
+    return _AbortingStream(framed(), abort)
