@@ -75,7 +75,8 @@ class LLMEngine:
             weight_quantizer = components.weight_quantizer(self.registry, config)
             model = load_model(config.model, dtype=self.dtype, device=self.device, attention_backend=backend,
                                linear_kernel=config.linear_kernel, kv_quantizer=kv_quantizer,
-                               weight_quantizer=weight_quantizer)
+                               weight_quantizer=weight_quantizer,
+                               weight_activations=config.quantization.activations)
             tokenizer = tokenizer if tokenizer is not None else load_tokenizer(config.model)
         elif kv_quantizer is not None:
             components.use_kv_quantizer(model, kv_quantizer)

@@ -21,3 +21,8 @@ def _write_kv_fake(key, value, kv_cache, slot_mapping) -> None:
 @torch.library.register_fake("kvforge_cpp::write_quantized_kv")
 def _write_quantized_kv_fake(key, value, kv_data, kv_scales, slot_mapping) -> None:
     return None
+
+
+@torch.library.register_fake("kvforge_cpp::int8_weight_linear")
+def _int8_weight_linear_fake(x, weight, scale, bias=None):
+    return x.new_empty((x.shape[0], weight.shape[0]))
