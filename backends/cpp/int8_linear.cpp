@@ -27,7 +27,14 @@
 
 namespace kvforge_cpp {
 
+typedef float vf16 __attribute__((vector_size(64), aligned(4), may_alias));
+
 namespace linear_base {
+inline vf16 widen_w16(const int8_t* p) {
+  vf16 v;
+  for (int i = 0; i < 16; ++i) v[i] = static_cast<float>(p[i]);
+  return v;
+}
 #include "int8_linear_tile.h"
 }  // namespace linear_base
 
@@ -35,12 +42,22 @@ namespace linear_base {
 #pragma GCC push_options
 #pragma GCC target("avx2,fma,f16c")
 namespace linear_avx2 {
+inline vf16 widen_w16(const int8_t* p) {
+  const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  const __m256 lo = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(bytes));
+  const __m256 hi = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(bytes, 8)));
+  return vf16{lo[0], lo[1], lo[2], lo[3], lo[4], lo[5], lo[6], lo[7],
+              hi[0], hi[1], hi[2], hi[3], hi[4], hi[5], hi[6], hi[7]};
+}
 #include "int8_linear_tile.h"
 }  // namespace linear_avx2
 #pragma GCC pop_options
 #pragma GCC push_options
 #pragma GCC target("avx512f,avx512bw,avx512dq,avx512vl,avx2,fma,f16c")
 namespace linear_avx512 {
+inline vf16 widen_w16(const int8_t* p) {
+  return (vf16)_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+}
 #include "int8_linear_tile.h"
 }  // namespace linear_avx512
 #pragma GCC pop_options

@@ -2,9 +2,11 @@
 // with x float32 and w int8 [out, in], each weight row (output channel)
 // contiguous along the input dimension.
 //
-// Included twice by int8_linear.cpp, once for the baseline ISA and once under
-// `#pragma GCC target("avx512...")`; it therefore includes nothing itself. The
-// sixteen-lane vectors are GCC vector types: one zmm register under AVX-512,
+// Included by int8_linear.cpp once per ISA (baseline, AVX2, AVX-512), each time
+// after defining `widen_w16` (16 int8 weights as floats) for that ISA: GCC 12
+// widens an int8 vector one element at a time, so the x86 paths spell it with
+// intrinsics. It therefore includes nothing itself. The sixteen-lane vectors
+// are GCC vector types: one zmm register under AVX-512, two ymm under AVX2,
 // four SSE registers on the baseline, from one source.
 //
 // A tile holds MR rows of x against NR output channels. Each step loads 16
@@ -14,11 +16,7 @@
 // rows and one input vector serves NR channels. The scale is applied once per
 // output, after the sum: sum_k x_k (w_k s) = s sum_k x_k w_k.
 
-typedef float vf16 __attribute__((vector_size(64), aligned(4), may_alias));
-typedef int8_t vb16 __attribute__((vector_size(16), aligned(1), may_alias));
-
 inline vf16 load_x16(const float* p) { return *reinterpret_cast<const vf16*>(p); }
-inline vf16 widen_w16(const int8_t* p) { return __builtin_convertvector(*reinterpret_cast<const vb16*>(p), vf16); }
 inline float sum16(vf16 v) {
   float s = 0.f;
   for (int i = 0; i < 16; ++i) s += v[i];
