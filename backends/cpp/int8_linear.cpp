@@ -71,8 +71,8 @@ namespace linear_avx512_bf16 {
 
 namespace {
 
-// Output channels per parallel task: a multiple of every tile width (8 and 4),
-// small enough that a decode of the smallest layers still feeds every thread.
+// Output channels per parallel task: small enough that a decode of the
+// smallest layers still feeds every thread.
 constexpr int64_t kChannelBlock = 64;
 
 using FloatBlock = void (*)(const float*, int64_t, int64_t, const int8_t*, int64_t, const float*, const float*,

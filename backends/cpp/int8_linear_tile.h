@@ -9,12 +9,10 @@
 // are GCC vector types: one zmm register under AVX-512, two ymm under AVX2,
 // four SSE registers on the baseline, from one source.
 //
-// A tile holds MR rows of x against NR output channels. Each step loads 16
-// int8 weights of each channel, widens them to float32 in registers (never a
-// float copy of the weight in memory) and multiplies them with 16 inputs of
-// each row into MR x NR accumulators, so one widened weight vector serves MR
-// rows and one input vector serves NR channels. The scale is applied once per
-// output, after the sum: sum_k x_k (w_k s) = s sum_k x_k w_k.
+// The tiles load int8 weights, widen them to float32 in registers (never a
+// float copy of the weight in memory) and multiply them with the rows' inputs.
+// The scale is applied once per output, after the sum:
+// sum_k x_k (w_k s) = s sum_k x_k w_k.
 
 inline vf16 load_x16(const float* p) { return *reinterpret_cast<const vf16*>(p); }
 inline float sum16(vf16 v) {
@@ -23,27 +21,61 @@ inline float sum16(vf16 v) {
   return s;
 }
 
-// y[m * y_stride + n] = (x_m . w_n) * scale[n] + bias[n] (bias may be null),
-// for m < MR and n < NR; x rows x_stride apart, weight rows k apart.
-template <int MR, int NR>
+// y[m * y_stride] = (x_m . w) * scale + bias for m < MR: one output channel
+// `w` (k int8 weights) against MR rows of x, x_stride apart. Four independent
+// sums per row (64 inputs a step) hide the FMA latency, and the channel's
+// weights are read front to back, one stream the hardware prefetcher follows:
+// a tile over several channels at once reads several short streams, which
+// halved the bandwidth a one-row decode got from memory.
+template <int MR>
 inline void int8_tile(const float* __restrict__ x, int64_t x_stride, const int8_t* __restrict__ w, int64_t k,
-                      const float* __restrict__ scale, const float* __restrict__ bias, float* __restrict__ y,
-                      int64_t y_stride) {
-  vf16 acc[MR][NR];
+                      float scale, float bias, float* __restrict__ y, int64_t y_stride) {
+  vf16 acc[MR][4];
   for (int m = 0; m < MR; ++m) {
-    for (int n = 0; n < NR; ++n) acc[m][n] = vf16{};
+    for (int u = 0; u < 4; ++u) acc[m][u] = vf16{};
+  }
+  int64_t d = 0;
+  for (; d + 64 <= k; d += 64) {
+    vf16 wv[4];
+    for (int u = 0; u < 4; ++u) wv[u] = widen_w16(w + d + 16 * u);
+    for (int m = 0; m < MR; ++m) {
+      for (int u = 0; u < 4; ++u) acc[m][u] += load_x16(x + m * x_stride + d + 16 * u) * wv[u];
+    }
+  }
+  for (; d + 16 <= k; d += 16) {
+    const vf16 wv = widen_w16(w + d);
+    for (int m = 0; m < MR; ++m) acc[m][0] += load_x16(x + m * x_stride + d) * wv;
+  }
+  for (int m = 0; m < MR; ++m) {
+    float sum = sum16((acc[m][0] + acc[m][1]) + (acc[m][2] + acc[m][3]));
+    for (int64_t t = d; t < k; ++t) sum += x[m * x_stride + t] * static_cast<float>(w[t]);
+    y[m * y_stride] = sum * scale + bias;
+  }
+}
+
+// y[m * y_stride + n] = (x_m . w_n) * scale[n] + bias[n] (bias may be null)
+// for m < 4 and n < 4: four channels against four rows, for batches, where
+// the work is arithmetic, not reading weights: each widened weight vector
+// serves four rows and each input vector four channels, so the widening costs
+// a quarter of the multiply-adds (int8_tile widens one per four).
+inline void int8_tile_4x4(const float* __restrict__ x, int64_t x_stride, const int8_t* __restrict__ w, int64_t k,
+                          const float* __restrict__ scale, const float* __restrict__ bias, float* __restrict__ y,
+                          int64_t y_stride) {
+  vf16 acc[4][4];
+  for (int m = 0; m < 4; ++m) {
+    for (int n = 0; n < 4; ++n) acc[m][n] = vf16{};
   }
   int64_t d = 0;
   for (; d + 16 <= k; d += 16) {
-    vf16 wv[NR];
-    for (int n = 0; n < NR; ++n) wv[n] = widen_w16(w + n * k + d);
-    for (int m = 0; m < MR; ++m) {
+    vf16 wv[4];
+    for (int n = 0; n < 4; ++n) wv[n] = widen_w16(w + n * k + d);
+    for (int m = 0; m < 4; ++m) {
       const vf16 xv = load_x16(x + m * x_stride + d);
-      for (int n = 0; n < NR; ++n) acc[m][n] += xv * wv[n];
+      for (int n = 0; n < 4; ++n) acc[m][n] += xv * wv[n];
     }
   }
-  for (int m = 0; m < MR; ++m) {
-    for (int n = 0; n < NR; ++n) {
+  for (int m = 0; m < 4; ++m) {
+    for (int n = 0; n < 4; ++n) {
       float sum = sum16(acc[m][n]);
       for (int64_t t = d; t < k; ++t) sum += x[m * x_stride + t] * static_cast<float>(w[n * k + t]);
       y[m * y_stride + n] = sum * scale[n] + (bias != nullptr ? bias[n] : 0.f);
@@ -51,41 +83,33 @@ inline void int8_tile(const float* __restrict__ x, int64_t x_stride, const int8_
   }
 }
 
-// Channels [n0, n1) of all m rows: NR channels at a time against every group
-// of rows, so the NR weight rows stay in L1 while all the rows pass over them.
-template <int NR>
-inline void int8_channels(const float* x, int64_t x_stride, int64_t m, const int8_t* w, int64_t k,
-                          const float* scale, const float* bias, float* y, int64_t y_stride, int64_t n0,
-                          int64_t n1) {
-  int64_t n = n0;
-  for (; n + NR <= n1; n += NR) {
-    const int8_t* wn = w + n * k;
-    const float* bn = bias != nullptr ? bias + n : nullptr;
-    int64_t r = 0;
-    for (; r + 4 <= m; r += 4) int8_tile<4, NR>(x + r * x_stride, x_stride, wn, k, scale + n, bn, y + r * y_stride + n, y_stride);
-    switch (m - r) {
-      case 3: int8_tile<3, NR>(x + r * x_stride, x_stride, wn, k, scale + n, bn, y + r * y_stride + n, y_stride); break;
-      case 2: int8_tile<2, NR>(x + r * x_stride, x_stride, wn, k, scale + n, bn, y + r * y_stride + n, y_stride); break;
-      case 1: int8_tile<1, NR>(x + r * x_stride, x_stride, wn, k, scale + n, bn, y + r * y_stride + n, y_stride); break;
-      default: break;
-    }
-  }
-  for (; n < n1; ++n) {  // the last channels, fewer than NR
-    const float* bn = bias != nullptr ? bias + n : nullptr;
-    for (int64_t r = 0; r < m; ++r) {
-      int8_tile<1, 1>(x + r * x_stride, x_stride, w + n * k, k, scale + n, bn, y + r * y_stride + n, y_stride);
-    }
-  }
-}
-
-// One block of output channels [n0, n1) for all rows (see int8_channels):
-// a single row takes 8 channels per tile, for 8 independent sums in flight.
+// Output channels [n0, n1) of all m rows. Rows in groups of four take
+// int8_tile_4x4 over four channels at a time; the rest (all of a decode of up
+// to 3 rows, where reading the weights is the cost) take int8_tile, one
+// channel at a time. Either way a channel's weights stay in L1 while every
+// row group passes over them.
 inline void int8_linear_block(const float* x, int64_t x_stride, int64_t m, const int8_t* w, int64_t k,
                               const float* scale, const float* bias, float* y, int64_t y_stride, int64_t n0,
                               int64_t n1) {
-  if (m == 1) {
-    int8_channels<8>(x, x_stride, m, w, k, scale, bias, y, y_stride, n0, n1);
-  } else {
-    int8_channels<4>(x, x_stride, m, w, k, scale, bias, y, y_stride, n0, n1);
+  const int64_t grouped = m / 4 * 4;
+  int64_t n = n0;
+  for (; grouped > 0 && n + 4 <= n1; n += 4) {
+    for (int64_t r = 0; r < grouped; r += 4) {
+      int8_tile_4x4(x + r * x_stride, x_stride, w + n * k, k, scale + n, bias != nullptr ? bias + n : nullptr,
+                    y + r * y_stride + n, y_stride);
+    }
+  }
+  const int64_t n_single = n;  // channels the 4x4 tiles left: all of them when m < 4
+  for (n = n0; n < n1; ++n) {
+    const int8_t* wn = w + n * k;
+    const float s = scale[n], b = bias != nullptr ? bias[n] : 0.f;
+    int64_t r = n < n_single ? grouped : 0;
+    for (; r + 4 <= m; r += 4) int8_tile<4>(x + r * x_stride, x_stride, wn, k, s, b, y + r * y_stride + n, y_stride);
+    switch (m - r) {
+      case 3: int8_tile<3>(x + r * x_stride, x_stride, wn, k, s, b, y + r * y_stride + n, y_stride); break;
+      case 2: int8_tile<2>(x + r * x_stride, x_stride, wn, k, s, b, y + r * y_stride + n, y_stride); break;
+      case 1: int8_tile<1>(x + r * x_stride, x_stride, wn, k, s, b, y + r * y_stride + n, y_stride); break;
+      default: break;
+    }
   }
 }
