@@ -54,28 +54,29 @@ inline void int8_tile(const float* __restrict__ x, int64_t x_stride, const int8_
 }
 
 // y[m * y_stride + n] = (x_m . w_n) * scale[n] + bias[n] (bias may be null)
-// for m < 4 and n < 4: four channels against four rows, for batches, where
-// the work is arithmetic, not reading weights: each widened weight vector
-// serves four rows and each input vector four channels, so the widening costs
-// a quarter of the multiply-adds (int8_tile widens one per four).
-inline void int8_tile_4x4(const float* __restrict__ x, int64_t x_stride, const int8_t* __restrict__ w, int64_t k,
-                          const float* __restrict__ scale, const float* __restrict__ bias, float* __restrict__ y,
-                          int64_t y_stride) {
-  vf16 acc[4][4];
-  for (int m = 0; m < 4; ++m) {
-    for (int n = 0; n < 4; ++n) acc[m][n] = vf16{};
+// for m < MR and n < NR: NR channels against MR rows, for batches, where the
+// work is arithmetic, not reading weights: each widened weight vector serves
+// MR rows and each input vector NR channels, so the widening costs 1/MR of
+// the multiply-adds (int8_tile, for decodes, widens one per four).
+template <int MR, int NR>
+inline void int8_tile_rc(const float* __restrict__ x, int64_t x_stride, const int8_t* __restrict__ w, int64_t k,
+                         const float* __restrict__ scale, const float* __restrict__ bias, float* __restrict__ y,
+                         int64_t y_stride) {
+  vf16 acc[MR][NR];
+  for (int m = 0; m < MR; ++m) {
+    for (int n = 0; n < NR; ++n) acc[m][n] = vf16{};
   }
   int64_t d = 0;
   for (; d + 16 <= k; d += 16) {
-    vf16 wv[4];
-    for (int n = 0; n < 4; ++n) wv[n] = widen_w16(w + n * k + d);
-    for (int m = 0; m < 4; ++m) {
+    vf16 wv[NR];
+    for (int n = 0; n < NR; ++n) wv[n] = widen_w16(w + n * k + d);
+    for (int m = 0; m < MR; ++m) {
       const vf16 xv = load_x16(x + m * x_stride + d);
-      for (int n = 0; n < 4; ++n) acc[m][n] += xv * wv[n];
+      for (int n = 0; n < NR; ++n) acc[m][n] += xv * wv[n];
     }
   }
-  for (int m = 0; m < 4; ++m) {
-    for (int n = 0; n < 4; ++n) {
+  for (int m = 0; m < MR; ++m) {
+    for (int n = 0; n < NR; ++n) {
       float sum = sum16(acc[m][n]);
       for (int64_t t = d; t < k; ++t) sum += x[m * x_stride + t] * static_cast<float>(w[n * k + t]);
       y[m * y_stride + n] = sum * scale[n] + (bias != nullptr ? bias[n] : 0.f);
@@ -83,23 +84,31 @@ inline void int8_tile_4x4(const float* __restrict__ x, int64_t x_stride, const i
   }
 }
 
+// The batch tile: 4 rows x 4 channels (16 accumulators, 4 weight vectors,
+// one input vector). Measured against 8x2, 8x3 and 4x6 at 8 and 32 rows
+// (docs/models.md): 4x6 ties, the 8-row tiles lose by 10-15%.
+constexpr int kTileRows = 4;
+constexpr int kTileChannels = 4;
+
 // Output channels [n0, n1) of all m rows. Rows in groups of four take
-// int8_tile_4x4 over four channels at a time; the rest (all of a decode of up
+// int8_tile_rc over four channels at a time; the rest (all of a decode of up
 // to 3 rows, where reading the weights is the cost) take int8_tile, one
 // channel at a time. Either way a channel's weights stay in L1 while every
 // row group passes over them.
 inline void int8_linear_block(const float* x, int64_t x_stride, int64_t m, const int8_t* w, int64_t k,
                               const float* scale, const float* bias, float* y, int64_t y_stride, int64_t n0,
                               int64_t n1) {
-  const int64_t grouped = m / 4 * 4;
+  const int64_t grouped = m / kTileRows * kTileRows;
   int64_t n = n0;
-  for (; grouped > 0 && n + 4 <= n1; n += 4) {
-    for (int64_t r = 0; r < grouped; r += 4) {
-      int8_tile_4x4(x + r * x_stride, x_stride, w + n * k, k, scale + n, bias != nullptr ? bias + n : nullptr,
-                    y + r * y_stride + n, y_stride);
+  for (; grouped > 0 && n + kTileChannels <= n1; n += kTileChannels) {
+    const float* bn = bias != nullptr ? bias + n : nullptr;
+    int64_t r = 0;
+    for (; r < grouped; r += kTileRows) {
+      int8_tile_rc<kTileRows, kTileChannels>(x + r * x_stride, x_stride, w + n * k, k, scale + n, bn,
+                                             y + r * y_stride + n, y_stride);
     }
   }
-  const int64_t n_single = n;  // channels the 4x4 tiles left: all of them when m < 4
+  const int64_t n_single = n;  // channels the batch tiles left: all of them when m < 4
   for (n = n0; n < n1; ++n) {
     const int8_t* wn = w + n * k;
     const float s = scale[n], b = bias != nullptr ? bias[n] : 0.f;
