@@ -11,6 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from kvforge.core import dtype_name
 from kvforge.models.quantized_linear import load_weight_only_kernel
 
 SHAPES = [(1, 37, 23), (3, 100, 70), (8, 515, 129), (33, 48, 9), (64, 260, 67)]  # (rows, in, out)
@@ -52,7 +53,7 @@ def kernel_error(linear, x, w, scale, b) -> float:
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
 def test_kernel_matches_float64_on_every_path(level, dtype, bias, shape, monkeypatch):
     monkeypatch.setenv("KVFORGE_CPP_ISA", level)
-    path = torch.ops.kvforge_cpp.int8_linear_path(str(dtype).removeprefix("torch."))
+    path = torch.ops.kvforge_cpp.int8_linear_path(dtype_name(dtype))
     if path not in LEVELS[level]:  # the CPU lacks this level: the cap cannot raise it
         pytest.skip(f"this CPU runs {path}, not {level}")
     assert path == LEVELS[level][dtype == torch.bfloat16]
