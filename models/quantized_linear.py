@@ -181,10 +181,11 @@ def int8_linear(module: nn.Module, quantizer: Quantizer, activations: str = "non
 @torch.no_grad()
 def quantize_linears(model: nn.Module, quantizer: Quantizer, lm_head: bool = True, activations: str = "none") -> int:
     """Replace every float linear layer of a loaded model by an Int8Linear quantized
-    with `quantizer` (and running with `activations`, see Int8Linear); the number replaced. An untied language-model head is among
-    them unless `lm_head` is False (it then becomes the model's `lm_head_layer`);
-    a tied head is the embedding and stays float. Call it after `finish_loading`
-    (fused q/k/v are quantized as one weight)."""
+    with `quantizer` and running with `activations` (see Int8Linear); the number
+    replaced. An untied language-model head is among them unless `lm_head` is
+    False (it then becomes the model's `lm_head_layer`); a tied head is the
+    embedding and stays float. Call it after `finish_loading` (fused q/k/v are
+    quantized as one weight)."""
     if activations not in ACTIVATIONS:
         raise UnsupportedConfigurationError(
             f"activations {activations!r} is not a choice: use 'none' (weight-only, int8 weights and float "

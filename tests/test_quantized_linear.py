@@ -126,6 +126,21 @@ def test_activations_must_be_a_valid_choice_and_int8_only_on_cpu():
         Int8Linear(on_meta, torch.ones(4, device="meta"), None, "int8")
 
 
+def test_a_failed_kernel_build_is_a_clear_error_that_names_the_w8a8_choice(monkeypatch):
+    """Weight-only on CPU needs the C++ library; when it cannot build, the error says
+    so and what runs without it, instead of falling back silently."""
+    from kvforge.backends.cpp import build
+
+    def fails():
+        raise build.CppBuildError("no C++ compiler")
+
+    monkeypatch.setattr(build, "load", fails)
+    layer, _, _ = quantized_layer()
+    with pytest.raises(UnsupportedConfigurationError, match="no C\\+\\+ compiler.*activations = 'int8'"):
+        Int8Linear(layer.weight_int8, layer.weight_scale, None, "none")
+    Int8Linear(layer.weight_int8, layer.weight_scale, None, "int8")  # W8A8 compiles nothing
+
+
 def test_quantize_rows_rounds_each_row_to_nearest_with_its_own_scale():
     x = torch.randn(6, 50, generator=torch.Generator().manual_seed(2)) * torch.tensor([1e-3, 1, 10, 1e3, 0, 1])[:, None]
     q, scale = quantize_rows(x)

@@ -44,13 +44,50 @@ inline void bf16_tile(const c10::BFloat16* __restrict__ x, int64_t x_stride, con
   }
 }
 
+// Four channels against four bfloat16 rows, for batches; as int8_tile_rc in
+// int8_linear_tile.h: each widened weight vector serves four rows.
+inline void bf16_tile_4x4(const c10::BFloat16* __restrict__ x, int64_t x_stride, const int8_t* __restrict__ w,
+                          int64_t k, const float* __restrict__ scale, const float* __restrict__ bias,
+                          float* __restrict__ y, int64_t y_stride) {
+  __m512 acc[4][4];
+  for (int m = 0; m < 4; ++m) {
+    for (int n = 0; n < 4; ++n) acc[m][n] = _mm512_setzero_ps();
+  }
+  int64_t d = 0;
+  for (; d + 32 <= k; d += 32) {
+    __m512bh wv[4];
+    for (int n = 0; n < 4; ++n) wv[n] = widen_w32(w + n * k + d);
+    for (int m = 0; m < 4; ++m) {
+      const __m512bh xv = load_x32(x + m * x_stride + d);
+      for (int n = 0; n < 4; ++n) acc[m][n] = _mm512_dpbf16_ps(acc[m][n], xv, wv[n]);
+    }
+  }
+  for (int m = 0; m < 4; ++m) {
+    for (int n = 0; n < 4; ++n) {
+      float sum = _mm512_reduce_add_ps(acc[m][n]);
+      for (int64_t t = d; t < k; ++t) sum += static_cast<float>(x[m * x_stride + t]) * static_cast<float>(w[n * k + t]);
+      y[m * y_stride + n] = sum * scale[n] + (bias != nullptr ? bias[n] : 0.f);
+    }
+  }
+}
+
+// Channels [n0, n1) of all m rows, split as int8_linear_block splits them.
 inline void bf16_linear_block(const c10::BFloat16* x, int64_t x_stride, int64_t m, const int8_t* w, int64_t k,
                               const float* scale, const float* bias, float* y, int64_t y_stride, int64_t n0,
                               int64_t n1) {
-  for (int64_t n = n0; n < n1; ++n) {
+  const int64_t grouped = m / 4 * 4;
+  int64_t n = n0;
+  for (; grouped > 0 && n + 4 <= n1; n += 4) {
+    for (int64_t r = 0; r < grouped; r += 4) {
+      bf16_tile_4x4(x + r * x_stride, x_stride, w + n * k, k, scale + n, bias != nullptr ? bias + n : nullptr,
+                    y + r * y_stride + n, y_stride);
+    }
+  }
+  const int64_t n_single = n;
+  for (n = n0; n < n1; ++n) {
     const int8_t* wn = w + n * k;
     const float s = scale[n], b = bias != nullptr ? bias[n] : 0.f;
-    int64_t r = 0;
+    int64_t r = n < n_single ? grouped : 0;
     for (; r + 4 <= m; r += 4) bf16_tile<4>(x + r * x_stride, x_stride, wn, k, s, b, y + r * y_stride + n, y_stride);
     switch (m - r) {
       case 3: bf16_tile<3>(x + r * x_stride, x_stride, wn, k, s, b, y + r * y_stride + n, y_stride); break;
