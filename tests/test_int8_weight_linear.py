@@ -116,3 +116,14 @@ def test_bad_input_gets_a_clear_error(bad, message):
     x, w, scale, _ = operands(2, 16, 8, False, seed=5)
     with pytest.raises(RuntimeError, match=message):
         torch.ops.kvforge_cpp.int8_weight_linear(*bad(x, w, scale))
+
+
+def test_fake_implementation_gives_the_output_shape_and_dtype():
+    """For FakeTensor tracing (torch.compile): `[rows, out]` in the input's dtype."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode():
+        for dtype in (torch.float32, torch.bfloat16):
+            y = torch.ops.kvforge_cpp.int8_weight_linear(torch.empty(3, 40, dtype=dtype),
+                                                         torch.empty(7, 40, dtype=torch.int8), torch.empty(7))
+            assert y.shape == (3, 7) and y.dtype == dtype
