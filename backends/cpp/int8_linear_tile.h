@@ -25,8 +25,8 @@ inline float sum16(vf16 v) {
 // `w` (k int8 weights) against MR rows of x, x_stride apart. Four independent
 // sums per row (64 inputs a step) hide the FMA latency, and the channel's
 // weights are read front to back, one stream the hardware prefetcher follows:
-// a tile over several channels at once reads several short streams, which
-// halved the bandwidth a one-row decode got from memory.
+// a tile over several channels at once reads several short interleaved
+// streams, which it does not (measured: docs/quantization.md).
 template <int MR>
 inline void int8_tile(const float* __restrict__ x, int64_t x_stride, const int8_t* __restrict__ w, int64_t k,
                       float scale, float bias, float* __restrict__ y, int64_t y_stride) {
@@ -85,8 +85,7 @@ inline void int8_tile_rc(const float* __restrict__ x, int64_t x_stride, const in
 }
 
 // The batch tile: 4 rows x 4 channels (16 accumulators, 4 weight vectors,
-// one input vector). Measured against 8x2, 8x3 and 4x6 at 8 and 32 rows
-// (docs/models.md): 4x6 ties, the 8-row tiles lose by 10-15%.
+// one input vector); other shapes measured no faster (docs/models.md).
 constexpr int kTileRows = 4;
 constexpr int kTileChannels = 4;
 
