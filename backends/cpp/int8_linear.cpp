@@ -143,7 +143,8 @@ at::Tensor int8_weight_linear(const at::Tensor& x_in, const at::Tensor& weight, 
 #endif
   }
   // float32 rows as they are; bfloat16 rows widened once (rows x in: small next to the weight).
-  const at::Tensor x = x_in.scalar_type() == at::kFloat && x_in.stride(1) == 1 ? x_in : x_in.to(at::kFloat).contiguous();
+  const bool usable = x_in.scalar_type() == at::kFloat && x_in.stride(1) == 1;
+  const at::Tensor x = usable ? x_in : x_in.to(at::kFloat).contiguous();
   const float* x_ptr = x.data_ptr<float>();
   const FloatBlock block = float_block_for(level);
   at::parallel_for(0, blocks, 1, [&](int64_t b0, int64_t b1) {

@@ -29,7 +29,8 @@ inline void bf16_tile(const c10::BFloat16* __restrict__ x, int64_t x_stride, con
     __m512bh wv[4];
     for (int u = 0; u < 4; ++u) wv[u] = widen_w32(w + d + 32 * u);
     for (int m = 0; m < MR; ++m) {
-      for (int u = 0; u < 4; ++u) acc[m][u] = _mm512_dpbf16_ps(acc[m][u], load_x32(x + m * x_stride + d + 32 * u), wv[u]);
+      const c10::BFloat16* row = x + m * x_stride + d;
+      for (int u = 0; u < 4; ++u) acc[m][u] = _mm512_dpbf16_ps(acc[m][u], load_x32(row + 32 * u), wv[u]);
     }
   }
   for (; d + 32 <= k; d += 32) {
