@@ -3,14 +3,16 @@
 * kernels: one linear layer at 1, 8, 32 and 128 rows for the ~50M model's
   weight shapes (in x out: 512x512, 512x1536, 1536x512, and 512x16384, the LM
   head), median microseconds of each candidate: the float32 oneDNN-packed
-  linear the models run, kvforge's `Int8Linear` (per-token int8 activations,
+  linear the models run, kvforge's `Int8Linear` weight-only (the C++ kernel,
+  float32 and bfloat16 activations) and W8A8 (per-token int8 activations,
   `torch._int_mm`), torch's weight-only `_weight_int8pack_mm` with float32 and
   with bfloat16 activations, and fbgemm's `quantized.linear_dynamic` (W8A8,
   one activation scale per tensor).
 * model: `weight_bytes()` and pure-decode tokens/s of the reference engine at
   batch 1 and 32 on `bench-llama-50m`, float32 against `quantization.weights =
-  "int8_weight"`, both engines built in one process and timed in alternation,
-  best of `rounds` (the machine is shared; the best round is the least disturbed).
+  "int8_weight"` with `quantization.activations` "none" (weight-only) and
+  "int8" (W8A8), the engines built in one process and timed in alternation;
+  each figure is the median of `rounds` rounds (the machine is shared).
 
 Everything runs on one thread (`torch.set_num_threads(1)`).
 
@@ -36,7 +38,9 @@ from kvforge.benchmarks.model_dirs import model_dir
 MODEL = os.environ.get("BENCH_MODEL", "bench-llama-50m")
 SHAPES = ((512, 512), (512, 1536), (1536, 512), (512, 16384))  # (in, out)
 ROWS = (1, 8, 32, 128)
-WEIGHTS = {"float32": None, "int8_weight": "int8_weight"}
+# label -> (quantization.weights, quantization.activations)
+WEIGHTS = {"float32": (None, "none"), "int8 weight-only": ("int8_weight", "none"),
+           "int8 W8A8": ("int8_weight", "int8")}
 
 
 def _median_us(call, budget_s: float = 0.2, most: int = 200) -> float:
@@ -60,12 +64,14 @@ def kernel_candidates(weight: torch.Tensor) -> dict:
     from kvforge.models.quantized_linear import Int8Linear
 
     q = build_registry().select(QUANTIZER, "int8_weight").cls().quantize(weight)
-    layer = Int8Linear(q.data, q.scale, None)
+    weight_only = Int8Linear(q.data, q.scale, None, "none")
     scale = q.scale.reshape(-1)
     packed = PackedLinear(weight, None)
     candidates = {
         "float32 onednn": packed,
-        "int8 kvforge (W8A8 per-token, _int_mm)": layer,
+        "int8 kvforge weight-only f32 act (C++)": weight_only,
+        "int8 kvforge weight-only bf16 act (C++)": lambda x: weight_only(x.bfloat16()),
+        "int8 kvforge W8A8 (per-token, _int_mm)": Int8Linear(q.data, q.scale, None, "int8"),
         "int8pack_mm f32 act": functools.partial(_int8pack, w=q.data, scale=scale, dtype=torch.float32),
         "int8pack_mm bf16 act": functools.partial(_int8pack, w=q.data, scale=scale, dtype=torch.bfloat16),
     }
@@ -97,29 +103,29 @@ def kernel_table(shapes=SHAPES, rows=ROWS, budget_s: float = 0.2) -> list[dict]:
     return table
 
 
-def make_engine(path: str, batch: int, weights: str | None, prompt_len: int = 8):
+def make_engine(path: str, batch: int, weights: tuple[str | None, str], prompt_len: int = 8):
     from kvforge import LLMEngine
     from kvforge.core import load_config
 
     config = load_config(model=path, device="cpu", dtype="float32", cache={"memory_budget": 2**30},
-                         quantization={"weights": weights},
+                         quantization={"weights": weights[0], "activations": weights[1]},
                          scheduler={"max_num_seqs": batch,
                                     "max_num_batched_tokens": max(2048, batch * prompt_len)}).config
     return LLMEngine(config)
 
 
-def decode_side_by_side(path: str, batches=(1, 32), steps: int = 10, rounds: int = 3) -> dict:
-    """Model bytes and best-of-`rounds` decode tokens/s per weight format and batch."""
+def decode_side_by_side(path: str, batches=(1, 32), steps: int = 10, rounds: int = 5) -> dict:
+    """Model bytes and median-of-`rounds` decode tokens/s per weight format and batch."""
     result: dict = {}
     for batch in batches:
         engines = {label: make_engine(path, batch, weights) for label, weights in WEIGHTS.items()}
-        best = {label: float("inf") for label in engines}
-        for _ in range(rounds):  # alternate, so both see the same disturbances
+        times: dict = {label: [] for label in engines}
+        for _ in range(rounds):  # alternate, so all see the same disturbances
             for label, engine in engines.items():
-                best[label] = min(best[label], machine.decode_profile(path, batch, steps, engine=engine)["step_s"])
+                times[label].append(machine.decode_profile(path, batch, steps, engine=engine)["step_s"])
         for label, engine in engines.items():
             entry = result.setdefault(label, {"weight_bytes": engine.model.weight_bytes()})
-            entry[f"batch_{batch}_tokens_per_s"] = batch / best[label]
+            entry[f"batch_{batch}_tokens_per_s"] = batch / statistics.median(times[label])
         del engines
     return result
 
@@ -176,7 +182,7 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="fewer steps and rounds")
     parser.add_argument("--kernels-only", action="store_true")
     parser.add_argument("--decode-only", action="store_true")
-    parser.add_argument("--rounds", type=int, default=3, help="decode rounds per engine (best counts)")
+    parser.add_argument("--rounds", type=int, default=5, help="decode rounds per engine (the median counts)")
     args = parser.parse_args()
     torch.set_num_threads(1)
     print(machine.describe())

@@ -79,6 +79,10 @@ class QuantizationConfig(Section):
     weights: str | None = Field(
         None, description="name of a per_channel int8 quantizer (int8_weight, or a third-party one): every linear layer "
                           "and an untied LM head hold int8 weights quantized at load time; none: float weights")
+    activations: Literal["none", "int8"] = Field(
+        "none", description="with quantization.weights: none keeps activations float (weight-only, W8A16: kvforge's "
+                            "C++ kernel on CPU); int8 quantizes each activation row too (W8A8 through torch._int_mm, "
+                            "CPU only, nothing to compile). See docs/quantization.md")
 
 
 class SpeculativeConfig(Section):

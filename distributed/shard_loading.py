@@ -49,7 +49,8 @@ def load_shard(config: EngineConfig, group: RankGroup, dtype: torch.dtype, atten
     """This rank's shard of `config.model`, ready to run."""
     return load_model(config.model, dtype=dtype, device=group.device, attention_backend=attention_backend,
                       linear_kernel=config.linear_kernel, kv_quantizer=kv_quantizer,
-                      weight_quantizer=weight_quantizer, shard=lambda model: keep_part(config, model, group))
+                      weight_quantizer=weight_quantizer, weight_activations=config.quantization.activations,
+                      shard=lambda model: keep_part(config, model, group))
 
 
 def keep_part(config: EngineConfig, model: CausalLM, group: RankGroup) -> None:

@@ -149,7 +149,8 @@ def attention_specs(name_or_path: str | Path) -> list[AttentionLayerSpec]:
 def load_model(name_or_path: str | Path, *, dtype: torch.dtype | str = torch.float32, device: str | torch.device = "cpu",
                attention_backend: type[AttentionBackend] | None = None, linear_kernel: str = "auto",
                kv_quantizer: Quantizer | None = None, weight_quantizer: Quantizer | None = None,
-               quantize_lm_head: bool = True, shard: Callable[[CausalLM], None] | None = None) -> CausalLM:
+               quantize_lm_head: bool = True, shard: Callable[[CausalLM], None] | None = None,
+               weight_activations: str = "none") -> CausalLM:
     """Build and load a model; attention runs through instances of `attention_backend`.
 
     `name_or_path` is a built-in name (`kvforge-tiny`, `kvforge-tiny-draft`) or a
@@ -166,6 +167,8 @@ def load_model(name_or_path: str | Path, *, dtype: torch.dtype | str = torch.flo
     `shard` (tensor or pipeline parallelism: keep this rank's part, see
     `kvforge.distributed`) runs on the float model once its weights are in, before
     quantization and packing.
+    `weight_activations` is how those layers treat their input: "none" keeps it
+    float (weight-only), "int8" quantizes it per row (W8A8, CPU).
     """
     model_dir = resolve_model_dir(name_or_path)
     config = load_config(model_dir)
@@ -180,7 +183,7 @@ def load_model(name_or_path: str | Path, *, dtype: torch.dtype | str = torch.flo
     if shard is not None:
         shard(model)
     if weight_quantizer is not None:
-        quantize_linears(model, weight_quantizer, lm_head=quantize_lm_head)
+        quantize_linears(model, weight_quantizer, lm_head=quantize_lm_head, activations=weight_activations)
     use_linear_kernel(model, linear_kernel)
     model.set_kv_quantizer(kv_quantizer)
     if attention_backend is not None:

@@ -10,15 +10,19 @@ A tied head and the embeddings stay in float: an embedding lookup reads one row
 per token, so an int8 embedding saves memory but no time, and a tied head is
 that embedding. `linear_kernel` then applies to the layers left in float.
 
-The kernels (why these, with measurements: docs/models.md, "Quantized weights"):
-* CPU: per-token dynamic int8 activations and one int8 x int8 -> int32 GEMM
-  (`torch._int_mm`, oneDNN), then `acc * x_scale * w_scale + bias`. This
-  quantizes the activations too (W8A8), each row with its own absmax scale, so
-  a row's result never depends on the other rows of the batch. torch's
-  weight-only `_weight_int8pack_mm` has no vectorised float32 path on x86, and
-  its bfloat16 path streams the weight once per row: slower than float32
-  except at a row or two.
-* Other devices: weight-only, `F.linear(x, w_int8.to(x.dtype)) * w_scale`: the
+The kernels (why these, with measurements: docs/models.md, "Quantized weights"),
+chosen by `activations` (`quantization.activations`):
+* "none" (weight-only, W8A16 in vLLM's words; the default), CPU: kvforge's
+  C++ kernel `torch.ops.kvforge_cpp.int8_weight_linear` (backends/cpp/
+  int8_linear.cpp, built with the cpp attention kernel into one library):
+  float32 or bfloat16 activations as they are, the int8 weight widened to float
+  inside its register tiles, never copied to float. A decode step reads one
+  byte per weight where float32 reads four.
+* "int8" (W8A8), CPU only: per-token dynamic int8 activations and one int8 x
+  int8 -> int32 GEMM (`torch._int_mm`, oneDNN), then `acc * x_scale * w_scale +
+  bias`. Each row has its own absmax scale, so a row's result never depends on
+  the other rows of the batch; it adds the activations' rounding to the weights'.
+* Other devices, weight-only: `F.linear(x, w_int8.to(x.dtype)) * w_scale`: the
   weight is widened inside the call, never kept in float. A path that works,
   not a fast one.
 
@@ -43,6 +47,28 @@ INT8_LINEAR_GRANULARITY = PER_CHANNEL
 INT8_LINEAR_STORAGE = torch.int8
 INT8_MAX = 127.0
 TINY = torch.finfo(torch.float32).tiny
+# What `activations` may be: "none" keeps them float (weight-only), "int8" quantizes each row (W8A8, CPU).
+ACTIVATIONS = ("none", "int8")
+# The C++ kernel's input dtypes; float16 rows are widened to float32 around it.
+WEIGHT_ONLY_DTYPES = (torch.float32, torch.bfloat16)
+
+
+def load_weight_only_kernel() -> None:
+    """Build (once, cached on disk) and load the library that holds
+    `torch.ops.kvforge_cpp.int8_weight_linear`, or raise a clear error.
+
+    The kernel is compiled by the cpp backend's build (one library, one build
+    mechanism); this is the one place the models reach into `backends/`, and
+    only for the compiled library, never for a backend (docs/architecture.md)."""
+    from kvforge.backends.cpp import build
+
+    try:
+        build.load()
+    except build.CppBuildError as exc:
+        raise UnsupportedConfigurationError(
+            f"int8 weight-only linear layers on CPU need kvforge's C++ library, which did not build: {exc}; "
+            "fix the toolchain, or set quantization.activations = 'int8' (W8A8 through torch._int_mm, "
+            "nothing to compile)") from exc
 
 
 def int8_linear_unsupported(quantizer: type[Quantizer] | Quantizer) -> str | None:
@@ -72,10 +98,20 @@ class Int8Linear(nn.Module):
     """`y = x W^T + b` with `W = weight_int8 * weight_scale[:, None]` held as int8.
 
     Buffers: `weight_int8` int8 `[out, in]`, `weight_scale` float32 `[out]`,
-    `bias` (model dtype) or None. See the module docstring for the kernels."""
+    `bias` (model dtype) or None. `activations` "none" keeps the input float
+    (weight-only), "int8" quantizes each input row too (W8A8, CPU only). See
+    the module docstring for the kernels."""
 
-    def __init__(self, weight_int8: torch.Tensor, weight_scale: torch.Tensor, bias: torch.Tensor | None):
+    def __init__(self, weight_int8: torch.Tensor, weight_scale: torch.Tensor, bias: torch.Tensor | None,
+                 activations: str = "none"):
         super().__init__()
+        if activations not in ACTIVATIONS:
+            raise ValueError(f"activations must be one of {', '.join(map(repr, ACTIVATIONS))}, got {activations!r}")
+        if activations == "int8" and not weight_int8.is_cpu:
+            raise UnsupportedConfigurationError(
+                f"int8 activations (W8A8) run on CPU only, these weights are on {weight_int8.device.type}; "
+                "use activations 'none' (weight-only) there")
+        self.activations = activations
         if weight_int8.dtype != torch.int8 or weight_int8.dim() != 2:
             raise ValueError(
                 f"weight_int8 must be a 2-D int8 tensor, got {weight_int8.dtype} {tuple(weight_int8.shape)}")
@@ -87,11 +123,23 @@ class Int8Linear(nn.Module):
         self.register_buffer("weight_scale", weight_scale.detach().reshape(-1).float().contiguous())
         self.register_buffer("bias", None if bias is None else bias.detach().contiguous())
 
+        if activations == "none" and weight_int8.is_cpu:
+            load_weight_only_kernel()
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gemm = self._int8_gemm if x.is_cpu else self._widened_gemm
+        if not x.is_cpu:
+            gemm = self._widened_gemm
+        else:
+            gemm = self._weight_only_gemm if self.activations == "none" else self._int8_gemm
         if x.dim() == 2:  # the models' `[tokens, features]`: no reshapes on the hot path
             return gemm(x)
         return gemm(x.reshape(-1, self.in_features)).view(*x.shape[:-1], self.out_features)
+
+    def _weight_only_gemm(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dtype in WEIGHT_ONLY_DTYPES:
+            return torch.ops.kvforge_cpp.int8_weight_linear(x, self.weight_int8, self.weight_scale, self.bias)
+        out = torch.ops.kvforge_cpp.int8_weight_linear(x.float(), self.weight_int8, self.weight_scale, self.bias)
+        return out.to(x.dtype)
 
     def _int8_gemm(self, x: torch.Tensor) -> torch.Tensor:
         q, x_scale = quantize_rows(x)
@@ -110,10 +158,11 @@ class Int8Linear(nn.Module):
         return (self.weight_int8.to(dtype) * self.weight_scale.to(dtype)[:, None])
 
     def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, int8"
+        return (f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, "
+                f"int8 weights, activations={self.activations}")
 
 
-def int8_linear(module: nn.Module, quantizer: Quantizer) -> Int8Linear | None:
+def int8_linear(module: nn.Module, quantizer: Quantizer, activations: str = "none") -> Int8Linear | None:
     """`module` quantized by `quantizer` as an Int8Linear, if it is a float linear layer."""
     found = linear_weight(module)
     if found is None:
@@ -126,16 +175,21 @@ def int8_linear(module: nn.Module, quantizer: Quantizer) -> Int8Linear | None:
             f"quantizer {quantizer.name!r} returned data {tuple(quantized.data.shape)} and scale "
             f"{tuple(quantized.scale.shape)} for a {tuple(weight.shape)} weight; a per_channel quantizer must give "
             f"data of the weight's shape and one scale per output channel ({out_features}, 1)")
-    return Int8Linear(quantized.data, quantized.scale, bias)
+    return Int8Linear(quantized.data, quantized.scale, bias, activations)
 
 
 @torch.no_grad()
-def quantize_linears(model: nn.Module, quantizer: Quantizer, lm_head: bool = True) -> int:
+def quantize_linears(model: nn.Module, quantizer: Quantizer, lm_head: bool = True, activations: str = "none") -> int:
     """Replace every float linear layer of a loaded model by an Int8Linear quantized
-    with `quantizer`; the number replaced. An untied language-model head is among
-    them unless `lm_head` is False (it then becomes the model's `lm_head_layer`);
-    a tied head is the embedding and stays float. Call it after `finish_loading`
-    (fused q/k/v are quantized as one weight)."""
+    with `quantizer` and running with `activations` (see Int8Linear); the number
+    replaced. An untied language-model head is among them unless `lm_head` is
+    False (it then becomes the model's `lm_head_layer`); a tied head is the
+    embedding and stays float. Call it after `finish_loading` (fused q/k/v are
+    quantized as one weight)."""
+    if activations not in ACTIVATIONS:
+        raise UnsupportedConfigurationError(
+            f"activations {activations!r} is not a choice: use 'none' (weight-only, int8 weights and float "
+            "activations) or 'int8' (W8A8: each activation row quantized too, CPU only)")
     reason = int8_linear_unsupported(quantizer)
     if reason is not None:
         raise UnsupportedConfigurationError(f"{reason}; use 'int8_weight' or another per_channel int8 quantizer")
@@ -144,7 +198,7 @@ def quantize_linears(model: nn.Module, quantizer: Quantizer, lm_head: bool = Tru
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
             is_head = head is not None and getattr(child, "weight", None) is head
-            replacement = None if is_head and not lm_head else int8_linear(child, quantizer)
+            replacement = None if is_head and not lm_head else int8_linear(child, quantizer, activations)
             if replacement is None:
                 continue
             setattr(parent, name, replacement)  # the float weight goes with the old module

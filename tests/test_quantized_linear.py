@@ -1,6 +1,8 @@
-"""int8 linear layers: the same math as float64 on the quantized operands, the fused
-post-ops kept, every linear but the head quantized at load, ~4x fewer bytes, clear
-refusals of quantizers the layer cannot run, and the engine end to end."""
+"""int8 linear layers: the same math as float64 on the quantized operands, weight-only
+(the default: float activations) and W8A8 (`activations="int8"`), the fused post-ops
+kept, every linear but the head quantized at load, ~4x fewer bytes, clear refusals of
+quantizers the layer cannot run, and the engine end to end with either choice. The
+C++ kernel itself is checked in test_int8_weight_linear.py."""
 
 from __future__ import annotations
 
@@ -19,13 +21,13 @@ from kvforge.models.quantized_linear import Int8Linear, int8_linear_unsupported,
 INT8_WEIGHT = build_registry().select(QUANTIZER, "int8_weight").cls
 
 
-def quantized_layer(out_features=48, in_features=40, bias=True, seed=0):
+def quantized_layer(out_features=48, in_features=40, bias=True, seed=0, activations="int8"):
     generator = torch.Generator().manual_seed(seed)
     weight = torch.randn(out_features, in_features, generator=generator)
     weight[3] *= 20  # channels of very different ranges: each needs its own scale
     b = torch.randn(out_features, generator=generator) if bias else None
     q = INT8_WEIGHT().quantize(weight)
-    return Int8Linear(q.data, q.scale, b), weight, b
+    return Int8Linear(q.data, q.scale, b, activations), weight, b
 
 
 def reference(layer: Int8Linear, x: torch.Tensor) -> torch.Tensor:
@@ -41,7 +43,7 @@ def reference(layer: Int8Linear, x: torch.Tensor) -> torch.Tensor:
 
 @pytest.mark.parametrize("rows", [1, 7, 33])
 @pytest.mark.parametrize("bias", [False, True])
-def test_int8_linear_is_the_quantized_math_in_float64(rows, bias):
+def test_w8a8_int8_linear_is_the_quantized_math_in_float64(rows, bias):
     layer, _, _ = quantized_layer(bias=bias, seed=rows)
     x = torch.randn(rows, 40, generator=torch.Generator().manual_seed(100 + rows))
     out = layer(x)
@@ -52,7 +54,7 @@ def test_int8_linear_is_the_quantized_math_in_float64(rows, bias):
     assert float((out.double() - ref).abs().max() / ref.abs().max()) <= 1e-6
 
 
-def test_int8_linear_stays_within_the_quantization_bound_of_the_float_weight():
+def test_w8a8_int8_linear_stays_within_the_quantization_bound_of_the_float_weight():
     """Against the original float weight, each output is off by at most the two roundings:
     |x| s_w/2 summed over the input (weights) plus |w_dq| s_x/2 summed (activations)."""
     layer, weight, b = quantized_layer()
@@ -90,11 +92,53 @@ def test_the_float64_check_catches_a_broken_kernel():
             q, s = quantize_rows(x)
             return (q.float() * s) @ (self.weight_int8.float() * self.weight_scale[None, :]).T + self.bias
 
-    broken = ScaleOnWrongAxis(layer.weight_int8, layer.weight_scale, layer.bias)
+    broken = ScaleOnWrongAxis(layer.weight_int8, layer.weight_scale, layer.bias, "int8")
     x = torch.randn(4, 40, generator=torch.Generator().manual_seed(1))
     ref = reference(layer, x)
     assert float((broken(x).double() - ref).abs().max() / ref.abs().max()) > 1e-2
     assert float((layer(x).double() - ref).abs().max() / ref.abs().max()) <= 1e-6
+
+
+@pytest.mark.parametrize("rows", [1, 7, 33])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
+def test_weight_only_int8_linear_is_the_dequantized_math_with_float_activations(rows, dtype):
+    """The default: `x @ (w_int8 * s_w)^T + b` with x as it is (not rounded to int8),
+    accumulated in float32; float16 rows go through float32 and come back float16."""
+    layer, _, _ = quantized_layer(seed=rows, activations="none")
+    assert layer.activations == "none"
+    x = torch.randn(rows, 40, generator=torch.Generator().manual_seed(200 + rows)).to(dtype)
+    out = layer(x)
+    ref = x.double() @ layer.dequantized_weight(torch.float64).T + layer.bias.double()
+    assert out.dtype == dtype and out.shape == (rows, 48)
+    assert float((out.double() - ref).abs().max() / ref.abs().max()) <= (1e-6 if dtype == torch.float32 else 4e-3)
+    w8a8 = Int8Linear(layer.weight_int8, layer.weight_scale, layer.bias, "int8")
+    assert float((w8a8(x).double() - ref).abs().max() / ref.abs().max()) > 1e-4  # W8A8 rounds x too: not this
+
+
+def test_activations_must_be_a_valid_choice_and_int8_only_on_cpu():
+    layer, _, _ = quantized_layer()
+    with pytest.raises(ValueError, match="'none', 'int8'.*'int4'"):
+        Int8Linear(layer.weight_int8, layer.weight_scale, None, "int4")
+    with pytest.raises(UnsupportedConfigurationError, match="activations 'int4' is not a choice.*'none'.*'int8'"):
+        quantize_linears(nn.Sequential(nn.Linear(4, 4)), INT8_WEIGHT(), activations="int4")
+    on_meta = torch.empty(4, 4, dtype=torch.int8, device="meta")
+    with pytest.raises(UnsupportedConfigurationError, match="CPU only.*meta.*'none'"):
+        Int8Linear(on_meta, torch.ones(4, device="meta"), None, "int8")
+
+
+def test_a_failed_kernel_build_is_a_clear_error_that_names_the_w8a8_choice(monkeypatch):
+    """Weight-only on CPU needs the C++ library; when it cannot build, the error says
+    so and what runs without it, instead of falling back silently."""
+    from kvforge.backends.cpp import build
+
+    def fails():
+        raise build.CppBuildError("no C++ compiler")
+
+    monkeypatch.setattr(build, "load", fails)
+    layer, _, _ = quantized_layer()
+    with pytest.raises(UnsupportedConfigurationError, match="no C\\+\\+ compiler.*activations = 'int8'"):
+        Int8Linear(layer.weight_int8, layer.weight_scale, None, "none")
+    Int8Linear(layer.weight_int8, layer.weight_scale, None, "int8")  # W8A8 compiles nothing
 
 
 def test_quantize_rows_rounds_each_row_to_nearest_with_its_own_scale():
@@ -106,8 +150,9 @@ def test_quantize_rows_rounds_each_row_to_nearest_with_its_own_scale():
     assert bool(((q.float() * scale - x).abs() <= scale / 2 * (1 + 1e-6)).all())
 
 
-def test_int8_linear_takes_batched_and_strided_input_and_zero_rows():
-    layer, _, _ = quantized_layer()
+@pytest.mark.parametrize("activations", ["none", "int8"])
+def test_int8_linear_takes_batched_and_strided_input_and_zero_rows(activations):
+    layer, _, _ = quantized_layer(activations=activations)
     x = torch.randn(2, 3, 40)
     torch.testing.assert_close(layer(x), layer(x.reshape(6, 40)).view(2, 3, 48))
     strided = torch.randn(40, 5).T
@@ -115,10 +160,11 @@ def test_int8_linear_takes_batched_and_strided_input_and_zero_rows():
     assert layer(torch.empty(0, 40)).shape == (0, 48)
 
 
+@pytest.mark.parametrize("activations", ["none", "int8"])
 @pytest.mark.parametrize("act", ["silu", "gelu_new"])
-def test_fused_post_ops_keep_their_meaning(act):
+def test_fused_post_ops_keep_their_meaning(act, activations):
     """linear_act / linear_mul / linear_add on an Int8Linear equal the op applied to its output."""
-    layer, _, _ = quantized_layer()
+    layer, _, _ = quantized_layer(activations=activations)
     x, other = torch.randn(5, 40), torch.randn(5, 48)
     y = layer(x)
     from kvforge.models.base import activation
@@ -129,8 +175,9 @@ def test_fused_post_ops_keep_their_meaning(act):
     torch.testing.assert_close(linear_add(layer, x, None), y)
 
 
-def test_bfloat16_input_gives_bfloat16_output_close_to_float32():
-    layer, _, _ = quantized_layer(bias=False)
+@pytest.mark.parametrize("activations", ["none", "int8"])
+def test_bfloat16_input_gives_bfloat16_output_close_to_float32(activations):
+    layer, _, _ = quantized_layer(bias=False, activations=activations)
     x = torch.randn(4, 40)
     out = layer(x.bfloat16())
     assert out.dtype == torch.bfloat16
@@ -280,19 +327,31 @@ def test_a_quantizer_returning_the_wrong_scale_shape_is_refused(tmp_path):
 
 # The engine
 
-def engine_config(path, weights, **extra):
+def engine_config(path, weights, **quantization):
     from kvforge.core import load_config
 
-    return load_config(model=str(path), device="cpu", dtype="float32", seed=0, quantization={"weights": weights},
-                       cache={"num_blocks": 64, "block_size": 16}, **extra).config
+    return load_config(model=str(path), device="cpu", dtype="float32", seed=0,
+                       quantization={"weights": weights, **quantization},
+                       cache={"num_blocks": 64, "block_size": 16}).config
 
 
-def test_engine_runs_end_to_end_with_int8_weights(tmp_path):
+def test_config_refuses_unknown_activations_with_the_choices(tmp_path):
+    from kvforge.core import ConfigError
+
+    with pytest.raises(ConfigError, match=r"activations.*'none'.*'int8'"):
+        engine_config(tmp_path, "int8_weight", activations="fp8")
+
+
+@pytest.mark.parametrize("activations", [None, "none", "int8"])
+def test_engine_runs_end_to_end_with_int8_weights(tmp_path, activations):
     from kvforge import LLMEngine, SamplingParams
 
     path = save_llama(tmp_path, tied=False)
-    engine = LLMEngine(engine_config(path, "int8_weight"))
-    assert sum(isinstance(m, Int8Linear) for m in engine.model.modules()) == 11  # 5 per layer and the head
+    extra = {} if activations is None else {"activations": activations}
+    engine = LLMEngine(engine_config(path, "int8_weight", **extra))
+    layers = [m for m in engine.model.modules() if isinstance(m, Int8Linear)]
+    assert len(layers) == 11  # 5 per layer and the head
+    assert {m.activations for m in layers} == {activations or "none"}  # weight-only unless asked
     params = SamplingParams(max_tokens=6, ignore_eos=True, temperature=0.0)
     for i in range(3):
         engine.add_request(f"r{i}", prompt_token_ids=[1 + i, 5, 9, 13], params=params)

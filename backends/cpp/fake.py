@@ -1,6 +1,8 @@
 """Fake (meta) implementations of the `kvforge_cpp` ops, for FakeTensor tracing and
-torch.compile. Both ops only mutate an argument and return nothing, so the fake
-implementations only have to exist; imported by `build.load` once the library is in."""
+torch.compile. The attention ops only mutate an argument and return nothing, so
+their fake implementations only have to exist; `int8_weight_linear` returns a
+new `[rows, out]` tensor of its input's dtype. Imported by `build.load` once the
+library is in."""
 
 from __future__ import annotations
 
@@ -21,3 +23,8 @@ def _write_kv_fake(key, value, kv_cache, slot_mapping) -> None:
 @torch.library.register_fake("kvforge_cpp::write_quantized_kv")
 def _write_quantized_kv_fake(key, value, kv_data, kv_scales, slot_mapping) -> None:
     return None
+
+
+@torch.library.register_fake("kvforge_cpp::int8_weight_linear")
+def _int8_weight_linear_fake(x, weight, scale, bias=None):
+    return x.new_empty((x.shape[0], weight.shape[0]))  # same dtype and device as x

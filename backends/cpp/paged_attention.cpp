@@ -25,6 +25,8 @@
 #include <c10/util/Half.h>
 #include <torch/library.h>
 
+#include "cpu_isa.h"
+
 #include <algorithm>
 #include <atomic>
 #include <cmath>
@@ -120,8 +122,7 @@ namespace base {
 #include "attention_tile.h"
 }  // namespace base
 
-#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)  // clang lacks `#pragma GCC target`
-#define KVFORGE_HAS_X86_PATHS 1
+#ifdef KVFORGE_HAS_X86_PATHS
 #define KVFORGE_F16C 1
 #pragma GCC push_options
 #pragma GCC target("avx2,fma,f16c")
@@ -142,28 +143,6 @@ namespace avx512 {
 #endif
 
 namespace {
-
-enum class Isa { kBaseline, kAvx2, kAvx512 };
-
-// The best instruction set this CPU runs, capped by KVFORGE_CPP_ISA (baseline,
-// avx2 or avx512; tests run every level). KVFORGE_CPP_PORTABLE=1 still means
-// baseline. Read per call, which costs nothing next to the attention itself.
-Isa isa() {
-#ifdef KVFORGE_HAS_X86_PATHS
-  static const bool avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
-                           __builtin_cpu_supports("f16c");
-  static const bool avx512 = avx2 && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-                             __builtin_cpu_supports("avx512dq") && __builtin_cpu_supports("avx512vl");
-  const char* portable = std::getenv("KVFORGE_CPP_PORTABLE");
-  const char* cap = std::getenv("KVFORGE_CPP_ISA");
-  const std::string limit = portable != nullptr && portable[0] == '1' ? "baseline" : (cap != nullptr ? cap : "");
-  if (limit == "baseline" || !avx2) return Isa::kBaseline;
-  if (limit == "avx2" || !avx512) return Isa::kAvx2;
-  return Isa::kAvx512;
-#else
-  return Isa::kBaseline;
-#endif
-}
 
 // Query rows a tile holds at most: enough to reuse each key and value row many
 // times while the tile's accumulators stay in L1/L2.

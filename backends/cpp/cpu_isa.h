@@ -1,0 +1,46 @@
+// Which x86 instruction set the kernels of this library run with: read once
+// per call from the CPU's flags, capped by KVFORGE_CPP_ISA (baseline, avx2 or
+// avx512; tests run every level). KVFORGE_CPP_PORTABLE=1 still means baseline.
+// Shared by every translation unit of the library, so one cap governs them all.
+#pragma once
+
+#include <cstdlib>
+#include <string>
+
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)  // clang lacks `#pragma GCC target`
+#define KVFORGE_HAS_X86_PATHS 1
+#endif
+
+namespace kvforge_cpp {
+
+enum class Isa { kBaseline, kAvx2, kAvx512 };
+
+inline Isa isa() {
+#ifdef KVFORGE_HAS_X86_PATHS
+  static const bool avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
+                           __builtin_cpu_supports("f16c");
+  static const bool avx512 = avx2 && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+                             __builtin_cpu_supports("avx512dq") && __builtin_cpu_supports("avx512vl");
+  const char* portable = std::getenv("KVFORGE_CPP_PORTABLE");
+  const char* cap = std::getenv("KVFORGE_CPP_ISA");
+  const std::string limit = portable != nullptr && portable[0] == '1' ? "baseline" : (cap != nullptr ? cap : "");
+  if (limit == "baseline" || !avx2) return Isa::kBaseline;
+  if (limit == "avx2" || !avx512) return Isa::kAvx2;
+  return Isa::kAvx512;
+#else
+  return Isa::kBaseline;
+#endif
+}
+
+// AVX-512 BF16 (vdpbf16ps: bfloat16 pairs multiplied and summed into float32),
+// used by the bfloat16 paths when isa() is kAvx512 and the CPU has it.
+inline bool has_avx512_bf16() {
+#ifdef KVFORGE_HAS_X86_PATHS
+  static const bool bf16 = __builtin_cpu_supports("avx512bf16");
+  return bf16;
+#else
+  return false;
+#endif
+}
+
+}  // namespace kvforge_cpp

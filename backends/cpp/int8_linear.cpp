@@ -1,0 +1,185 @@
+// kvforge's weight-only int8 linear for CPUs, a torch.library custom op:
+//
+//   kvforge_cpp::int8_weight_linear(x, weight, scale, bias=None) -> Tensor
+//
+// y = x (weight * scale[:, None])^T + bias, with x float32 or bfloat16 [rows, in],
+// weight int8 [out, in], scale float32 [out] (one per output channel), bias
+// [out] or None; y has x's dtype. Activations stay float (W8A16 in vLLM's
+// words): only the weight is quantized, and it is widened to float inside the
+// register tiles (int8_linear_tile.h), never copied to float in memory, so a
+// decode step reads one byte per weight where float32 reads four. Output
+// channels are split into blocks that run in parallel (at::parallel_for).
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <c10/util/BFloat16.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <optional>
+
+#include "cpu_isa.h"
+
+#ifdef KVFORGE_HAS_X86_PATHS
+#include <immintrin.h>
+#endif
+
+namespace kvforge_cpp {
+
+typedef float vf16 __attribute__((vector_size(64), aligned(4), may_alias));
+
+namespace linear_base {
+inline vf16 widen_w16(const int8_t* p) {
+  vf16 v;
+  for (int i = 0; i < 16; ++i) v[i] = static_cast<float>(p[i]);
+  return v;
+}
+#include "int8_linear_tile.h"
+}  // namespace linear_base
+
+#ifdef KVFORGE_HAS_X86_PATHS
+#pragma GCC push_options
+#pragma GCC target("avx2,fma,f16c")
+namespace linear_avx2 {
+inline vf16 widen_w16(const int8_t* p) {
+  const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  const __m256 lo = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(bytes));
+  const __m256 hi = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(bytes, 8)));
+  return vf16{lo[0], lo[1], lo[2], lo[3], lo[4], lo[5], lo[6], lo[7],
+              hi[0], hi[1], hi[2], hi[3], hi[4], hi[5], hi[6], hi[7]};
+}
+#include "int8_linear_tile.h"
+}  // namespace linear_avx2
+#pragma GCC pop_options
+#pragma GCC push_options
+#pragma GCC target("avx512f,avx512bw,avx512dq,avx512vl,avx2,fma,f16c")
+namespace linear_avx512 {
+inline vf16 widen_w16(const int8_t* p) {
+  return (vf16)_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+}
+#include "int8_linear_tile.h"
+}  // namespace linear_avx512
+#pragma GCC pop_options
+#pragma GCC push_options
+#pragma GCC target("avx512f,avx512bw,avx512dq,avx512vl,avx512bf16,avx2,fma,f16c")
+namespace linear_avx512_bf16 {
+#include "int8_linear_bf16.h"
+}  // namespace linear_avx512_bf16
+#pragma GCC pop_options
+#endif
+
+namespace {
+
+// Output channels per parallel task: small enough that a decode of the
+// smallest layers still feeds every thread.
+constexpr int64_t kChannelBlock = 64;
+
+using FloatBlock = void (*)(const float*, int64_t, int64_t, const int8_t*, int64_t, const float*, const float*,
+                            float*, int64_t, int64_t, int64_t);
+
+FloatBlock float_block_for(Isa level) {
+#ifdef KVFORGE_HAS_X86_PATHS
+  switch (level) {
+    case Isa::kAvx512: return &linear_avx512::int8_linear_block;
+    case Isa::kAvx2: return &linear_avx2::int8_linear_block;
+    case Isa::kBaseline: break;
+  }
+#endif
+  return &linear_base::int8_linear_block;
+}
+
+void check_inputs(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& scale,
+                  const std::optional<at::Tensor>& bias) {
+  TORCH_CHECK(x.device().is_cpu() && weight.device().is_cpu() && scale.device().is_cpu(),
+              "kvforge_cpp.int8_weight_linear: tensors must be on the CPU (move them, or use the widened path of "
+              "Int8Linear on other devices)");
+  TORCH_CHECK(x.dim() == 2 && (x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16),
+              "kvforge_cpp.int8_weight_linear: x must be a 2-D float32 or bfloat16 tensor [rows, in], got ",
+              x.scalar_type(), " ", x.sizes());
+  TORCH_CHECK(weight.dim() == 2 && weight.scalar_type() == at::kChar && weight.is_contiguous(),
+              "kvforge_cpp.int8_weight_linear: weight must be a contiguous int8 [out, in], got ",
+              weight.scalar_type(), " ", weight.sizes(), weight.is_contiguous() ? "" : " (not contiguous)");
+  TORCH_CHECK(weight.size(1) == x.size(1), "kvforge_cpp.int8_weight_linear: x has ", x.size(1),
+              " input features but the weight ", weight.size(1));
+  TORCH_CHECK(scale.scalar_type() == at::kFloat && scale.numel() == weight.size(0),
+              "kvforge_cpp.int8_weight_linear: scale must be float32 with one value per output channel (",
+              weight.size(0), "), got ", scale.scalar_type(), " ", scale.sizes());
+  if (bias.has_value()) {
+    TORCH_CHECK(bias->numel() == weight.size(0) && bias->is_floating_point(),
+                "kvforge_cpp.int8_weight_linear: bias must be a float tensor of ", weight.size(0),
+                " values (one per output channel), got ", bias->scalar_type(), " ", bias->sizes());
+  }
+}
+
+}  // namespace
+
+at::Tensor int8_weight_linear(const at::Tensor& x_in, const at::Tensor& weight, const at::Tensor& scale_in,
+                              const std::optional<at::Tensor>& bias_in) {
+  check_inputs(x_in, weight, scale_in, bias_in);
+  const int64_t m = x_in.size(0), k = x_in.size(1), n = weight.size(0);
+  const at::Tensor scale = scale_in.reshape({n}).contiguous();
+  const at::Tensor bias = bias_in.has_value() ? bias_in->reshape({n}).to(at::kFloat).contiguous() : at::Tensor();
+  const float* scale_ptr = scale.data_ptr<float>();
+  const float* bias_ptr = bias.defined() ? bias.data_ptr<float>() : nullptr;
+  const int8_t* w = weight.data_ptr<int8_t>();
+  at::Tensor y = at::empty({m, n}, x_in.options().dtype(at::kFloat));
+  if (m == 0 || n == 0) return y.to(x_in.scalar_type());
+  float* y_ptr = y.data_ptr<float>();
+  const int64_t blocks = (n + kChannelBlock - 1) / kChannelBlock;
+  const Isa level = isa();
+
+  if (x_in.scalar_type() == at::kBFloat16 && level == Isa::kAvx512 && has_avx512_bf16()) {
+#ifdef KVFORGE_HAS_X86_PATHS
+    const at::Tensor x = x_in.stride(1) == 1 ? x_in : x_in.contiguous();
+    const auto* x_ptr = reinterpret_cast<const c10::BFloat16*>(x.data_ptr());
+    at::parallel_for(0, blocks, 1, [&](int64_t b0, int64_t b1) {
+      for (int64_t b = b0; b < b1; ++b) {
+        linear_avx512_bf16::bf16_linear_block(x_ptr, x.stride(0), m, w, k, scale_ptr, bias_ptr, y_ptr, n,
+                                              b * kChannelBlock, std::min(n, (b + 1) * kChannelBlock));
+      }
+    });
+    return y.to(at::kBFloat16);
+#endif
+  }
+  // float32 rows as they are; bfloat16 rows widened once (rows x in: small next to the weight).
+  const bool usable = x_in.scalar_type() == at::kFloat && x_in.stride(1) == 1;
+  const at::Tensor x = usable ? x_in : x_in.to(at::kFloat).contiguous();
+  const float* x_ptr = x.data_ptr<float>();
+  const FloatBlock block = float_block_for(level);
+  at::parallel_for(0, blocks, 1, [&](int64_t b0, int64_t b1) {
+    for (int64_t b = b0; b < b1; ++b) {
+      block(x_ptr, x.stride(0), m, w, k, scale_ptr, bias_ptr, y_ptr, n, b * kChannelBlock,
+            std::min(n, (b + 1) * kChannelBlock));
+    }
+  });
+  return x_in.scalar_type() == at::kFloat ? y : y.to(x_in.scalar_type());
+}
+
+// Which path int8_weight_linear takes for `dtype` here and now ("avx512_bf16",
+// "avx512", "avx2" or "baseline"), for tests and benchmarks.
+std::string int8_linear_path(const std::string& dtype) {
+  const Isa level = isa();
+  if (dtype == "bfloat16" && level == Isa::kAvx512 && has_avx512_bf16()) return "avx512_bf16";
+  switch (level) {
+    case Isa::kAvx512: return "avx512";
+    case Isa::kAvx2: return "avx2";
+    case Isa::kBaseline: break;
+  }
+  return "baseline";
+}
+
+TORCH_LIBRARY_FRAGMENT(kvforge_cpp, m) {
+  m.def("int8_weight_linear(Tensor x, Tensor weight, Tensor scale, Tensor? bias=None) -> Tensor");
+  m.def("int8_linear_path(str dtype) -> str");
+}
+
+TORCH_LIBRARY_IMPL(kvforge_cpp, CPU, m) {
+  m.impl("int8_weight_linear", &int8_weight_linear);
+}
+
+TORCH_LIBRARY_IMPL(kvforge_cpp, CompositeExplicitAutograd, m) {
+  m.impl("int8_linear_path", &int8_linear_path);
+}
+
+}  // namespace kvforge_cpp

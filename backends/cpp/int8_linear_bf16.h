@@ -1,0 +1,100 @@
+// The bfloat16 register tile of the weight-only int8 linear, for CPUs with
+// AVX-512 BF16: vdpbf16ps multiplies 32 bfloat16 pairs and adds each pair's
+// sum into 16 float32 lanes, so bfloat16 rows of x are read as they are and
+// every 32 weights need one instruction per row where float32 needs two.
+// The int8 weights are widened to bfloat16 in registers (int8 -> float32 ->
+// bfloat16, exact: bfloat16 holds every integer up to 256). Same tiling as
+// int8_linear_tile.h; included once, under the avx512bf16 target.
+
+inline __m512bh widen_w32(const int8_t* p) {
+  const __m512 lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+  const __m512 hi =
+      _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 16))));
+  return _mm512_cvtne2ps_pbh(hi, lo);  // lanes 0..15 from `lo`, 16..31 from `hi`: the weights in order
+}
+
+inline __m512bh load_x32(const c10::BFloat16* p) { return (__m512bh)_mm512_loadu_si512(p); }
+
+// One output channel against MR bfloat16 rows; as int8_tile in
+// int8_linear_tile.h: four sums per row, the channel read front to back.
+template <int MR>
+inline void bf16_tile(const c10::BFloat16* __restrict__ x, int64_t x_stride, const int8_t* __restrict__ w,
+                      int64_t k, float scale, float bias, float* __restrict__ y, int64_t y_stride) {
+  __m512 acc[MR][4];
+  for (int m = 0; m < MR; ++m) {
+    for (int u = 0; u < 4; ++u) acc[m][u] = _mm512_setzero_ps();
+  }
+  int64_t d = 0;
+  for (; d + 128 <= k; d += 128) {
+    __m512bh wv[4];
+    for (int u = 0; u < 4; ++u) wv[u] = widen_w32(w + d + 32 * u);
+    for (int m = 0; m < MR; ++m) {
+      const c10::BFloat16* row = x + m * x_stride + d;
+      for (int u = 0; u < 4; ++u) acc[m][u] = _mm512_dpbf16_ps(acc[m][u], load_x32(row + 32 * u), wv[u]);
+    }
+  }
+  for (; d + 32 <= k; d += 32) {
+    const __m512bh wv = widen_w32(w + d);
+    for (int m = 0; m < MR; ++m) acc[m][0] = _mm512_dpbf16_ps(acc[m][0], load_x32(x + m * x_stride + d), wv);
+  }
+  for (int m = 0; m < MR; ++m) {
+    float sum = _mm512_reduce_add_ps(_mm512_add_ps(_mm512_add_ps(acc[m][0], acc[m][1]),
+                                                   _mm512_add_ps(acc[m][2], acc[m][3])));
+    for (int64_t t = d; t < k; ++t) sum += static_cast<float>(x[m * x_stride + t]) * static_cast<float>(w[t]);
+    y[m * y_stride] = sum * scale + bias;
+  }
+}
+
+// Four channels against four bfloat16 rows, for batches; as int8_tile_rc in
+// int8_linear_tile.h: each widened weight vector serves four rows.
+inline void bf16_tile_4x4(const c10::BFloat16* __restrict__ x, int64_t x_stride, const int8_t* __restrict__ w,
+                          int64_t k, const float* __restrict__ scale, const float* __restrict__ bias,
+                          float* __restrict__ y, int64_t y_stride) {
+  __m512 acc[4][4];
+  for (int m = 0; m < 4; ++m) {
+    for (int n = 0; n < 4; ++n) acc[m][n] = _mm512_setzero_ps();
+  }
+  int64_t d = 0;
+  for (; d + 32 <= k; d += 32) {
+    __m512bh wv[4];
+    for (int n = 0; n < 4; ++n) wv[n] = widen_w32(w + n * k + d);
+    for (int m = 0; m < 4; ++m) {
+      const __m512bh xv = load_x32(x + m * x_stride + d);
+      for (int n = 0; n < 4; ++n) acc[m][n] = _mm512_dpbf16_ps(acc[m][n], xv, wv[n]);
+    }
+  }
+  for (int m = 0; m < 4; ++m) {
+    for (int n = 0; n < 4; ++n) {
+      float sum = _mm512_reduce_add_ps(acc[m][n]);
+      for (int64_t t = d; t < k; ++t) sum += static_cast<float>(x[m * x_stride + t]) * static_cast<float>(w[n * k + t]);
+      y[m * y_stride + n] = sum * scale[n] + (bias != nullptr ? bias[n] : 0.f);
+    }
+  }
+}
+
+// Channels [n0, n1) of all m rows, split as int8_linear_block splits them.
+inline void bf16_linear_block(const c10::BFloat16* x, int64_t x_stride, int64_t m, const int8_t* w, int64_t k,
+                              const float* scale, const float* bias, float* y, int64_t y_stride, int64_t n0,
+                              int64_t n1) {
+  const int64_t grouped = m / 4 * 4;
+  int64_t n = n0;
+  for (; grouped > 0 && n + 4 <= n1; n += 4) {
+    for (int64_t r = 0; r < grouped; r += 4) {
+      bf16_tile_4x4(x + r * x_stride, x_stride, w + n * k, k, scale + n, bias != nullptr ? bias + n : nullptr,
+                    y + r * y_stride + n, y_stride);
+    }
+  }
+  const int64_t n_single = n;
+  for (n = n0; n < n1; ++n) {
+    const int8_t* wn = w + n * k;
+    const float s = scale[n], b = bias != nullptr ? bias[n] : 0.f;
+    int64_t r = n < n_single ? grouped : 0;
+    for (; r + 4 <= m; r += 4) bf16_tile<4>(x + r * x_stride, x_stride, wn, k, s, b, y + r * y_stride + n, y_stride);
+    switch (m - r) {
+      case 3: bf16_tile<3>(x + r * x_stride, x_stride, wn, k, s, b, y + r * y_stride + n, y_stride); break;
+      case 2: bf16_tile<2>(x + r * x_stride, x_stride, wn, k, s, b, y + r * y_stride + n, y_stride); break;
+      case 1: bf16_tile<1>(x + r * x_stride, x_stride, wn, k, s, b, y + r * y_stride + n, y_stride); break;
+      default: break;
+    }
+  }
+}

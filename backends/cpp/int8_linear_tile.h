@@ -1,0 +1,123 @@
+// Register tiles of the weight-only int8 linear: y = x (w * scale)^T + bias,
+// with x float32 and w int8 [out, in], each weight row (output channel)
+// contiguous along the input dimension.
+//
+// Included by int8_linear.cpp once per ISA (baseline, AVX2, AVX-512), each time
+// after defining `widen_w16` (16 int8 weights as floats) for that ISA: GCC 12
+// widens an int8 vector one element at a time, so the x86 paths spell it with
+// intrinsics. It therefore includes nothing itself. The sixteen-lane vectors
+// are GCC vector types: one zmm register under AVX-512, two ymm under AVX2,
+// four SSE registers on the baseline, from one source.
+//
+// The tiles load int8 weights, widen them to float32 in registers (never a
+// float copy of the weight in memory) and multiply them with the rows' inputs.
+// The scale is applied once per output, after the sum:
+// sum_k x_k (w_k s) = s sum_k x_k w_k.
+
+inline vf16 load_x16(const float* p) { return *reinterpret_cast<const vf16*>(p); }
+inline float sum16(vf16 v) {
+  float s = 0.f;
+  for (int i = 0; i < 16; ++i) s += v[i];
+  return s;
+}
+
+// y[m * y_stride] = (x_m . w) * scale + bias for m < MR: one output channel
+// `w` (k int8 weights) against MR rows of x, x_stride apart. Four independent
+// sums per row (64 inputs a step) hide the FMA latency, and the channel's
+// weights are read front to back, one stream the hardware prefetcher follows:
+// a tile over several channels at once reads several short interleaved
+// streams, which it does not (measured: docs/quantization.md).
+template <int MR>
+inline void int8_tile(const float* __restrict__ x, int64_t x_stride, const int8_t* __restrict__ w, int64_t k,
+                      float scale, float bias, float* __restrict__ y, int64_t y_stride) {
+  vf16 acc[MR][4];
+  for (int m = 0; m < MR; ++m) {
+    for (int u = 0; u < 4; ++u) acc[m][u] = vf16{};
+  }
+  int64_t d = 0;
+  for (; d + 64 <= k; d += 64) {
+    vf16 wv[4];
+    for (int u = 0; u < 4; ++u) wv[u] = widen_w16(w + d + 16 * u);
+    for (int m = 0; m < MR; ++m) {
+      for (int u = 0; u < 4; ++u) acc[m][u] += load_x16(x + m * x_stride + d + 16 * u) * wv[u];
+    }
+  }
+  for (; d + 16 <= k; d += 16) {
+    const vf16 wv = widen_w16(w + d);
+    for (int m = 0; m < MR; ++m) acc[m][0] += load_x16(x + m * x_stride + d) * wv;
+  }
+  for (int m = 0; m < MR; ++m) {
+    float sum = sum16((acc[m][0] + acc[m][1]) + (acc[m][2] + acc[m][3]));
+    for (int64_t t = d; t < k; ++t) sum += x[m * x_stride + t] * static_cast<float>(w[t]);
+    y[m * y_stride] = sum * scale + bias;
+  }
+}
+
+// y[m * y_stride + n] = (x_m . w_n) * scale[n] + bias[n] (bias may be null)
+// for m < MR and n < NR: NR channels against MR rows, for batches, where the
+// work is arithmetic, not reading weights: each widened weight vector serves
+// MR rows and each input vector NR channels, so the widening costs 1/MR of
+// the multiply-adds (int8_tile, for decodes, widens one per four).
+template <int MR, int NR>
+inline void int8_tile_rc(const float* __restrict__ x, int64_t x_stride, const int8_t* __restrict__ w, int64_t k,
+                         const float* __restrict__ scale, const float* __restrict__ bias, float* __restrict__ y,
+                         int64_t y_stride) {
+  vf16 acc[MR][NR];
+  for (int m = 0; m < MR; ++m) {
+    for (int n = 0; n < NR; ++n) acc[m][n] = vf16{};
+  }
+  int64_t d = 0;
+  for (; d + 16 <= k; d += 16) {
+    vf16 wv[NR];
+    for (int n = 0; n < NR; ++n) wv[n] = widen_w16(w + n * k + d);
+    for (int m = 0; m < MR; ++m) {
+      const vf16 xv = load_x16(x + m * x_stride + d);
+      for (int n = 0; n < NR; ++n) acc[m][n] += xv * wv[n];
+    }
+  }
+  for (int m = 0; m < MR; ++m) {
+    for (int n = 0; n < NR; ++n) {
+      float sum = sum16(acc[m][n]);
+      for (int64_t t = d; t < k; ++t) sum += x[m * x_stride + t] * static_cast<float>(w[n * k + t]);
+      y[m * y_stride + n] = sum * scale[n] + (bias != nullptr ? bias[n] : 0.f);
+    }
+  }
+}
+
+// The batch tile: 4 rows x 4 channels (16 accumulators, 4 weight vectors,
+// one input vector); other shapes measured no faster (docs/models.md).
+constexpr int kTileRows = 4;
+constexpr int kTileChannels = 4;
+
+// Output channels [n0, n1) of all m rows. Rows in groups of four take
+// int8_tile_rc over four channels at a time; the rest (all of a decode of up
+// to 3 rows, where reading the weights is the cost) take int8_tile, one
+// channel at a time. Either way a channel's weights stay in L1 while every
+// row group passes over them.
+inline void int8_linear_block(const float* x, int64_t x_stride, int64_t m, const int8_t* w, int64_t k,
+                              const float* scale, const float* bias, float* y, int64_t y_stride, int64_t n0,
+                              int64_t n1) {
+  const int64_t grouped = m / kTileRows * kTileRows;
+  int64_t n = n0;
+  for (; grouped > 0 && n + kTileChannels <= n1; n += kTileChannels) {
+    const float* bn = bias != nullptr ? bias + n : nullptr;
+    int64_t r = 0;
+    for (; r < grouped; r += kTileRows) {
+      int8_tile_rc<kTileRows, kTileChannels>(x + r * x_stride, x_stride, w + n * k, k, scale + n, bn,
+                                             y + r * y_stride + n, y_stride);
+    }
+  }
+  const int64_t n_single = n;  // channels the batch tiles left: all of them when m < 4
+  for (n = n0; n < n1; ++n) {
+    const int8_t* wn = w + n * k;
+    const float s = scale[n], b = bias != nullptr ? bias[n] : 0.f;
+    int64_t r = n < n_single ? grouped : 0;
+    for (; r + 4 <= m; r += 4) int8_tile<4>(x + r * x_stride, x_stride, wn, k, s, b, y + r * y_stride + n, y_stride);
+    switch (m - r) {
+      case 3: int8_tile<3>(x + r * x_stride, x_stride, wn, k, s, b, y + r * y_stride + n, y_stride); break;
+      case 2: int8_tile<2>(x + r * x_stride, x_stride, wn, k, s, b, y + r * y_stride + n, y_stride); break;
+      case 1: int8_tile<1>(x + r * x_stride, x_stride, wn, k, s, b, y + r * y_stride + n, y_stride); break;
+      default: break;
+    }
+  }
+}
