@@ -23,3 +23,14 @@ def cpu_backends(dtype: torch.dtype = torch.float32) -> list:
 def block_sizes_for(backend, wanted=(1, 16, 32)) -> list[int]:
     """The block sizes of `wanted` that `backend` declares."""
     return [size for size in wanted if backend.block_sizes is None or size in backend.block_sizes]
+
+
+def save_llama(path, tied: bool):
+    """A two-layer GQA Llama (vocabulary 64, hidden 32) with seeded random weights, saved under `path`."""
+    import transformers
+
+    config = transformers.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=tied)
+    torch.manual_seed(0)
+    transformers.LlamaForCausalLM(config).save_pretrained(path)
+    return path

@@ -10,6 +10,7 @@ from torch import nn
 
 from kvforge.core import ConfigError, UnsupportedConfigurationError
 from kvforge.models import load_model
+from tests.model_driver import save_llama
 from kvforge.models.packed_linear import AUTO_MIN_WEIGHT, PackedLinear, onednn_unavailable, pack_linears
 
 CPU = torch.device("cpu")
@@ -40,14 +41,6 @@ def test_packed_linear_takes_strided_and_batched_input():
     torch.testing.assert_close(layer(x), x @ weight.T, rtol=1e-5, atol=1e-5)
     y = torch.randn(2, 3, 16)
     torch.testing.assert_close(layer(y), y @ weight.T, rtol=1e-5, atol=1e-5)
-
-
-def save_llama(path, tied: bool):
-    config = transformers.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
-                                      num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=tied)
-    torch.manual_seed(0)
-    transformers.LlamaForCausalLM(config).save_pretrained(path)
-    return path
 
 
 @pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])

@@ -15,6 +15,7 @@ from torch import nn
 from kvforge.core import (PER_CHANNEL, PER_TOKEN, QUANTIZER, QuantizedTensor, Quantizer, UnsupportedConfigurationError,
                           build_registry, hookimpl)
 from kvforge.models import load_model
+from tests.model_driver import save_llama
 from kvforge.models.packed_linear import PackedLinear, linear_act, linear_add, linear_mul
 from kvforge.models.quantized_linear import Int8Linear, int8_linear_unsupported, quantize_linears, quantize_rows
 
@@ -185,14 +186,6 @@ def test_bfloat16_input_gives_bfloat16_output_close_to_float32(activations):
 
 
 # Loading
-
-def save_llama(path, tied: bool):
-    config = transformers.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
-                                      num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=tied)
-    torch.manual_seed(0)
-    transformers.LlamaForCausalLM(config).save_pretrained(path)
-    return path
-
 
 def linear_bytes(model: nn.Module) -> int:
     """Bytes held by the decoder's linear layers (float, packed or int8), not the head or embeddings."""
