@@ -20,6 +20,7 @@ from pathlib import Path
 
 QUICK_MODEL = "bench-llama-tiny"
 FULL_MODEL = "bench-llama-50m"
+BENCH_DTYPES = ("float32", "bfloat16", "float16")
 
 
 def add_parser(commands) -> None:
@@ -41,6 +42,9 @@ def add_parser(commands) -> None:
                                         f"else {FULL_MODEL})")
     parser.add_argument("--machine-model", default=FULL_MODEL, help=f"model of the MFU/overhead figures (default: {FULL_MODEL})")
     parser.add_argument("--no-machine", action="store_true", help="skip the GEMM, MFU and step-overhead measurements")
+    parser.add_argument("--dtype", choices=BENCH_DTYPES, default="float32",
+                        help="model and activation dtype of every engine (default: float32; bfloat16 where the CPU "
+                             "has it). The machine figures (GEMM peak, MFU) stay float32")
     parser.add_argument("--kv-cache-gib", type=float, default=None, help="KV cache of every engine, GiB (default: 0.5 quick, 2 full)")
     parser.add_argument("--timeout", type=float, default=3600, help="seconds one configuration may run (default: 3600)")
     parser.add_argument("--threads", type=int, default=1,
@@ -61,7 +65,7 @@ def add_parser(commands) -> None:
 
 def bench(scenario_names: list[str], *, quick: bool, out: Path, peers: dict[str, str], model: str,
           machine_model: str | None, kv_cache_gib: float, timeout: float, command: str, threads: int = 1,
-          repeats: int = 1, max_requests: int | None = None, log=print) -> dict:
+          repeats: int = 1, max_requests: int | None = None, dtype: str = "float32", log=print) -> dict:
     """Run the scenarios and the machine measurements; write results.json,
     report.md and one PNG per scenario under `out`; return the results."""
     from kvforge.benchmarks import harness, report, scenarios
@@ -76,7 +80,7 @@ def bench(scenario_names: list[str], *, quick: bool, out: Path, peers: dict[str,
     off = sorted(name for name, python in peers.items() if python is None)
     if off:
         log(f"peers turned off, not run: {', '.join(off)}")
-    results = {"command": command, "model": model, "model_dir": str(path), "dtype": "float32", "quick": quick,
+    results = {"command": command, "model": model, "model_dir": str(path), "dtype": dtype, "quick": quick,
                "peers": peers, "threads": threads, "repeats": repeats, "max_requests": max_requests,
                "started": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()), "scenarios": []}
     if machine_model:
@@ -88,7 +92,7 @@ def bench(scenario_names: list[str], *, quick: bool, out: Path, peers: dict[str,
         scenario = scenarios.build(name, vocab, quick)
         if max_requests is not None:
             scenario.requests = scenario.requests[:max_requests]
-        results["scenarios"].append(harness.run_scenario(scenario, str(path), out, peers=peers,
+        results["scenarios"].append(harness.run_scenario(scenario, str(path), out, peers=peers, dtype=dtype,
                                                          kv_cache_gib=kv_cache_gib, timeout=timeout, threads=threads,
                                                          repeats=repeats, log=log))
     (out / "results.json").write_text(json.dumps(results, indent=2))
@@ -106,6 +110,9 @@ def run(args: argparse.Namespace) -> int:
     if args.max_requests is not None and args.max_requests < 1:
         raise ConfigError(f"--max-requests must be at least 1, got {args.max_requests}")
     if "serve" in args.scenarios:
+        if args.dtype != "float32":
+            raise ConfigError(f"--dtype {args.dtype}: 'kvforge bench serve' runs both servers in float32 only; "
+                              "drop --dtype, or run the offline scenarios (mixed, prefix, ...) in that dtype")
         return run_serve(args)
     names = args.scenarios or list(NAMES)
     unknown = [n for n in names if n not in NAMES]
@@ -117,7 +124,7 @@ def run(args: argparse.Namespace) -> int:
                     model=args.model or (QUICK_MODEL if args.quick else FULL_MODEL),
                     machine_model=None if args.no_machine else args.machine_model,
                     kv_cache_gib=args.kv_cache_gib or (0.5 if args.quick else 2.0), timeout=args.timeout,
-                    threads=args.threads, repeats=args.repeats, max_requests=args.max_requests,
+                    threads=args.threads, repeats=args.repeats, max_requests=args.max_requests, dtype=args.dtype,
                     command="kvforge bench " + shlex.join(sys.argv[2:] if sys.argv[1:2] == ["bench"] else names),
                     log=lambda line: print(line, file=sys.stderr))
     print(f"wrote {out / 'results.json'}, {out / 'report.md'} and {len(results['plots'])} plot(s)", file=sys.stderr)

@@ -272,3 +272,22 @@ def test_gemm_peak_measures_every_gemm_kernel_the_models_can_use():
                "overhead": {}}
     text = "\n".join(report.machine_section(results))
     assert "(torch " in text
+
+
+def test_dtype_reaches_every_engine_through_the_workload_and_the_report(tmp_path, tiny_model):
+    from kvforge.cli import main
+
+    assert main(["bench", "mixed", "--quick", "--no-machine", "--model", tiny_model, "--max-requests", "2",
+                 "--dtype", "bfloat16", "--peer", "transformers=none", "--out", str(tmp_path)]) == 0
+    assert json.loads((tmp_path / "mixed" / "workload.json").read_text())["dtype"] == "bfloat16"
+    results = json.loads((tmp_path / "results.json").read_text())
+    assert results["dtype"] == "bfloat16"
+    assert any(r["status"] == "ok" for r in results["scenarios"][0]["runs"] if r["peer"] == "kvforge")
+    assert "(bfloat16)" in (tmp_path / "report.md").read_text()
+
+
+def test_bench_serve_refuses_a_dtype_it_does_not_run(capsys):
+    from kvforge.cli import main
+
+    assert main(["bench", "serve", "--quick", "--dtype", "bfloat16"]) != 0
+    assert "runs both servers in float32 only" in capsys.readouterr().err
