@@ -14,6 +14,7 @@ so (docs/gpu_backends.md keeps the measured table).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import itertools
 import json
 import sys
@@ -91,8 +92,7 @@ def main(argv: list[str] | None = None) -> int:
         plan = backend.plan(w.batch)
         if launch["splits"] > 1:  # force the split count (the default policy splits only small grids)
             split_len = cdiv(cdiv(shape.seq_len, launch["splits"]), plan.block_n) * plan.block_n
-            plan = type(plan)(plan.batch, plan.tile_seq, plan.tile_start, plan.block_q, plan.block_n,
-                              cdiv(shape.seq_len, split_len), split_len)
+            plan = dataclasses.replace(plan, num_splits=cdiv(shape.seq_len, split_len), split_len=split_len)
         row = dict(launch, query_rows=plan.block_q * backend.qpk_pad, splits=plan.num_splits, default=False)
         try:
             out = backend.forward(w.query, w.cache, plan)
