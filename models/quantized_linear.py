@@ -13,7 +13,7 @@ that embedding. `linear_kernel` then applies to the layers left in float.
 The kernels (why these, with measurements: docs/models.md, "Quantized weights"),
 chosen by `activations` (`quantization.activations`):
 * "none" (weight-only, W8A16 in vLLM's words; the default), CPU: kvforge's
-  C++ kernel `torch.ops.kvforge_cpp.int8_weight_linear` (backends/cpp/
+  C++ kernel `torch.ops.kvforge_cpp.int8_weight_linear` (kernels/
   int8_linear.cpp, built with the cpp attention kernel into one library):
   float32 or bfloat16 activations as they are, the int8 weight widened to float
   inside its register tiles, never copied to float. A decode step reads one
@@ -57,10 +57,9 @@ def load_weight_only_kernel() -> None:
     """Build (once, cached on disk) and load the library that holds
     `torch.ops.kvforge_cpp.int8_weight_linear`, or raise a clear error.
 
-    The kernel is compiled by the cpp backend's build (one library, one build
-    mechanism); this is the one place the models reach into `backends/`, and
-    only for the compiled library, never for a backend (docs/architecture.md)."""
-    from kvforge.backends.cpp import build
+    The kernel is in kvforge's one compiled library (`kvforge.kernels`), which
+    the cpp attention backend loads too."""
+    from kvforge.kernels import build
 
     try:
         build.load()

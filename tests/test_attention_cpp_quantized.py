@@ -29,7 +29,8 @@ from kvforge.core import (
 )
 
 pytest.importorskip("kvforge.backends.cpp")
-from kvforge.backends.cpp import CppAttentionBackend, build  # noqa: E402
+from kvforge.backends.cpp import CppAttentionBackend  # noqa: E402
+from kvforge.kernels import build  # noqa: E402
 
 if build.missing_tools() and build.cached_library() is None:
     pytest.skip(f"cpp backend unavailable: {build.missing_tools()}", allow_module_level=True)

@@ -29,10 +29,10 @@ def test_wheel_maps_every_folder_under_kvforge(wheel):
                    "kvforge/models/builtin/kvforge-tiny/model.safetensors",
                    "kvforge/models/builtin/kvforge-tiny-draft/config.json", "kvforge/benchmarks/peers/common.py"):
         assert module in names, module
-    from kvforge.backends.cpp import build
+    from kvforge.kernels import build
 
     for source in build.SOURCES + build.HEADERS:  # everything the just-in-time build compiles
-        assert f"kvforge/backends/cpp/{source.name}" in names, source.name
+        assert f"kvforge/kernels/{source.name}" in names, source.name
     assert not any(name.startswith(("core/", "tests/")) for name in names)
 
 

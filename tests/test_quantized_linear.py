@@ -130,7 +130,7 @@ def test_activations_must_be_a_valid_choice_and_int8_only_on_cpu():
 def test_a_failed_kernel_build_is_a_clear_error_that_names_the_w8a8_choice(monkeypatch):
     """Weight-only on CPU needs the C++ library; when it cannot build, the error says
     so and what runs without it, instead of falling back silently."""
-    from kvforge.backends.cpp import build
+    from kvforge.kernels import build
 
     def fails():
         raise build.CppBuildError("no C++ compiler")

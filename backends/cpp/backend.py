@@ -34,7 +34,7 @@ from kvforge.core import (
     build_registry,
 )
 
-from . import build
+from kvforge.kernels import build
 from .quantized_views import QuantizedViews
 
 
