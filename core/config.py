@@ -104,9 +104,12 @@ class ParallelConfig(Section):
     pipeline_parallel_size: int = Field(
         1, ge=1, description="ranks that each hold a stage of consecutive layers, run one after another; "
                              "1: no pipeline parallelism")
-    executor: Literal["auto", "mp"] = Field(
-        "auto", description="how the workers of ranks 1.. run: mp (processes on this host, torch.multiprocessing); "
-                            "auto: mp. The engine's own process is always rank 0")
+    executor: str = Field(
+        "auto", min_length=1,
+        description="how ranks 1.. run, by the name of a `kvforge.executors` entry point: mp (processes on this "
+                    "host, torch.multiprocessing), ray (Ray actors, on any node of a Ray cluster; kvforge[ray]), "
+                    "torchrun or external (processes torchrun started, on one or more hosts); auto: torchrun under "
+                    "torchrun, else mp. The engine's own process is always rank 0")
     collective_timeout_s: float = Field(
         120.0, gt=0, description="seconds a collective may wait for a rank before the engine fails, naming it")
 

@@ -1,7 +1,9 @@
 """The ranks of one distributed engine and the collectives between them.
 
 A `RankGroup` wraps one torch.distributed process group built from a
-TCP store on 127.0.0.1 (gloo on CPU, NCCL on CUDA), never the process-wide
+TCP store (gloo on CPU, NCCL on CUDA): the driver's on 127.0.0.1 for the mp
+executor, on the driver's node address for Ray, torchrun's own (env://) under
+torchrun. It is never the process-wide
 default group: an engine's group lives and dies with the engine, so several
 engines can follow one another in a process (the tests build many).
 
@@ -13,6 +15,7 @@ that died; on a worker the default raises `DistributedError` as it is.
 from __future__ import annotations
 
 import datetime
+import socket
 import time
 from collections.abc import Callable
 
@@ -39,7 +42,8 @@ class RankGroup:
     slowest rank included), so a step's communication share can be measured
     (on CUDA only the host's share: NCCL collectives run on the device's streams)."""
 
-    def __init__(self, store: dist.Store, rank: int, size: int, device: torch.device, timeout_s: float):
+    def __init__(self, store: dist.Store, rank: int, size: int, device: torch.device, timeout_s: float,
+                 host: str = HOST):
         self.rank, self.size, self.device, self.timeout_s = rank, size, torch.device(device), timeout_s
         timeout = datetime.timedelta(seconds=timeout_s)
         # gloo: wait on the host, at most the timeout. NCCL: a bare wait() only orders the
@@ -53,8 +57,9 @@ class RankGroup:
         else:
             options = dist.ProcessGroupGloo._Options()
             options._timeout = timeout
-            # Bound to 127.0.0.1, not to whatever the host name resolves to: the ranks share this host.
-            options._devices = [dist.ProcessGroupGloo.create_device(hostname=HOST)]
+            # Bound to `host` (127.0.0.1 when the ranks share this host), not to whatever the host
+            # name resolves to, which may be an address the other ranks cannot reach.
+            options._devices = [dist.ProcessGroupGloo.create_device(hostname=host)]
             self._pg = dist.ProcessGroupGloo(store, rank, size, options)
         self.comm_seconds = 0.0
         self.on_failure: Callable[[str, Exception], Exception] = _default_failure
@@ -100,13 +105,23 @@ class RankGroup:
             self.comm_seconds += time.perf_counter() - begin
 
 
-def driver_store(size: int) -> dist.TCPStore:
-    """The rendezvous store, held by rank 0 on a free port of 127.0.0.1 (`.port`). Its
+def driver_store(size: int, host: str = HOST) -> dist.TCPStore:
+    """The rendezvous store, held by rank 0 on a free port (`.port`) of `host`. Its
     waits (a key not there yet) last up to `STARTUP_TIMEOUT_S`: only start-up waits on it."""
-    return dist.TCPStore(HOST, 0, size, True, timeout=datetime.timedelta(seconds=STARTUP_TIMEOUT_S),
+    return dist.TCPStore(host, 0, size, True, timeout=datetime.timedelta(seconds=STARTUP_TIMEOUT_S),
                          wait_for_workers=False)
 
 
-def worker_store(port: int, size: int) -> dist.TCPStore:
-    """A worker's client of the driver's rendezvous store."""
-    return dist.TCPStore(HOST, port, size, False, timeout=datetime.timedelta(seconds=STARTUP_TIMEOUT_S))
+def worker_store(port: int, size: int, host: str = HOST) -> dist.TCPStore:
+    """A worker's client of the driver's rendezvous store at `host:port`."""
+    return dist.TCPStore(host, port, size, False, timeout=datetime.timedelta(seconds=STARTUP_TIMEOUT_S))
+
+
+def address_towards(host: str) -> str:
+    """This machine's address on the route to `host` (127.0.0.1 for 127.0.0.1 itself): the one
+    a rank binds its gloo sockets to, so that every other rank can reach it. Sends nothing
+    (connecting a UDP socket only picks the route)."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_DGRAM) as probe:
+        probe.connect((host, 9))
+        return probe.getsockname()[0]

@@ -1,4 +1,4 @@
-"""A worker process (ranks 1..size-1): load its shard or stage, then run steps.
+"""A worker (ranks 1..size-1: a process, a Ray actor, a torchrun rank): load its shard or stage, then run steps.
 
 The worker has no scheduler, allocator or sampler: each step it receives the
 driver's plan (`step_message`), applies the block copies to its KV shard and
@@ -14,12 +14,13 @@ from __future__ import annotations
 import traceback
 
 import torch
+import torch.distributed as dist
 
 from kvforge.engine import components, heap
 from kvforge.engine.model_runner import copy_blocks
 
 from . import step_message
-from .group import RankGroup, worker_store
+from .group import HOST, RankGroup, address_towards, worker_store
 from .shard_loading import WorkerSpec, load_worker_shard, rank_device
 from .timing import StageTimer, gather_timings
 
@@ -41,20 +42,28 @@ def loaded_key(rank: int) -> str:
     return f"loaded/{rank}"
 
 
-def run_worker(spec: WorkerSpec, rank: int) -> None:
-    """The worker's whole life; the entry point of its process."""
+def run_worker(spec: WorkerSpec, rank: int, store_host: str = HOST, device_index: int | None = None) -> None:
+    """The worker's whole life when the driver started it (mp, Ray): meet the driver's
+    rendezvous store at `store_host:spec.port`, then `work`."""
+    store = worker_store(spec.port, spec.engine_config.parallel.world_size, store_host)
+    work(spec, rank, store, address_towards(store_host), device_index)
+
+
+def work(spec: WorkerSpec, rank: int, store: dist.Store, host: str, device_index: int | None = None) -> None:
+    """Load rank `rank`'s part, then run steps until the driver says STOP. `host` is the
+    address this rank's sockets bind to; `device_index` the CUDA device it uses (default:
+    its rank, one host's devices in rank order)."""
     config = spec.engine_config
     size, timeout = config.parallel.world_size, config.parallel.collective_timeout_s
     torch.set_num_threads(spec.threads)
-    store = worker_store(spec.port, size)
     try:
-        device = rank_device(components.resolve_device(config), rank)
+        device = rank_device(components.resolve_device(config), rank if device_index is None else device_index)
         if device.type == "cuda":
             torch.cuda.set_device(device)
         elif config.keep_freed_memory:  # as the driver does (LLMEngine): no page faults on each step's activations
             heap.keep_freed_memory()
         store.set(ready_key(rank), "1")
-        group = RankGroup(store, rank, size, device, timeout)
+        group = RankGroup(store, rank, size, device, timeout, host)
         model = load_worker_shard(spec, group)
         store.set(loaded_key(rank), "1")
         # The driver's block count comes through the store, which waits minutes, not through a

@@ -20,7 +20,7 @@ import torch
 
 from kvforge.core import BlockStateError, ConfigError, EngineConfig, ProposerTarget, RequestError, build_registry, cdiv
 
-from . import components, heap
+from . import components, executors, heap
 from .detokenizer import IncrementalDetokenizer
 from .kv_cache_manager import KVCacheManager
 from .metrics import EngineMetrics, prometheus_text
@@ -53,9 +53,14 @@ class LLMEngine:
 
     `selected` names the implementation chosen for each part (attention backend,
     block allocator, scheduler policy, and the KV / weight quantizer and
-    speculative proposer when configured); it is logged once at INFO."""
+    speculative proposer when configured); it is logged once at INFO.
 
-    def __init__(self, config: EngineConfig | None = None, *, model=None, tokenizer=None, registry=None):
+    With `parallel.world_size > 1` the ranks run on the executor `parallel.executor`
+    names (`executors.executor_class`); `executor=cls` passes a class following
+    `executors.Executor` instead (also with one rank)."""
+
+    def __init__(self, config: EngineConfig | None = None, *, model=None, tokenizer=None, registry=None,
+                 executor: type[executors.Executor] | None = None):
         config, model = _config_and_model(config, model)
         self.config = config
         plugins = config.plugins
@@ -67,19 +72,17 @@ class LLMEngine:
         components.check_supported(config, self.dtype)
         kv_quantizer = components.resolve_kv_quantizer(self.registry, config)
         weight_quantizer = None
-        self.executor = None  # kvforge.distributed's executor when parallel.world_size > 1
+        self.executor = None  # an executors.Executor when parallel.world_size > 1 (or one is passed)
         if model is None:
             from kvforge.models import load_model, load_tokenizer
 
             layers = components.model_layers(config.model)
             backend = components.select_backend(self.registry, config, layers, self.device, self.dtype, kv_quantizer)
             weight_quantizer = components.weight_quantizer(self.registry, config)
-            if config.parallel.world_size > 1:
-                # The engine reaches kvforge.distributed only here, and only when asked to.
-                from kvforge.distributed import MultiprocExecutor
-
-                self.executor = MultiprocExecutor(config, backend, kv_quantizer, weight_quantizer, self.device,
-                                                  self.dtype)
+            if executor is None and config.parallel.world_size > 1:
+                executor = executors.executor_class(config)
+            if executor is not None:
+                self.executor = executor(config, backend, kv_quantizer, weight_quantizer, self.device, self.dtype)
                 model = self.executor.model
             else:
                 model = load_model(config.model, dtype=self.dtype, device=self.device, attention_backend=backend,
@@ -87,10 +90,10 @@ class LLMEngine:
                                    weight_quantizer=weight_quantizer,
                                    weight_activations=config.quantization.activations)
             tokenizer = tokenizer if tokenizer is not None else load_tokenizer(config.model)
-        elif config.parallel.world_size > 1:
+        elif config.parallel.world_size > 1 or executor is not None:
             raise ConfigError(
-                f"parallel.tensor_parallel_size / pipeline_parallel_size over {config.parallel.world_size} ranks need "
-                "the engine to load the model itself (each rank loads its part); pass a model name or directory, "
+                f"parallel.tensor_parallel_size / pipeline_parallel_size over {config.parallel.world_size} rank(s), "
+                "or an executor, need the engine to load the model itself (each rank loads its part); pass a model name or directory, "
                 "not a ready model")
         elif kv_quantizer is not None:
             components.use_kv_quantizer(model, kv_quantizer)

@@ -32,7 +32,6 @@ OWN_PACKAGE = {"core": "kvforge.core", "plugins": "kvforge.plugins", "backends":
                "distributed": "kvforge.distributed"}
 # file -> (import, why it is allowed for now)
 EXCEPTIONS = {
-    ("engine/llm_engine.py", "kvforge.distributed"): "the engine starts its workers when parallel.world_size > 1",
     ("conformance/check_speculative_engine.py", "kvforge.engine"): "checks a proposer through the engine",
 }
 
