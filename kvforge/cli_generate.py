@@ -31,10 +31,12 @@ def add_parser(commands) -> None:
     parser.add_argument("--stream", action="store_true", help="print tokens as they are generated")
     parser.add_argument("--jsonl", action="store_true", help="one JSON object per request on stdout")
     parser.add_argument("--tensor-parallel-size", type=int, metavar="N",
-                        help="split the model over N ranks on this host (parallel.tensor_parallel_size; "
-                             "N - 1 worker processes)")
+                        help="split the model over N ranks (parallel.tensor_parallel_size; N - 1 workers)")
     parser.add_argument("--pipeline-parallel-size", type=int, metavar="N",
-                        help="split the model's layers into N stages on this host (parallel.pipeline_parallel_size)")
+                        help="split the model's layers into N stages (parallel.pipeline_parallel_size)")
+    parser.add_argument("--executor", metavar="NAME",
+                        help="what runs the workers (parallel.executor): mp (processes on this host), ray (Ray "
+                             "actors), torchrun (the processes torchrun started); default auto")
     parser.add_argument("--threads", type=int, help="CPU threads for torch (default: torch's choice); 1 is often "
                         "fastest for tiny models on a busy machine")
     parser.add_argument("-v", "--verbose", action="store_true",
@@ -131,6 +133,8 @@ def run(args: argparse.Namespace) -> int:
         overrides.append(f"parallel.tensor_parallel_size={args.tensor_parallel_size}")
     if args.pipeline_parallel_size is not None:
         overrides.append(f"parallel.pipeline_parallel_size={args.pipeline_parallel_size}")
+    if args.executor is not None:
+        overrides.append(f"parallel.executor={json.dumps(args.executor)}")
     llm = LLM(config_file=args.config, overrides=overrides, **sections)
     try:
         return generate(llm, prompts, args)

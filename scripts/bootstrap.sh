@@ -7,13 +7,13 @@
 #   KVFORGE_TORCH_INDEX extra pip arguments for torch alone, e.g.
 #                       "--index-url https://download.pytorch.org/whl/cpu" on a machine
 #                       without a GPU and without a local CPU wheel
-#   KVFORGE_EXTRAS      pip extras to install (default: test,triton,docs,serve)
+#   KVFORGE_EXTRAS      pip extras to install (default: test,triton,docs,serve,ray)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
 venv="${KVFORGE_VENV:-.venv}"
 torch_req="${KVFORGE_TORCH:-torch==2.13.0}"
-extras="${KVFORGE_EXTRAS:-test,triton,docs,serve}"
+extras="${KVFORGE_EXTRAS:-test,triton,docs,serve,ray}"
 
 if [ ! -x "$venv/bin/python" ]; then
     python3 -m venv "$venv"
