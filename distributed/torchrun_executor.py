@@ -12,9 +12,11 @@ engine's construction runs on rank 0 only.
 
 from __future__ import annotations
 
+import atexit
 import datetime
 import itertools
 import os
+import weakref
 from dataclasses import dataclass
 
 import torch
@@ -77,6 +79,9 @@ class TorchrunExecutor(DriverExecutor):
             work(spec, self.launched.rank, self._launch_store, self._host, self.launched.local_rank)
             raise SystemExit(0)
         super().__init__(config, attention_backend, kv_quantizer, weight_quantizer, device, dtype)
+        # A driver that exits without shutdown() (a server stopped by a signal) still tells the other
+        # ranks to stop, so they exit 0 instead of failing their next collective.
+        atexit.register(_shutdown_at_exit, weakref.ref(self))
 
     def _rendezvous(self) -> tuple[dist.Store, str]:
         return self._launch_store, self._host
@@ -96,3 +101,9 @@ class TorchrunExecutor(DriverExecutor):
 
     def _stop_workers(self, wait_s: float) -> None:
         pass  # STOP (sent by shutdown) ends their loop; after a failure their collectives time out
+
+
+def _shutdown_at_exit(ref: weakref.ref) -> None:
+    executor = ref()
+    if executor is not None:
+        executor.shutdown()

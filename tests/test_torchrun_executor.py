@@ -35,6 +35,30 @@ def test_torchrun_ranks_generate_what_one_process_generates(capsys):
     assert len(one) == 2 and outputs(done.stdout) == one  # printed once: by rank 0, the driver
 
 
+NO_SHUTDOWN = """
+from kvforge import LLM, SamplingParams
+llm = LLM("kvforge-tiny", device="cpu", parallel={"tensor_parallel_size": 2, "collective_timeout_s": 60})
+print("tokens", llm.generate(["Hello"], SamplingParams(max_tokens=4, temperature=0.0))[0].outputs[0].token_ids)
+"""
+
+
+@pytest.mark.slow
+def test_a_driver_that_exits_without_shutdown_still_stops_its_ranks_cleanly(tmp_path):
+    """A server stopped by a signal never calls shutdown(): the driver still tells the
+    other ranks to stop at exit, so they exit 0 rather than fail their next collective."""
+    script = tmp_path / "no_shutdown.py"
+    script.write_text(NO_SHUTDOWN)
+    launch = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", str(script)]
+    done = subprocess.run(launch, capture_output=True, text=True, timeout=600,
+                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert done.returncode == 0, done.stderr[-3000:]
+    from kvforge import LLM, SamplingParams
+
+    one = LLM("kvforge-tiny", device="cpu").generate(["Hello"], SamplingParams(max_tokens=4, temperature=0.0))
+    assert [line for line in done.stdout.splitlines() if line.startswith("tokens")] == \
+        [f"tokens {one[0].outputs[0].token_ids}"]
+
+
 def test_outside_torchrun_the_executor_says_how_to_launch(monkeypatch):
     for name in ENV:
         monkeypatch.delenv(name, raising=False)
