@@ -19,9 +19,10 @@ from kvforge.engine import components
 from kvforge.models import load_model
 from kvforge.models.base import CausalLM
 
-from .group import RankGroup
+from .layout import RankGroups, RankLayout, SoloGroup
 from .pipeline_parallel import split_stages
 from .tensor_parallel import shard_model
+from .vocab_parallel import drop_head
 
 
 @dataclass(frozen=True)
@@ -44,21 +45,22 @@ def rank_device(device: torch.device, rank: int) -> torch.device:
     return torch.device("cuda", rank) if device.type == "cuda" else torch.device("cpu")
 
 
-def load_shard(config: EngineConfig, group: RankGroup, dtype: torch.dtype, attention_backend: type,
+def load_shard(config: EngineConfig, groups: RankGroups, dtype: torch.dtype, attention_backend: type,
                kv_quantizer: Quantizer | None, weight_quantizer: Quantizer | None) -> CausalLM:
     """This rank's shard of `config.model`, ready to run."""
-    return load_model(config.model, dtype=dtype, device=group.device, attention_backend=attention_backend,
+    return load_model(config.model, dtype=dtype, device=groups.world.device, attention_backend=attention_backend,
                       linear_kernel=config.linear_kernel, kv_quantizer=kv_quantizer,
                       weight_quantizer=weight_quantizer, weight_activations=config.quantization.activations,
-                      shard=lambda model: keep_part(config, model, group))
+                      shard=lambda model: keep_part(model, groups))
 
 
-def keep_part(config: EngineConfig, model: CausalLM, group: RankGroup) -> None:
-    """Keep this rank's part of a loaded float model: its shard or its stage."""
-    if config.parallel.pipeline_parallel_size > 1:
-        split_stages(model, group)
-    else:
-        shard_model(model, group)
+def keep_part(model: CausalLM, groups: RankGroups) -> None:
+    """Keep this rank's part of a loaded float model: its tensor-parallel shard of its
+    pipeline stage (either may be the whole)."""
+    shard_model(model, groups.tp, vocab_parallel=groups.layout.vocab_parallel)
+    split_stages(model, groups)
+    if not groups.layout.computes_logits:
+        drop_head(model)
 
 
 @dataclass(frozen=True)
@@ -81,15 +83,24 @@ def check_split(config: EngineConfig) -> None:
     with torch.device("meta"):
         model = model_class(model_config.get("architectures") or [])(model_config)
         model.finish_loading()
-        keep_part(config, model, DryRunRank(config.parallel.world_size))
+        keep_part(model, dry_run_groups(config))
 
 
-def load_worker_shard(spec: WorkerSpec, group: RankGroup) -> CausalLM:
+def dry_run_groups(config: EngineConfig) -> RankGroups:
+    """Rank 0's groups, without processes: for splitting a meta-device model."""
+    parallel = config.parallel
+    tp = parallel.tensor_parallel_size
+    layout = RankLayout(tp, parallel.pipeline_parallel_size, 0, parallel.vocab_parallel and tp > 1)
+    world = DryRunRank(parallel.world_size)
+    return RankGroups(layout, world, DryRunRank(tp) if tp > 1 else SoloGroup(world.device))
+
+
+def load_worker_shard(spec: WorkerSpec, groups: RankGroups) -> CausalLM:
     """A worker's shard, its implementations resolved by name as the driver's were."""
     config = spec.engine_config
     plugins = config.plugins
     registry = build_registry(allow=plugins.allow, deny=plugins.deny, strict=plugins.strict)
     backend = registry.select(ATTENTION_BACKEND, spec.attention_backend).cls
-    dtype = components.resolve_dtype(config, group.device)
-    return load_shard(config, group, dtype, backend, components.resolve_kv_quantizer(registry, config),
+    dtype = components.resolve_dtype(config, groups.world.device)
+    return load_shard(config, groups, dtype, backend, components.resolve_kv_quantizer(registry, config),
                       components.weight_quantizer(registry, config))

@@ -19,10 +19,9 @@ one its query heads read). Each rank's `AttentionLayerSpec` says how many heads
 it holds, so every attention backend runs unchanged on fewer heads, and the KV
 cache each rank allocates (`kv_cache_spec`) holds only its KV heads.
 
-The token embedding and the LM head are replicated on every rank (the logits
-are only computed on rank 0, which samples): kvforge's models have small
-vocabularies relative to their layers, and a replicated head costs no
-all-gather of logits per step.
+The token embedding and the LM head are split by vocabulary rows
+(`vocab_parallel`), or replicated on every rank with `vocab_parallel=False`
+(`parallel.vocab_parallel = false`); see docs/distributed.md for the memory either way.
 """
 
 from __future__ import annotations
@@ -38,6 +37,7 @@ from kvforge.models.llama import LlamaForCausalLM
 from kvforge.models.packed_linear import linear_weight
 
 from .group import RankGroup
+from .vocab_parallel import split_vocab
 
 
 class RowParallelLinear(nn.Module):
@@ -179,9 +179,10 @@ def shard_gpt2(model: GPT2LMHeadModel, group: RankGroup) -> None:
     model.layer_specs = [shard.spec(full) for full, shard in zip(model.layer_specs, shards)]
 
 
-def shard_model(model: nn.Module, group: RankGroup) -> None:
-    """Keep this rank's slice of a loaded float model, in place; refuses, naming the
-    supported architectures, a model tensor parallelism does not know."""
+def shard_model(model: nn.Module, group: RankGroup, *, vocab_parallel: bool = True) -> None:
+    """Keep this rank's slice of a loaded float model, in place: every layer's heads and
+    MLP features, and with `vocab_parallel` the embedding's and LM head's vocabulary
+    rows; refuses, naming the supported architectures, a model it does not know."""
     if group.size == 1:
         return
     if isinstance(model, LlamaForCausalLM):
@@ -191,3 +192,5 @@ def shard_model(model: nn.Module, group: RankGroup) -> None:
     else:
         raise ConfigError(f"tensor parallelism supports the Llama family (Llama, Mistral, Qwen2, Qwen3) and GPT-2, "
                           f"not {type(model).__name__}; set parallel.tensor_parallel_size = 1 for this model")
+    if vocab_parallel:
+        split_vocab(model, group)

@@ -14,6 +14,7 @@ from torch import nn
 from kvforge.core import AttentionBatch, ConfigError
 from kvforge.distributed import head_shard, shard_model
 from kvforge.distributed import step_message
+from kvforge.distributed.layout import RankGroups, RankLayout
 from kvforge.distributed.pipeline_parallel import split_stages
 from kvforge.distributed.tensor_parallel import HeadShard, row_parallel
 from kvforge.models import load_model
@@ -143,7 +144,8 @@ def test_architectures_without_shards_are_refused_by_name():
     with torch.device("meta"):
         gpt2 = GPT2LMHeadModel(config)
     with pytest.raises(ConfigError, match="Llama family.*not GPT2LMHeadModel.*pipeline_parallel_size = 1"):
-        split_stages(gpt2, FakeGroup(0, 2))  # its position embedding is added to the token embedding's output
+        split_stages(gpt2, RankGroups(RankLayout(1, 2, 0), FakeGroup(0, 2), FakeGroup(0, 1)))  # its position
+        # embedding is added to the token embedding's output, which a stage boundary replaces
 
 
 class Wire:
