@@ -24,9 +24,10 @@ from torch import nn
 
 from kvforge.core import ConfigError
 from kvforge.models.llama import LlamaForCausalLM
+from kvforge.models.weight_slices import SKIP, WeightSlice
 
 from .group import RankGroup
-from .layout import RankGroups
+from .layout import RankGroups, RankLayout
 from .vocab_parallel import drop_head
 
 
@@ -69,25 +70,45 @@ class SendToRank(nn.Module):
         return out
 
 
-def split_stages(model: LlamaForCausalLM, groups: RankGroups) -> None:
-    """Keep this rank's stage of a loaded Llama-family model (already split by
-    tensor parallelism when that is on), in place. Hidden states go from each
-    rank to the rank of the same tensor-parallel place in the next stage; the last
-    stage's final hidden states go back to those ranks of stage 0 that compute logits."""
-    layout = groups.layout
-    if layout.pp == 1:
-        return
+def _check_family(model: nn.Module) -> None:
     if not isinstance(model, LlamaForCausalLM):
         raise ConfigError(f"pipeline parallelism supports the Llama family (Llama, Mistral, Qwen2, Qwen3), not "
                           f"{type(model).__name__}; set parallel.pipeline_parallel_size = 1 for this model")
+
+
+def stage_slices(model: LlamaForCausalLM, layout: RankLayout) -> dict[str, WeightSlice]:
+    """The weights this rank's stage never reads: other stages' layers, the embedding and
+    an untied head after stage 0, the final norm before the last stage."""
+    if layout.pp == 1:
+        return {}
+    _check_family(model)
+    keep = stage_layers(len(model.layer_specs), layout.pp, layout.stage)
+    skipped = {f"model.layers.{i}." for i in range(len(model.layer_specs)) if i not in keep}
+    if layout.stage > 0:
+        skipped |= {"model.embed_tokens.", "lm_head."}
+    if not layout.last_stage:
+        skipped.add("model.norm.")
+    return {name: SKIP for name, _ in model.named_parameters() if name.startswith(tuple(skipped))}
+
+
+def split_stages(model: LlamaForCausalLM, groups: RankGroups) -> None:
+    """Keep this rank's stage of a Llama-family model, in place (the weights of other
+    stages need not be loaded: `stage_slices`). Hidden states go from each rank to the
+    rank of the same tensor-parallel place in the next stage; the last stage's final
+    hidden states go back to those ranks of stage 0 that compute logits."""
+    layout = groups.layout
+    if layout.pp == 1:
+        return
+    _check_family(model)
     stage, stages, world = layout.stage, layout.pp, groups.world
     keep = stage_layers(len(model.layer_specs), stages, stage)
     inner = model.model
     inner.layers = nn.ModuleList(inner.layers[i] for i in keep)
     model.layer_specs = [model.layer_specs[i] for i in keep]
+    dtype = inner.layers[0].input_layernorm.weight.dtype  # loaded on every stage, unlike the embedding
     if stage > 0:
         inner.embed_tokens = ReceiveFromRank(world, layout.rank_of(stage - 1, layout.tp_rank),
-                                             int(model.config["hidden_size"]), model.dtype)
+                                             int(model.config["hidden_size"]), dtype)
         drop_head(model)  # only stage 0 computes logits
     if not layout.last_stage:
         inner.norm = SendToRank(world, layout.rank_of(stage + 1, layout.tp_rank))

@@ -21,6 +21,7 @@ from torch import nn
 from kvforge.core import cdiv
 from kvforge.models.gpt2 import GPT2LMHeadModel
 from kvforge.models.llama import LlamaForCausalLM
+from kvforge.models.weight_slices import WeightSlice, rows, take_slices
 
 
 def vocab_rows(vocab_size: int, size: int) -> int:
@@ -28,14 +29,24 @@ def vocab_rows(vocab_size: int, size: int) -> int:
     return cdiv(vocab_size, size)
 
 
+def vocab_span(vocab_size: int, rank: int, size: int) -> tuple[int, int]:
+    """The vocabulary rows `[start, stop)` of the checkpoint rank `rank` holds (the
+    last rank's may be short: `pad_rows` fills it up to `vocab_rows`)."""
+    rows = vocab_rows(vocab_size, size)
+    return min(rank * rows, vocab_size), min((rank + 1) * rows, vocab_size)
+
+
+def pad_rows(weight: torch.Tensor, rows: int) -> torch.Tensor:
+    """`weight` with zero rows appended up to `rows`."""
+    if weight.shape[0] == rows:
+        return weight
+    return torch.cat([weight, weight.new_zeros(rows - weight.shape[0], *weight.shape[1:])])
+
+
 def vocab_shard(weight: torch.Tensor, rank: int, size: int) -> torch.Tensor:
-    """Rank `rank`'s rows of a `[vocab, hidden]` weight, zero-padded to `vocab_rows`; a copy."""
-    rows = vocab_rows(weight.shape[0], size)
-    part = weight[rank * rows:(rank + 1) * rows]
-    if part.shape[0] == rows:
-        return part.clone()
-    pad = weight.new_zeros(rows - part.shape[0], weight.shape[1])
-    return torch.cat([part, pad])
+    """Rank `rank`'s rows of a whole `[vocab, hidden]` weight, zero-padded to `vocab_rows`; a copy."""
+    start, stop = vocab_span(weight.shape[0], rank, size)
+    return pad_rows(weight[start:stop].clone(), vocab_rows(weight.shape[0], size))
 
 
 class VocabParallelEmbedding(nn.Module):
@@ -54,26 +65,48 @@ class VocabParallelEmbedding(nn.Module):
         return self.group.all_reduce(out)
 
 
-def _embedding(embedding: nn.Embedding, group) -> VocabParallelEmbedding:
-    rows = vocab_rows(embedding.weight.shape[0], group.size)
-    return VocabParallelEmbedding(vocab_shard(embedding.weight.detach(), group.rank, group.size),
-                                  group.rank * rows, group)
+def _tables(model: nn.Module) -> dict[str, str]:
+    """The model's vocabulary tables that are split, by parameter name: the embedding,
+    and an untied head ("embedding" or "head")."""
+    if isinstance(model, GPT2LMHeadModel):  # always tied
+        return {"transformer.wte.weight": "embedding"}
+    tables = {"model.embed_tokens.weight": "embedding"}
+    if not model.tied:
+        tables["lm_head.weight"] = "head"
+    return tables
+
+
+def vocab_slices(model: nn.Module, rank: int, size: int) -> dict[str, WeightSlice]:
+    """Rank `rank`'s vocabulary rows of the embedding and an untied head."""
+    return {name: rows(*vocab_span(model.vocab_size, rank, size)) for name in _tables(model)}
 
 
 @torch.no_grad()
+def apply_vocab(model: nn.Module, group) -> None:
+    """Turn an embedding and head that hold this rank's vocabulary rows (`vocab_slices`)
+    into a `VocabParallelEmbedding` and a smaller head, padded to `vocab_rows`, in place.
+    A pipeline stage that has neither (its stand-ins are not `nn.Embedding`/`nn.Linear`)
+    keeps its stand-ins."""
+    each = vocab_rows(model.vocab_size, group.size)
+    for name, kind in _tables(model).items():
+        owner_name, _, attr = name.rpartition(".")
+        owner = model.get_submodule(owner_name)
+        if not isinstance(owner, (nn.Embedding, nn.Linear)):
+            continue
+        weight = pad_rows(owner.weight.detach(), each)
+        if kind == "embedding":
+            replacement = VocabParallelEmbedding(weight, group.rank * each, group)
+        else:
+            replacement = nn.Linear(weight.shape[1], weight.shape[0], bias=False, device="meta")
+            replacement.weight = nn.Parameter(weight, requires_grad=False)
+        parent_name, _, child = owner_name.rpartition(".")
+        setattr(model.get_submodule(parent_name) if parent_name else model, child, replacement)
+
+
 def split_vocab(model: nn.Module, group) -> None:
-    """Keep this rank's vocabulary rows of the embedding and the LM head of a loaded
-    Llama-family model or GPT-2, in place (tied heads read the embedding's rows)."""
-    if isinstance(model, GPT2LMHeadModel):  # always tied
-        model.transformer.wte = _embedding(model.transformer.wte, group)
-        return
-    model.model.embed_tokens = _embedding(model.model.embed_tokens, group)
-    if not model.tied:
-        head = nn.Linear(1, 1, bias=False, device="meta")
-        head.weight = nn.Parameter(vocab_shard(model.lm_head.weight.detach(), group.rank, group.size),
-                                   requires_grad=False)
-        head.in_features, head.out_features = head.weight.shape[1], head.weight.shape[0]
-        model.lm_head = head
+    """Keep this rank's vocabulary rows of a whole model in memory, in place (layers untouched)."""
+    take_slices(model, vocab_slices(model, group.rank, group.size))
+    apply_vocab(model, group)
 
 
 def drop_head(model: nn.Module) -> None:

@@ -16,7 +16,7 @@ from kvforge.distributed import head_shard, shard_model
 from kvforge.distributed import step_message
 from kvforge.distributed.layout import RankGroups, RankLayout
 from kvforge.distributed.pipeline_parallel import split_stages
-from kvforge.distributed.tensor_parallel import HeadShard, row_parallel
+from kvforge.distributed.tensor_parallel import HeadShard, as_row_parallel
 from kvforge.models import load_model
 from kvforge.models.base import ModelConfig
 from kvforge.models.gpt2 import GPT2LMHeadModel
@@ -127,7 +127,9 @@ def test_a_row_parallel_bias_is_added_once_after_the_sum():
     partials = {}
     for rank in range(2):
         group = FakeGroup(rank, 2, reduce=lambda y: partials[0] + partials[1])
-        layers.append(row_parallel(full, 3 * rank, 3 * rank + 3, group))
+        part = nn.Linear(3, 3, bias=True).double()
+        part.weight, part.bias = nn.Parameter(full.weight[:, 3 * rank:3 * rank + 3]), full.bias
+        layers.append(as_row_parallel(part, group))
     for rank, layer in enumerate(layers):
         partials[rank] = layer.inner(x[:, 3 * rank:3 * rank + 3])
     for rank, layer in enumerate(layers):
