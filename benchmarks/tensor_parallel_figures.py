@@ -73,11 +73,17 @@ def describe(parallel: dict) -> str:
     return name + (", embedding and head replicated" if tp > 1 and not parallel.get("vocab_parallel", True) else "")
 
 
+def memory_mb() -> dict[str, float]:
+    """This process's peak and current resident memory, split into private (anonymous)
+    and file-backed pages (the checkpoint's mmap, shared libraries), in MB."""
+    with open("/proc/self/status") as f:
+        fields = dict(line.split(":", 1) for line in f)
+    return {key: int(fields[key].split()[0]) / 1024 for key in ("VmHWM", "RssAnon", "RssFile")}
+
+
 def load_rank(path: str, tp: int, pp: int, rank: int, queue) -> None:
     """In a fresh process: load rank `rank`'s part as that rank would, and report the bytes
-    it read, the bytes it holds, and how far its peak resident memory rose while loading."""
-    import resource
-
+    it read, the bytes it holds, and how much its memory rose while loading."""
     from kvforge.core import EngineConfig
     from kvforge.distributed.shard_loading import RankPart, dry_run_groups
     from kvforge.models import load_model
@@ -85,19 +91,20 @@ def load_rank(path: str, tp: int, pp: int, rank: int, queue) -> None:
     torch.set_num_threads(1)
     config = EngineConfig.model_validate({"model": path, "parallel": {"tensor_parallel_size": tp,
                                                                       "pipeline_parallel_size": pp}})
-    with open("/proc/self/statm") as f:
-        rss_before = int(f.read().split()[1]) * resource.getpagesize()
-    model = load_model(path, dtype="float32", linear_kernel="torch", shard=RankPart(dry_run_groups(config, rank)))
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-    queue.put((model.checkpoint_bytes_read, model.weight_bytes(), peak - rss_before))
+    before = memory_mb()
+    part = RankPart(dry_run_groups(config, rank)) if tp * pp > 1 else None
+    model = load_model(path, dtype="float32", linear_kernel="torch", shard=part)
+    after = memory_mb()
+    queue.put((model.checkpoint_bytes_read, model.weight_bytes(), {k: after[k] - before[k] for k in after}))
 
 
 def loading_table(path: str) -> None:
     import multiprocessing
 
     context = multiprocessing.get_context("spawn")
-    print("| configuration | rank | checkpoint MB read | weights MB held | peak RSS rise while loading, MB |")
-    print("|---|---:|---:|---:|---:|")
+    print("| configuration | rank | checkpoint MB read | weights MB held | peak RSS rise, MB | private MB rise | "
+          "file-backed MB rise |")
+    print("|---|---:|---:|---:|---:|---:|---:|")
     for tp, pp in [(1, 1), (2, 1), (1, 2), (2, 2)]:
         for rank in range(tp * pp):
             queue = context.Queue()
@@ -106,7 +113,8 @@ def loading_table(path: str) -> None:
             read, held, rise = queue.get(timeout=600)
             process.join()
             name = describe({"tensor_parallel_size": tp, "pipeline_parallel_size": pp})
-            print(f"| {name} | {rank} | {read / 1e6:.1f} | {held / 1e6:.1f} | {rise / 1e6:.0f} |", flush=True)
+            print(f"| {name} | {rank} | {read / 1e6:.1f} | {held / 1e6:.1f} | {rise['VmHWM']:.0f} | "
+                  f"{rise['RssAnon']:.0f} | {rise['RssFile']:.0f} |", flush=True)
 
 
 def main(argv: list[str] | None = None) -> None:

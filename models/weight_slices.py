@@ -35,7 +35,10 @@ class WeightSlice:
         """The kept part of `source`: a tensor, or a safetensors slice (which reads only
         these spans from the file); always a new tensor."""
         index = (slice(None),) * self.dim
-        return torch.cat([source[(*index, slice(a, b))] for a, b in self.spans], dim=self.dim)
+        parts = [source[(*index, slice(a, b))] for a, b in self.spans]
+        if len(parts) == 1 and not isinstance(source, torch.Tensor):  # read from the file: already its own copy
+            return parts[0]
+        return torch.cat(parts, dim=self.dim)
 
 
 SKIP = WeightSlice(0, ())

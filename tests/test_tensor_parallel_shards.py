@@ -173,7 +173,8 @@ def test_a_step_reaches_the_worker_as_sent():
         context_lens=torch.tensor([0, 8], dtype=torch.int32), block_table=torch.tensor([[2, 0, 0], [5, 7, 1]],
                                                                                         dtype=torch.int32),
         slot_mapping=torch.tensor([8, 9, 10, 4], dtype=torch.int64), block_size=4, max_query_len=3, max_seq_len=9)
-    sent = step_message.StepMessage(torch.tensor([11, 12, 13, 14]), torch.tensor([0, 1, 2, 8]), batch, [(3, 1), (6, 2)])
+    sent = step_message.StepMessage(torch.tensor([11, 12, 13, 14]), torch.tensor([0, 1, 2, 8]), batch, [(3, 1), (6, 2)],
+                                    logit_rows=torch.tensor([2, 3]))
     wire = Wire()
     wire.replaying = False
     step_message.send_step(wire, sent)
@@ -186,4 +187,5 @@ def test_a_step_reaches_the_worker_as_sent():
         mine, theirs = getattr(got.batch, name), getattr(batch, name)
         assert torch.equal(mine, theirs) and mine.dtype == theirs.dtype, name
     assert (got.batch.max_query_len, got.batch.max_seq_len, got.copies) == (3, 9, [(3, 1), (6, 2)])
+    assert got.logit_rows.tolist() == [2, 3]  # the rows a vocabulary-parallel head computes on every rank
     assert step_message.receive(wire, block_size=4) == (step_message.STOP, None)
