@@ -83,7 +83,8 @@ def memory_mb() -> dict[str, float]:
 
 def load_rank(path: str, tp: int, pp: int, rank: int, queue) -> None:
     """In a fresh process: load rank `rank`'s part as that rank would, and report the bytes
-    it read, the bytes it holds, and how much its memory rose while loading."""
+    it read, the bytes it holds, and how much its memory rose while loading (after a
+    first, tiny load, so lazy imports do not count)."""
     from kvforge.core import EngineConfig
     from kvforge.distributed.shard_loading import RankPart, dry_run_groups
     from kvforge.models import load_model
@@ -91,6 +92,7 @@ def load_rank(path: str, tp: int, pp: int, rank: int, queue) -> None:
     torch.set_num_threads(1)
     config = EngineConfig.model_validate({"model": path, "parallel": {"tensor_parallel_size": tp,
                                                                       "pipeline_parallel_size": pp}})
+    load_model("kvforge-tiny", dtype="float32", linear_kernel="torch")  # imports and first-use buffers, not counted
     before = memory_mb()
     part = RankPart(dry_run_groups(config, rank)) if tp * pp > 1 else None
     model = load_model(path, dtype="float32", linear_kernel="torch", shard=part)
