@@ -55,3 +55,18 @@ def test_the_head_split_by_vocabulary_halves_embedding_and_head_per_rank(tmp_pat
     assert split_memory[0][0] == split_memory[1][0]  # each: half the embedding, half the head
     assert whole_memory[0][0] - split_memory[0][0] == table  # rank 0: both whole instead of halves
     assert whole_memory[1][0] == split_memory[1][0]  # rank 1: the embedding whole, no head: the same bytes
+
+
+def test_the_verbose_generate_line_names_both_splits():
+    from types import SimpleNamespace
+
+    import torch
+
+    from kvforge.cli_generate import selection_line
+    from kvforge.core import EngineConfig
+
+    engine = SimpleNamespace(selected={}, device=torch.device("cpu"), dtype=torch.float32, num_blocks=8,
+                             kv=SimpleNamespace(block_size=16), config=EngineConfig(parallel=TP2_PP2))
+    line = selection_line(engine, verbose=True)
+    assert line.endswith("8 KV blocks of 16 tokens per rank; tensor parallel over 2 ranks x pipeline parallel over "
+                         "2 stages")
