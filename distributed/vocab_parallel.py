@@ -32,15 +32,15 @@ def vocab_rows(vocab_size: int, size: int) -> int:
 def vocab_span(vocab_size: int, rank: int, size: int) -> tuple[int, int]:
     """The vocabulary rows `[start, stop)` of the checkpoint rank `rank` holds (the
     last rank's may be short: `pad_rows` fills it up to `vocab_rows`)."""
-    rows = vocab_rows(vocab_size, size)
-    return min(rank * rows, vocab_size), min((rank + 1) * rows, vocab_size)
+    each = vocab_rows(vocab_size, size)
+    return min(rank * each, vocab_size), min((rank + 1) * each, vocab_size)
 
 
-def pad_rows(weight: torch.Tensor, rows: int) -> torch.Tensor:
-    """`weight` with zero rows appended up to `rows`."""
-    if weight.shape[0] == rows:
+def pad_rows(weight: torch.Tensor, count: int) -> torch.Tensor:
+    """`weight` with zero rows appended up to `count` rows."""
+    if weight.shape[0] == count:
         return weight
-    return torch.cat([weight, weight.new_zeros(rows - weight.shape[0], *weight.shape[1:])])
+    return torch.cat([weight, weight.new_zeros(count - weight.shape[0], *weight.shape[1:])])
 
 
 def vocab_shard(weight: torch.Tensor, rank: int, size: int) -> torch.Tensor:
