@@ -1,8 +1,10 @@
 """Tensor and pipeline parallelism figures: decode tokens/s, each rank's compute
 and communication per step, and weight and KV memory per rank, at TP=1, TP=2
-and PP=2.
+(vocabulary-parallel embedding and head, and replicated), PP=2 and TP=2 x PP=2;
+with `--loading`, what each rank reads and holds while loading its part.
 
     python -m kvforge.benchmarks.tensor_parallel_figures [--model bench-llama-50m] [--batch 1 16] [--device cuda]
+    python -m kvforge.benchmarks.tensor_parallel_figures --loading
 
 Each configuration builds a fresh engine, prefills `--batch` requests of
 `--prompt` tokens untimed, then times `--steps` decode steps. "comm" is the
@@ -66,11 +68,55 @@ def measure(path: str, parallel: dict, threads: int, batch: int, prompt: int, st
 
 
 def describe(parallel: dict) -> str:
-    if parallel.get("tensor_parallel_size", 1) > 1:
-        return f"TP={parallel['tensor_parallel_size']}"
-    if parallel.get("pipeline_parallel_size", 1) > 1:
-        return f"PP={parallel['pipeline_parallel_size']}"
-    return "one process"
+    tp, pp = parallel.get("tensor_parallel_size", 1), parallel.get("pipeline_parallel_size", 1)
+    name = " x ".join(([f"TP={tp}"] if tp > 1 else []) + ([f"PP={pp}"] if pp > 1 else [])) or "one process"
+    return name + (", embedding and head replicated" if tp > 1 and not parallel.get("vocab_parallel", True) else "")
+
+
+def memory_mb() -> dict[str, float]:
+    """This process's peak and current resident memory, split into private (anonymous)
+    and file-backed pages (the checkpoint's mmap, shared libraries), in MB."""
+    with open("/proc/self/status") as f:
+        fields = dict(line.split(":", 1) for line in f)
+    return {key: int(fields[key].split()[0]) / 1024 for key in ("VmHWM", "RssAnon", "RssFile")}
+
+
+def load_rank(path: str, tp: int, pp: int, rank: int, queue) -> None:
+    """In a fresh process: load rank `rank`'s part as that rank would, and report the bytes
+    it read, the bytes it holds, and how much its memory rose while loading (after a
+    first, tiny load, so lazy imports do not count)."""
+    from kvforge.core import EngineConfig
+    from kvforge.distributed.shard_loading import RankPart, dry_run_groups
+    from kvforge.models import load_model
+
+    torch.set_num_threads(1)
+    config = EngineConfig.model_validate({"model": path, "parallel": {"tensor_parallel_size": tp,
+                                                                      "pipeline_parallel_size": pp}})
+    load_model("kvforge-tiny", dtype="float32", linear_kernel="torch")  # imports and first-use buffers, not counted
+    before = memory_mb()
+    part = RankPart(dry_run_groups(config, rank)) if tp * pp > 1 else None
+    model = load_model(path, dtype="float32", linear_kernel="torch", shard=part)
+    after = memory_mb()
+    queue.put((model.checkpoint_bytes_read, model.weight_bytes(), {k: after[k] - before[k] for k in after}))
+
+
+def loading_table(path: str) -> None:
+    import multiprocessing
+
+    context = multiprocessing.get_context("spawn")
+    print("| configuration | rank | checkpoint MB read | weights MB held | peak RSS rise, MB | private MB rise | "
+          "file-backed MB rise |")
+    print("|---|---:|---:|---:|---:|---:|---:|")
+    for tp, pp in [(1, 1), (2, 1), (1, 2), (2, 2)]:
+        for rank in range(tp * pp):
+            queue = context.Queue()
+            process = context.Process(target=load_rank, args=(path, tp, pp, rank, queue))
+            process.start()
+            read, held, rise = queue.get(timeout=600)
+            process.join()
+            name = describe({"tensor_parallel_size": tp, "pipeline_parallel_size": pp})
+            print(f"| {name} | {rank} | {read / 1e6:.1f} | {held / 1e6:.1f} | {rise['VmHWM']:.0f} | "
+                  f"{rise['RssAnon']:.0f} | {rise['RssFile']:.0f} |", flush=True)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -82,15 +128,23 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--threads-per-rank", type=int, default=1)
     parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"],
                         help="cuda: one GPU per rank (TP=2 and PP=2 need two); no thread-count rows")
+    parser.add_argument("--loading", action="store_true", help="only the loading table: bytes read and held per rank")
     args = parser.parse_args(argv)
     path = str(model_dir(args.model))
+    if args.loading:
+        loading_table(path)
+        return
     t = args.threads_per_rank
     print("| batch | configuration | decode tok/s | step ms | compute ms per step, by rank | comm share, by rank | "
           "weights MB per rank | KV MB per rank |")
     print("|---:|---|---:|---:|---|---|---|---|")
-    runs = [({}, t), ({}, 2 * t), ({"tensor_parallel_size": 2}, t), ({"pipeline_parallel_size": 2}, t)]
-    if args.device == "cuda":
-        runs = [run for run in runs if run[1] == t]
+    runs = [({}, t), ({}, 2 * t), ({"tensor_parallel_size": 2}, t),
+            ({"tensor_parallel_size": 2, "vocab_parallel": False}, t), ({"pipeline_parallel_size": 2}, t),
+            ({"tensor_parallel_size": 2, "pipeline_parallel_size": 2}, t)]
+    if args.device == "cuda":  # one GPU per rank, no thread-count rows
+        runs = [(parallel, threads) for parallel, threads in runs if threads == t and
+                parallel.get("tensor_parallel_size", 1) * parallel.get("pipeline_parallel_size", 1)
+                <= torch.cuda.device_count()]
     for batch in args.batch:
         for parallel, threads in runs:
             row = measure(path, parallel, threads, batch, args.prompt, args.steps, args.device)

@@ -11,7 +11,7 @@ import re
 from typing import Any, Literal
 
 import torch
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from .api import ATTENTION_BACKEND, BLOCK_ALLOCATOR, QUANTIZER, SCHEDULER_POLICY, SPECULATIVE_PROPOSER
 
@@ -112,13 +112,9 @@ class ParallelConfig(Section):
                     "torchrun, else mp. The engine's own process is always rank 0")
     collective_timeout_s: float = Field(
         120.0, gt=0, description="seconds a collective may wait for a rank before the engine fails, naming it")
-
-    @model_validator(mode="after")
-    def _one_kind(self):
-        if self.tensor_parallel_size > 1 and self.pipeline_parallel_size > 1:
-            raise ValueError("tensor and pipeline parallelism together are not supported yet; set "
-                             "tensor_parallel_size or pipeline_parallel_size to 1")
-        return self
+    vocab_parallel: bool = Field(
+        True, description="under tensor parallelism, split the token embedding and the LM head by vocabulary rows "
+                          "over the tensor-parallel ranks (Megatron style); false: every rank holds them whole")
 
     @property
     def world_size(self) -> int:

@@ -22,10 +22,12 @@ import torch
 import torch.distributed as dist
 
 from kvforge.core import DistributedError, EngineConfig, Quantizer
-from kvforge.engine.model_runner import ModelRunner, copy_blocks
+from kvforge.engine.model_runner import ModelRunner, copy_blocks, logit_rows
 
 from . import step_message
-from .group import STARTUP_TIMEOUT_S, RankGroup
+from .group import STARTUP_TIMEOUT_S
+from .layout import build_groups
+from .rank_step import RankStep
 from .shard_loading import WorkerSpec, check_split, load_shard
 from .timing import RankTiming, StageTimer, gather_timings
 from .worker import NUM_BLOCKS_KEY, error_key, loaded_key, ready_key, report_memory
@@ -49,7 +51,6 @@ class DriverExecutor:
                  weight_quantizer: Quantizer | None, device: torch.device, dtype: torch.dtype):
         parallel = config.parallel
         self.size = parallel.world_size
-        self.pipeline = parallel.pipeline_parallel_size > 1
         self.timeout_s = parallel.collective_timeout_s
         check_split(config)
         self.failure: DistributedError | None = None
@@ -60,9 +61,11 @@ class DriverExecutor:
         self._start_workers(WorkerSpec(config.model_dump(), attention_backend.name, port, torch.get_num_threads()))
         try:
             self._await_workers(ready_key, "start")
-            self.group = RankGroup(self._store, 0, self.size, self._driver_device(device), self.timeout_s, host)
-            self.group.on_failure = self._failed
-            self.model = load_shard(config, self.group, dtype, attention_backend, kv_quantizer, weight_quantizer)
+            self.groups = build_groups(self._store, 0, parallel, self._driver_device(device), host)
+            self.group = self.groups.world
+            for group in self.groups.groups:
+                group.on_failure = self._failed
+            self.model = load_shard(config, self.groups, dtype, attention_backend, kv_quantizer, weight_quantizer)
         except RuntimeError as exc:
             if isinstance(exc, DistributedError):
                 raise
@@ -102,7 +105,7 @@ class DriverExecutor:
         self._await_workers(loaded_key, "load its part of the model")
         self._store.set(NUM_BLOCKS_KEY, str(num_blocks))
         self.memory = report_memory(self.group, self.model, kv_caches)
-        self.timer = StageTimer(self.group)
+        self.timer = StageTimer(self.groups)
         self._serving = True
         return DriverRunner(self, kv, kv_caches, block_size)
 
@@ -183,25 +186,27 @@ class DriverExecutor:
 
 
 class DriverRunner(ModelRunner):
-    """The driver's `ModelRunner`: each step goes to the workers before rank 0 runs it."""
+    """The driver's `ModelRunner`: each step goes to the workers before rank 0 runs its part."""
 
     def __init__(self, executor: DriverExecutor, kv, kv_caches: list[torch.Tensor], block_size: int):
         super().__init__(executor.model, kv, kv_caches, block_size, executor.group.device)
         self.executor = executor
         self._copies: list[tuple[int, int]] = []
+        self._step = RankStep(executor.model, executor.groups)
 
     def apply_block_copies(self) -> int:
         self._copies = self.kv.pop_pending_copies()  # kept: the workers apply them to their shards too
         copy_blocks(self.kv_caches, self._copies, self.device)
         return len(self._copies)
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, batch) -> torch.Tensor:
+    @torch.inference_mode()
+    def execute(self, scheduled) -> torch.Tensor:
+        self.apply_block_copies()
+        input_ids, positions, batch = self.build_batch(scheduled)
+        rows = logit_rows(scheduled)
         self.executor.check_workers("step")
         step_message.send_step(self.executor.group,
-                               step_message.StepMessage(input_ids, positions, batch, self._copies))
+                               step_message.StepMessage(input_ids, positions, batch, self._copies, rows))
         self._copies = []
         with self.executor.timer:
-            hidden = super().forward(input_ids, positions, batch)
-            if self.executor.pipeline:  # rank 0 ran the first stage; the last sends back the final hidden states
-                hidden = self.executor.group.recv(torch.empty_like(hidden), self.executor.size - 1)
-        return hidden
+            return self._step.run(input_ids, positions, self.kv_caches, batch, rows)

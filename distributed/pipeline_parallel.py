@@ -6,11 +6,14 @@ swapped for the wire:
 * on stages after the first, the token embedding becomes `ReceiveFromRank`,
   which returns the previous stage's hidden states instead of looking tokens up;
 * on stages before the last, the final norm becomes `SendToRank` (to the next
-  stage), and on the last stage the norm runs and its output goes to rank 0,
-  which holds the embedding and LM head, computes the logits and samples.
+  stage), and on the last stage the norm runs and its output goes to stage 0,
+  which holds the embedding and LM head, computes the logits, and whose rank 0
+  samples.
 
 So a step is: rank 0 broadcasts the plan, then the hidden states walk
-0 -> 1 -> ... -> P-1 -> 0. Stages run one after another (no micro-batches),
+0 -> 1 -> ... -> P-1 -> 0. With tensor parallelism too, each stage is a
+tensor-parallel group and the walk runs once per tensor-parallel place
+(`layout.RankLayout`). Stages run one after another (no micro-batches),
 so PP divides the weights and the KV cache, not the time: correct first.
 """
 
@@ -21,8 +24,11 @@ from torch import nn
 
 from kvforge.core import ConfigError
 from kvforge.models.llama import LlamaForCausalLM
+from kvforge.models.weight_slices import SKIP, WeightSlice
 
 from .group import RankGroup
+from .layout import RankGroups, RankLayout
+from .vocab_parallel import drop_head
 
 
 def stage_layers(num_layers: int, stages: int, stage: int) -> range:
@@ -64,21 +70,47 @@ class SendToRank(nn.Module):
         return out
 
 
-def split_stages(model: LlamaForCausalLM, group: RankGroup) -> None:
-    """Keep this rank's stage of a loaded Llama-family model (one rank per stage), in place."""
-    if group.size == 1:
-        return
+def _check_family(model: nn.Module) -> None:
     if not isinstance(model, LlamaForCausalLM):
         raise ConfigError(f"pipeline parallelism supports the Llama family (Llama, Mistral, Qwen2, Qwen3), not "
                           f"{type(model).__name__}; set parallel.pipeline_parallel_size = 1 for this model")
-    stage, stages = group.rank, group.size
+
+
+def stage_slices(model: LlamaForCausalLM, layout: RankLayout) -> dict[str, WeightSlice]:
+    """The weights this rank's stage never reads: other stages' layers, the embedding and
+    an untied head after stage 0, the final norm before the last stage."""
+    if layout.pp == 1:
+        return {}
+    _check_family(model)
+    keep = stage_layers(len(model.layer_specs), layout.pp, layout.stage)
+    skipped = {f"model.layers.{i}." for i in range(len(model.layer_specs)) if i not in keep}
+    if layout.stage > 0:
+        skipped |= {"model.embed_tokens.", "lm_head."}
+    if not layout.last_stage:
+        skipped.add("model.norm.")
+    return {name: SKIP for name, _ in model.named_parameters() if name.startswith(tuple(skipped))}
+
+
+def split_stages(model: LlamaForCausalLM, groups: RankGroups) -> None:
+    """Keep this rank's stage of a Llama-family model, in place (the weights of other
+    stages need not be loaded: `stage_slices`). Hidden states go from each rank to the
+    rank of the same tensor-parallel place in the next stage; the last stage's final
+    hidden states go back to those ranks of stage 0 that compute logits."""
+    layout = groups.layout
+    if layout.pp == 1:
+        return
+    _check_family(model)
+    stage, stages, world = layout.stage, layout.pp, groups.world
     keep = stage_layers(len(model.layer_specs), stages, stage)
     inner = model.model
     inner.layers = nn.ModuleList(inner.layers[i] for i in keep)
     model.layer_specs = [model.layer_specs[i] for i in keep]
-    last = stage == stages - 1
+    dtype = inner.layers[0].input_layernorm.weight.dtype  # loaded on every stage, unlike the embedding
     if stage > 0:
-        inner.embed_tokens = ReceiveFromRank(group, stage - 1, int(model.config["hidden_size"]), model.dtype)
-        if not model.tied:
-            model.lm_head = nn.Identity()  # only rank 0 computes logits
-    inner.norm = SendToRank(group, 0, inner.norm) if last else SendToRank(group, stage + 1)
+        inner.embed_tokens = ReceiveFromRank(world, layout.rank_of(stage - 1, layout.tp_rank),
+                                             int(model.config["hidden_size"]), dtype)
+        drop_head(model)  # only stage 0 computes logits
+    if not layout.last_stage:
+        inner.norm = SendToRank(world, layout.rank_of(stage + 1, layout.tp_rank))
+    elif layout.at(layout.rank_of(0, layout.tp_rank)).computes_logits:
+        inner.norm = SendToRank(world, layout.tp_rank, inner.norm)  # to the same place in stage 0

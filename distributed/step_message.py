@@ -1,8 +1,9 @@
 """One step's plan as the driver broadcasts it to the workers: two int64 tensors.
 
 The driver schedules; a worker only needs what its model call reads: the
-step's tokens and positions, the `AttentionBatch`, and the copy-on-write block
-copies to apply first. They travel as a fixed-size header (command and sizes)
+step's tokens and positions, the `AttentionBatch`, the copy-on-write block
+copies to apply first, and the rows whose logits are sampled (ranks that hold a
+vocabulary slice of the LM head compute those rows' logits). They travel as a fixed-size header (command and sizes)
 then one flat payload, so a step costs two broadcasts whatever the batch, and
 no pickling. A `STOP` header ends a worker's loop; a `REPORT` header asks every
 rank for its timings (`timing.gather_timings`).
@@ -10,7 +11,7 @@ rank for its timings (`timing.gather_timings`).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -19,17 +20,19 @@ from kvforge.core import AttentionBatch
 from .group import RankGroup
 
 STOP, STEP, REPORT = 0, 1, 2
-HEADER_SIZE = 7  # command, tokens, sequences, block-table columns, block copies, max query len, max seq len
+HEADER_SIZE = 8  # command, tokens, sequences, block-table columns, block copies, logit rows, max query len,
+#                  max seq len
 
 
 @dataclass
 class StepMessage:
-    """What a worker needs to run one step: the model inputs and the block copies."""
+    """What a worker needs to run one step: the model inputs, the block copies and the sampled rows."""
 
     input_ids: torch.Tensor
     positions: torch.Tensor
     batch: AttentionBatch
     copies: list[tuple[int, int]]
+    logit_rows: torch.Tensor = field(default_factory=lambda: torch.zeros(0, dtype=torch.int64))
 
 
 def send_command(group: RankGroup, command: int) -> None:
@@ -41,12 +44,12 @@ def send_step(group: RankGroup, message: StepMessage) -> None:
     """Broadcast `message` from rank 0."""
     batch = message.batch
     tokens, seqs = message.input_ids.shape[0], batch.seq_lens.shape[0]
-    header = [STEP, tokens, seqs, batch.block_table.shape[1], len(message.copies), batch.max_query_len,
-              batch.max_seq_len]
+    header = [STEP, tokens, seqs, batch.block_table.shape[1], len(message.copies), message.logit_rows.numel(),
+              batch.max_query_len, batch.max_seq_len]
     copies = torch.tensor(message.copies, dtype=torch.int64).reshape(-1, 2).t().reshape(-1)
     device = group.device
     parts = [message.input_ids, message.positions, batch.query_start_loc, batch.seq_lens, batch.context_lens,
-             batch.block_table.reshape(-1), batch.slot_mapping, copies.to(device)]
+             batch.block_table.reshape(-1), batch.slot_mapping, copies.to(device), message.logit_rows]
     payload = torch.cat([p.to(device=device, dtype=torch.int64) for p in parts])
     group.broadcast(torch.tensor(header, dtype=torch.int64, device=device))
     group.broadcast(payload)
@@ -55,15 +58,15 @@ def send_step(group: RankGroup, message: StepMessage) -> None:
 def receive(group: RankGroup, block_size: int) -> tuple[int, StepMessage | None]:
     """The next command from rank 0, with its step when it is `STEP`."""
     header = group.broadcast(torch.empty(HEADER_SIZE, dtype=torch.int64, device=group.device)).tolist()
-    command, tokens, seqs, cols, num_copies, max_query_len, max_seq_len = header
+    command, tokens, seqs, cols, num_copies, num_rows, max_query_len, max_seq_len = header
     if command != STEP:
         return command, None
-    sizes = [tokens, tokens, seqs + 1, seqs, seqs, seqs * cols, tokens, 2 * num_copies]
+    sizes = [tokens, tokens, seqs + 1, seqs, seqs, seqs * cols, tokens, 2 * num_copies, num_rows]
     payload = group.broadcast(torch.empty(sum(sizes), dtype=torch.int64, device=group.device))
-    input_ids, positions, query_start_loc, seq_lens, context_lens, table, slots, copies = payload.split(sizes)
+    input_ids, positions, query_start_loc, seq_lens, context_lens, table, slots, copies, rows = payload.split(sizes)
     batch = AttentionBatch(
         query_start_loc=query_start_loc.int(), seq_lens=seq_lens.int(), context_lens=context_lens.int(),
         block_table=table.reshape(seqs, cols).int(), slot_mapping=slots.clone(), block_size=block_size,
         max_query_len=max_query_len, max_seq_len=max_seq_len)
     pairs = copies.reshape(2, -1).t().tolist()
-    return STEP, StepMessage(input_ids.clone(), positions.clone(), batch, [(s, d) for s, d in pairs])
+    return STEP, StepMessage(input_ids.clone(), positions.clone(), batch, [(s, d) for s, d in pairs], rows.clone())

@@ -3,7 +3,8 @@
 Per decoder layer (Llama family: Llama, Mistral, Qwen2, Qwen3; GPT-2 alike, with
 `c_attn`, `c_proj`, `c_fc` and `c_proj` in those roles and no gate):
 * the fused `qkv_proj` is column-parallel: rank r keeps the rows of its query
-  heads and of their KV heads, still one fused GEMM (`[q_r; k_r; v_r]`);
+  heads and of their KV heads, still one fused GEMM (`[q_r; k_r; v_r]`; loading
+  reads those rows of q, k and v, which `finish_loading` fuses);
 * `o_proj` is row-parallel (`RowParallelLinear`): rank r keeps the input columns
   of its heads; the partial sums meet in one all-reduce, then the bias and the
   residual are added once;
@@ -12,6 +13,10 @@ Per decoder layer (Llama family: Llama, Mistral, Qwen2, Qwen3; GPT-2 alike, with
   into those GEMMs, see `packed_linear`), `down_proj` row-parallel: one
   all-reduce after the MLP.
 
+Each split is described once, as the slice of every checkpoint tensor a rank
+keeps (`tensor_parallel_slices`, read from the file by the loader, see
+`kvforge.models.weight_slices`), then applied to the layers (`apply_tensor_parallel`).
+
 So a layer costs two all-reduces of `[tokens, hidden]`. Attention heads split
 evenly; KV heads split too when there are at least as many as ranks, and are
 replicated otherwise (rank r keeps KV head `r // (size // num_kv_heads)`, the
@@ -19,10 +24,9 @@ one its query heads read). Each rank's `AttentionLayerSpec` says how many heads
 it holds, so every attention backend runs unchanged on fewer heads, and the KV
 cache each rank allocates (`kv_cache_spec`) holds only its KV heads.
 
-The token embedding and the LM head are replicated on every rank (the logits
-are only computed on rank 0, which samples): kvforge's models have small
-vocabularies relative to their layers, and a replicated head costs no
-all-gather of logits per step.
+The token embedding and the LM head are split by vocabulary rows
+(`vocab_parallel`), or replicated on every rank with `vocab_parallel=False`
+(`parallel.vocab_parallel = false`); see docs/distributed.md for the memory either way.
 """
 
 from __future__ import annotations
@@ -36,8 +40,10 @@ from kvforge.core import AttentionLayerSpec, ConfigError
 from kvforge.models.gpt2 import GPT2LMHeadModel
 from kvforge.models.llama import LlamaForCausalLM
 from kvforge.models.packed_linear import linear_weight
+from kvforge.models.weight_slices import WeightSlice, rows, take_slices
 
 from .group import RankGroup
+from .vocab_parallel import apply_vocab, vocab_slices
 
 
 class RowParallelLinear(nn.Module):
@@ -109,20 +115,18 @@ def _linear(weight: torch.Tensor, bias: torch.Tensor | None) -> nn.Linear:
     return layer
 
 
-def keep_outputs(layer: nn.Module, spans: list[tuple[int, int]]) -> nn.Linear:
-    """An `nn.Linear` computing only the output features in `spans` of `layer` (an
-    `nn.Linear` or GPT-2's `Conv1D`), in that order: a column-parallel shard. The
-    slices are copies, so the full weight's memory goes with the old layer."""
+def as_linear(layer: nn.Module) -> nn.Linear:
+    """A column-parallel shard whose weight already holds its output rows (an `nn.Linear`,
+    or GPT-2's `Conv1D`, transposed once) as an `nn.Linear` of the right sizes."""
     weight, bias = linear_weight(layer)
-    kept = torch.cat([weight[a:b] for a, b in spans]).contiguous()
-    return _linear(kept, None if bias is None else torch.cat([bias[a:b] for a, b in spans]))
+    return _linear(weight.contiguous(), bias)
 
 
-def row_parallel(layer: nn.Module, start: int, stop: int, group: RankGroup) -> RowParallelLinear:
-    """Input features `[start, stop)` of `layer`, summed over the ranks."""
+def as_row_parallel(layer: nn.Module, group: RankGroup) -> RowParallelLinear:
+    """A row-parallel shard whose weight already holds its input columns (its bias whole),
+    summed over the ranks."""
     weight, bias = linear_weight(layer)
-    return RowParallelLinear(_linear(weight[:, start:stop].clone(memory_format=torch.contiguous_format), None), bias,
-                             group)
+    return RowParallelLinear(_linear(weight.contiguous(), None), bias, group)
 
 
 def fused_qkv_spans(full: AttentionLayerSpec, shard: HeadShard) -> list[tuple[int, int]]:
@@ -134,60 +138,104 @@ def fused_qkv_spans(full: AttentionLayerSpec, shard: HeadShard) -> list[tuple[in
             *((base + shard.kv_start * head, base + shard.kv_stop * head) for base in (k_base, v_base))]
 
 
-def _mlp_part(inner: int, size: int) -> int:
+def _mlp_span(inner: int, rank: int, size: int) -> tuple[int, int]:
     if inner % size:
         raise ConfigError(f"parallel.tensor_parallel_size = {size} does not divide the MLP's {inner} intermediate "
                           f"features; choose a size that divides it and the heads")
-    return inner // size
+    part = inner // size
+    return rank * part, (rank + 1) * part
 
 
-@torch.no_grad()
-def shard_llama(model: LlamaForCausalLM, group: RankGroup) -> None:
-    """Keep this rank's slice of every decoder layer of a loaded Llama-family model
-    (q, k and v already fused by `finish_loading`), in place."""
-    rank, size = group.rank, group.size
-    shards = [head_shard(full.num_heads, full.num_kv_heads, rank, size) for full in model.layer_specs]
-    part = _mlp_part(int(model.config["intermediate_size"]), size)
-    mlp_span = (rank * part, (rank + 1) * part)
-    for layer, full, shard in zip(model.model.layers, model.layer_specs, shards):
-        attn, head = layer.self_attn, full.head_size
-        attn.qkv_proj = keep_outputs(attn.qkv_proj, fused_qkv_spans(full, shard))
-        attn.o_proj = row_parallel(attn.o_proj, shard.q_start * head, shard.q_stop * head, group)
-        attn.attn.spec = shard.spec(full)
-        mlp = layer.mlp
-        mlp.gate_proj = keep_outputs(mlp.gate_proj, [mlp_span])
-        mlp.up_proj = keep_outputs(mlp.up_proj, [mlp_span])
-        mlp.down_proj = row_parallel(mlp.down_proj, *mlp_span, group)
-    model.layer_specs = [shard.spec(full) for full, shard in zip(model.layer_specs, shards)]
+def _with_bias(module: nn.Module, prefix: str, weight: WeightSlice, bias: WeightSlice | None = None):
+    """`prefix.weight`'s slice, and `prefix.bias`'s when the layer has one (`bias`, or the
+    weight's output rows)."""
+    yield f"{prefix}.weight", weight
+    if getattr(module, "bias", None) is not None and bias is not None:
+        yield f"{prefix}.bias", bias
 
 
-@torch.no_grad()
-def shard_gpt2(model: GPT2LMHeadModel, group: RankGroup) -> None:
-    """Keep this rank's slice of every block of a loaded GPT-2 (fused `c_attn`, every
-    head its own KV head), in place; the layers become `nn.Linear` shards."""
-    rank, size = group.rank, group.size
-    shards = [head_shard(full.num_heads, full.num_kv_heads, rank, size) for full in model.layer_specs]
-    part = _mlp_part(model.transformer.h[0].mlp.c_fc.weight.shape[1], size)  # Conv1D: [in, out]
-    mlp_span = (rank * part, (rank + 1) * part)
-    for block, full, shard in zip(model.transformer.h, model.layer_specs, shards):
-        attn, head = block.attn, full.head_size
-        attn.c_attn = keep_outputs(attn.c_attn, fused_qkv_spans(full, shard))
-        attn.c_proj = row_parallel(attn.c_proj, shard.q_start * head, shard.q_stop * head, group)
-        attn.attn.spec = shard.spec(full)
-        block.mlp.c_fc = keep_outputs(block.mlp.c_fc, [mlp_span])
-        block.mlp.c_proj = row_parallel(block.mlp.c_proj, *mlp_span, group)
-    model.layer_specs = [shard.spec(full) for full, shard in zip(model.layer_specs, shards)]
+def llama_slices(model: LlamaForCausalLM, rank: int, size: int) -> dict[str, WeightSlice]:
+    """Rank `rank`'s slices of every decoder layer of a Llama-family model: q, k and v
+    separately as the checkpoint stores them, or fused once `finish_loading` ran."""
+    mlp = _mlp_span(int(model.config["intermediate_size"]), rank, size)
+    slices: dict[str, WeightSlice] = {}
+    for i, (layer, full) in enumerate(zip(model.model.layers, model.layer_specs)):
+        shard, head, attn = head_shard(full.num_heads, full.num_kv_heads, rank, size), full.head_size, layer.self_attn
+        p = f"model.layers.{i}."
+        q, kv = (shard.q_start * head, shard.q_stop * head), (shard.kv_start * head, shard.kv_stop * head)
+        projections = ({"q_proj": rows(*q), "k_proj": rows(*kv), "v_proj": rows(*kv)} if attn.qkv_proj is None
+                       else {"qkv_proj": WeightSlice(0, tuple(fused_qkv_spans(full, shard)))})
+        for name, part in projections.items():
+            slices.update(_with_bias(getattr(attn, name), f"{p}self_attn.{name}", part, part))
+        slices[f"{p}self_attn.o_proj.weight"] = WeightSlice(1, (q,))
+        for name in ("gate_proj", "up_proj"):
+            slices.update(_with_bias(getattr(layer.mlp, name), f"{p}mlp.{name}", rows(*mlp), rows(*mlp)))
+        slices[f"{p}mlp.down_proj.weight"] = WeightSlice(1, (mlp,))
+    return slices
 
 
-def shard_model(model: nn.Module, group: RankGroup) -> None:
-    """Keep this rank's slice of a loaded float model, in place; refuses, naming the
-    supported architectures, a model tensor parallelism does not know."""
-    if group.size == 1:
-        return
+def gpt2_slices(model: GPT2LMHeadModel, rank: int, size: int) -> dict[str, WeightSlice]:
+    """Rank `rank`'s slices of every block of GPT-2, whose `Conv1D` weights are stored
+    `[in, out]`: output features are dimension 1, input features dimension 0."""
+    mlp = _mlp_span(model.transformer.h[0].mlp.c_fc.weight.shape[1], rank, size)
+    slices: dict[str, WeightSlice] = {}
+    for i, full in enumerate(model.layer_specs):
+        shard, head = head_shard(full.num_heads, full.num_kv_heads, rank, size), full.head_size
+        p = f"transformer.h.{i}."
+        qkv = tuple(fused_qkv_spans(full, shard))
+        slices.update({f"{p}attn.c_attn.weight": WeightSlice(1, qkv), f"{p}attn.c_attn.bias": WeightSlice(0, qkv),
+                       f"{p}attn.c_proj.weight": rows(shard.q_start * head, shard.q_stop * head),
+                       f"{p}mlp.c_fc.weight": WeightSlice(1, (mlp,)), f"{p}mlp.c_fc.bias": rows(*mlp),
+                       f"{p}mlp.c_proj.weight": rows(*mlp)})
+    return slices
+
+
+def tensor_parallel_slices(model: nn.Module, rank: int, size: int, *, vocab_parallel: bool) -> dict[str, WeightSlice]:
+    """Which slice of each weight rank `rank` of `size` keeps (`weight_slices`); refuses,
+    naming the supported architectures, a model tensor parallelism does not know."""
+    if size == 1:
+        return {}
     if isinstance(model, LlamaForCausalLM):
-        shard_llama(model, group)
+        slices = llama_slices(model, rank, size)
     elif isinstance(model, GPT2LMHeadModel):
-        shard_gpt2(model, group)
+        slices = gpt2_slices(model, rank, size)
     else:
         raise ConfigError(f"tensor parallelism supports the Llama family (Llama, Mistral, Qwen2, Qwen3) and GPT-2, "
                           f"not {type(model).__name__}; set parallel.tensor_parallel_size = 1 for this model")
+    return {**slices, **(vocab_slices(model, rank, size) if vocab_parallel else {})}
+
+
+@torch.no_grad()
+def apply_tensor_parallel(model: nn.Module, group: RankGroup, *, vocab_parallel: bool) -> None:
+    """Turn a model whose weights hold this rank's slices (`tensor_parallel_slices`, read
+    so or taken) into its shard, in place: column-parallel layers become `nn.Linear`s of
+    their rows, row-parallel ones `RowParallelLinear`s, each attention its heads' spec,
+    and with `vocab_parallel` the embedding and head their vocabulary rows."""
+    if group.size == 1:
+        return
+    shards = [head_shard(full.num_heads, full.num_kv_heads, group.rank, group.size) for full in model.layer_specs]
+    if isinstance(model, LlamaForCausalLM):
+        for layer, full, shard in zip(model.model.layers, model.layer_specs, shards):
+            attn, mlp = layer.self_attn, layer.mlp
+            attn.qkv_proj, attn.o_proj = as_linear(attn.qkv_proj), as_row_parallel(attn.o_proj, group)
+            attn.attn.spec = shard.spec(full)
+            mlp.gate_proj, mlp.up_proj = as_linear(mlp.gate_proj), as_linear(mlp.up_proj)
+            mlp.down_proj = as_row_parallel(mlp.down_proj, group)
+    else:
+        for block, full, shard in zip(model.transformer.h, model.layer_specs, shards):
+            attn, mlp = block.attn, block.mlp
+            attn.c_attn, attn.c_proj = as_linear(attn.c_attn), as_row_parallel(attn.c_proj, group)
+            attn.attn.spec = shard.spec(full)
+            mlp.c_fc, mlp.c_proj = as_linear(mlp.c_fc), as_row_parallel(mlp.c_proj, group)
+    model.layer_specs = [shard.spec(full) for full, shard in zip(model.layer_specs, shards)]
+    if vocab_parallel:
+        apply_vocab(model, group)
+
+
+def shard_model(model: nn.Module, group: RankGroup, *, vocab_parallel: bool = True) -> None:
+    """Keep this rank's slice of a loaded float model, in place: every layer's heads and
+    MLP features, and with `vocab_parallel` the embedding's and LM head's vocabulary
+    rows. Loading reads only those slices instead (`shard_loading`); this is the same
+    split of a model already in memory."""
+    take_slices(model, tensor_parallel_slices(model, group.rank, group.size, vocab_parallel=vocab_parallel))
+    apply_tensor_parallel(model, group, vocab_parallel=vocab_parallel)

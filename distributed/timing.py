@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from .group import RankGroup
+from .layout import RankGroups
 
 
 @dataclass
@@ -30,7 +31,7 @@ class RankTiming:
 class StageTimer:
     """`with timer:` around a model forward adds to its totals."""
 
-    def __init__(self, group: RankGroup):
+    def __init__(self, group: RankGroup | RankGroups):
         self.group = group
         self.forward_seconds = 0.0
         self.comm_in_forward = 0.0
@@ -45,7 +46,8 @@ class StageTimer:
 
 
 def gather_timings(group: RankGroup, timer: StageTimer) -> list[RankTiming]:
-    """Every rank's `RankTiming`, by rank; every rank calls it together."""
+    """Every rank's `RankTiming`, by rank, over the world `group`; every rank calls it
+    together. Communication counts every group the timer watches."""
     mine = torch.tensor([timer.forward_seconds, timer.forward_seconds - timer.comm_in_forward,
-                         group.comm_seconds], dtype=torch.float64, device=group.device)
+                         timer.group.comm_seconds], dtype=torch.float64, device=group.device)
     return [RankTiming(*t.tolist()) for t in group.all_gather(mine)]

@@ -3,8 +3,9 @@
 The worker has no scheduler, allocator or sampler: each step it receives the
 driver's plan (`step_message`), applies the block copies to its KV shard and
 runs its part of the model, meeting the other ranks in the layers'
-all-reduces (tensor parallelism) or at the stage hand-offs (pipeline
-parallelism). Logits are computed on rank 0 only. Any failure is written to
+all-reduces (tensor parallelism) and at the stage hand-offs (pipeline
+parallelism); stage-0 ranks holding a vocabulary slice of the LM head compute
+their slice of the sampled logits for rank 0 (`rank_step`). Any failure is written to
 the rendezvous store under `error/RANK`, so the driver can quote it when it
 names this rank.
 """
@@ -21,6 +22,8 @@ from kvforge.engine.model_runner import copy_blocks
 
 from . import step_message
 from .group import HOST, RankGroup, address_towards, worker_store
+from .layout import RankGroups, build_groups
+from .rank_step import RankStep
 from .shard_loading import WorkerSpec, load_worker_shard, rank_device
 from .timing import StageTimer, gather_timings
 
@@ -54,7 +57,6 @@ def work(spec: WorkerSpec, rank: int, store: dist.Store, host: str, device_index
     address this rank's sockets bind to; `device_index` the CUDA device it uses (default:
     its rank, one host's devices in rank order)."""
     config = spec.engine_config
-    size, timeout = config.parallel.world_size, config.parallel.collective_timeout_s
     torch.set_num_threads(spec.threads)
     try:
         device = rank_device(components.resolve_device(config), rank if device_index is None else device_index)
@@ -63,24 +65,26 @@ def work(spec: WorkerSpec, rank: int, store: dist.Store, host: str, device_index
         elif config.keep_freed_memory:  # as the driver does (LLMEngine): no page faults on each step's activations
             heap.keep_freed_memory()
         store.set(ready_key(rank), "1")
-        group = RankGroup(store, rank, size, device, timeout, host)
-        model = load_worker_shard(spec, group)
+        groups = build_groups(store, rank, config.parallel, device, host)
+        model = load_worker_shard(spec, groups)
         store.set(loaded_key(rank), "1")
         # The driver's block count comes through the store, which waits minutes, not through a
         # collective, which waits seconds: the driver may still be loading its own shard.
-        serve(model, group, config.cache.block_size, int(store.get(NUM_BLOCKS_KEY)))
+        serve(model, groups, config.cache.block_size, int(store.get(NUM_BLOCKS_KEY)))
     except BaseException:
         store.set(error_key(rank), traceback.format_exc()[-4000:])
         raise
 
 
 @torch.inference_mode()
-def serve(model, group: RankGroup, block_size: int, num_blocks: int) -> None:
+def serve(model, groups: RankGroups, block_size: int, num_blocks: int) -> None:
     """Allocate this rank's KV shard at the driver's block count, report memory, then run
     steps (and answer timing reports) until STOP."""
+    group = groups.world
     kv_caches = model.allocate_kv_cache(num_blocks, block_size)
     report_memory(group, model, kv_caches)
-    timer = StageTimer(group)
+    timer = StageTimer(groups)
+    step = RankStep(model, groups)
     while True:
         command, message = step_message.receive(group, block_size)
         if command == step_message.STOP:
@@ -90,7 +94,7 @@ def serve(model, group: RankGroup, block_size: int, num_blocks: int) -> None:
             continue
         copy_blocks(kv_caches, message.copies, group.device)
         with timer:
-            model.forward(message.input_ids, message.positions, kv_caches, model.plan(message.batch))
+            step.run(message.input_ids, message.positions, kv_caches, message.batch, message.logit_rows)
 
 
 def report_memory(group: RankGroup, model, kv_caches: list[torch.Tensor]) -> list[tuple[int, int]]:

@@ -82,15 +82,22 @@ class ModelRunner:
         self.apply_block_copies()
         input_ids, positions, batch = self.build_batch(scheduled)
         hidden = self.forward(input_ids, positions, batch)
-        counts = torch.tensor([entry.num_logit_rows for entry in scheduled], dtype=torch.int64)
-        total = int(counts.sum())
-        if total == 0:
+        rows = logit_rows(scheduled)
+        if rows.numel() == 0:
             return hidden.new_zeros((0, self.model.vocab_size), dtype=torch.float32)
-        # Row r of an entry with c rows is its token (end - c + r): offsets within each entry by cumsum.
-        ends = torch.cumsum(torch.tensor([entry.num_tokens for entry in scheduled], dtype=torch.int64), 0)
-        first = torch.repeat_interleave(ends - counts, counts)
-        within = torch.arange(total) - torch.repeat_interleave(torch.cumsum(counts, 0) - counts, counts)
-        return self.model.compute_logits(hidden[(first + within).to(hidden.device)]).float()
+        return self.model.compute_logits(hidden[rows.to(hidden.device)]).float()
+
+
+def logit_rows(scheduled: Sequence[ScheduledRequest]) -> torch.Tensor:
+    """The rows of a step's flattened tokens whose logits are sampled: the last
+    `entry.num_logit_rows` new tokens of every entry, entry after entry (int64, CPU)."""
+    counts = torch.tensor([entry.num_logit_rows for entry in scheduled], dtype=torch.int64)
+    total = int(counts.sum())
+    # Row r of an entry with c rows is its token (end - c + r): offsets within each entry by cumsum.
+    ends = torch.cumsum(torch.tensor([entry.num_tokens for entry in scheduled], dtype=torch.int64), 0)
+    first = torch.repeat_interleave(ends - counts, counts)
+    within = torch.arange(total) - torch.repeat_interleave(torch.cumsum(counts, 0) - counts, counts)
+    return first + within
 
 
 def copy_blocks(kv_caches: Sequence[torch.Tensor], copies: Sequence[tuple[int, int]], device: torch.device) -> None:

@@ -102,11 +102,11 @@ def selection_line(engine, verbose: bool) -> str:
     if verbose:
         line += (f"; device {engine.device}, dtype {dtype_name(engine.dtype)}, {engine.num_blocks} KV blocks of "
                  f"{engine.kv.block_size} tokens")
-        parallel = engine.config.parallel
-        if parallel.tensor_parallel_size > 1:
-            line += f" per rank; tensor parallel over {parallel.tensor_parallel_size} ranks"
-        if parallel.pipeline_parallel_size > 1:
-            line += f" per rank; pipeline parallel over {parallel.pipeline_parallel_size} stages"
+        tp, pp = engine.config.parallel.tensor_parallel_size, engine.config.parallel.pipeline_parallel_size
+        splits = ([f"tensor parallel over {tp} ranks"] if tp > 1 else []) + \
+            ([f"pipeline parallel over {pp} stages"] if pp > 1 else [])
+        if splits:
+            line += " per rank; " + " x ".join(splits)
     return line
 
 

@@ -11,7 +11,6 @@ from __future__ import annotations
 import difflib
 import json
 import logging
-from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -25,6 +24,7 @@ from .base import CausalLM, ModelConfig
 from .packed_linear import AUTO_MIN_WEIGHT, LINEAR_KERNELS, onednn_unavailable, pack_linears
 from .quantized_linear import quantize_linears
 from .registry import model_class
+from .weight_slices import ModelShard, WeightSlice
 
 BUILTIN_DIR = Path(__file__).resolve().parent / "builtin"
 BUILTIN_MODELS = ("kvforge-tiny", "kvforge-tiny-draft")
@@ -80,10 +80,15 @@ def checkpoint_files(model_dir: Path) -> list[Path]:
     raise ConfigError(f"no model.safetensors or model.safetensors.index.json in {model_dir}{hint}")
 
 
-def load_weights(model: CausalLM, files: list[Path], dtype: torch.dtype, device: torch.device) -> None:
-    """Copy every checkpoint tensor into the parameter of the same name, strictly."""
+def load_weights(model: CausalLM, files: list[Path], dtype: torch.dtype, device: torch.device,
+                 slices: dict[str, WeightSlice] | None = None) -> int:
+    """Copy every checkpoint tensor into the parameter of the same name, strictly; only
+    its `slices[name]` part where one is given (reading only that part of the file).
+    Returns the bytes read from the files (as stored, before the cast to `dtype`)."""
     params = dict(model.named_parameters())
+    slices = slices or {}
     seen: set[str] = set()
+    read = 0
     for file in files:
         with _open_checkpoint(file) as reader:
             for key in reader.keys():
@@ -94,20 +99,27 @@ def load_weights(model: CausalLM, files: list[Path], dtype: torch.dtype, device:
                     raise ConfigError(
                         f"unexpected tensor {key!r} in {file.name}: {type(model).__name__} has no parameter "
                         f"{name!r}; is config.json's architecture right for this checkpoint?")
-                tensor = reader.get_tensor(key)
-                if tuple(tensor.shape) != tuple(params[name].shape):
+                source = reader.get_slice(key)
+                shape = tuple(source.get_shape())
+                if shape != tuple(params[name].shape):
                     raise ConfigError(
-                        f"tensor {key!r} in {file.name} has shape {tuple(tensor.shape)}, but the model built "
+                        f"tensor {key!r} in {file.name} has shape {shape}, but the model built "
                         f"from config.json expects {tuple(params[name].shape)}")
+                part = slices.get(name)
+                seen.add(name)
+                if part is not None and part.skipped:
+                    continue
+                tensor = reader.get_tensor(key) if part is None else part.cut(source)
+                read += tensor.numel() * tensor.element_size()
                 tensor = tensor.to(device=device, dtype=dtype)
                 _warn_if_not_finite(tensor, key, file)
                 _assign(model, name, tensor)
-                seen.add(name)
     missing = sorted(set(params) - seen)
     if missing:
         raise ConfigError(f"checkpoint has no tensor {missing[0]!r}" +
                           (f" (and {len(missing) - 1} more: {', '.join(missing[1:4])}...)" if len(missing) > 1 else "")
                           + f"; the files read were {', '.join(f.name for f in files)}")
+    return read
 
 
 def _warn_if_not_finite(tensor: torch.Tensor, key: str, file: Path) -> None:
@@ -149,7 +161,7 @@ def attention_specs(name_or_path: str | Path) -> list[AttentionLayerSpec]:
 def load_model(name_or_path: str | Path, *, dtype: torch.dtype | str = torch.float32, device: str | torch.device = "cpu",
                attention_backend: type[AttentionBackend] | None = None, linear_kernel: str = "auto",
                kv_quantizer: Quantizer | None = None, weight_quantizer: Quantizer | None = None,
-               quantize_lm_head: bool = True, shard: Callable[[CausalLM], None] | None = None,
+               quantize_lm_head: bool = True, shard: ModelShard | None = None,
                weight_activations: str = "none") -> CausalLM:
     """Build and load a model; attention runs through instances of `attention_backend`.
 
@@ -165,8 +177,10 @@ def load_model(name_or_path: str | Path, *, dtype: torch.dtype | str = torch.flo
     `quantize_lm_head` is False, into an int8 `Int8Linear` (see
     `quantized_linear`); `linear_kernel` then applies to the layers left in float.
     `shard` (tensor or pipeline parallelism: keep this rank's part, see
-    `kvforge.distributed`) runs on the float model once its weights are in, before
-    quantization and packing.
+    `kvforge.distributed` and `weight_slices`) says which slice of each tensor to
+    read, and turns the float model into its shard once they are in, before
+    quantization and packing; `model.checkpoint_bytes_read` then says how much of
+    the checkpoint this rank read.
     `weight_activations` is how those layers treat their input: "none" keeps it
     float (weight-only), "int8" quantizes it per row (W8A8, CPU).
     """
@@ -177,11 +191,12 @@ def load_model(name_or_path: str | Path, *, dtype: torch.dtype | str = torch.flo
     device = torch.device(device)
     with torch.device("meta"):  # no memory and no random init for weights about to be overwritten
         model = cls(config)
-    load_weights(model, checkpoint_files(model_dir), dtype, device)
+    slices = shard.weight_slices(model) if shard is not None else None
+    model.checkpoint_bytes_read = load_weights(model, checkpoint_files(model_dir), dtype, device, slices)
     model.finish_loading()
     model.eval()
     if shard is not None:
-        shard(model)
+        shard.apply(model)
     if weight_quantizer is not None:
         quantize_linears(model, weight_quantizer, lm_head=quantize_lm_head, activations=weight_activations)
     use_linear_kernel(model, linear_kernel)

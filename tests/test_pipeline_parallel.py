@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from kvforge.core import ConfigError, DistributedError, load_config
+from kvforge.core import ConfigError, DistributedError
 from kvforge.distributed.pipeline_parallel import stage_layers
 
 sys.path.insert(0, str(Path(__file__).parent))  # the shared runs sit beside this file
@@ -32,11 +32,6 @@ def test_stages_hold_consecutive_layers_and_never_more_than_the_first(layers, st
 def test_more_stages_than_layers_is_refused():
     with pytest.raises(ConfigError, match="at most 3"):
         stage_layers(3, 4, 0)
-
-
-def test_tensor_and_pipeline_parallelism_together_are_refused_until_built():
-    with pytest.raises(ConfigError, match="not supported yet"):
-        load_config(environ={}, parallel={"tensor_parallel_size": 2, "pipeline_parallel_size": 2})
 
 
 @pytest.mark.slow

@@ -58,7 +58,8 @@ def test_gpt2_splits_its_fused_qkv_and_biases(tmp_path):
     import torch
     import transformers
 
-    config = transformers.GPT2Config(vocab_size=128, n_embd=64, n_layer=2, n_head=4, n_positions=128,
+    # 131 tokens: each rank holds 66 rows of the tied embedding, the last one padding
+    config = transformers.GPT2Config(vocab_size=131, n_embd=64, n_layer=2, n_head=4, n_positions=128,
                                      bos_token_id=None, eos_token_id=None)
     torch.manual_seed(0)
     model = transformers.GPT2LMHeadModel(config).eval()
@@ -71,7 +72,7 @@ def test_gpt2_splits_its_fused_qkv_and_biases(tmp_path):
     two, memory = run(str(tmp_path), TP2)
     assert_same(two, one)
     for rank_weights, rank_kv in memory:
-        assert_half(rank_weights, weights, slack=0.6)  # token and position embeddings replicated
+        assert_half(rank_weights, weights, slack=0.4)  # the position embedding and the norms replicated
         assert rank_kv == kv // 2
 
 

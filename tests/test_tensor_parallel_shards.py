@@ -14,8 +14,9 @@ from torch import nn
 from kvforge.core import AttentionBatch, ConfigError
 from kvforge.distributed import head_shard, shard_model
 from kvforge.distributed import step_message
+from kvforge.distributed.layout import RankGroups, RankLayout
 from kvforge.distributed.pipeline_parallel import split_stages
-from kvforge.distributed.tensor_parallel import HeadShard, row_parallel
+from kvforge.distributed.tensor_parallel import HeadShard, as_row_parallel
 from kvforge.models import load_model
 from kvforge.models.base import ModelConfig
 from kvforge.models.gpt2 import GPT2LMHeadModel
@@ -126,7 +127,9 @@ def test_a_row_parallel_bias_is_added_once_after_the_sum():
     partials = {}
     for rank in range(2):
         group = FakeGroup(rank, 2, reduce=lambda y: partials[0] + partials[1])
-        layers.append(row_parallel(full, 3 * rank, 3 * rank + 3, group))
+        part = nn.Linear(3, 3, bias=True).double()
+        part.weight, part.bias = nn.Parameter(full.weight[:, 3 * rank:3 * rank + 3]), full.bias
+        layers.append(as_row_parallel(part, group))
     for rank, layer in enumerate(layers):
         partials[rank] = layer.inner(x[:, 3 * rank:3 * rank + 3])
     for rank, layer in enumerate(layers):
@@ -143,7 +146,8 @@ def test_architectures_without_shards_are_refused_by_name():
     with torch.device("meta"):
         gpt2 = GPT2LMHeadModel(config)
     with pytest.raises(ConfigError, match="Llama family.*not GPT2LMHeadModel.*pipeline_parallel_size = 1"):
-        split_stages(gpt2, FakeGroup(0, 2))  # its position embedding is added to the token embedding's output
+        split_stages(gpt2, RankGroups(RankLayout(1, 2, 0), FakeGroup(0, 2), FakeGroup(0, 1)))  # its position
+        # embedding is added to the token embedding's output, which a stage boundary replaces
 
 
 class Wire:
@@ -169,7 +173,8 @@ def test_a_step_reaches_the_worker_as_sent():
         context_lens=torch.tensor([0, 8], dtype=torch.int32), block_table=torch.tensor([[2, 0, 0], [5, 7, 1]],
                                                                                         dtype=torch.int32),
         slot_mapping=torch.tensor([8, 9, 10, 4], dtype=torch.int64), block_size=4, max_query_len=3, max_seq_len=9)
-    sent = step_message.StepMessage(torch.tensor([11, 12, 13, 14]), torch.tensor([0, 1, 2, 8]), batch, [(3, 1), (6, 2)])
+    sent = step_message.StepMessage(torch.tensor([11, 12, 13, 14]), torch.tensor([0, 1, 2, 8]), batch, [(3, 1), (6, 2)],
+                                    logit_rows=torch.tensor([2, 3]))
     wire = Wire()
     wire.replaying = False
     step_message.send_step(wire, sent)
@@ -182,4 +187,5 @@ def test_a_step_reaches_the_worker_as_sent():
         mine, theirs = getattr(got.batch, name), getattr(batch, name)
         assert torch.equal(mine, theirs) and mine.dtype == theirs.dtype, name
     assert (got.batch.max_query_len, got.batch.max_seq_len, got.copies) == (3, 9, [(3, 1), (6, 2)])
+    assert got.logit_rows.tolist() == [2, 3]  # the rows a vocabulary-parallel head computes on every rank
     assert step_message.receive(wire, block_size=4) == (step_message.STOP, None)
