@@ -128,22 +128,19 @@ class EngineLoop:
         if self._wake is not None:
             self._wake.set()
 
-    async def outputs(self, queue: asyncio.Queue, request_ids: Sequence[str]) -> AsyncIterator[RequestOutput]:
+    def outputs(self, queue: asyncio.Queue, request_ids: Sequence[str]) -> AsyncIterator[RequestOutput]:
         """Every output of the requests submitted with `queue`, as they come, until
         all are finished. Whatever is unfinished when the caller stops (a client
         disconnected) is aborted."""
-        unfinished = list(request_ids)
-        try:
-            while unfinished:
-                output = await queue.get()
-                if isinstance(output, BaseException):
-                    raise output
-                if output.finished:
-                    unfinished.remove(output.request_id)
-                yield output
-        finally:
-            for request_id in unfinished:
-                self.abort(request_id)
+        return stream_outputs(queue, request_ids, self.abort)
+
+    def engine_of(self, request_id: str) -> int:
+        """The engine serving `request_id` (its metrics' `engine` label): the one."""
+        return 0
+
+    def health(self) -> tuple[int, None]:
+        """200 while the loop runs, 503 after it failed or stopped; no body."""
+        return (200 if self.alive else 503), None
 
     # The loop
 
@@ -203,3 +200,21 @@ class EngineLoop:
         for queue in self._queues.values():
             queue.put_nowait(error)
         self._queues.clear()
+
+
+async def stream_outputs(queue: asyncio.Queue, request_ids: Sequence[str], abort) -> AsyncIterator[RequestOutput]:
+    """What `outputs` returns, for any loop: outputs from `queue` until every one of
+    `request_ids` finished (an exception put on the queue is raised); `abort(id)`
+    for each one left unfinished when the caller stops reading."""
+    unfinished = list(request_ids)
+    try:
+        while unfinished:
+            output = await queue.get()
+            if isinstance(output, BaseException):
+                raise output
+            if output.finished:
+                unfinished.remove(output.request_id)
+            yield output
+    finally:
+        for request_id in unfinished:
+            abort(request_id)
