@@ -84,9 +84,12 @@ def _run_replicas(args: argparse.Namespace, ServeSettings, serve, selection_line
     process keeps the HTTP front end and routes to them."""
     from functools import partial
 
+    from kvforge.core import load_config
     from kvforge.serving.replica_pool import ReplicaPool, ReplicaStartError
     from kvforge.serving.replica_process import ReplicaSpec
 
+    # A bad setting is refused here, once, before N processes each load the model to find it.
+    load_config(args.config, overrides=args.overrides, **({"model": args.model} if args.model else {}))
     spec = ReplicaSpec(config_file=args.config, overrides=list(args.overrides or []), model=args.model,
                        threads=args.threads, describe=partial(selection_line, verbose=True))
     try:

@@ -10,6 +10,7 @@ import asyncio
 import json
 import os
 import signal
+import subprocess
 import sys
 import threading
 from pathlib import Path
@@ -146,3 +147,14 @@ def test_prefix_routing_then_a_killed_replica_fails_only_its_requests(offline):
             .choices[0].text == expected[1]
         assert server.stop() == 0
     assert all(gone(pid) for pid in pids)
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--data-parallel-size", "0"], "--data-parallel-size must be >= 1, got 0"),
+    (["--data-parallel-size", "2", "--set", "cache.block_size=banana"], "cache.block_size"),
+])
+def test_bad_data_parallel_settings_are_refused_before_any_replica_starts(args, message):
+    result = subprocess.run([sys.executable, "-m", "kvforge", "serve", MODEL, "--port", "1", *args],
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode == 2 and message in result.stderr, result.stderr[-2000:]
+    assert "data parallel over" not in result.stderr  # no replica was started
