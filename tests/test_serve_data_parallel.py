@@ -21,7 +21,7 @@ pytest.importorskip("fastapi")
 openai = pytest.importorskip("openai")
 
 sys.path.insert(0, str(Path(__file__).parent))
-from serve_process import openai_client, running_server  # noqa: E402
+from serve_process import ServerProcess, openai_client, running_server  # noqa: E402
 
 from kvforge import LLM, SamplingParams  # noqa: E402
 
@@ -41,11 +41,12 @@ def health(server) -> dict:
 
 
 def gone(pid: int) -> bool:
+    """No such process, or only its zombie (exited; its parent has not reaped it yet)."""
     try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().rsplit(")", 1)[1].split()[0] == "Z"
+    except FileNotFoundError:
         return True
-    return False
 
 
 def per_engine(server, name: str, **labels) -> list[float]:
@@ -158,3 +159,15 @@ def test_bad_data_parallel_settings_are_refused_before_any_replica_starts(args, 
                             capture_output=True, text=True, timeout=120)
     assert result.returncode == 2 and message in result.stderr, result.stderr[-2000:]
     assert "data parallel over" not in result.stderr  # no replica was started
+
+
+def test_replicas_leave_when_their_server_is_killed_outright():
+    server = ServerProcess(["--data-parallel-size", "2"])
+    try:
+        server.wait_ready()
+        pids = [r["pid"] for r in health(server)["replicas"]]
+        server.proc.kill()  # no shutdown runs: the replicas must notice their pipes close
+        server.proc.wait()
+        server.wait_for(lambda: all(gone(pid) for pid in pids), "the replicas to exit")
+    finally:
+        server.stop()
