@@ -3,9 +3,8 @@
 It offers handlers what `EngineLoop` offers (`submit`, `abort`, `outputs`,
 `alive`, `num_queued`), so the endpoints are the same code; behind it each
 request goes to one replica process, chosen by the `Router`, and its outputs
-come back on the handler's queue. Everything here runs on the event loop (the
-replicas' pipe threads hand messages over with `call_soon_threadsafe`), so the
-router's books need no lock.
+come back on the handler's queue. Everything here runs on the event loop (it
+reads the replicas' results pipes itself), so the router's books need no lock.
 
 A replica that dies fails only the requests it held, with an error naming it;
 the others keep serving, and /health says the server is degraded.
@@ -47,12 +46,14 @@ class DataParallelLoop:
     def start(self) -> None:
         loop = asyncio.get_running_loop()
         for replica in self.pool.replicas:
-            replica.attach(self._on_message, self._on_death, loop.call_soon_threadsafe)
+            replica.attach(loop, self._on_message, self._on_death)
         self._started = True
 
     async def stop(self) -> None:
         """Stop every replica (each aborts what it holds) and end the streams left."""
         self._stopping = True
+        for replica in self.pool.replicas:
+            replica.detach()
         await asyncio.get_running_loop().run_in_executor(None, self.pool.stop)
         error = EngineDeadError("the server is shutting down")
         for future in self._accepting.values():

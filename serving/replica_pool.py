@@ -2,10 +2,11 @@
 
 Each replica is a process started with torch.multiprocessing's `spawn` (a fresh
 interpreter: no forked torch threads or CUDA state). Commands go down one pipe,
-results come back up another. Two threads per replica move them, so neither a
-large prompt being sent nor a result being read ever blocks the event loop: a
-writer drains an outbox, a reader hands each message to the event loop. The
-reader notices a replica's death as end of file on its pipe.
+results come back up another. The event loop reads results itself whenever the
+pipe is readable (a replica writes each message whole, so reading one never
+waits on a step); commands go out through a writer thread, so a large prompt
+never blocks the event loop while the replica is busy stepping. A replica's
+death reads as end of file on its results pipe.
 """
 
 from __future__ import annotations
@@ -49,7 +50,8 @@ class ReplicaHandle:
         results_in.close()
         self.info: ReplicaInfo | None = None
         self._outbox: queue.SimpleQueue = queue.SimpleQueue()
-        self._threads: list[threading.Thread] = []
+        self._writer: threading.Thread | None = None
+        self._reading, self._loop = False, None
 
     @property
     def pid(self) -> int | None:
@@ -73,20 +75,20 @@ class ReplicaHandle:
         self.info = message[1]
         return self.info
 
-    def attach(self, on_message: Callable, on_death: Callable, call_soon: Callable) -> None:
+    def attach(self, loop, on_message: Callable, on_death: Callable) -> None:
         """Start moving messages: each result becomes `on_message(index, message)`
-        and end of file `on_death(index, exitcode)`, both run through `call_soon`
-        (the event loop's `call_soon_threadsafe`)."""
-        def read() -> None:
-            while True:
-                try:
-                    message = self._results.recv()
-                except (EOFError, OSError):
-                    break
-                if not _call(call_soon, on_message, self.index, message):
-                    return
-            self.process.join(timeout=5)
-            _call(call_soon, on_death, self.index, self.process.exitcode)
+        on the event loop, which reads the results pipe itself when it is readable
+        (no thread in between: one wake-up per step, not two); end of file becomes
+        `on_death(index, exitcode)`. Commands go out through a writer thread."""
+        def drain() -> None:
+            try:
+                while self._results.poll(0):  # every message already there, in one wake-up
+                    on_message(self.index, self._results.recv())
+            except (EOFError, OSError):
+                loop.remove_reader(self._results.fileno())
+                self._reading = False
+                died = loop.run_in_executor(None, self.process.join, 5)
+                died.add_done_callback(lambda _: on_death(self.index, self.process.exitcode))
 
         def write() -> None:
             while (message := self._outbox.get()) is not None:
@@ -95,17 +97,24 @@ class ReplicaHandle:
                 except (OSError, ValueError):  # the replica is gone; the reader reports it
                     return
 
-        self._threads = [threading.Thread(target=read, name=f"kvforge-replica-{self.index}-read", daemon=True),
-                         threading.Thread(target=write, name=f"kvforge-replica-{self.index}-write", daemon=True)]
-        for thread in self._threads:
-            thread.start()
+        loop.add_reader(self._results.fileno(), drain)
+        self._reading, self._loop = True, loop
+        self._writer = threading.Thread(target=write, name=f"kvforge-replica-{self.index}-write", daemon=True)
+        self._writer.start()
+
+    def detach(self) -> None:
+        """Stop reading results (on the event loop's thread), before a stop on
+        purpose: the end of file that follows is no death to report."""
+        if self._reading:
+            self._loop.remove_reader(self._results.fileno())
+            self._reading = False
 
     def send(self, message: tuple) -> None:
         self._outbox.put(message)
 
     def ask_to_stop(self) -> None:
         """Tell the replica to stop (it aborts what it holds and exits)."""
-        if self._threads:
+        if self._writer is not None:
             self.send(("stop",))
             self._outbox.put(None)
         else:  # never attached: no writer thread, so send directly
@@ -125,17 +134,9 @@ class ReplicaHandle:
                 self.process.kill()
                 self.process.join()
         self._commands.close()
-        for thread in self._threads:
-            thread.join(timeout=5)
+        if self._writer is not None:
+            self._writer.join(timeout=5)
         self._results.close()
-
-
-def _call(call_soon: Callable, function: Callable, *args) -> bool:
-    try:
-        call_soon(function, *args)
-        return True
-    except RuntimeError:  # the event loop is closed: the server is gone
-        return False
 
 
 class ReplicaPool:

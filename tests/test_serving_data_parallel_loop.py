@@ -25,11 +25,14 @@ class FakeReplica:
     def __init__(self, index: int):
         self.index, self.pid, self.sent = index, 1000 + index, []
 
-    def attach(self, on_message, on_death, call_soon):
+    def attach(self, loop, on_message, on_death):
         self.on_message, self.on_death = on_message, on_death
 
     def send(self, message):
         self.sent.append(message)
+
+    def detach(self):
+        pass
 
 
 class FakePool:
