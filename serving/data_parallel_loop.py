@@ -88,14 +88,10 @@ class DataParallelLoop:
 
     # Handlers' side
 
-    def engine_of(self, request_id: str) -> int:
-        """The replica serving `request_id` (its metrics' `engine` label)."""
-        replica = self.router.replica_of(request_id)
-        return 0 if replica is None else replica
-
     async def submit(self, request_id: str, token_ids: Sequence[int], params: SamplingParams,
-                     queue: asyncio.Queue, *, priority: int = 0, cache_salt: str | None = None) -> None:
-        """As `EngineLoop.submit`: returns once the chosen replica took the request."""
+                     queue: asyncio.Queue, *, priority: int = 0, cache_salt: str | None = None) -> int:
+        """As `EngineLoop.submit`: returns once the chosen replica took the request,
+        with the replica's index."""
         if not self.alive:
             raise EngineDeadError("the server is not serving (stopping, or every replica died)")
         try:
@@ -118,6 +114,7 @@ class DataParallelLoop:
                 self.abort(request_id)
             self._forget(request_id)
             raise
+        return index
 
     def abort(self, request_id: str) -> None:
         """Stop a request wherever it is; one already finished is left alone."""

@@ -93,10 +93,11 @@ class EngineLoop:
     # Handlers' side
 
     async def submit(self, request_id: str, token_ids: Sequence[int], params: SamplingParams,
-                     queue: asyncio.Queue, *, priority: int = 0, cache_salt: str | None = None) -> None:
-        """Queue a request; returns once the engine took it. Its outputs (and, if the
-        engine dies, the error) arrive on `queue`. Raises `RequestError` if the
-        engine refuses it, `EngineDeadError` if the engine is dead."""
+                     queue: asyncio.Queue, *, priority: int = 0, cache_salt: str | None = None) -> int:
+        """Queue a request; returns once the engine took it, with the engine's number
+        (its metrics' `engine` label: 0, the one). Its outputs (and, if the engine
+        dies, the error) arrive on `queue`. Raises `RequestError` if the engine
+        refuses it, `EngineDeadError` if the engine is dead."""
         if not self.alive:
             raise EngineDeadError(f"the engine is not running ({self.error or 'stopped'})")
         accepted = asyncio.get_running_loop().create_future()
@@ -111,6 +112,7 @@ class EngineLoop:
             if not accepted.done():  # cancelled while waiting: it must never start
                 self.abort(request_id)
             raise
+        return 0
 
     def abort(self, request_id: str) -> None:
         """Stop a request (before or after the engine took it); its blocks are
@@ -133,10 +135,6 @@ class EngineLoop:
         all are finished. Whatever is unfinished when the caller stops (a client
         disconnected) is aborted."""
         return stream_outputs(queue, request_ids, self.abort)
-
-    def engine_of(self, request_id: str) -> int:
-        """The engine serving `request_id` (its metrics' `engine` label): the one."""
-        return 0
 
     def health(self) -> tuple[int, None]:
         """200 while the loop runs, 503 after it failed or stopped; no body."""

@@ -189,10 +189,10 @@ class OpenAIServer:
         submitted = []
         try:
             for request_id, token_ids, params in prepared.requests:
-                await self.loop.submit(request_id, token_ids, params, queue, priority=body.priority,
-                                       cache_salt=body.cache_salt)
+                engine = await self.loop.submit(request_id, token_ids, params, queue, priority=body.priority,
+                                                cache_salt=body.cache_salt)
                 submitted.append(request_id)
-                self.metrics.on_request(params.max_tokens, params.n, self.loop.engine_of(request_id))
+                self.metrics.on_request(params.max_tokens, params.n, engine)
         except RequestError as exc:
             for request_id in submitted:
                 self.loop.abort(request_id)

@@ -84,6 +84,7 @@ def test_two_replicas_serve_concurrent_requests_as_one_engine_would_and_both_get
         served = per_engine(server, "vllm:request_success_total", finished_reason="length")
         assert sum(served) == len(PROMPTS) + 4 and min(served) > 0, served  # least-tokens spread them
         assert per_engine(server, "kvforge:replica_outstanding_tokens") == [0, 0]
+        assert per_engine(server, "vllm:request_params_n_count") == served  # labelled by the replica it went to
 
         # A client that goes away: the abort reaches its replica, which frees the blocks.
         client = openai_client(server)

@@ -64,7 +64,7 @@ async def submit(loop, pool, request_id, max_tokens=8):
     await asyncio.sleep(0)
     replica = next(r for r in pool.replicas if any(m[0] == "add" and m[1].request_id == request_id for m in r.sent))
     replica.on_message(replica.index, ("applied", [request_id], [], [], IDLE))
-    await task
+    assert await task == replica.index  # the metrics' engine label of the request
     return queue, replica
 
 
