@@ -58,6 +58,7 @@ async def stream_text(aclient, **kwargs) -> str:
     return "".join([chunk.choices[0].text async for chunk in stream])
 
 
+@pytest.mark.slow
 def test_two_replicas_serve_concurrent_requests_as_one_engine_would_and_both_get_work(offline):
     greedy = [o.text for o in offline.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=10))]
     seeded = [o.text for o in offline.generate(PROMPTS[:4], [SamplingParams(temperature=1.0, seed=100 + i,
@@ -99,6 +100,7 @@ def test_two_replicas_serve_concurrent_requests_as_one_engine_would_and_both_get
     assert all(gone(pid) for pid in pids)
 
 
+@pytest.mark.slow
 def test_prefix_routing_then_a_killed_replica_fails_only_its_requests(offline):
     prompts = [SYSTEM + f"def g{i}(y):\n" for i in range(4)]
     expected = [o.text for o in offline.generate(prompts, SamplingParams(temperature=0, max_tokens=6))]
@@ -162,6 +164,7 @@ def test_bad_data_parallel_settings_are_refused_before_any_replica_starts(args, 
     assert "data parallel over" not in result.stderr  # no replica was started
 
 
+@pytest.mark.slow
 def test_replicas_leave_when_their_server_is_killed_outright():
     server = ServerProcess(["--data-parallel-size", "2"])
     try:
