@@ -58,12 +58,20 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def kvforge_engine_name(data_parallel_size: int) -> str:
+    """The results' name of `kvforge serve` with this many replicas ("kvforge" for one)."""
+    return "kvforge" if data_parallel_size == 1 else f"kvforge-dp{data_parallel_size}"
+
+
 def server_command(engine: str, python: str, model_dir: str, port: int, kv_cache_gib: float,
                    threads: int | None) -> list[str]:
-    if engine == "kvforge":
+    if engine == "kvforge" or engine.startswith("kvforge-dp"):
+        # Each replica gets the whole KV budget and `threads` threads: DP=N uses N times the resources.
         command = [python, "-m", "kvforge", "serve", model_dir, "--port", str(port), "--served-model-name",
                    SERVED_NAME, "--uvicorn-log-level", "warning", "--set", "device=cpu", "--set", "dtype=float32",
                    "--set", f"cache.memory_budget={int(kv_cache_gib * 2**30)}"]
+        if engine != "kvforge":
+            command += ["--data-parallel-size", engine.removeprefix("kvforge-dp")]
         return command + (["--threads", str(threads)] if threads else [])
     if engine == "vllm":
         # kvforge's scheduler defaults, so both batch alike
@@ -82,7 +90,7 @@ class Server:
         self.base_url = f"http://127.0.0.1:{self.port}"
         self.log_path = log_path
         self._log = open(log_path, "w")
-        env = peer_env(engine, kv_cache_gib, threads)
+        env = peer_env("kvforge" if engine.startswith("kvforge") else engine, kv_cache_gib, threads)
         # The offline vLLM peer runs its engine core in-process to time its steps; a server
         # runs it as `vllm serve` does, in its own process beside the HTTP front end.
         env.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)

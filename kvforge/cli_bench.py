@@ -56,6 +56,9 @@ def add_parser(commands) -> None:
                              "peers too slow for the whole workload")
     parser.add_argument("--rates", default=None, metavar="R1,R2,...",
                         help="serve only: arrival rates in requests/s (default: 1,2,4 with --quick, else 0.5,1,2,4,8)")
+    parser.add_argument("--data-parallel-sizes", default="1", metavar="N1,N2,...",
+                        help="serve only: run kvforge serve once per size, with --data-parallel-size N (named "
+                             "kvforge-dpN in the results), all side by side (default: 1)")
     parser.add_argument("--ttft-target-ms", type=float, default=2000.0,
                         help="serve only: goodput counts requests with TTFT within this (default: 2000)")
     parser.add_argument("--tpot-target-ms", type=float, default=200.0,
@@ -161,8 +164,16 @@ def run_serve(args: argparse.Namespace) -> int:
         raise ConfigError(f"--rates must be numbers separated by commas, got {args.rates!r}") from None
     if not rates or min(rates) <= 0:
         raise ConfigError(f"--rates must be positive, got {args.rates!r}")
+    try:
+        sizes = [int(n) for n in args.data_parallel_sizes.split(",")]
+    except ValueError:
+        raise ConfigError(f"--data-parallel-sizes must be integers separated by commas, got "
+                          f"{args.data_parallel_sizes!r}") from None
+    if not sizes or min(sizes) < 1:
+        raise ConfigError(f"--data-parallel-sizes must be >= 1, got {args.data_parallel_sizes!r}")
     peers = harness.peer_pythons(args.peer)
-    engines = {"kvforge": peers.get("kvforge") or sys.executable}
+    kvforge_python = peers.get("kvforge") or sys.executable
+    engines = {serve_load.kvforge_engine_name(n): kvforge_python for n in sizes}
     if peers.get("vllm"):
         engines["vllm"] = peers["vllm"]
     else:
@@ -181,4 +192,6 @@ def run_serve(args: argparse.Namespace) -> int:
                                      log=lambda line: print(line, file=sys.stderr))
     print(f"wrote {out / 'serve.json'}, {out / 'serve.md'} and {out / 'serve.png'}", file=sys.stderr)
     print(serve_load.markdown(results))
-    return 0 if results["engines"]["kvforge"].get("status") == "ok" else 1
+    kvforge_ok = all(entry.get("status") == "ok" for name, entry in results["engines"].items()
+                     if name.startswith("kvforge"))
+    return 0 if kvforge_ok else 1

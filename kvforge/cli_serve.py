@@ -32,7 +32,16 @@ def add_parser(commands) -> None:
                         help="answer 503 with Retry-After once N requests wait to be scheduled (default: no bound)")
     parser.add_argument("--grace-period", type=float, default=30.0, metavar="SECONDS",
                         help="on SIGTERM, how long running requests may finish before they are aborted (default: 30)")
-    parser.add_argument("--threads", type=int, help="CPU threads for torch (default: torch's choice)")
+    parser.add_argument("--threads", type=int,
+                        help="CPU threads for torch (default: torch's choice); with replicas, of each replica")
+    parser.add_argument("--data-parallel-size", type=int, default=1, metavar="N",
+                        help="serve with N engine replicas, each in its own process, behind this one server; "
+                             "each request goes to one replica (default: 1, one engine in the server's process)")
+    parser.add_argument("--data-parallel-routing", choices=("least_tokens", "prefix"), default="least_tokens",
+                        help="with replicas: least_tokens sends each request to the replica with the fewest "
+                             "outstanding tokens; prefix sends prompts opening with the same block of tokens to "
+                             "the same replica (its prefix cache hits) unless it is much busier (default: "
+                             "least_tokens)")
     parser.add_argument("--uvicorn-log-level", default="info", help="uvicorn's log level (default: info)")
     parser.set_defaults(run=run)
 
@@ -40,6 +49,9 @@ def add_parser(commands) -> None:
 def run(args: argparse.Namespace) -> int:
     if args.max_waiting_requests is not None and args.max_waiting_requests < 0:
         print(f"error: --max-waiting-requests must be >= 0, got {args.max_waiting_requests}", file=sys.stderr)
+        return 2
+    if args.data_parallel_size < 1:
+        print(f"error: --data-parallel-size must be >= 1, got {args.data_parallel_size}", file=sys.stderr)
         return 2
     try:
         from kvforge.serving import ServeSettings, serve
@@ -51,6 +63,8 @@ def run(args: argparse.Namespace) -> int:
 
     from .cli_generate import selection_line
 
+    if args.data_parallel_size > 1:
+        return _run_replicas(args, ServeSettings, serve, selection_line)
     if args.threads:
         import torch
 
@@ -62,4 +76,33 @@ def run(args: argparse.Namespace) -> int:
     settings = ServeSettings(model_name=name, api_key=args.api_key, max_waiting_requests=args.max_waiting_requests)
     serve(engine, settings, host=args.host, port=args.port, grace_s=args.grace_period,
           log_level=args.uvicorn_log_level)
+    return 0
+
+
+def _run_replicas(args: argparse.Namespace, ServeSettings, serve, selection_line) -> int:
+    """`--data-parallel-size N`: N replica processes build their engines; this
+    process keeps the HTTP front end and routes to them."""
+    from functools import partial
+
+    from kvforge.core import load_config
+    from kvforge.serving.replica_pool import ReplicaPool, ReplicaStartError
+    from kvforge.serving.replica_process import ReplicaSpec
+
+    # A bad setting is refused here, once, before N processes each load the model to find it.
+    load_config(args.config, overrides=args.overrides, **({"model": args.model} if args.model else {}))
+    spec = ReplicaSpec(config_file=args.config, overrides=list(args.overrides or []), model=args.model,
+                       threads=args.threads, describe=partial(selection_line, verbose=True))
+    try:
+        pool = ReplicaPool.start(spec, args.data_parallel_size)
+    except ReplicaStartError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    first = pool.replicas[0].info
+    print(f"{first.selection}; data parallel over {args.data_parallel_size} replicas (pids "
+          f"{', '.join(str(r.pid) for r in pool.replicas)}), routing {args.data_parallel_routing}", file=sys.stderr)
+    name = args.served_model_name or args.model or first.model.root
+    settings = ServeSettings(model_name=name, api_key=args.api_key, max_waiting_requests=args.max_waiting_requests,
+                             data_parallel_routing=args.data_parallel_routing)
+    serve(None, settings, host=args.host, port=args.port, grace_s=args.grace_period,
+          log_level=args.uvicorn_log_level, replicas=pool)
     return 0

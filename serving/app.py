@@ -18,6 +18,7 @@ from kvforge.engine.llm_engine import LLMEngine
 from .errors import APIError, api_error_handler, http_error_handler, validation_error_handler
 from .openai_api import OpenAIServer, ServeSettings
 from .protocol import ChatCompletionRequest, CompletionRequest
+from .replica_pool import ReplicaPool
 
 
 class ApiKeyMiddleware:
@@ -41,10 +42,10 @@ class ApiKeyMiddleware:
         await self.app(scope, receive, send)
 
 
-def build_app(engine: LLMEngine, settings: ServeSettings) -> FastAPI:
-    """An app serving `engine` under `settings.model_name`. The engine loop runs
-    while the app is up (its lifespan)."""
-    server = OpenAIServer(engine, settings)
+def build_app(engine: LLMEngine | None, settings: ServeSettings, *, replicas: ReplicaPool | None = None) -> FastAPI:
+    """An app serving `engine` (or the data-parallel `replicas`) under
+    `settings.model_name`. The engine loop runs while the app is up (its lifespan)."""
+    server = OpenAIServer(engine, settings, replicas=replicas)
     started = int(time.time())
 
     @contextlib.asynccontextmanager
@@ -65,7 +66,8 @@ def build_app(engine: LLMEngine, settings: ServeSettings) -> FastAPI:
 
     @app.get("/health")
     async def health() -> Response:
-        return Response(status_code=200 if server.loop.alive else 503)
+        status, body = server.loop.health()
+        return Response(status_code=status) if body is None else JSONResponse(body, status_code=status)
 
     @app.get("/metrics")
     async def metrics() -> Response:
@@ -75,7 +77,7 @@ def build_app(engine: LLMEngine, settings: ServeSettings) -> FastAPI:
     async def models() -> JSONResponse:
         return JSONResponse({"object": "list", "data": [{
             "id": settings.model_name, "object": "model", "created": started, "owned_by": "kvforge",
-            "root": str(engine.config.model), "max_model_len": engine.max_model_len}]})
+            "root": server.model.root, "max_model_len": server.model.max_model_len}]})
 
     @app.post("/v1/completions")
     async def completions(request: Request, body: CompletionRequest) -> Response:

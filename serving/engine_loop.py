@@ -93,10 +93,11 @@ class EngineLoop:
     # Handlers' side
 
     async def submit(self, request_id: str, token_ids: Sequence[int], params: SamplingParams,
-                     queue: asyncio.Queue, *, priority: int = 0, cache_salt: str | None = None) -> None:
-        """Queue a request; returns once the engine took it. Its outputs (and, if the
-        engine dies, the error) arrive on `queue`. Raises `RequestError` if the
-        engine refuses it, `EngineDeadError` if the engine is dead."""
+                     queue: asyncio.Queue, *, priority: int = 0, cache_salt: str | None = None) -> int:
+        """Queue a request; returns once the engine took it, with the engine's number
+        (its metrics' `engine` label: 0, the one). Its outputs (and, if the engine
+        dies, the error) arrive on `queue`. Raises `RequestError` if the engine
+        refuses it, `EngineDeadError` if the engine is dead."""
         if not self.alive:
             raise EngineDeadError(f"the engine is not running ({self.error or 'stopped'})")
         accepted = asyncio.get_running_loop().create_future()
@@ -111,6 +112,7 @@ class EngineLoop:
             if not accepted.done():  # cancelled while waiting: it must never start
                 self.abort(request_id)
             raise
+        return 0
 
     def abort(self, request_id: str) -> None:
         """Stop a request (before or after the engine took it); its blocks are
@@ -128,22 +130,15 @@ class EngineLoop:
         if self._wake is not None:
             self._wake.set()
 
-    async def outputs(self, queue: asyncio.Queue, request_ids: Sequence[str]) -> AsyncIterator[RequestOutput]:
+    def outputs(self, queue: asyncio.Queue, request_ids: Sequence[str]) -> AsyncIterator[RequestOutput]:
         """Every output of the requests submitted with `queue`, as they come, until
         all are finished. Whatever is unfinished when the caller stops (a client
         disconnected) is aborted."""
-        unfinished = list(request_ids)
-        try:
-            while unfinished:
-                output = await queue.get()
-                if isinstance(output, BaseException):
-                    raise output
-                if output.finished:
-                    unfinished.remove(output.request_id)
-                yield output
-        finally:
-            for request_id in unfinished:
-                self.abort(request_id)
+        return stream_outputs(queue, request_ids, self.abort)
+
+    def health(self) -> tuple[int, None]:
+        """200 while the loop runs, 503 after it failed or stopped; no body."""
+        return (200 if self.alive else 503), None
 
     # The loop
 
@@ -203,3 +198,21 @@ class EngineLoop:
         for queue in self._queues.values():
             queue.put_nowait(error)
         self._queues.clear()
+
+
+async def stream_outputs(queue: asyncio.Queue, request_ids: Sequence[str], abort) -> AsyncIterator[RequestOutput]:
+    """What `outputs` returns, for any loop: outputs from `queue` until every one of
+    `request_ids` finished (an exception put on the queue is raised); `abort(id)`
+    for each one left unfinished when the caller stops reading."""
+    unfinished = list(request_ids)
+    try:
+        while unfinished:
+            output = await queue.get()
+            if isinstance(output, BaseException):
+                raise output
+            if output.finished:
+                unfinished.remove(output.request_id)
+            yield output
+    finally:
+        for request_id in unfinished:
+            abort(request_id)

@@ -9,6 +9,8 @@ running totals, so a scrape never misses what happened between two scrapes.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 # vLLM's buckets (vllm/v1/metrics/loggers.py), so histogram quantiles compare across servers.
@@ -33,23 +35,54 @@ def buckets_1_2_5(max_value: int) -> list[int]:
         scale *= 10
 
 
-class ServerMetrics:
-    """Every metric of one server, labelled `model_name` and `engine` as vLLM's are."""
+@dataclass
+class EngineSnapshot:
+    """An engine's gauges and running totals after a step: all the metrics read
+    of it, small enough to send from a replica's process after every step."""
 
-    def __init__(self, model_name: str, max_model_len: int, block_size: int):
+    running: int
+    waiting: int
+    kv_usage: float
+    prefix_lookups: int
+    prefix_hits: int
+    preemptions: int
+    prompt_tokens: int
+    generated_tokens: int
+    drafts: int
+    draft_tokens: int
+    accepted_tokens: int
+
+    @classmethod
+    def of(cls, engine) -> "EngineSnapshot":
+        usage, stats = engine.kv.usage(), engine.stats
+        return cls(len(engine.scheduler.running), len(engine.scheduler.waiting), usage.usage, usage.lookups,
+                   usage.hits, engine.scheduler.num_preemptions, stats.num_prompt_tokens,
+                   stats.num_generated_tokens, stats.num_verifications, stats.num_draft_tokens,
+                   stats.num_accepted_tokens)
+
+
+class ServerMetrics:
+    """Every metric of one server, labelled `model_name` and `engine` as vLLM's
+    are; with data-parallel replicas, `engine` is the replica's index (as in
+    vLLM's data-parallel serving) and each replica has its own series."""
+
+    def __init__(self, model_name: str, max_model_len: int, block_size: int, num_engines: int = 1):
         self.registry = CollectorRegistry()
         self.block_size = block_size
-        labels = {"model_name": model_name, "engine": "0"}
-        names = list(labels)
+        names = ["model_name", "engine"]
+        engines = [{"model_name": model_name, "engine": str(i)} for i in range(num_engines)]
+
+        def per_engine(metric) -> list:  # one labelled child per engine, indexed by the engine's number
+            return [metric.labels(**labels) for labels in engines]
 
         def gauge(name, doc):
-            return Gauge(name, doc, names, registry=self.registry).labels(**labels)
+            return per_engine(Gauge(name, doc, names, registry=self.registry))
 
         def counter(name, doc):
-            return Counter(name, doc, names, registry=self.registry).labels(**labels)
+            return per_engine(Counter(name, doc, names, registry=self.registry))
 
         def histogram(name, doc, buckets):
-            return Histogram(name, doc, names, buckets=buckets, registry=self.registry).labels(**labels)
+            return per_engine(Histogram(name, doc, names, buckets=buckets, registry=self.registry))
 
         self.running = gauge("vllm:num_requests_running", "Number of requests in model execution batches.")
         self.waiting = gauge("vllm:num_requests_waiting", "Number of requests waiting to be processed.")
@@ -66,7 +99,8 @@ class ServerMetrics:
         self.spec_accepted_tokens = counter("vllm:spec_decode_num_accepted_tokens", "Number of accepted tokens.")
         success = Counter("vllm:request_success", "Count of successfully processed requests.",
                           [*names, "finished_reason"], registry=self.registry)
-        self.success = {reason: success.labels(**labels, finished_reason=reason) for reason in FINISH_REASONS}
+        self.success = {reason: [success.labels(**labels, finished_reason=reason) for labels in engines]
+                        for reason in FINISH_REASONS}
         token_buckets = buckets_1_2_5(max_model_len)
         self.request_prompt_tokens = histogram("vllm:request_prompt_tokens", "Number of prefill tokens processed.",
                                                token_buckets)
@@ -83,60 +117,72 @@ class ServerMetrics:
                              TOKEN_LATENCY_BUCKETS)
         self.e2e = histogram("vllm:e2e_request_latency_seconds", "Histogram of e2e request latency in seconds.",
                              REQUEST_LATENCY_BUCKETS)
-        self._totals: dict[str, int] = {}
+        if num_engines > 1:  # the router's view of each replica, only where there is routing
+            self.outstanding = gauge("kvforge:replica_outstanding_tokens",
+                                     "Prompt tokens not yet prefilled plus tokens not yet generated, per replica.")
+            self.replica_alive = gauge("kvforge:replica_alive", "1 while the replica's process serves, 0 once dead.")
+            for i in range(num_engines):
+                self.replica_alive[i].set(1)
+        self._totals: dict[tuple[int, str], int] = {}
         self._last_token_time: dict[str, float] = {}  # per engine request: when its latest token came
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
 
     def on_step(self, engine, outputs, now: float) -> None:
-        """Bring every metric up to date after a step (or after aborts)."""
-        self.running.set(len(engine.scheduler.running))
-        self.waiting.set(len(engine.scheduler.waiting))
-        usage = engine.kv.usage()
-        self.kv_usage.set(usage.usage)
-        stats = engine.stats
-        self._advance(self.prefix_queries, "queries", usage.lookups * self.block_size)
-        self._advance(self.prefix_hits, "hits", usage.hits * self.block_size)
-        self._advance(self.preemptions, "preemptions", engine.scheduler.num_preemptions)
-        self._advance(self.prompt_tokens, "prompt", stats.num_prompt_tokens)
-        self._advance(self.generation_tokens, "generation", stats.num_generated_tokens)
-        self._advance(self.spec_drafts, "drafts", stats.num_verifications)
-        self._advance(self.spec_draft_tokens, "draft_tokens", stats.num_draft_tokens)
-        self._advance(self.spec_accepted_tokens, "accepted", stats.num_accepted_tokens)
+        """Bring every metric up to date after a step (or after aborts) of the one engine."""
+        self.on_snapshot(0, EngineSnapshot.of(engine), outputs, now)
+
+    def on_snapshot(self, index: int, snapshot: EngineSnapshot, outputs, now: float) -> None:
+        """Bring engine `index`'s metrics up to date after one of its steps."""
+        self.running[index].set(snapshot.running)
+        self.waiting[index].set(snapshot.waiting)
+        self.kv_usage[index].set(snapshot.kv_usage)
+        advance = [(self.prefix_queries, "queries", snapshot.prefix_lookups * self.block_size),
+                   (self.prefix_hits, "hits", snapshot.prefix_hits * self.block_size),
+                   (self.preemptions, "preemptions", snapshot.preemptions),
+                   (self.prompt_tokens, "prompt", snapshot.prompt_tokens),
+                   (self.generation_tokens, "generation", snapshot.generated_tokens),
+                   (self.spec_drafts, "drafts", snapshot.drafts),
+                   (self.spec_draft_tokens, "draft_tokens", snapshot.draft_tokens),
+                   (self.spec_accepted_tokens, "accepted", snapshot.accepted_tokens)]
+        for counter, key, total in advance:
+            delta = total - self._totals.get((index, key), 0)
+            if delta > 0:
+                counter[index].inc(delta)
+            self._totals[(index, key)] = total
         for output in outputs:
-            self._observe(output, now)
+            self._observe(index, output, now)
 
-    def _advance(self, counter, key: str, total: int) -> None:
-        delta = total - self._totals.get(key, 0)
-        if delta > 0:
-            counter.inc(delta)
-        self._totals[key] = total
-
-    def _observe(self, output, now: float) -> None:
+    def _observe(self, index: int, output, now: float) -> None:
         request_id = output.request_id
         if any(c.new_token_ids for c in output.outputs):
             last = self._last_token_time.get(request_id)
             if last is None:
                 if output.timings.ttft is not None:
-                    self.ttft.observe(output.timings.ttft)
+                    self.ttft[index].observe(output.timings.ttft)
             else:
-                self.itl.observe(now - last)
+                self.itl[index].observe(now - last)
             self._last_token_time[request_id] = now
         if not output.finished:
             return
         self._last_token_time.pop(request_id, None)
         timings = output.timings
         reason = output.outputs[0].finish_reason or "abort"
-        self.success[reason if reason in self.success else "error"].inc()
-        self.e2e.observe((timings.finish_time or now) - timings.arrival_time)
+        self.success[reason if reason in self.success else "error"][index].inc()
+        self.e2e[index].observe((timings.finish_time or now) - timings.arrival_time)
         if timings.tpot is not None:
-            self.tpot.observe(timings.tpot)
-        self.request_prompt_tokens.observe(len(output.prompt_token_ids))
-        self.request_generation_tokens.observe(sum(len(c.token_ids) for c in output.outputs))
+            self.tpot[index].observe(timings.tpot)
+        self.request_prompt_tokens[index].observe(len(output.prompt_token_ids))
+        self.request_generation_tokens[index].observe(sum(len(c.token_ids) for c in output.outputs))
 
-    def on_request(self, max_tokens: int, n: int) -> None:
-        """A request was accepted with these parameters."""
-        self.request_max_tokens.observe(max_tokens)
-        self.request_n.observe(n)
+    def forget(self, request_id: str) -> None:
+        """A request that will report nothing more (its replica died)."""
+        self._last_token_time.pop(request_id, None)
+
+    def on_request(self, max_tokens: int, n: int, index: int = 0) -> None:
+        """A request was accepted (by engine `index`) with these parameters."""
+        self.request_max_tokens[index].observe(max_tokens)
+        self.request_n[index].observe(n)
+
 

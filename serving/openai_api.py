@@ -24,11 +24,15 @@ from kvforge.engine.outputs import RequestOutput
 from kvforge.engine.sampling_params import SamplingParams
 
 from .chat_template import chat_prompt_token_ids
+from .data_parallel_loop import DataParallelLoop
 from .engine_loop import EngineDeadError, EngineLoop
 from .errors import APIError, bad_request, error_body
 from .metrics import ServerMetrics
 from .protocol import ChatCompletionRequest, CompletionRequest, SamplingFields
+from .replica_pool import ReplicaPool
 from .responses import SSE_DONE, TokenText, chat_logprobs, choice_index, completion_logprobs, failed, sse, usage
+from .router import Router
+from .served_model import ServedModel
 
 
 @dataclass
@@ -41,6 +45,7 @@ class ServeSettings:
     api_key: str | None = None
     max_waiting_requests: int | None = None
     retry_after_s: int = 1
+    data_parallel_routing: str = "least_tokens"  # with replicas: see router.py
 
 
 @dataclass
@@ -59,14 +64,23 @@ class _Prepared:
 
 
 class OpenAIServer:
-    """The engine loop, the metrics, and the two generation endpoints."""
+    """The engine loop, the metrics, and the two generation endpoints: over one
+    in-process `engine`, or over the data-parallel `replicas` (processes of their own)."""
 
-    def __init__(self, engine: LLMEngine, settings: ServeSettings):
-        self.engine = engine
+    def __init__(self, engine: LLMEngine | None, settings: ServeSettings, *, replicas: ReplicaPool | None = None):
         self.settings = settings
-        self.metrics = ServerMetrics(settings.model_name, engine.max_model_len, engine.kv.block_size)
-        self.loop = EngineLoop(engine, on_step=self.metrics.on_step)
-        self.token_text = TokenText(engine.tokenizer)
+        if replicas is None:
+            self.model = ServedModel.of(engine)
+            self.metrics = ServerMetrics(settings.model_name, self.model.max_model_len, self.model.block_size)
+            self.loop = EngineLoop(engine, on_step=self.metrics.on_step)
+        else:
+            self.model = replicas.model
+            self.metrics = ServerMetrics(settings.model_name, self.model.max_model_len, self.model.block_size,
+                                         num_engines=len(replicas.replicas))
+            router = Router(len(replicas.replicas), settings.data_parallel_routing,
+                            prefix_tokens=self.model.block_size, imbalance_slack_tokens=self.model.max_model_len)
+            self.loop = DataParallelLoop(replicas, router, self.metrics)
+        self.token_text = TokenText(self.model.tokenizer)
 
     # Endpoints
 
@@ -101,7 +115,7 @@ class OpenAIServer:
     async def chat(self, request: Request, body: ChatCompletionRequest) -> Response:
         self._check_model(body.model)
         messages = [{"role": m.role, "content": m.text()} for m in body.messages]
-        prompt = chat_prompt_token_ids(self.engine.tokenizer, messages)
+        prompt = chat_prompt_token_ids(self.model.tokenizer, messages)
         prepared = self._prepare("chatcmpl", body, [prompt], body.requested_max_tokens, body.num_logprobs, "messages",
                                  max_tokens_param="max_completion_tokens" if body.max_completion_tokens is not None
                                  else "max_tokens")
@@ -131,18 +145,18 @@ class OpenAIServer:
 
     def _tokenize(self, prompt: str | list[int], param: str) -> list[int]:
         if isinstance(prompt, list):
-            bad = [t for t in prompt if not 0 <= t < self.engine.vocab_size]
+            bad = [t for t in prompt if not 0 <= t < self.model.vocab_size]
             if bad:
-                raise bad_request(f"token ids {bad[:5]} are outside the vocabulary [0, {self.engine.vocab_size})",
+                raise bad_request(f"token ids {bad[:5]} are outside the vocabulary [0, {self.model.vocab_size})",
                                   param=param)
             return list(prompt)
-        if self.engine.tokenizer is None:
+        if self.model.tokenizer is None:
             raise bad_request("this model has no tokenizer; send the prompt as token ids", param=param)
-        return list(self.engine.tokenizer.encode(prompt))
+        return list(self.model.tokenizer.encode(prompt))
 
     def _prepare(self, prefix: str, body: SamplingFields, prompts: list[list[int]], max_tokens: int | None,
                  logprobs: int | None, prompt_param: str, max_tokens_param: str = "max_tokens") -> _Prepared:
-        context = self.engine.max_model_len
+        context = self.model.max_model_len
         response_id = f"{prefix}-{uuid.uuid4().hex}"
         requests = []
         for i, token_ids in enumerate(prompts):
@@ -175,10 +189,10 @@ class OpenAIServer:
         submitted = []
         try:
             for request_id, token_ids, params in prepared.requests:
-                await self.loop.submit(request_id, token_ids, params, queue, priority=body.priority,
-                                       cache_salt=body.cache_salt)
+                engine = await self.loop.submit(request_id, token_ids, params, queue, priority=body.priority,
+                                                cache_salt=body.cache_salt)
                 submitted.append(request_id)
-                self.metrics.on_request(params.max_tokens, params.n)
+                self.metrics.on_request(params.max_tokens, params.n, engine)
         except RequestError as exc:
             for request_id in submitted:
                 self.loop.abort(request_id)

@@ -13,12 +13,14 @@ from kvforge.engine.llm_engine import LLMEngine
 
 from .app import build_app
 from .openai_api import ServeSettings
+from .replica_pool import ReplicaPool
 
 
-def serve(engine: LLMEngine, settings: ServeSettings, *, host: str = "127.0.0.1", port: int = 8000,
-          grace_s: float = 30.0, log_level: str = "info") -> None:
-    """Serve until SIGTERM or SIGINT."""
-    app = build_app(engine, settings)
+def serve(engine: LLMEngine | None, settings: ServeSettings, *, host: str = "127.0.0.1", port: int = 8000,
+          grace_s: float = 30.0, log_level: str = "info", replicas: ReplicaPool | None = None) -> None:
+    """Serve `engine`, or the data-parallel `replicas`, until SIGTERM or SIGINT;
+    the replicas are stopped however serving ends."""
+    app = build_app(engine, settings, replicas=replicas)
     config = uvicorn.Config(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=grace_s,
                             lifespan="on")
     # uvicorn re-raises the signal it shut down on once it is done; a SIGTERM that
@@ -28,6 +30,8 @@ def serve(engine: LLMEngine, settings: ServeSettings, *, host: str = "127.0.0.1"
         uvicorn.Server(config).run()
     finally:
         signal.signal(signal.SIGTERM, previous)
+        if replicas is not None:  # normally stopped with the app; here also when uvicorn never started
+            replicas.stop()
 
 
 def _stopped_by_sigterm(signum, frame) -> None:

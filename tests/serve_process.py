@@ -99,8 +99,9 @@ class ServerProcess:
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait()
-        self.log.close()
-        os.unlink(self.log.name)
+        if not self.log.closed:  # stop() may come twice: a test's own, then the context's
+            self.log.close()
+            os.unlink(self.log.name)
         return self.proc.returncode
 
 

@@ -58,3 +58,19 @@ def test_bench_serve_runs_kvforge_serve_under_load(tmp_path):
         assert 0 < row["ttft_p50_s"] <= row["ttft_p99_s"] and 0 < row["itl_p50_s"] <= row["itl_p99_s"]
     assert (tmp_path / "serve.png").stat().st_size > 0
     assert "| kvforge | 16 |" in (tmp_path / "serve.md").read_text()
+
+
+def test_data_parallel_sizes_become_kvforge_servers_side_by_side():
+    from kvforge.benchmarks.serve_load import kvforge_engine_name, server_command
+
+    assert [kvforge_engine_name(n) for n in (1, 2)] == ["kvforge", "kvforge-dp2"]
+    one = server_command("kvforge", "python", "m", 1, 0.5, 1)
+    two = server_command("kvforge-dp2", "python", "m", 1, 0.5, 1)
+    assert "--data-parallel-size" not in one
+    assert two[two.index("--data-parallel-size") + 1] == "2" and two[:len(one) - 2] == one[:-2]
+
+
+def test_bad_data_parallel_sizes_are_refused():
+    result = subprocess.run([sys.executable, "-m", "kvforge", "bench", "serve", "--data-parallel-sizes", "1,two"],
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode == 2 and "--data-parallel-sizes must be integers" in result.stderr
