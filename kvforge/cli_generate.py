@@ -14,7 +14,7 @@ import time
 
 from kvforge.benchmarks.harness import percentile
 
-from .cli_options import add_config_options
+from .cli_options import add_config_options, add_parallel_options, parallel_overrides
 
 
 def add_parser(commands) -> None:
@@ -30,13 +30,7 @@ def add_parser(commands) -> None:
     parser.add_argument("--seed", type=int, help="seed; prompt i uses seed + i, so each is reproducible alone")
     parser.add_argument("--stream", action="store_true", help="print tokens as they are generated")
     parser.add_argument("--jsonl", action="store_true", help="one JSON object per request on stdout")
-    parser.add_argument("--tensor-parallel-size", type=int, metavar="N",
-                        help="split the model over N ranks (parallel.tensor_parallel_size; N - 1 workers)")
-    parser.add_argument("--pipeline-parallel-size", type=int, metavar="N",
-                        help="split the model's layers into N stages (parallel.pipeline_parallel_size)")
-    parser.add_argument("--executor", metavar="NAME",
-                        help="what runs the workers (parallel.executor): mp (processes on this host), ray (Ray "
-                             "actors), torchrun (the processes torchrun started); default auto")
+    add_parallel_options(parser)
     parser.add_argument("--threads", type=int, help="CPU threads for torch (default: torch's choice); 1 is often "
                         "fastest for tiny models on a busy machine")
     parser.add_argument("-v", "--verbose", action="store_true",
@@ -128,14 +122,7 @@ def run(args: argparse.Namespace) -> int:
 
         torch.set_num_threads(args.threads)
     sections = {"model": args.model} if args.model else {}
-    overrides = list(args.overrides)
-    if args.tensor_parallel_size is not None:
-        overrides.append(f"parallel.tensor_parallel_size={args.tensor_parallel_size}")
-    if args.pipeline_parallel_size is not None:
-        overrides.append(f"parallel.pipeline_parallel_size={args.pipeline_parallel_size}")
-    if args.executor is not None:
-        overrides.append(f"parallel.executor={json.dumps(args.executor)}")
-    llm = LLM(config_file=args.config, overrides=overrides, **sections)
+    llm = LLM(config_file=args.config, overrides=parallel_overrides(args), **sections)
     try:
         return generate(llm, prompts, args)
     finally:

@@ -11,7 +11,7 @@ import logging
 import os
 import sys
 
-from .cli_options import add_config_options
+from .cli_options import add_config_options, add_parallel_options, parallel_overrides
 
 log = logging.getLogger("kvforge.serve")
 
@@ -42,6 +42,7 @@ def add_parser(commands) -> None:
                              "outstanding tokens; prefix sends prompts opening with the same block of tokens to "
                              "the same replica (its prefix cache hits) unless it is much busier (default: "
                              "least_tokens)")
+    add_parallel_options(parser)
     parser.add_argument("--uvicorn-log-level", default="info", help="uvicorn's log level (default: info)")
     parser.set_defaults(run=run)
 
@@ -63,6 +64,7 @@ def run(args: argparse.Namespace) -> int:
 
     from .cli_generate import selection_line
 
+    args.overrides = parallel_overrides(args)
     if args.data_parallel_size > 1:
         return _run_replicas(args, ServeSettings, serve, selection_line)
     if args.threads:
@@ -89,7 +91,12 @@ def _run_replicas(args: argparse.Namespace, ServeSettings, serve, selection_line
     from kvforge.serving.replica_process import ReplicaSpec
 
     # A bad setting is refused here, once, before N processes each load the model to find it.
-    load_config(args.config, overrides=args.overrides, **({"model": args.model} if args.model else {}))
+    loaded = load_config(args.config, overrides=args.overrides, **({"model": args.model} if args.model else {}))
+    if loaded.config.parallel.world_size > 1:
+        print(f"error: --data-parallel-size {args.data_parallel_size} with parallel.world_size "
+              f"{loaded.config.parallel.world_size} (tensor x pipeline parallel) is not supported yet: replicas of "
+              "a multi-rank engine are not built; use one of the two", file=sys.stderr)
+        return 2
     spec = ReplicaSpec(config_file=args.config, overrides=list(args.overrides or []), model=args.model,
                        threads=args.threads, describe=partial(selection_line, verbose=True))
     try:
