@@ -39,6 +39,7 @@ from kvforge.core import (
     attention_request,
     cdiv,
     dtype_name,
+    kv_cache_request,
     quantized_kv_views,
 )
 
@@ -87,9 +88,10 @@ class Target:
         return [d for d in DTYPES if d in self.cls.dtypes]
 
     def reasons(self, layer: AttentionLayerSpec, block_size: int, dtype: torch.dtype,
-                kv_storage_dtype: torch.dtype | None = None) -> list[str]:
+                quantizer: Quantizer | None = None) -> list[str]:
+        """Why the backend refuses `layer` over a KV cache quantized by `quantizer` (None: float)."""
         return self.cls.unsupported_reasons(attention_request([layer], self.device, dtype, block_size=block_size,
-                                                              kv_storage_dtype=kv_storage_dtype))
+                                                              **kv_cache_request(quantizer)))
 
 
 def target(registration: Registration) -> Target:
@@ -190,7 +192,7 @@ class Case:
     context_values: torch.Tensor
     context_slots: torch.Tensor  # [C]
     garbage: torch.Tensor  # the whole NHD cache before anything is written (finite; unused blocks NaN)
-    quantizer: Quantizer | None = None  # the KV cache's (a per_token quantizer), None for a float cache
+    quantizer: Quantizer | None = None  # the KV cache's (a KV-capable quantizer), None for a float cache
 
     def cache_spec(self) -> KVCacheSpec:
         return KVCacheSpec(self.block_size, self.layer.num_kv_heads, self.layer.head_size, self.dtype,
@@ -371,7 +373,7 @@ def check_case(tgt: Target, case: Case) -> str | None:
     from kvforge.core import UnsupportedConfigurationError
 
     spec = case.cache_spec()
-    reasons = tgt.reasons(case.layer, case.block_size, case.dtype, spec.storage_dtype if spec.quantized else None)
+    reasons = tgt.reasons(case.layer, case.block_size, case.dtype, spec.quantizer)
     if reasons:
         try:
             tgt.cls(case.layer, case.cache_spec(), tgt.device)
