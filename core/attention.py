@@ -72,22 +72,23 @@ class KVCacheSpec:
         return self.quantizer is not None and self.quantizer.static_scale
 
     def kv_scales_or_default(self) -> tuple[float, float]:
-        """The layer's (key scale, value scale) of a static-scale quantizer."""
+        """The layer's (key scale, value scale) of a static-scale quantizer, as stored
+        (float32 values): `kv_scales`, or the quantizer's own scale for both."""
         if not self.static_scales:
             raise ValueError("kv_scales_or_default: this KV cache has no static-scale quantizer")
-        if self.kv_scales is not None:
-            return self.kv_scales
-        scale = self.quantizer.fixed_scale()
-        return scale, scale
+        key, value = self.key_value_quantizers
+        return key.scale, value.scale
 
     @functools.cached_property
     def key_value_quantizers(self) -> tuple[Quantizer, Quantizer]:
         """The quantizers of keys and of values: the same one, or, for a static-scale
-        quantizer, one per scale of `kv_scales_or_default()`."""
+        quantizer, one per scale of `kv_scales` (the quantizer itself when None)."""
         if not self.static_scales:
             return self.quantizer, self.quantizer
-        key_scale, value_scale = self.kv_scales_or_default()
-        return self.quantizer.with_scale(key_scale), self.quantizer.with_scale(value_scale)
+        if self.kv_scales is None:
+            self.quantizer.fixed_scale()  # an uncalibrated template: say so here
+            return self.quantizer, self.quantizer
+        return self.quantizer.with_scale(self.kv_scales[0]), self.quantizer.with_scale(self.kv_scales[1])
 
     @property
     def quantized(self) -> bool:
