@@ -193,17 +193,19 @@ class Case:
     context_slots: torch.Tensor  # [C]
     garbage: torch.Tensor  # the whole NHD cache before anything is written (finite; unused blocks NaN)
     quantizer: Quantizer | None = None  # the KV cache's (a KV-capable quantizer), None for a float cache
+    kv_scales: tuple[float, float] | None = None  # a static-scale quantizer's (key, value) scales for the layer
 
     def cache_spec(self) -> KVCacheSpec:
         return KVCacheSpec(self.block_size, self.layer.num_kv_heads, self.layer.head_size, self.dtype,
-                           quantizer=self.quantizer)
+                           quantizer=self.quantizer, kv_scales=self.kv_scales)
 
-    def stored(self, x: torch.Tensor) -> torch.Tensor:
-        """What the cache gives back for keys or values `x` (float64): `x` itself, or
-        for a quantized cache its quantizer's `data * scale` (float32, as backends compute it)."""
+    def stored(self, x: torch.Tensor, index: int) -> torch.Tensor:
+        """What the cache gives back for keys (`index` 0) or values (1) `x` (float64): `x`
+        itself, or for a quantized cache its quantizer's `data * scale` (float32, as
+        backends compute it)."""
         if self.quantizer is None:
             return x
-        q = self.quantizer.quantize(x.to(self.dtype))
+        q = self.cache_spec().key_value_quantizers[index].quantize(x.to(self.dtype))
         return (q.data.to(torch.float32) * q.scale).to(torch.float64)
 
 
@@ -302,8 +304,8 @@ def oracle(case: Case) -> torch.Tensor:
     spec = KVCacheSpec(case.block_size, case.layer.num_kv_heads, case.layer.head_size, torch.float64)
     backend = oracle_class()(case.layer, spec, "cpu")
     cache = case.garbage.clone()
-    scatter(cache, case.stored(case.context_keys), case.stored(case.context_values), case.context_slots)
-    scatter(cache, case.stored(case.new_keys), case.stored(case.new_values), case.batch.slot_mapping)
+    scatter(cache, case.stored(case.context_keys, 0), case.stored(case.context_values, 1), case.context_slots)
+    scatter(cache, case.stored(case.new_keys, 0), case.stored(case.new_values, 1), case.batch.slot_mapping)
     return backend.forward(case.query, cache, backend.plan(case.batch))
 
 
@@ -316,9 +318,11 @@ def prepared_cache(backend, case: Case, device: str) -> torch.Tensor:
     if spec.quantized:  # finite quantized garbage; all-ones bytes are NaN scales (and NaN fp8 data)
         cache = torch.randint(0, 256, shape, generator=gen, dtype=torch.uint8)
         data, scales = quantized_kv_views(cache, spec)
-        q = spec.quantizer.quantize(case.garbage.nan_to_num(0.0).to(case.dtype))
-        data.copy_(q.data)
-        scales.copy_(q.scale.squeeze(-1))
+        garbage = case.garbage.nan_to_num(0.0).to(case.dtype)
+        for index, quantizer in enumerate(spec.key_value_quantizers):  # keys, values
+            q = quantizer.quantize(garbage[:, index])
+            data[:, index].copy_(q.data)
+            scales[:, index].copy_(q.scale.squeeze(-1))  # per token: one per slot; static: the constant
         cache[case.unused_blocks] = 255
     else:
         cache = torch.randn(shape, generator=gen).to(case.dtype)

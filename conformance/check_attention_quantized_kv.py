@@ -95,9 +95,18 @@ def quantized_cases(tgt: Target, kind: str, dtype: torch.dtype) -> list[Case]:
     seed, cases = fresh_seed(), []
     for i, quantizer in enumerate(kv_quantizers(tgt)):
         case = make_case(kind, layer, block_size, dtype, seed + i, tgt.reduced)
-        cases.append(dataclasses.replace(case, quantizer=quantizer,
+        cases.append(dataclasses.replace(case, quantizer=quantizer, kv_scales=layer_kv_scales(quantizer),
                                          label=f"{case.label} kv_cache_dtype={quantizer.name}"))
     return cases
+
+
+def layer_kv_scales(quantizer: Quantizer) -> tuple[float, float] | None:
+    """For a static-scale quantizer, a layer's own key and value scales, unlike each other
+    and the quantizer's default (a backend taking one of the others is caught), with
+    room for the checks' Gaussian keys and values (up to 16 and 8); None otherwise."""
+    if not quantizer.static_scale:
+        return None
+    return quantizer.calibrated_scale(16.0, 1.0), quantizer.calibrated_scale(8.0, 1.0)
 
 
 def declared_dtype(tgt: Target, dtype: torch.dtype) -> None:
@@ -163,7 +172,9 @@ def write_round_trip(tgt: Target, quantizer: Quantizer, dtype: torch.dtype, bloc
     """Write random tokens at random distinct slots (`skipped` of them -1) into a cache
     of random bytes; why the result is wrong, or None."""
     layer = make_layer(head_size, 4)
-    spec = KVCacheSpec(block_size, layer.num_kv_heads, head_size, dtype, quantizer=quantizer)
+    scales = layer_kv_scales(quantizer)  # x4: this check's keys and values are 4x larger
+    spec = KVCacheSpec(block_size, layer.num_kv_heads, head_size, dtype, quantizer=quantizer,
+                       kv_scales=None if scales is None else (4 * scales[0], 4 * scales[1]))
     backend = tgt.cls(layer, spec, tgt.device)
     gen = torch.Generator().manual_seed(seed)
     num_blocks = random.Random(seed).randint(3, 9)

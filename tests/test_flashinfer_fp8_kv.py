@@ -152,3 +152,50 @@ def test_passes_fp8_views_and_the_layer_scales_and_attends_as_the_slots_say(fake
         _, slot_scales = quantized_kv_views(cache, spec)
         assert slot_scales[4, 0, 0, 0].item() == pytest.approx(scales[0]) and \
             slot_scales[4, 1, 0, 0].item() == pytest.approx(scales[1])
+
+
+# The conformance group catches a per-tensor backend that takes the wrong scales
+
+class PerTensorLikeFlashInfer(registry().get(ATTENTION_BACKEND, "reference").cls):
+    """Reads only the fp8 codes and one key and one value scale per layer, as FlashInfer does."""
+
+    name = "per-tensor-like-flashinfer"
+    kv_scale_granularities = frozenset({PER_TENSOR})
+
+    def scales(self) -> tuple[float, float]:
+        return self.cache.kv_scales_or_default()
+
+    def forward(self, query, kv_cache, plan, out=None):
+        data, _ = quantized_kv_views(kv_cache, self.cache)
+        key_scale, value_scale = self.scales()
+        as_float = torch.stack((data[:, 0].float() * key_scale, data[:, 1].float() * value_scale), dim=1)
+        spec = KVCacheSpec(self.cache.block_size, self.cache.num_kv_heads, self.cache.head_size, torch.float32)
+        inner = registry().get(ATTENTION_BACKEND, "reference").cls(self.layer, spec)
+        got = inner.forward(query.float(), as_float, plan)
+        return got.to(query.dtype) if out is None else out.copy_(got)
+
+
+class TakesTheDefaultScale(PerTensorLikeFlashInfer):
+    """Passes the quantizer's own scale for keys and values, not the layer's."""
+
+    name = "takes-the-default-scale"
+
+    def scales(self) -> tuple[float, float]:
+        return self.cache.quantizer.scale, self.cache.quantizer.scale
+
+
+def test_a_backend_taking_the_default_scale_instead_of_the_layer_scales_is_caught(monkeypatch):
+    from kvforge.conformance import check_attention_quantized_kv as quantized_kv
+    from kvforge.conformance.attention_cases import SEED_ENV
+    from kvforge.core import Registration
+
+    monkeypatch.setenv(SEED_ENV, "77")
+    for cls, broken in ((PerTensorLikeFlashInfer, False), (TakesTheDefaultScale, True)):
+        registration = Registration(ATTENTION_BACKEND, cls.name, cls, "test", "test", "0", (1, 2))
+        if broken:
+            with pytest.raises(AssertionError, match="fp8_e4m3_per_tensor"):
+                quantized_kv.test_quantized_kv_matches_reference_over_dequantized_values(
+                    registration, "decode", torch.float32)
+        else:
+            quantized_kv.test_quantized_kv_matches_reference_over_dequantized_values(
+                registration, "decode", torch.float32)
