@@ -230,7 +230,7 @@ class PagedAttention(nn.Module):
         return self._scaled[1]
 
     def reset_kv_scales(self) -> None:
-        """Forget the calibrated scales (a new KV quantizer, or a new cache)."""
+        """Forget the calibrated scales: a new KV quantizer calibrates afresh."""
         self.kv_scales, self._scaled = None, None
 
 
