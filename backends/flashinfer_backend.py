@@ -7,15 +7,21 @@ wrapper once per step: the decode wrapper when every sequence has one new
 token, else the prefill wrapper (causal, aligned bottom-right, which is exactly
 "query `i` sits at position `context_len + i`"). `forward` runs it per layer.
 
-Reads float KV only. FlashInfer's fp8 paged kernels take one scale for all keys
-and one for all values (`run(k_scale=..., v_scale=...)` floats, folded into the
-softmax scale and the output), while a kvforge quantized cache carries one
-scale per (token, KV head): the two cannot be folded into each other, so a
-quantized cache is refused with that reason (the `triton` backend reads it).
+Reads float KV, and fp8 KV from a static-scale quantizer (`cache.kv_cache_dtype =
+"fp8_e4m3_per_tensor"` or `"fp8_e5m2_per_tensor"`): FlashInfer's fp8 paged kernels
+take one scale for all keys and one for all values of a layer (`run(k_scale=...,
+v_scale=...)` floats, folded into the softmax scale and the output), which is
+what such a quantizer keeps (`KVCacheSpec.kv_scales_or_default()`, host floats:
+no device sync per call). The fp8 codes are read in place from the quantized
+cache's data view (`quantized_kv_views`: NHD with a page stride of the block's
+row of bytes), handed over as the (keys, values) pair. A per-token quantizer
+(one scale per token and KV head) is refused with that reason: its scales cannot
+be folded into one float (the `triton` backend reads them).
 
 Needs CUDA. Without it, `availability()` says so without importing flashinfer,
 and `auto` never picks it. Validated only on a GPU (benchmarks/gpu_check.sh);
-on CPU only the argument conversion is tested.
+on CPU only the argument conversion and the calls at the wrapper boundary are
+tested. The fp8 path has not been run on a GPU yet.
 """
 
 from __future__ import annotations
@@ -28,12 +34,15 @@ import torch
 
 from kvforge.core import (
     LOGIT_SOFT_CAP,
+    PER_TENSOR,
     SLIDING_WINDOW,
     AttentionBackend,
     AttentionBatch,
     AttentionLayerSpec,
     Availability,
+    KVCacheSpec,
     hookimpl,
+    quantized_kv_views,
 )
 
 
@@ -48,8 +57,11 @@ def workspace(device: torch.device) -> torch.Tensor:
     return _workspaces[device]
 
 
-def plan_arguments(batch: AttentionBatch, layer: AttentionLayerSpec, dtype: torch.dtype) -> dict[str, Any]:
-    """The keyword arguments of `BatchPrefillWithPagedKVCacheWrapper.plan` for `batch`.
+def plan_arguments(batch: AttentionBatch, layer: AttentionLayerSpec, dtype: torch.dtype,
+                   kv_dtype: torch.dtype | None = None) -> dict[str, Any]:
+    """The keyword arguments of `BatchPrefillWithPagedKVCacheWrapper.plan` for `batch`,
+    queries in `dtype` over keys and values stored in `kv_dtype` (default `dtype`;
+    an fp8 dtype for a quantized cache).
 
     The decode wrapper takes the same CSR view and options, minus `qo_indptr`,
     `causal` and the `head_dim_qk` spelling (see `decode_plan_arguments`).
@@ -70,19 +82,32 @@ def plan_arguments(batch: AttentionBatch, layer: AttentionLayerSpec, dtype: torc
         window_left=layer.sliding_window - 1 if layer.sliding_window is not None else -1,
         logits_soft_cap=layer.logit_soft_cap,
         q_data_type=dtype,
-        kv_data_type=dtype,
+        kv_data_type=kv_dtype or dtype,
     )
 
 
-def decode_plan_arguments(batch: AttentionBatch, layer: AttentionLayerSpec, dtype: torch.dtype) -> dict[str, Any]:
+def decode_plan_arguments(batch: AttentionBatch, layer: AttentionLayerSpec, dtype: torch.dtype,
+                          kv_dtype: torch.dtype | None = None) -> dict[str, Any]:
     """The keyword arguments of `BatchDecodeWithPagedKVCacheWrapper.plan` for a pure-decode batch."""
-    args = plan_arguments(batch, layer, dtype)
+    args = plan_arguments(batch, layer, dtype, kv_dtype)
     return dict(
         indptr=args["paged_kv_indptr"], indices=args["paged_kv_indices"], last_page_len=args["paged_kv_last_page_len"],
         num_qo_heads=args["num_qo_heads"], num_kv_heads=args["num_kv_heads"], head_dim=args["head_dim_qk"],
         page_size=args["page_size"], sm_scale=args["sm_scale"], window_left=args["window_left"],
-        logits_soft_cap=args["logits_soft_cap"], q_data_type=dtype, kv_data_type=dtype,
+        logits_soft_cap=args["logits_soft_cap"], q_data_type=dtype, kv_data_type=args["kv_data_type"],
     )
+
+
+def run_arguments(kv_cache: torch.Tensor, cache: KVCacheSpec) -> tuple[Any, dict[str, Any]]:
+    """What `run` reads besides the query: the paged cache as FlashInfer takes it, and
+    the keyword arguments that go with it. A float cache is the NHD tensor itself;
+    a static-scale fp8 cache is the (keys, values) pair of fp8 views into its rows
+    of bytes (no copy) with the layer's `k_scale` and `v_scale` as host floats."""
+    if not cache.quantized:
+        return kv_cache, {}
+    data, _ = quantized_kv_views(kv_cache, cache)
+    key_scale, value_scale = cache.kv_scales_or_default()
+    return (data[:, 0], data[:, 1]), {"k_scale": key_scale, "v_scale": value_scale}
 
 
 def is_pure_decode(batch: AttentionBatch) -> bool:
@@ -107,9 +132,12 @@ class FlashInferAttentionBackend(AttentionBackend):
     dtypes = frozenset({torch.float16, torch.bfloat16})
     head_sizes = frozenset({64, 128, 256})
     features = frozenset({SLIDING_WINDOW, LOGIT_SOFT_CAP})
-    quantized_kv_dtypes = frozenset()  # see the module docstring
-    quantized_kv_note = ("FlashInfer's fp8 KV kernels take one per-tensor k_scale/v_scale, not kvforge's "
-                         "per-(token, KV head) scales; use attention.backend = 'triton' for a quantized KV cache")
+    quantized_kv_dtypes = frozenset({torch.float8_e4m3fn, torch.float8_e5m2})  # see the module docstring
+    kv_scale_granularities = frozenset({PER_TENSOR})
+    quantized_kv_note = ("FlashInfer's fp8 KV kernels take one k_scale and one v_scale per layer, not "
+                         "per-(token, KV head) scales: use cache.kv_cache_dtype = 'fp8_e4m3_per_tensor' (or "
+                         "'fp8_e5m2_per_tensor') with FlashInfer, or attention.backend = 'triton' for a per-token "
+                         "quantized KV cache")
 
     @classmethod
     def availability(cls) -> Availability:
@@ -130,10 +158,11 @@ class FlashInferAttentionBackend(AttentionBackend):
             buffer, kv_layout="NHD", use_tensor_cores=layer.queries_per_kv >= 4)
 
     def plan(self, batch: AttentionBatch) -> FlashInferPlan:
+        kv_dtype = self.cache.storage_dtype
         if is_pure_decode(batch):
-            self.decode_wrapper.plan(**decode_plan_arguments(batch, self.layer, self.cache.dtype))
+            self.decode_wrapper.plan(**decode_plan_arguments(batch, self.layer, self.cache.dtype, kv_dtype))
             return FlashInferPlan(self.decode_wrapper, decode=True)
-        self.prefill_wrapper.plan(**plan_arguments(batch, self.layer, self.cache.dtype))
+        self.prefill_wrapper.plan(**plan_arguments(batch, self.layer, self.cache.dtype, kv_dtype))
         return FlashInferPlan(self.prefill_wrapper, decode=False)
 
     def forward(self, query: torch.Tensor, kv_cache: torch.Tensor, plan: FlashInferPlan,
@@ -143,7 +172,8 @@ class FlashInferAttentionBackend(AttentionBackend):
         if query.shape[0] == 0:
             return out
         # Models may hand over views (q of a fused qkv projection); the kernels want dense rows.
-        plan.wrapper.run(query.contiguous(), kv_cache, out=out)
+        paged_kv, scales = run_arguments(kv_cache, self.cache)
+        plan.wrapper.run(query.contiguous(), paged_kv, out=out, **scales)
         return out
 
 

@@ -25,7 +25,7 @@ import random
 
 import torch
 
-from kvforge.core import PER_TOKEN, QUANTIZER, build_registry, cdiv
+from kvforge.core import QUANTIZER, build_registry, cdiv
 
 FLOAT_KV = ("float32", "bfloat16")
 BUDGET_BYTES = 2**30
@@ -41,17 +41,27 @@ CODE_PROMPTS = [
 ]
 
 
+CALIBRATED = "@calibrated"
+
+
 def kv_quantizers() -> list[str]:
-    """Every available quantizer the KV cache can use (per token), by name."""
-    return [r.name for r in build_registry().implementations(QUANTIZER)
-            if r.availability().ok and r.cls.granularity == PER_TOKEN]
+    """Every available quantizer the KV cache can use, by name; a static-scale one twice:
+    with `cache.kv_scales = 1.0` (vLLM's default) and `"calibrate"` (NAME@calibrated)."""
+    found = []
+    for r in build_registry().implementations(QUANTIZER):
+        if r.availability().ok and r.cls.kv_capable():
+            found += [r.name, r.name + CALIBRATED] if r.cls.static_scale else [r.name]
+    return found
 
 
 def engine_for(model: str, kv_cache_dtype: str = "auto", dtype: str = "float32", num_blocks: int | None = None):
+    """An engine with `kv_cache_dtype` (NAME@calibrated: a static-scale quantizer calibrated per layer)."""
     from kvforge import LLMEngine
     from kvforge.core import load_config
 
-    cache = {"kv_cache_dtype": kv_cache_dtype, "enable_prefix_caching": False}
+    kv_cache_dtype, calibrated, _ = kv_cache_dtype.partition(CALIBRATED)
+    cache = {"kv_cache_dtype": kv_cache_dtype, "enable_prefix_caching": False,
+             "kv_scales": "calibrate" if calibrated else 1.0}
     cache.update({"num_blocks": num_blocks} if num_blocks else {"memory_budget": 2**28})
     return LLMEngine(load_config(model=model, device="cpu", dtype=dtype, cache=cache).config)
 
@@ -108,6 +118,9 @@ def quality(model: str, kv: str, prompts_count: int = 8, tokens: int = 64, text:
     quant_engine = engine_for(model, kv_cache_dtype=kv)
     prompts = prompts_for(float_engine, prompts_count, text)
     reference = greedy(float_engine, prompts, tokens)
+    # Free-running first: its first step is the prompts' prefill, which calibrates a
+    # static-scale cache as serving would (teacher forcing would show it the answers).
+    free = greedy(quant_engine, prompts, tokens)
     sequences = [p + r for p, r in zip(prompts, reference)]
     agree, kl, positions, top1 = 0, 0.0, 0, 0.0
     for prompt, seq, lf, lq in zip(prompts, sequences, teacher_forced_logits(float_engine, sequences),
@@ -118,7 +131,6 @@ def quality(model: str, kv: str, prompts_count: int = 8, tokens: int = 64, text:
         kl += float((pf.exp() * (pf - pq)).sum(-1).sum())
         top1 += float(pf.exp().amax(-1).sum())  # how decided the float model is: near 1/vocab, argmax flips easily
         positions += pf.shape[0]
-    free = greedy(quant_engine, prompts, tokens)
     prefix = [next((i for i, (a, b) in enumerate(zip(r, f)) if a != b), len(r)) for r, f in zip(reference, free)]
     return {"kv": kv, "model": model, "agreement": agree / positions, "mean_kl": kl / positions,
             "float_top1_probability": top1 / positions,

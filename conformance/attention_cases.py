@@ -39,6 +39,7 @@ from kvforge.core import (
     attention_request,
     cdiv,
     dtype_name,
+    kv_cache_request,
     quantized_kv_views,
 )
 
@@ -87,9 +88,10 @@ class Target:
         return [d for d in DTYPES if d in self.cls.dtypes]
 
     def reasons(self, layer: AttentionLayerSpec, block_size: int, dtype: torch.dtype,
-                kv_storage_dtype: torch.dtype | None = None) -> list[str]:
+                quantizer: Quantizer | None = None) -> list[str]:
+        """Why the backend refuses `layer` over a KV cache quantized by `quantizer` (None: float)."""
         return self.cls.unsupported_reasons(attention_request([layer], self.device, dtype, block_size=block_size,
-                                                              kv_storage_dtype=kv_storage_dtype))
+                                                              **kv_cache_request(quantizer)))
 
 
 def target(registration: Registration) -> Target:
@@ -190,18 +192,20 @@ class Case:
     context_values: torch.Tensor
     context_slots: torch.Tensor  # [C]
     garbage: torch.Tensor  # the whole NHD cache before anything is written (finite; unused blocks NaN)
-    quantizer: Quantizer | None = None  # the KV cache's (a per_token quantizer), None for a float cache
+    quantizer: Quantizer | None = None  # the KV cache's (a KV-capable quantizer), None for a float cache
+    kv_scales: tuple[float, float] | None = None  # a static-scale quantizer's (key, value) scales for the layer
 
     def cache_spec(self) -> KVCacheSpec:
         return KVCacheSpec(self.block_size, self.layer.num_kv_heads, self.layer.head_size, self.dtype,
-                           quantizer=self.quantizer)
+                           quantizer=self.quantizer, kv_scales=self.kv_scales)
 
-    def stored(self, x: torch.Tensor) -> torch.Tensor:
-        """What the cache gives back for keys or values `x` (float64): `x` itself, or
-        for a quantized cache its quantizer's `data * scale` (float32, as backends compute it)."""
+    def stored(self, x: torch.Tensor, index: int) -> torch.Tensor:
+        """What the cache gives back for keys (`index` 0) or values (1) `x` (float64): `x`
+        itself, or for a quantized cache its quantizer's `data * scale` (float32, as
+        backends compute it)."""
         if self.quantizer is None:
             return x
-        q = self.quantizer.quantize(x.to(self.dtype))
+        q = self.cache_spec().key_value_quantizers[index].quantize(x.to(self.dtype))
         return (q.data.to(torch.float32) * q.scale).to(torch.float64)
 
 
@@ -300,8 +304,8 @@ def oracle(case: Case) -> torch.Tensor:
     spec = KVCacheSpec(case.block_size, case.layer.num_kv_heads, case.layer.head_size, torch.float64)
     backend = oracle_class()(case.layer, spec, "cpu")
     cache = case.garbage.clone()
-    scatter(cache, case.stored(case.context_keys), case.stored(case.context_values), case.context_slots)
-    scatter(cache, case.stored(case.new_keys), case.stored(case.new_values), case.batch.slot_mapping)
+    scatter(cache, case.stored(case.context_keys, 0), case.stored(case.context_values, 1), case.context_slots)
+    scatter(cache, case.stored(case.new_keys, 0), case.stored(case.new_values, 1), case.batch.slot_mapping)
     return backend.forward(case.query, cache, backend.plan(case.batch))
 
 
@@ -314,9 +318,11 @@ def prepared_cache(backend, case: Case, device: str) -> torch.Tensor:
     if spec.quantized:  # finite quantized garbage; all-ones bytes are NaN scales (and NaN fp8 data)
         cache = torch.randint(0, 256, shape, generator=gen, dtype=torch.uint8)
         data, scales = quantized_kv_views(cache, spec)
-        q = spec.quantizer.quantize(case.garbage.nan_to_num(0.0).to(case.dtype))
-        data.copy_(q.data)
-        scales.copy_(q.scale.squeeze(-1))
+        garbage = case.garbage.nan_to_num(0.0).to(case.dtype)
+        for index, quantizer in enumerate(spec.key_value_quantizers):  # keys, values
+            q = quantizer.quantize(garbage[:, index])
+            data[:, index].copy_(q.data)
+            scales[:, index].copy_(q.scale.squeeze(-1))  # per token: one per slot; static: the constant
         cache[case.unused_blocks] = 255
     else:
         cache = torch.randn(shape, generator=gen).to(case.dtype)
@@ -371,7 +377,7 @@ def check_case(tgt: Target, case: Case) -> str | None:
     from kvforge.core import UnsupportedConfigurationError
 
     spec = case.cache_spec()
-    reasons = tgt.reasons(case.layer, case.block_size, case.dtype, spec.storage_dtype if spec.quantized else None)
+    reasons = tgt.reasons(case.layer, case.block_size, case.dtype, spec.quantizer)
     if reasons:
         try:
             tgt.cls(case.layer, case.cache_spec(), tgt.device)

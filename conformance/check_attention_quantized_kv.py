@@ -2,9 +2,10 @@
 (guarantee 6 of `kvforge.core.AttentionBackend`).
 
 A backend declaring storage dtypes in `quantized_kv_dtypes` is run with every
-registered `per_token` quantizer whose storage dtype it declares (found through
-the registry, so a third-party quantizer is checked with it), on decode,
-prefill, chunked and mixed batches, in every dtype it declares:
+registered KV-capable quantizer whose storage dtype and scale granularity it
+declares (`per_token`, or a static-scale `per_tensor` one with its default scale;
+found through the registry, so a third-party quantizer is checked with it), on
+decode, prefill, chunked and mixed batches, in every dtype it declares:
 
 (a) its output matches the float64 reference computed over the dequantized keys
     and values (`data * scale`) within guarantee 3's tolerance for the dtype. The
@@ -45,7 +46,9 @@ import random
 import pytest
 import torch
 
-from kvforge.core import ATTENTION_BACKEND, PER_TOKEN, QUANTIZER, KVCacheSpec, Quantizer, quantized_kv_views
+from kvforge.core import (
+    ATTENTION_BACKEND, PER_TENSOR, PER_TOKEN, QUANTIZER, KVCacheSpec, Quantizer, quantized_kv_views,
+)
 from kvforge.conformance.attention_cases import (
     DTYPES, TOLERANCES, Case, Target, check_case, fresh_seed, make_case, make_layer, mismatch, oracle, prepared_cache,
     relative_error, report, run_step, target,
@@ -68,11 +71,13 @@ def kv_quantizers(tgt: Target) -> list[Quantizer]:
     if not declared:
         pytest.skip(f"{tgt.name} declares no quantized KV dtypes (quantized_kv_dtypes is empty): "
                     "it reads float KV caches only")
+    granularities = tgt.cls.kv_scale_granularities
     found = [r.cls() for r in registry().implementations(QUANTIZER)
-             if r.cls.granularity == PER_TOKEN and r.cls.storage_dtype in declared]
+             if r.cls.kv_capable() and r.cls.storage_dtype in declared
+             and (PER_TENSOR if r.cls.static_scale else PER_TOKEN) in granularities]
     if not found:
-        pytest.skip(f"no registered per_token quantizer stores {sorted(str(d) for d in declared)}, "
-                    f"the quantized KV dtypes {tgt.name} declares")
+        pytest.skip(f"no registered KV-capable quantizer with {' or '.join(sorted(granularities))} scales stores "
+                    f"{sorted(str(d) for d in declared)}, the quantized KV dtypes {tgt.name} declares")
     return found
 
 
@@ -90,9 +95,18 @@ def quantized_cases(tgt: Target, kind: str, dtype: torch.dtype) -> list[Case]:
     seed, cases = fresh_seed(), []
     for i, quantizer in enumerate(kv_quantizers(tgt)):
         case = make_case(kind, layer, block_size, dtype, seed + i, tgt.reduced)
-        cases.append(dataclasses.replace(case, quantizer=quantizer,
+        cases.append(dataclasses.replace(case, quantizer=quantizer, kv_scales=layer_kv_scales(quantizer),
                                          label=f"{case.label} kv_cache_dtype={quantizer.name}"))
     return cases
+
+
+def layer_kv_scales(quantizer: Quantizer) -> tuple[float, float] | None:
+    """For a static-scale quantizer, a layer's own key and value scales, unlike each other
+    and the quantizer's default (a backend taking one of the others is caught), with
+    room for the checks' Gaussian keys and values (up to 16 and 8); None otherwise."""
+    if not quantizer.static_scale:
+        return None
+    return quantizer.calibrated_scale(16.0, 1.0), quantizer.calibrated_scale(8.0, 1.0)
 
 
 def declared_dtype(tgt: Target, dtype: torch.dtype) -> None:
@@ -122,7 +136,7 @@ def attend_over_stored(tgt: Target, case: Case) -> tuple[torch.Tensor, torch.Ten
 
 
 def check_over_stored(tgt: Target, case: Case) -> str | None:
-    if tgt.reasons(case.layer, case.block_size, case.dtype, case.quantizer.storage_dtype):
+    if tgt.reasons(case.layer, case.block_size, case.dtype, case.quantizer):
         return check_case(tgt, case)  # must be refused; check_case says whether it is
     return mismatch(*attend_over_stored(tgt, case), case)
 
@@ -142,7 +156,7 @@ def test_quantized_kv_stays_near_attention_over_float_kv(registration, kind, dty
     declared_dtype(tgt, dtype)
     problems = []
     for case in quantized_cases(tgt, kind, dtype):
-        if tgt.reasons(case.layer, case.block_size, dtype, case.quantizer.storage_dtype):
+        if tgt.reasons(case.layer, case.block_size, dtype, case.quantizer):
             continue  # refusing is checked by the test above
         out = run_step(tgt.cls(case.layer, case.cache_spec(), tgt.device), case, tgt.device)
         error = relative_error(out, oracle(dataclasses.replace(case, quantizer=None)))
@@ -158,7 +172,9 @@ def write_round_trip(tgt: Target, quantizer: Quantizer, dtype: torch.dtype, bloc
     """Write random tokens at random distinct slots (`skipped` of them -1) into a cache
     of random bytes; why the result is wrong, or None."""
     layer = make_layer(head_size, 4)
-    spec = KVCacheSpec(block_size, layer.num_kv_heads, head_size, dtype, quantizer=quantizer)
+    scales = layer_kv_scales(quantizer)  # x4: this check's keys and values are 4x larger
+    spec = KVCacheSpec(block_size, layer.num_kv_heads, head_size, dtype, quantizer=quantizer,
+                       kv_scales=None if scales is None else (4 * scales[0], 4 * scales[1]))
     backend = tgt.cls(layer, spec, tgt.device)
     gen = torch.Generator().manual_seed(seed)
     num_blocks = random.Random(seed).randint(3, 9)
@@ -178,9 +194,9 @@ def write_round_trip(tgt: Target, quantizer: Quantizer, dtype: torch.dtype, bloc
     blocks, offsets = slots[keep] // block_size, slots[keep] % block_size
     data, scales = quantized_kv_views(cache, spec)
     for index, x in ((0, keys), (1, values)):
-        expected = quantizer.quantize(x[keep])
+        expected = spec.key_value_quantizers[index].quantize(x[keep])
         got_scale = scales[blocks, index, offsets]
-        want_scale = expected.scale.reshape(got_scale.shape).to(torch.float32)
+        want_scale = expected.scale.to(torch.float32).expand(*expected.data.shape[:-1], 1).reshape(got_scale.shape)
         if not torch.allclose(got_scale, want_scale, rtol=1e-6, atol=0):
             return f"{label}: stored {'keys' if index == 0 else 'values'} scales differ from the quantizer's"
         got = data[blocks, index, offsets].to(torch.float32) * got_scale.unsqueeze(-1)

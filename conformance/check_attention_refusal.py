@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from kvforge.core import ALIBI, ATTENTION_BACKEND, LOGIT_SOFT_CAP, SLIDING_WINDOW, AttentionLayerSpec, KVCacheSpec
-from kvforge.core import SelectionRequest, UnsupportedConfigurationError, attention_request
+from kvforge.core import PER_TENSOR, PER_TOKEN, SelectionRequest, UnsupportedConfigurationError, attention_request
 from kvforge.conformance.attention_cases import target
 from kvforge.conformance.attention_cases import one_thread  # noqa: F401 (a fixture, used below)
 
@@ -120,8 +120,12 @@ def test_forward_without_out_returns_a_fresh_tensor(registration):
 def test_undeclared_quantized_kv_dtypes_are_refused(registration):
     cls = registration.cls
     for storage in (torch.int8, torch.float8_e4m3fn, torch.float8_e5m2, torch.uint8):
-        reasons = cls.unsupported_reasons(SelectionRequest(kv_storage_dtype=storage))
-        if storage in cls.quantized_kv_dtypes:
-            assert not reasons, f"declares KV quantized to {storage} yet refuses it: {reasons}"
-        else:
-            assert reasons, f"KV quantized to {storage} is not declared, yet nothing refuses it"
+        for granularity in (PER_TOKEN, PER_TENSOR):  # per-(token, KV head) scales, or static ones
+            reasons = cls.unsupported_reasons(SelectionRequest(kv_storage_dtype=storage,
+                                                               kv_scale_granularity=granularity))
+            if storage in cls.quantized_kv_dtypes and granularity in cls.kv_scale_granularities:
+                assert not reasons, (f"declares KV quantized to {storage} ({granularity} scales) yet refuses "
+                                     f"it: {reasons}")
+            else:
+                assert reasons, (f"KV quantized to {storage} with {granularity} scales is not declared, "
+                                 "yet nothing refuses it")

@@ -2,13 +2,15 @@
 (guarantees 2 and 4 of `kvforge.core.Quantizer`, and the linear `data * scale`
 map hosts rely on to dequantize inside their own kernels).
 
-KV-capable quantizers are the `per_token` ones: the KV cache keeps one float32
-scale per (token, KV head), so only they may be named by
+KV-capable quantizers are the `per_token` ones and the static-scale ones: the KV
+cache keeps one float32 scale per (token, KV head), which they fill (a static
+scale: its constant in every slot), so only they may be named by
 `cache.kv_cache_dtype`, and only they are stored here through the cache's block
-layout. `per_channel` and `per_tensor` quantizers are checked as weight or
+layout. Other `per_channel` and `per_tensor` quantizers are checked as weight or
 tensor quantizers.
 """
 
+import dataclasses
 import re
 
 import pytest
@@ -34,6 +36,7 @@ from kvforge.core import (
     KVCacheSpec,
     QuantizationError,
     dequantize_kv_blocks,
+    quantized_kv_views,
     write_quantized_kv_by_slot,
 )
 
@@ -148,7 +151,7 @@ def test_the_same_input_quantizes_to_identical_data_and_scales_and_is_left_uncha
 def test_each_group_quantizes_the_same_whatever_else_is_in_the_call(quantizer, dtype):
     """One scale per row means rows do not affect each other: a token's cached
     keys must not depend on which other tokens were written in the same step."""
-    if quantizer.granularity == PER_TENSOR:
+    if quantizer.granularity == PER_TENSOR and not quantizer.static_scale:
         pytest.skip("per_tensor: one scale covers the whole tensor by design")
     seed = fresh_seed()
     gen = torch.Generator().manual_seed(seed)
@@ -161,21 +164,28 @@ def test_each_group_quantizes_the_same_whatever_else_is_in_the_call(quantizer, d
         split = 1 + int(torch.randint(0, shape[0] - 1, (1,), generator=gen))
         for rows in (slice(0, split), slice(split, None)):
             part = quantizer.quantize(x[rows])
-            assert same_bits(whole.data[rows], part.data) and same_bits(whole.scale[rows], part.scale), (
+            scales_agree = (same_bits(whole.scale, part.scale) if quantizer.static_scale  # the one fixed scale
+                            else same_bits(whole.scale[rows], part.scale))
+            assert same_bits(whole.data[rows], part.data) and scales_agree, (
                 f"{quantizer.name}: {describe(x, f'rows {rows.start}:{rows.stop}', seed)} quantized alone differ "
                 "from the same rows quantized with the others")
 
 
 @pytest.mark.parametrize("dtype", INPUT_DTYPES, ids=str)
 def test_kv_capable_quantizers_round_trip_through_the_kv_cache_block_layout(quantizer, dtype):
-    """KV-capable = `per_token`: keys and values written by slot into the cache's
-    rows of bytes (data, then one float32 scale per token and KV head) come back
-    within the bound, and slots not written stay as they were."""
+    """KV-capable = `per_token` or static-scale: keys and values written by slot into
+    the cache's rows of bytes (data, then one float32 scale per token and KV head)
+    come back within the bound, and slots not written stay as they were. A
+    static-scale quantizer gets a key and a value scale of its own for the layer
+    (`KVCacheSpec.kv_scales`), each slot's being its tensor's."""
     if not kv_capable(quantizer):
         pytest.skip(f"{quantizer.granularity}: not KV-capable, checked as a weight/tensor quantizer")
     seed = fresh_seed()
     gen = torch.Generator().manual_seed(seed)
     spec = KVCacheSpec(block_size=4, num_kv_heads=2, head_size=16, dtype=dtype, quantizer=quantizer)
+    if quantizer.static_scale:  # keys and values with scales of their own, large enough for every group
+        spec = dataclasses.replace(spec, kv_scales=(quantizer.calibrated_scale(1e4, 1.0),
+                                                    quantizer.calibrated_scale(3e4, 1.0)))
     num_blocks, tokens = 3, 9
     cache = torch.zeros((num_blocks, spec.layer_block_bytes()), dtype=spec.tensor_dtype)
     slots = torch.randperm(num_blocks * spec.block_size, generator=gen)[:tokens]
@@ -187,10 +197,19 @@ def test_kv_capable_quantizers_round_trip_through_the_kv_cache_block_layout(quan
     back = dequantize_kv_blocks(cache, spec, torch.arange(num_blocks), torch.float64)
     back = back.permute(1, 0, 2, 3, 4).reshape(2, num_blocks * spec.block_size, spec.num_kv_heads, spec.head_size)
     written = slots >= 0
-    for index, x in ((0, key), (1, value)):
+    _, stored_scales = quantized_kv_views(cache, spec)
+    stored_scales = stored_scales.permute(1, 0, 2, 3).reshape(2, num_blocks * spec.block_size, spec.num_kv_heads)
+    for index, (x, kv_quantizer) in enumerate(zip((key, value), spec.key_value_quantizers)):
         got = back[index, slots[written]]
         reference = x[written].double()
-        allowed = quantizer.error_bound * group_amax(x[written], PER_TOKEN)
+        amax = group_amax(x[written], PER_TOKEN)
+        if quantizer.static_scale:  # within its range by construction; judged as its own round trip is
+            amax = amax.clamp_min(kv_quantizer.precise_from)
+            want = torch.full_like(stored_scales[index, slots[written]], kv_quantizer.scale)
+            assert torch.equal(stored_scales[index, slots[written]], want), (
+                f"{quantizer.name}: {describe(x, ('keys', 'values')[index], seed)}: stored scales are not the "
+                f"layer's {('key', 'value')[index]} scale {kv_quantizer.scale:g} in every written slot")
+        allowed = quantizer.error_bound * amax
         assert bool(((got - reference).abs() <= allowed).all()), (
             f"{quantizer.name}: {describe(x, ('keys', 'values')[index], seed)} stored in the KV cache layout came "
             f"back with errors up to {(got - reference).abs().max().item():.3g}, over error_bound × group max")

@@ -3,7 +3,10 @@ the round trip. Each element of `dequantize(quantize(x))` must lie within the
 declared `error_bound` times the largest magnitude of its scale group, on fresh
 random data in float32 and bfloat16: normal data at magnitudes from 1e-3 to 1e4,
 outliers, all-zero and constant groups, values exactly at ± the group maximum,
-and group maxima at the edges of float32's range.
+and group maxima at the edges of float32's range. A static-scale quantizer
+(`kvforge.core.StaticScaleQuantizer`) is judged against its input saturated at
+its `saturation_limit`, each element by at least `precise_from` (its guarantees
+1s and 3s; `check_quantizer_static_scale` checks the rest).
 
 Inputs are shaped by granularity (see `kvforge.conformance.quantizer_cases`):
 `per_token` quantizers, the only ones `cache.kv_cache_dtype` may name, get

@@ -37,8 +37,23 @@ def shapes(quantizer: Quantizer) -> list[tuple[int, ...]]:
 
 def kv_capable(quantizer: Quantizer) -> bool:
     """Whether `cache.kv_cache_dtype` may name it: the KV cache layout keeps one
-    scale per (token, KV head), which only a `per_token` quantizer produces."""
-    return quantizer.granularity == PER_TOKEN
+    scale per (token, KV head), which a `per_token` quantizer produces and a
+    static-scale one fills with its constant (`Quantizer.kv_capable`)."""
+    return quantizer.kv_capable()
+
+
+def expected_back(quantizer: Quantizer, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(what the round trip should give back, float64; the magnitude each element's
+    error is judged by, shaped like `x`). An absmax quantizer gives `x` back within
+    its bound of the group maximum. A static-scale one saturates: beyond
+    `saturation_limit` it gives ±the limit back, and below `precise_from` its step is
+    absolute, so the magnitude judged by is at least `precise_from`."""
+    reference = x.double()
+    if not quantizer.static_scale:
+        return reference, group_amax(x, quantizer.granularity)
+    limit = quantizer.saturation_limit
+    reference = reference.clamp(-limit, limit)
+    return reference, group_amax(reference, quantizer.granularity).clamp_min(quantizer.precise_from)
 
 
 def group_rows(x: torch.Tensor, granularity: str) -> torch.Tensor:
@@ -94,14 +109,14 @@ def roundtrip_problem(quantizer: Quantizer, x: torch.Tensor, where: str, floor: 
 
     Dequantized to float32, each element must lie within `error_bound` times its
     group's largest magnitude (plus `floor`, an absolute allowance only the
-    subnormal check uses) of the input. The default dtype is checked as well,
-    allowed its own rounding (one epsilon of the group maximum)."""
+    subnormal check uses) of the input, or for a static-scale quantizer of the
+    input saturated at its limit (`expected_back`). The default dtype is checked
+    as well, allowed its own rounding (one epsilon of the group maximum)."""
     q = quantizer.quantize(x)
     problem = scale_problem(quantizer, q, where)
     if problem:
         return problem
-    reference = x.double()
-    amax = group_amax(x, quantizer.granularity)
+    reference, amax = expected_back(quantizer, x)
     for out_dtype, got in ((torch.float32, quantizer.dequantize(q, torch.float32)), (x.dtype, quantizer.dequantize(q))):
         allowed = quantizer.error_bound * amax + torch.finfo(out_dtype).eps * amax + floor
         error = (got.double() - reference).abs()

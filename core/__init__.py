@@ -30,6 +30,7 @@ from .attention import (
     attention_request,
     cdiv,
     dequantize_kv_blocks,
+    kv_cache_request,
     paged_csr,
     quantized_kv_views,
     write_kv_by_slot,
@@ -55,7 +56,15 @@ from .errors import (
 )
 from .hookspecs import hookimpl, hookspec
 from .implementation import Availability, Implementation, SelectionRequest
-from .quantizer import GRANULARITIES, PER_CHANNEL, PER_TENSOR, PER_TOKEN, QuantizedTensor, Quantizer
+from .quantizer import (
+    GRANULARITIES,
+    PER_CHANNEL,
+    PER_TENSOR,
+    PER_TOKEN,
+    QuantizedTensor,
+    Quantizer,
+    StaticScaleQuantizer,
+)
 from .registry import AUTO, Candidate, LoadError, PluginFilter, Registration, Registry, build_registry
 from .scheduler_policy import RequestView, SchedulerPolicy
 from .speculative import DraftProposal, ProposalRequest, ProposerTarget, SpeculativeProposer

@@ -1,11 +1,15 @@
 """The version of the contract and the canonical names of the five kinds."""
 
-API_VERSION: tuple[int, int] = (1, 1)
+API_VERSION: tuple[int, int] = (1, 2)
 """(major, minor). A plugin written for another major is refused; one that needs a
 newer minor than this host offers is refused too.
 
 1.1: quantized KV caches (`KVCacheSpec.quantizer`, `AttentionBackend.quantized_kv_dtypes`,
-`SelectionRequest.kv_storage_dtype`)."""
+`SelectionRequest.kv_storage_dtype`).
+1.2: static-scale quantizers for the KV cache (`StaticScaleQuantizer`, `Quantizer.static_scale`
+and `kv_capable`, `KVCacheSpec.kv_scales`, `AttentionBackend.kv_scale_granularities` and
+`with_kv_scales`, `SelectionRequest.kv_scale_granularity`). Everything written for 1.1
+works unchanged: the new attributes have defaults that mean what 1.1 meant."""
 
 ENTRY_POINT_GROUP = "kvforge.plugins"
 

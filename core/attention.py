@@ -14,6 +14,9 @@ positions `p - W + 1 .. p`. With a logit soft-cap `c`, scaled scores `s` become
 
 from __future__ import annotations
 
+import copy
+import dataclasses
+import functools
 from abc import abstractmethod
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -24,7 +27,7 @@ import torch
 from .api import ATTENTION_BACKEND
 from .dtypes import dtype_name
 from .implementation import Implementation, SelectionRequest
-from .quantizer import Quantizer
+from .quantizer import PER_TENSOR, PER_TOKEN, Quantizer
 
 SLIDING_WINDOW = "sliding_window"
 LOGIT_SOFT_CAP = "logit_soft_cap"
@@ -46,7 +49,14 @@ class KVCacheSpec:
     attention computes in. Each block then holds its data and its scales together
     in one row of bytes (see `quantized_kv_views`), so a block id covers both:
     allocation, prefix sharing, copy-on-write and eviction never know the
-    difference."""
+    difference.
+
+    With a static-scale quantizer (`StaticScaleQuantizer`, one scale per tensor)
+    the layout is the same: every written slot's scale is the layer's constant,
+    `kv_scales` = (key scale, value scale), or the quantizer's own scale for both
+    when None. Backends that read the scale slots need nothing else; one that
+    takes a scale per tensor (FlashInfer's `k_scale` / `v_scale`) reads
+    `kv_scales_or_default()` on the host, with no device sync."""
 
     block_size: int
     num_kv_heads: int
@@ -54,6 +64,31 @@ class KVCacheSpec:
     dtype: torch.dtype
     num_layers: int = 1
     quantizer: Quantizer | None = None
+    kv_scales: tuple[float, float] | None = None
+
+    @property
+    def static_scales(self) -> bool:
+        """Whether keys and values carry one fixed scale per layer (a static-scale quantizer)."""
+        return self.quantizer is not None and self.quantizer.static_scale
+
+    def kv_scales_or_default(self) -> tuple[float, float]:
+        """The layer's (key scale, value scale) of a static-scale quantizer, as stored
+        (float32 values): `kv_scales`, or the quantizer's own scale for both."""
+        if not self.static_scales:
+            raise ValueError("kv_scales_or_default: this KV cache has no static-scale quantizer")
+        key, value = self.key_value_quantizers
+        return key.scale, value.scale
+
+    @functools.cached_property
+    def key_value_quantizers(self) -> tuple[Quantizer, Quantizer]:
+        """The quantizers of keys and of values: the same one, or, for a static-scale
+        quantizer, one per scale of `kv_scales` (the quantizer itself when None)."""
+        if not self.static_scales:
+            return self.quantizer, self.quantizer
+        if self.kv_scales is None:
+            self.quantizer.fixed_scale()  # an uncalibrated template: say so here
+            return self.quantizer, self.quantizer
+        return self.quantizer.with_scale(self.kv_scales[0]), self.quantizer.with_scale(self.kv_scales[1])
 
     @property
     def quantized(self) -> bool:
@@ -151,10 +186,12 @@ class AttentionLayerSpec:
 
 
 def attention_request(layers: Sequence[AttentionLayerSpec], device: str | None, dtype: torch.dtype | None, *,
-                      block_size: int | None = None, kv_storage_dtype: torch.dtype | None = None) -> SelectionRequest:
+                      block_size: int | None = None, kv_storage_dtype: torch.dtype | None = None,
+                      kv_scale_granularity: str | None = None) -> SelectionRequest:
     """What an attention backend is asked when it is to serve `layers`: the first
     one's heads and head size, every one's features, over a KV cache of `dtype`
-    (`kv_storage_dtype` when quantized; None for a float cache). `layers` may be
+    (`kv_storage_dtype` when quantized, with `kv_scale_granularity` per_token or
+    per_tensor; None for a float cache; `kv_cache_request` fills both). `layers` may be
     empty when the model's shape is not known yet. The one place a request is
     built from layers: backends, models, the conformance suite, benchmarks and the
     CLI all call this."""
@@ -165,7 +202,16 @@ def attention_request(layers: Sequence[AttentionLayerSpec], device: str | None, 
         num_heads=first.num_heads if first else None,
         num_kv_heads=first.num_kv_heads if first else None,
         features=frozenset().union(*(layer.required_features() for layer in layers)),
-        kv_storage_dtype=kv_storage_dtype)
+        kv_storage_dtype=kv_storage_dtype, kv_scale_granularity=kv_scale_granularity)
+
+
+def kv_cache_request(quantizer: Quantizer | None) -> dict[str, Any]:
+    """The KV-cache fields of `attention_request` for a cache quantized by `quantizer`
+    (None: a float cache): its storage dtype and how its scales come."""
+    if quantizer is None:
+        return {"kv_storage_dtype": None, "kv_scale_granularity": None}
+    return {"kv_storage_dtype": quantizer.storage_dtype,
+            "kv_scale_granularity": PER_TENSOR if quantizer.static_scale else PER_TOKEN}
 
 
 @dataclass
@@ -253,6 +299,12 @@ def write_quantized_kv_by_slot(key: torch.Tensor, value: torch.Tensor, kv_cache:
     slots = slot_mapping[keep]
     blocks, offsets = slots // spec.block_size, slots % spec.block_size
     data, scales = quantized_kv_views(kv_cache, spec)
+    if spec.static_scales:  # one fixed scale for the keys, one for the values: each slot gets its tensor's
+        for index, (x, quantizer) in enumerate(zip((key, value), spec.key_value_quantizers)):
+            q = quantizer.quantize(x[keep])
+            data[blocks, index, offsets] = q.data
+            scales[blocks, index, offsets] = q.scale.to(SCALE_DTYPE).expand(q.data.shape[:-1])
+        return
     q = spec.quantizer.quantize(torch.stack((key[keep], value[keep]), dim=1))  # one call: [T, 2, H, D]
     data[blocks, :, offsets] = q.data
     scales[blocks, :, offsets] = q.scale.reshape(q.data.shape[:-1]).to(SCALE_DTYPE)
@@ -291,7 +343,12 @@ class AttentionBackend(Implementation):
          `quantized_kv_dtypes`), `write_kv` stores what the quantizer returns and
          `forward` attends over the dequantized keys and values (`data * scale`),
          matching the float64 reference over those dequantized values within
-         guarantee 3's tolerance.
+         guarantee 3's tolerance. A static-scale quantizer (one scale per layer
+         for keys and one for values, `KVCacheSpec.kv_scales_or_default()`) fills
+         every written slot's scale with its tensor's constant; a backend serves
+         it if `kv_scale_granularities` holds `per_tensor`.
+      7. `with_kv_scales(scales)` returns a backend for one layer's static scales
+         that shares everything else with this one: a `plan` of either serves both.
     """
 
     kind: ClassVar[str] = ATTENTION_BACKEND
@@ -302,6 +359,12 @@ class AttentionBackend(Implementation):
     the layout of `quantized_kv_views`) this backend reads; empty: float KV only."""
     quantized_kv_note: ClassVar[str] = ""
     """Why it reads no (other) quantized KV and what to use instead; added to that refusal."""
+    kv_scale_granularities: ClassVar[frozenset[str]] = frozenset({PER_TOKEN, PER_TENSOR})
+    """How the scales of a quantized KV cache it reads may come: `per_token` (a scale per
+    token and KV head, read from the scale slots) and `per_tensor` (a static-scale
+    quantizer's constants, which sit in those same slots, so a backend reading the
+    slots reads both: the default). A backend that takes one scale per tensor instead
+    (FlashInfer) declares only `per_tensor`."""
     head_sizes: ClassVar[frozenset[int] | None] = None  # None: any head size
     block_sizes: ClassVar[frozenset[int] | None] = None  # None: any block size
     features: ClassVar[frozenset[str]] = frozenset()
@@ -311,7 +374,7 @@ class AttentionBackend(Implementation):
         from .errors import UnsupportedConfigurationError
 
         request = attention_request([layer], torch.device(device).type, cache.dtype, block_size=cache.block_size,
-                                    kv_storage_dtype=cache.storage_dtype if cache.quantized else None)
+                                    **kv_cache_request(cache.quantizer))
         reasons = self.unsupported_reasons(request)
         if reasons:
             raise UnsupportedConfigurationError(
@@ -333,6 +396,12 @@ class AttentionBackend(Implementation):
             note = f"; {cls.quantized_kv_note}" if cls.quantized_kv_note else ""
             reasons.append(f"cannot read a KV cache quantized to {dtype_name(request.kv_storage_dtype)} "
                            f"(quantized KV dtypes it reads: {reads}){note}")
+        elif request.kv_storage_dtype is not None:
+            granularity = request.kv_scale_granularity or PER_TOKEN
+            if granularity not in cls.kv_scale_granularities:
+                note = f"; {cls.quantized_kv_note}" if cls.quantized_kv_note else ""
+                reasons.append(f"cannot read a KV cache quantized with {granularity} scales (it reads "
+                               f"{' or '.join(sorted(cls.kv_scale_granularities))} ones){note}")
         if request.head_size is not None and cls.head_sizes is not None and request.head_size not in cls.head_sizes:
             reasons.append(f"head size {request.head_size} not in {sorted(cls.head_sizes)}")
         if request.block_size is not None and cls.block_sizes is not None and request.block_size not in cls.block_sizes:
@@ -350,6 +419,7 @@ class AttentionBackend(Implementation):
             "devices": sorted(cls.devices),
             "dtypes": sorted(dtype_name(d) for d in cls.dtypes),
             "kv_cache_dtypes": ["auto", *sorted(dtype_name(d) for d in cls.quantized_kv_dtypes)],
+            "kv_scale_granularities": sorted(cls.kv_scale_granularities) if cls.quantized_kv_dtypes else [],
             "head_sizes": sorted(cls.head_sizes) if cls.head_sizes is not None else "any",
             "block_sizes": sorted(cls.block_sizes) if cls.block_sizes is not None else "any",
             "features": sorted(cls.features),
@@ -363,6 +433,15 @@ class AttentionBackend(Implementation):
         if cache.quantized:
             return (num_blocks, cache.layer_block_bytes())
         return (num_blocks, 2, cache.block_size, cache.num_kv_heads, cache.head_size)
+
+    def with_kv_scales(self, kv_scales: tuple[float, float]) -> "AttentionBackend":
+        """This backend for a layer whose static-scale KV cache has `kv_scales` (key
+        scale, value scale). The default is a shallow copy with only `cache` replaced,
+        so plans, wrappers and buffers stay shared and a plan of either serves both;
+        a backend keeping state derived from the scales overrides it."""
+        view = copy.copy(self)
+        view.cache = dataclasses.replace(self.cache, kv_scales=(float(kv_scales[0]), float(kv_scales[1])))
+        return view
 
     @abstractmethod
     def plan(self, batch: AttentionBatch) -> Any:

@@ -7,6 +7,7 @@ Where values come from, and how they override each other, lives in
 
 from __future__ import annotations
 
+import math
 import re
 from typing import Any, Literal
 
@@ -39,9 +40,14 @@ class CacheConfig(Section):
     memory_budget: float | None = Field(
         None, description="KV cache size: bytes (int or '4GiB') or a fraction (0, 1) of available memory")
     kv_cache_dtype: str = Field(
-        "auto", description="auto (the model dtype), the model's float dtype, or the name of a per_token quantizer "
-                            "(int8, fp8_e4m3, fp8_e5m2, or a third-party one): keys and values stored quantized with "
-                            "one float32 scale per token and KV head; the attention backend must read its storage dtype")
+        "auto", description="auto (the model dtype), the model's float dtype, or the name of a KV-capable quantizer: "
+                            "per_token (int8, fp8_e4m3, fp8_e5m2, or a third-party one: one float32 scale per token "
+                            "and KV head) or static-scale (fp8_e4m3_per_tensor, fp8_e5m2_per_tensor: one fixed scale "
+                            "per layer for keys and one for values, see kv_scales); the attention backend must read it")
+    kv_scales: float | Literal["calibrate"] = Field(
+        1.0, description="the fixed scale of a static-scale KV quantizer (fp8_e4m3_per_tensor...): a positive number "
+                         "for every layer's keys and values (values beyond scale x the format max saturate), or "
+                         "'calibrate': each layer's from its first prefill's largest key and value, with 2x headroom")
     enable_prefix_caching: bool = Field(
         True, description="reuse the cached KV blocks of equal prompt prefixes; needs an allocator with prefix caching "
                           "(set it false to use one without)")
@@ -49,6 +55,13 @@ class CacheConfig(Section):
     hash_algorithm: str = Field(
         "sha256", description="hashlib algorithm of the prefix-cache block hashes (the allocator lists those it has "
                               "in `kvforge plugins --json`)")
+
+    @field_validator("kv_scales")
+    @classmethod
+    def _positive_scale(cls, value):
+        if value != "calibrate" and not (math.isfinite(value) and value >= torch.finfo(torch.float32).tiny):
+            raise ValueError("must be a positive finite number (a float32 normal) or 'calibrate'")
+        return value
 
     @field_validator("memory_budget", mode="before")
     @classmethod

@@ -48,6 +48,7 @@ class SelectionRequest:
     features: frozenset[str] = field(default_factory=frozenset)
     prefix_caching: bool | None = None
     kv_storage_dtype: Any = None  # torch.dtype of a quantized KV cache; None for a float one
+    kv_scale_granularity: str | None = None  # a quantized KV cache's scales: per_token (also when None) or per_tensor
 
 
 class Implementation(ABC):

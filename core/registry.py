@@ -70,8 +70,9 @@ class Candidate:
         return self.availability.ok and not self.reasons
 
     def why_not(self) -> str:
-        if not self.availability.ok:
-            return f"unavailable: {self.availability.reason}"
+        if not self.availability.ok:  # the configuration's reasons too: installing it alone would not do
+            also = f"; where it is available it would refuse: {'; '.join(self.reasons)}" if self.reasons else ""
+            return f"unavailable: {self.availability.reason}{also}"
         return "; ".join(self.reasons)
 
 

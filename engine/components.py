@@ -11,7 +11,6 @@ import torch
 from kvforge.core import (
     ATTENTION_BACKEND,
     BLOCK_ALLOCATOR,
-    PER_TOKEN,
     QUANTIZER,
     SCHEDULER_POLICY,
     SPECULATIVE_PROPOSER,
@@ -63,9 +62,11 @@ def model_layers(name_or_path: str) -> list[AttentionLayerSpec]:
 
 def resolve_kv_quantizer(registry: Registry, config: EngineConfig) -> Quantizer | None:
     """The quantizer `cache.kv_cache_dtype` names, as an instance; None for a float
-    KV cache (`auto` or a float dtype). Any registered `per_token` quantizer works by
+    KV cache (`auto` or a float dtype). Any registered KV-capable quantizer works by
     name, third-party ones included; an unknown name gets the registry's list of
-    valid ones, and a quantizer of another granularity is refused with the reason."""
+    valid ones, and a quantizer of another granularity is refused with the reason.
+    A static-scale one gets `cache.kv_scales`: its scale, or None ("calibrate"),
+    which each layer fixes on its first write."""
     name = config.cache.kv_cache_dtype
     if name in FLOAT_KV_DTYPES:
         return None
@@ -76,8 +77,10 @@ def resolve_kv_quantizer(registry: Registry, config: EngineConfig) -> Quantizer 
     except SelectionError as exc:
         floats = ", ".join(d for d in FLOAT_KV_DTYPES if d != "auto")
         raise SelectionError(f"cache.kv_cache_dtype = {name!r}: {exc}; or a float KV dtype: {floats}") from exc
-    check_kv_quantizer(cls, sorted(r.name for r in registry.implementations(QUANTIZER)
-                                   if r.cls.granularity == PER_TOKEN))
+    check_kv_quantizer(cls, sorted(r.name for r in registry.implementations(QUANTIZER) if r.cls.kv_capable()))
+    if cls.static_scale:
+        scales = config.cache.kv_scales
+        return cls(None if scales == "calibrate" else float(scales))
     return cls()
 
 

@@ -79,7 +79,7 @@ def report(registry, request: SelectionRequest | None, explain: bool) -> dict:
 
 def quantizer_table(quantizers: list[dict]) -> Table:
     """What a user picks a quantizer by: its storage dtype, granularity, error bound,
-    and whether `cache.kv_cache_dtype` may name it (only per_token ones)."""
+    and whether `cache.kv_cache_dtype` may name it (per_token and static-scale ones)."""
     table = Table("quantizer", "storage dtype", "granularity", "error bound", "KV-capable", title="quantizers",
                   title_justify="left")
     for item in quantizers:
@@ -88,7 +88,7 @@ def quantizer_table(quantizers: list[dict]) -> Table:
         table.add_row(item["name"], str(capabilities.get("storage_dtype", "?")),
                       str(capabilities.get("granularity", "?")),
                       f"{bound:.3g}" if isinstance(bound, float) else str(bound),
-                      "yes" if capabilities.get("granularity") == PER_TOKEN else "no")
+                      "yes" if capabilities.get("kv_capable", capabilities.get("granularity") == PER_TOKEN) else "no")
     return table
 
 

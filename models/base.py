@@ -23,6 +23,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from kvforge.core import (
+    PER_TENSOR,
     PER_TOKEN,
     AttentionBackend,
     AttentionBatch,
@@ -30,7 +31,9 @@ from kvforge.core import (
     KVCacheSpec,
     Quantizer,
     SelectionRequest,
+    StaticScaleQuantizer,
     attention_request,
+    kv_cache_request,
 )
 from kvforge.core.errors import ConfigError, UnsupportedConfigurationError
 
@@ -148,23 +151,43 @@ def backend_request(layers: Sequence[AttentionLayerSpec], device: str, dtype: to
                     block_size: int | None = None, kv_quantizer: Quantizer | None = None) -> SelectionRequest:
     """`kvforge.core.attention_request` for a KV cache quantized by `kv_quantizer`
     (None: a float cache)."""
-    return attention_request(layers, device, dtype, block_size=block_size,
-                             kv_storage_dtype=kv_quantizer.storage_dtype if kv_quantizer is not None else None)
+    return attention_request(layers, device, dtype, block_size=block_size, **kv_cache_request(kv_quantizer))
 
 
 def check_kv_quantizer(quantizer: type[Quantizer] | Quantizer, qualifying: Sequence[str] | None = None) -> None:
     """Refuse a quantizer that cannot quantize a KV cache: the KV layout keeps one
-    scale per (token, KV head), so only a `per_token` quantizer fits. `qualifying`
-    (names of the registered ones that do) goes into the message when given."""
-    if quantizer.granularity == PER_TOKEN:
+    scale per (token, KV head), so only a `per_token` quantizer or a static-scale
+    one (its constant in every slot) fits. `qualifying` (names of the registered
+    ones that do) goes into the message when given."""
+    if quantizer.kv_capable():
         return
-    what_next = "use a per_token quantizer for the KV cache, or none"
+    what_next = "use a per_token or static-scale quantizer for the KV cache, or none"
     if qualifying is not None:
         what_next = (f"quantizers that qualify: {', '.join(qualifying) or 'none registered'}; "
                      "set cache.kv_cache_dtype to one of those, or to 'auto'")
     raise ConfigError(
         f"quantizer {quantizer.name!r} has granularity {quantizer.granularity!r}, but a KV cache needs a "
-        f"{PER_TOKEN!r} quantizer: the KV layout keeps one scale per token and KV head; {what_next}")
+        f"{PER_TOKEN!r} quantizer or a static-scale {PER_TENSOR!r} one: the KV layout keeps one scale per "
+        f"token and KV head; {what_next}")
+
+
+KV_CALIBRATION_HEADROOM = 2.0
+"""`cache.kv_scales = "calibrate"`: a layer's first prefill's largest key (value) lands at
+half the fp8 range, so later ones up to twice as large still fit (vLLM's
+calculate_kv_scales divides by 200 and 100 of e4m3's 448: headroom 2.2 and 4.5)."""
+
+
+def calibrated_kv_scales(quantizer: StaticScaleQuantizer, key: torch.Tensor, value: torch.Tensor,
+                         slot_mapping: torch.Tensor) -> tuple[float, float]:
+    """A layer's (key scale, value scale) from the tokens of its first write (those
+    with a slot, at least one): the one device sync calibration costs, once per layer."""
+    keep = slot_mapping >= 0
+    key, value = key[keep].detach(), value[keep].detach()
+    for x in (key, value):
+        quantizer.check_finite(x)
+    key_amax, value_amax = torch.stack([key.abs().amax(), value.abs().amax()]).float().tolist()
+    return (quantizer.calibrated_scale(key_amax, KV_CALIBRATION_HEADROOM),
+            quantizer.calibrated_scale(value_amax, KV_CALIBRATION_HEADROOM))
 
 
 @dataclass
@@ -176,17 +199,39 @@ class ModelPlan:
 
 
 class PagedAttention(nn.Module):
-    """One layer's attention over its paged cache; holds no weights, only its spec."""
+    """One layer's attention over its paged cache; holds no weights, only its spec,
+    and, with a static-scale KV quantizer built uncalibrated (`cache.kv_scales =
+    "calibrate"`), this layer's key and value scales once its first write set them."""
 
     def __init__(self, spec: AttentionLayerSpec):
         super().__init__()
         self.spec = spec
+        self.kv_scales: tuple[float, float] | None = None  # fixed by the first write, then kept
+        self._scaled: tuple[AttentionBackend, AttentionBackend] | None = None  # (shared backend, this layer's view)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
                 plan: ModelPlan) -> torch.Tensor:
         backend, backend_plan = plan.backends[self.spec]
+        quantizer = backend.cache.quantizer
+        if quantizer is not None and quantizer.static_scale and not quantizer.calibrated:
+            backend = self.calibrated_backend(backend, k, v, plan.batch.slot_mapping)
         backend.write_kv(k, v, kv_cache, plan.batch.slot_mapping)
         return backend.forward(q, kv_cache, backend_plan)
+
+    def calibrated_backend(self, backend: AttentionBackend, k: torch.Tensor, v: torch.Tensor,
+                           slot_mapping: torch.Tensor) -> AttentionBackend:
+        """`backend` for this layer's scales, calibrated on the first write that has tokens."""
+        if self.kv_scales is None:
+            if not bool((slot_mapping >= 0).any()):
+                return backend  # nothing written: its own error if it is asked to quantize
+            self.kv_scales = calibrated_kv_scales(backend.cache.quantizer, k, v, slot_mapping)
+        if self._scaled is None or self._scaled[0] is not backend:
+            self._scaled = (backend, backend.with_kv_scales(self.kv_scales))
+        return self._scaled[1]
+
+    def reset_kv_scales(self) -> None:
+        """Forget the calibrated scales: a new KV quantizer calibrates afresh."""
+        self.kv_scales, self._scaled = None, None
 
 
 class CausalLM(nn.Module):
@@ -228,12 +273,16 @@ class CausalLM(nn.Module):
         self._backends = {}
 
     def set_kv_quantizer(self, quantizer: Quantizer | None) -> None:
-        """Store keys and values quantized by `quantizer` (a `per_token` Quantizer
-        instance; None: in the model dtype). Call before allocating the cache; an
+        """Store keys and values quantized by `quantizer` (a KV-capable Quantizer
+        instance; None: in the model dtype; a static-scale one built with scale=None
+        is calibrated per layer on its first write). Call before allocating the cache; an
         attention backend already set is checked again against the new storage dtype."""
         if quantizer is not None:
             check_kv_quantizer(quantizer)
         previous, self.kv_quantizer = self.kv_quantizer, quantizer
+        for module in self.modules():
+            if isinstance(module, PagedAttention):
+                module.reset_kv_scales()
         if self.attention_backend is not None:
             try:
                 self.set_attention_backend(self.attention_backend)

@@ -1,6 +1,8 @@
 """Built-in quantizers: `fp8_e4m3`, `fp8_e5m2` and `int8` for the KV cache (one
 float32 scale per token and KV head), `int8_weight` for linear weights (one per
-output channel).
+output channel), and `fp8_e4m3_per_tensor` / `fp8_e5m2_per_tensor`, static-scale
+fp8 for the KV cache (one fixed scale per layer for keys and one for values,
+vLLM's `kv_cache_dtype="fp8"`, the form FlashInfer's fp8 kernels read).
 
 Every one is absmax scaling: a group's largest magnitude maps to the format's
 largest finite value, so nothing saturates and an outlier only coarsens its own
@@ -18,7 +20,7 @@ from typing import ClassVar
 
 import torch
 
-from kvforge.core import PER_CHANNEL, PER_TOKEN, QuantizedTensor, Quantizer, hookimpl
+from kvforge.core import PER_CHANNEL, PER_TOKEN, QuantizedTensor, Quantizer, StaticScaleQuantizer, hookimpl
 
 
 class AbsmaxQuantizer(Quantizer):
@@ -89,6 +91,47 @@ class Int8WeightQuantizer(Int8Quantizer):
     granularity = PER_CHANNEL
 
 
+class StaticFp8Quantizer(StaticScaleQuantizer):
+    """fp8 with one fixed scale: `x / scale` rounded to the nearest fp8 value,
+    saturating at the format's largest finite value (torch's own cast would give
+    NaN for e4m3fn and Inf for e5m2 there). Rounding to nearest with m mantissa
+    bits is off by at most half an ulp, 2^-(m+1) of the value, so `error_bound` is
+    that; below the smallest normal the absolute step is `scale * 2^-(m+bias-1)`,
+    whose half is `error_bound * precise_from`."""
+
+    def quantize(self, x: torch.Tensor) -> QuantizedTensor:
+        self.check_finite(x)
+        scale = self.fixed_scale()
+        data = (x.float() / scale).clamp_(-self.max_value, self.max_value).to(self.storage_dtype)
+        return QuantizedTensor(data, torch.tensor(scale, dtype=torch.float32, device=x.device), x.dtype)
+
+    def dequantize(self, q: QuantizedTensor, dtype: torch.dtype | None = None) -> torch.Tensor:
+        return (q.data.float() * q.scale).to(dtype or q.original_dtype)
+
+
+class Fp8E4m3PerTensorQuantizer(StaticFp8Quantizer):
+    """fp8 e4m3 with a fixed per-tensor scale (up to 448 x scale): vLLM's `fp8` / `fp8_e4m3`."""
+
+    name = "fp8_e4m3_per_tensor"
+    priority = 5
+    storage_dtype = torch.float8_e4m3fn
+    max_value = float(torch.finfo(torch.float8_e4m3fn).max)
+    smallest_normal = float(torch.finfo(torch.float8_e4m3fn).smallest_normal)
+    error_bound = 2.0 ** -4
+
+
+class Fp8E5m2PerTensorQuantizer(StaticFp8Quantizer):
+    """fp8 e5m2 with a fixed per-tensor scale (up to 57344 x scale): vLLM's `fp8_e5m2`."""
+
+    name = "fp8_e5m2_per_tensor"
+    priority = 4
+    storage_dtype = torch.float8_e5m2
+    max_value = float(torch.finfo(torch.float8_e5m2).max)
+    smallest_normal = float(torch.finfo(torch.float8_e5m2).smallest_normal)
+    error_bound = 2.0 ** -3
+
+
 @hookimpl
 def kvforge_implementations():
-    return [Fp8E4m3Quantizer, Fp8E5m2Quantizer, Int8Quantizer, Int8WeightQuantizer]
+    return [Fp8E4m3Quantizer, Fp8E5m2Quantizer, Int8Quantizer, Int8WeightQuantizer,
+            Fp8E4m3PerTensorQuantizer, Fp8E5m2PerTensorQuantizer]

@@ -78,20 +78,22 @@ def test_declares_cuda_only_and_half_precision(name):
 
 @pytest.mark.parametrize("quantizer_name", ["int8", "fp8_e4m3", "fp8_e5m2"])
 @pytest.mark.parametrize("name", sorted(MODULES))
-def test_refuses_a_quantized_kv_cache_naming_its_dtype_and_the_way_out(name, quantizer_name):
-    """Neither library reads per-(token, KV head) scales: declaring the dtypes would compute wrongly."""
+def test_refuses_a_per_token_quantized_kv_cache_naming_why_and_the_way_out(name, quantizer_name):
+    """Neither library reads per-(token, KV head) scales: declaring them would compute
+    wrongly. (FlashInfer reads fp8 with one scale per layer: tests/test_flashinfer_fp8_kv.py.)"""
     cls = build_registry().get(ATTENTION_BACKEND, name).cls
     quantizer = build_registry().get(QUANTIZER, quantizer_name).cls()
-    assert not cls.quantized_kv_dtypes
     storage = dtype_name(quantizer.storage_dtype)
     request = SelectionRequest(device="cuda", dtype=torch.bfloat16, head_size=128, block_size=16, num_heads=8,
-                               num_kv_heads=2, kv_storage_dtype=quantizer.storage_dtype)
+                               num_kv_heads=2, kv_storage_dtype=quantizer.storage_dtype,
+                               kv_scale_granularity="per_token")
     reasons = cls.unsupported_reasons(request)
-    assert any(f"quantized to {storage}" in r for r in reasons), reasons
+    why = f"quantized to {storage}" if quantizer.storage_dtype not in cls.quantized_kv_dtypes else "per_token scales"
+    assert any(why in r for r in reasons), reasons
     assert any("'triton'" in r for r in reasons), reasons
     assert cls.unsupported_reasons(dataclasses.replace(request, kv_storage_dtype=None)) == []
     spec = KVCacheSpec(16, 2, 128, torch.bfloat16, quantizer=quantizer)
-    with pytest.raises(UnsupportedConfigurationError, match=f"quantized to {storage}"):
+    with pytest.raises(UnsupportedConfigurationError, match=why):
         cls(AttentionLayerSpec(8, 2, 128), spec, "cuda")  # refused before the library is imported or CUDA touched
 
 

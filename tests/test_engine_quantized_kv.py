@@ -216,7 +216,7 @@ def test_a_per_channel_quantizer_is_refused_for_the_kv_cache():
     message = str(excinfo.value)
     assert "'int8_weight' has granularity 'per_channel'" in message
     assert "one scale per token and KV head" in message
-    assert "qualify: fp8_e4m3, fp8_e5m2, int8" in message
+    assert "qualify: fp8_e4m3, fp8_e4m3_per_tensor, fp8_e5m2, fp8_e5m2_per_tensor, int8" in message
 
 
 def test_an_unknown_kv_cache_dtype_lists_the_valid_names():
@@ -269,7 +269,7 @@ def test_a_model_refuses_a_per_channel_kv_quantizer():
     from kvforge.models import load_model
 
     model = load_model("kvforge-tiny")
-    with pytest.raises(ConfigError, match="one scale per token and KV head; use a per_token quantizer"):
+    with pytest.raises(ConfigError, match="one scale per token and KV head; use a per_token or static-scale quantizer"):
         model.set_kv_quantizer(build_registry().select(QUANTIZER, "int8_weight").cls())
     assert model.kv_quantizer is None
 

@@ -1,6 +1,7 @@
-"""The built-in quantizers `fp8_e4m3`, `fp8_e5m2`, `int8` and `int8_weight`: what
-they do beyond the interface (the shared guarantees are checked by
-kvforge.conformance), and how close they come to their declared bounds."""
+"""The built-in absmax quantizers `fp8_e4m3`, `fp8_e5m2`, `int8` and `int8_weight`:
+what they do beyond the interface (the shared guarantees are checked by
+kvforge.conformance), and how close they come to their declared bounds. The
+static-scale ones are tests/test_quantizers_static_scale.py's."""
 
 import json
 import os
@@ -20,13 +21,16 @@ BUILTINS = {  # name: (storage dtype, granularity, format max, worst error / gro
 }
 
 
+STATIC_SCALE = ("fp8_e4m3_per_tensor", "fp8_e5m2_per_tensor")
+
+
 def quantizer(name):
     return build_registry(environ={}).select(QUANTIZER, name).cls()
 
 
 def test_builtins_register_through_the_quantizers_entry_point_with_their_formats():
     registry = build_registry(environ={})
-    assert sorted(registry.names(QUANTIZER)) == sorted(BUILTINS)
+    assert sorted(registry.names(QUANTIZER)) == sorted([*BUILTINS, *STATIC_SCALE])
     for name, (storage, granularity, _, _, bound) in BUILTINS.items():
         registration = registry.get(QUANTIZER, name)
         assert (registration.plugin, registration.distribution) == ("quantizers", "kvforge")
@@ -82,10 +86,12 @@ def test_kvforge_plugins_shows_each_quantizer_format_and_whether_it_serves_the_k
         "fp8_e5m2": ["float8_e5m2", "per_token", "0.125", "yes"],
         "int8": ["int8", "per_token", "0.00397", "yes"],
         "int8_weight": ["int8", "per_channel", "0.00397", "no"],
+        "fp8_e4m3_per_tensor": ["float8_e4m3fn", "per_tensor", "0.0625", "yes"],
+        "fp8_e5m2_per_tensor": ["float8_e5m2", "per_tensor", "0.125", "yes"],
     }
     listed = subprocess.run([sys.executable, "-m", "kvforge", "plugins", "--json"], capture_output=True, text=True,
                             env=env, cwd=tmp_path, timeout=120)
     capabilities = {i["name"]: i["capabilities"] for i in json.loads(listed.stdout)["implementations"]
                     if i["kind"] == QUANTIZER}
     assert capabilities["int8_weight"] == {"storage_dtype": "int8", "granularity": "per_channel",
-                                           "error_bound": 1 / 252}
+                                           "error_bound": 1 / 252, "static_scale": False, "kv_capable": False}
