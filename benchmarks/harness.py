@@ -196,7 +196,7 @@ def run_scenario(scenario: Scenario, model_dir: str, out_dir: Path, *, peers: di
     """Every configuration of `scenario` on one workload, each the best of
     `repeats` runs; the scenario's results as a dict."""
     summary = {"scenario": scenario.name, "subject": scenario.subject, "latency_class": scenario.latency_class,
-               "runs": [], "ratios": {}, "targets": []}
+               "runs": [], "ratios": {}, "targets": [], "note": scenario.note}
     if scenario.unavailable:
         summary["status"] = scenario.unavailable
         return summary

@@ -47,6 +47,10 @@ def scenario_section(summary: dict) -> list[str]:
     lines = [f"## {summary['scenario']}", ""]
     if summary.get("status") != "ok":
         return lines + [summary.get("status", "not run"), ""]
+    if summary.get("note"):
+        lines += [summary["note"], ""]
+    if summary.get("model_dir"):
+        lines += [f"Model of this scenario: `{Path(summary['model_dir']).name}` (the default one holds too few positions).", ""]
     cls = summary.get("latency_class")
     if cls:
         lines += [f"TTFT and TPOT of the `{cls}` requests only.", ""]
@@ -60,7 +64,12 @@ def scenario_section(summary: dict) -> list[str]:
         lines.append(f"| {run['label']} | ok | {_num(m['tokens_per_s'])} | {_num(m['ttft_p50_s'], scale=1e3)} "
                      f"| {_num(m['ttft_p99_s'], scale=1e3)} | {_num(m['tpot_p50_s'], '{:.2f}', 1e3)} "
                      f"| {_num(m['tpot_p99_s'], '{:.2f}', 1e3)} | {_num(m['peak_kv_mib'])} |")
-    return lines + [""]
+    lines.append("")
+    if summary.get("prefill_attention"):
+        from .prefill_attention import markdown as prefill_markdown
+
+        lines += prefill_markdown(summary["prefill_attention"])
+    return lines
 
 
 def comparison_section(results: dict) -> list[str]:
