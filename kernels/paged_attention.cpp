@@ -133,6 +133,12 @@ namespace avx2 {
 }  // namespace avx2
 #pragma GCC pop_options
 #pragma GCC push_options
+#pragma GCC target("avx512f,avx512bw,avx512dq,avx512vl,avx512bf16,avx2,fma,f16c")
+namespace avx512bf16 {
+#include "prefill_bf16.h"
+}  // namespace avx512bf16
+#pragma GCC pop_options
+#pragma GCC push_options
 #pragma GCC target("avx512f,avx512bw,avx512dq,avx512vl,avx2,fma,f16c")
 namespace avx512 {
 #include "vector_kernels.h"

@@ -18,6 +18,8 @@
 // Soft-cap and ALiBi are applied per lane too, so this tile serves every
 // feature the generic one does.
 //
+// With AVX-512 BF16 and a bfloat16 cache, the scores come from prefill_bf16.h.
+//
 // Included by paged_attention.cpp inside namespace avx512, after decode_tile.h.
 
 constexpr int64_t kKeyTile = 32;  // keys per softmax step (a multiple of 4)
@@ -73,8 +75,11 @@ inline __m512 tanh16(__m512 x) {
 
 // Keys [k0, k0 + n) of the tile's KV head as float32 rows (hs apart) into
 // `keys` and `values`, read through the block table; rows n .. round4(n) zeroed.
+// With `rows` (bfloat16 scores, prefill_bf16.h) the keys stay where they are:
+// rows[j] points at key j, rows n .. round4(n) at `zeros`, and `keys` is not written.
 template <typename K>
-inline void load_key_tile(const Problem& p, const Tile& tile, int64_t k0, int64_t n, float* keys, float* values) {
+inline void load_key_tile(const Problem& p, const Tile& tile, int64_t k0, int64_t n, float* keys, float* values,
+                          const K** rows = nullptr, const K* zeros = nullptr) {
   const int64_t hs = p.head_size, bs = p.block_size, heads = p.num_kv_heads, slot_stride = heads * hs;
   for (int64_t j = 0; j < n;) {
     const int64_t pos = k0 + j, logical = pos / bs, slot = pos % bs;
@@ -92,20 +97,29 @@ inline void load_key_tile(const Problem& p, const Tile& tile, int64_t k0, int64_
       }
       float* kd = keys + (j + i) * hs;
       float* vd = values + (j + i) * hs;
-      for (int64_t d = 0; d < hs; d += 16) {
-        __m512 kx = load16(k + d), vx = load16(v + d);
-        if constexpr (kScaled<K>) {
-          kx = _mm512_mul_ps(kx, _mm512_set1_ps(key_scale));
-          vx = _mm512_mul_ps(vx, _mm512_set1_ps(value_scale));
+      if (rows != nullptr) {
+        rows[j + i] = k;
+      } else {
+        for (int64_t d = 0; d < hs; d += 16) {
+          __m512 kx = load16(k + d);
+          if constexpr (kScaled<K>) kx = _mm512_mul_ps(kx, _mm512_set1_ps(key_scale));
+          _mm512_storeu_ps(kd + d, kx);
         }
-        _mm512_storeu_ps(kd + d, kx);
+      }
+      for (int64_t d = 0; d < hs; d += 16) {
+        __m512 vx = load16(v + d);
+        if constexpr (kScaled<K>) vx = _mm512_mul_ps(vx, _mm512_set1_ps(value_scale));
         _mm512_storeu_ps(vd + d, vx);
       }
     }
     j += run;
   }
   const int64_t padded = (n + 3) / 4 * 4;
-  std::fill(keys + n * hs, keys + padded * hs, 0.f);
+  if (rows != nullptr) {
+    for (int64_t j = n; j < padded; ++j) rows[j] = zeros;
+  } else {
+    std::fill(keys + n * hs, keys + padded * hs, 0.f);
+  }
   std::fill(values + n * hs, values + padded * hs, 0.f);
 }
 
@@ -131,12 +145,21 @@ void attend_tile_prefill(const Problem& p, const Tile& tile, Scratch& scratch) {
   // The thread's buffers, made on its first prefill tile: qt and acct [hs][kLanes],
   // st [kKeyTile][kLanes], the key and value tiles [kKeyTile][hs].
   std::vector<float>& buffer = scratch.prefill;
-  buffer.resize(std::max<size_t>(buffer.size(), 2 * hs * kLanes + kKeyTile * kLanes + 2 * kKeyTile * hs));
+  // With AVX-512 BF16 and a bfloat16 cache, the queries are also kept as bfloat16
+  // pairs (qt2 [hs / 2][kLanes] words) and a row of hs zero bfloat16 pads key tiles.
+  constexpr bool kBf16 = std::is_same_v<K, c10::BFloat16>;
+  const bool pairs = kBf16 && has_avx512_bf16();
+  buffer.resize(std::max<size_t>(buffer.size(), 2 * hs * kLanes + kKeyTile * kLanes + 2 * kKeyTile * hs +
+                                                    hs / 2 * kLanes + hs / 2));
   float* qt = buffer.data();
   float* acct = qt + hs * kLanes;
   float* st = acct + hs * kLanes;
   float* tile_keys = st + kKeyTile * kLanes;
   float* tile_values = tile_keys + kKeyTile * hs;
+  auto* qt2 = reinterpret_cast<uint32_t*>(tile_values + kKeyTile * hs);
+  auto* zero_row = reinterpret_cast<const K*>(qt2 + hs / 2 * kLanes);
+  if (pairs) std::fill(qt2, qt2 + hs / 2 * kLanes + hs / 2, 0u);  // the zero row too
+  const K* key_rows[kKeyTile];
 
   // Queries in, transposed and scaled; padded lanes get no position, so see nothing.
   alignas(64) int32_t pos[kLanes];
@@ -158,6 +181,12 @@ void attend_tile_prefill(const Problem& p, const Tile& tile, Scratch& scratch) {
         default: to_float(row, static_cast<const float*>(p.query) + offset, hs, p.scale); break;
       }
       for (int64_t d = 0; d < hs; ++d) qt[d * kLanes + r] = row[d];
+      if constexpr (kBf16) {
+        if (pairs) {  // unscaled (exact): the scale multiplies the scores
+          const auto* q = reinterpret_cast<const uint16_t*>(static_cast<const c10::BFloat16*>(p.query) + offset);
+          for (int64_t d = 0; d < hs; d += 2) qt2[d / 2 * kLanes + r] = q[d] | (uint32_t{q[d + 1]} << 16);
+        }
+      }
     }
   }
   __m512 row_max[4], row_sum[4];
@@ -182,11 +211,19 @@ void attend_tile_prefill(const Problem& p, const Tile& tile, Scratch& scratch) {
       }
     }
     if (v_lo >= v_hi) continue;
-    load_key_tile<K>(p, tile, k0, n, tile_keys, tile_values);
+    load_key_tile<K>(p, tile, k0, n, tile_keys, tile_values, pairs ? key_rows : nullptr, zero_row);
     const int64_t lane0 = 16 * v_lo;
     with_row_vectors(v_hi - v_lo, [&](auto count) {
       constexpr int RV = decltype(count)::value;
-      for (int64_t j = 0; j < n; j += 4) prefill_scores<RV, 4>(qt + lane0, hs, tile_keys + j * hs, st + j * kLanes + lane0);
+      for (int64_t j = 0; j < n; j += 4) {
+        if constexpr (kBf16) {
+          if (pairs) {
+            avx512bf16::prefill_scores_bf16<RV, 4>(qt2 + lane0, hs, key_rows + j, st + j * kLanes + lane0);
+            continue;
+          }
+        }
+        prefill_scores<RV, 4>(qt + lane0, hs, tile_keys + j * hs, st + j * kLanes + lane0);
+      }
     });
     for (int64_t v = v_lo; v < v_hi; ++v) {
       const __m512i lane_pos = _mm512_load_si512(pos + 16 * v);
@@ -199,6 +236,7 @@ void attend_tile_prefill(const Problem& p, const Tile& tile, Scratch& scratch) {
         if (window > 0) seen &= _mm512_cmp_epi32_mask(key, lane_floor, _MM_CMPINT_NLE);
         float* sj = st + j * kLanes + 16 * v;
         __m512 x = _mm512_loadu_ps(sj);
+        if (pairs) x = _mm512_mul_ps(x, _mm512_set1_ps(p.scale));
         if (p.soft_cap > 0.f) x = _mm512_mul_ps(cap, tanh16(_mm512_mul_ps(x, inv_cap)));
         if (p.alibi != nullptr) {
           const __m512 distance = _mm512_cvtepi32_ps(_mm512_sub_epi32(key, lane_pos));
