@@ -7,8 +7,11 @@ for q.k and 2 * d for p.v), so a causal prompt of L tokens costs
 causality. Masked pairs the kernel skips or computes count for nothing.
 
 Each figure is the best of a few calls on fresh prompts (context 0, block size
-16, shuffled blocks); `before` is the same call with KVFORGE_CPP_PREFILL=off
-(the tiles older than the prefill tile), `gemm` is `torch.mm` float32 at n=1024.
+16, shuffled blocks), every variant taking turns round by round; `before` is the
+same call with KVFORGE_CPP_PREFILL=off
+(the tiles older than the prefill tile), `sdpa` PyTorch's causal SDPA over the
+same prompts held contiguously (vLLM's CPU prefill), `gemm` is `torch.mm`
+float32 at n=1024.
 
     python -m kvforge.benchmarks.prefill_attention [--lengths 1024,2048] [--dtype float32,bfloat16] [--threads 1]
 """
@@ -51,53 +54,88 @@ def prefill_inputs(lengths: list[int], num_heads: int, num_kv_heads: int, head_s
             "out": torch.empty_like(query)}
 
 
-def time_prefill(inputs: dict, head_size: int, repeats: int = 3) -> float:
-    """Best-of-`repeats` seconds of one paged_attention call over `inputs`."""
-    call = torch.ops.kvforge_cpp.paged_attention
+def prefill_call(inputs: dict, head_size: int, flag: str):
+    """One paged_attention call over `inputs` with KVFORGE_CPP_PREFILL=`flag`, as a thunk."""
     args = (inputs["query"], inputs["kv_cache"], inputs["query_start_loc"], inputs["seq_lens"],
             inputs["context_lens"], inputs["block_table"], head_size ** -0.5, 0, 0.0, None, inputs["out"])
-    call(*args)
-    best = float("inf")
+
+    def call():
+        os.environ["KVFORGE_CPP_PREFILL"] = flag
+        torch.ops.kvforge_cpp.paged_attention(*args)
+
+    return call
+
+
+def sdpa_call(lengths: list[int], num_heads: int, num_kv_heads: int, head_size: int, dtype: torch.dtype):
+    """PyTorch's causal SDPA over the same prompts held contiguously (what vLLM's
+    CPU backend runs for prefill), one call per prompt, as a thunk."""
+    g = torch.Generator().manual_seed(1)
+    inputs = [(torch.randn(1, num_heads, n, head_size, generator=g).to(dtype),
+               torch.randn(1, num_kv_heads, n, head_size, generator=g).to(dtype),
+               torch.randn(1, num_kv_heads, n, head_size, generator=g).to(dtype)) for n in lengths]
+
+    def call():
+        for q, k, v in inputs:
+            torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True,
+                                                             enable_gqa=num_heads != num_kv_heads)
+
+    return call
+
+
+def best_interleaved(calls: dict, repeats: int) -> dict[str, float]:
+    """Best-of-`repeats` seconds of each thunk, the thunks taking turns round by
+    round, so the load of a busy machine drifts over all of them alike."""
+    for call in calls.values():
+        call()  # first-call costs
+    best = {name: float("inf") for name in calls}
     for _ in range(repeats):
-        start = time.perf_counter()
-        call(*args)
-        best = min(best, time.perf_counter() - start)
+        for name, call in calls.items():
+            start = time.perf_counter()
+            call()
+            best[name] = min(best[name], time.perf_counter() - start)
     return best
 
 
 def measure(lengths: list[int], *, num_heads: int = 8, num_kv_heads: int = 4, head_size: int = 64,
-            dtypes=("float32", "bfloat16"), threads: int | None = None, repeats: int = 3,
+            dtypes=("float32", "bfloat16"), threads: int | None = None, repeats: int = 5,
             compare_before: bool = True) -> dict:
-    """GFLOP/s of the prefill tile (and of the tiles before it) per dtype, with the
-    float32 GEMM peak at the same thread count."""
+    """GFLOP/s of the prefill tile (`after`), of the tiles before it (`before`) and
+    of contiguous SDPA (`sdpa`) per dtype, with the float32 GEMM peak at the same
+    thread count, all interleaved (best_interleaved)."""
     from kvforge.kernels import build
-
-    from .machine import gemm_gflops
 
     build.load()
     if threads:
         torch.set_num_threads(threads)
     flops = prefill_flops(lengths, num_heads, head_size)
-    result = {"lengths": lengths, "num_heads": num_heads, "num_kv_heads": num_kv_heads, "head_size": head_size,
-              "threads": torch.get_num_threads(), "isa": torch.ops.kvforge_cpp.isa(),
-              "flops_convention": "4*d per visible (query, key) pair per query head: causal halves 4*q*k*d",
-              "gemm_gflops": gemm_gflops(1024, repeats=repeats), "dtypes": {}}
+    n = 1024
+    a, b = torch.randn(n, n), torch.randn(n, n)
+    calls = {"gemm": lambda: torch.mm(a, b)}
+    for name in dtypes:
+        dtype = getattr(torch, name)
+        inputs = prefill_inputs(lengths, num_heads, num_kv_heads, head_size, dtype)
+        calls[f"{name}/after"] = prefill_call(inputs, head_size, "on")
+        if compare_before:
+            calls[f"{name}/before"] = prefill_call(inputs, head_size, "off")
+        calls[f"{name}/sdpa"] = sdpa_call(lengths, num_heads, num_kv_heads, head_size, dtype)
     previous = os.environ.get("KVFORGE_CPP_PREFILL")
     try:
-        for name in dtypes:
-            inputs = prefill_inputs(lengths, num_heads, num_kv_heads, head_size, getattr(torch, name))
-            entry = {}
-            for label, flag in (("after", "on"), ("before", "off")) if compare_before else (("after", "on"),):
-                os.environ["KVFORGE_CPP_PREFILL"] = flag
-                seconds = time_prefill(inputs, head_size, repeats)
-                entry[label] = {"ms": seconds * 1e3, "gflops": flops / seconds / 1e9}
-            entry["fraction_of_gemm"] = entry["after"]["gflops"] / result["gemm_gflops"]
-            result["dtypes"][name] = entry
+        best = best_interleaved(calls, repeats)
     finally:
         if previous is None:
             os.environ.pop("KVFORGE_CPP_PREFILL", None)
         else:
             os.environ["KVFORGE_CPP_PREFILL"] = previous
+    gemm = 2 * n**3 / best.pop("gemm") / 1e9
+    result = {"lengths": lengths, "num_heads": num_heads, "num_kv_heads": num_kv_heads, "head_size": head_size,
+              "threads": torch.get_num_threads(), "isa": torch.ops.kvforge_cpp.isa(), "repeats": repeats,
+              "flops_convention": "4*d per visible (query, key) pair per query head: causal halves 4*q*k*d",
+              "gemm_gflops": gemm, "dtypes": {}}
+    for key, seconds in best.items():
+        name, label = key.split("/")
+        result["dtypes"].setdefault(name, {})[label] = {"ms": seconds * 1e3, "gflops": flops / seconds / 1e9}
+    for entry in result["dtypes"].values():
+        entry["fraction_of_gemm"] = entry["after"]["gflops"] / gemm
     return result
 
 
@@ -108,13 +146,12 @@ def markdown(result: dict) -> list[str]:
              f"{result['threads']} thread(s), {result['isa']}")
     lines = [f"Prefill attention kernel ({shape}; FLOPs: {result['flops_convention']}), "
              f"against float32 `torch.mm` at **{result['gemm_gflops']:.1f} GFLOP/s**:", "",
-             "| dtype | ms | GFLOP/s | of GEMM peak | before (older tiles) GFLOP/s |", "|---|---:|---:|---:|---:|"]
+             "| dtype | ms | GFLOP/s | of GEMM peak | before (older tiles) GFLOP/s | torch SDPA, contiguous, GFLOP/s |",
+             "|---|---:|---:|---:|---:|---:|"]
     for name, entry in result["dtypes"].items():
-        before = entry.get("before")
+        before = f"{entry['before']['gflops']:.1f}" if entry.get("before") else ""
         lines.append(f"| {name} | {entry['after']['ms']:.1f} | {entry['after']['gflops']:.1f} "
-                     f"| {entry['fraction_of_gemm']:.0%} | {before['gflops']:.1f} |" if before else
-                     f"| {name} | {entry['after']['ms']:.1f} | {entry['after']['gflops']:.1f} "
-                     f"| {entry['fraction_of_gemm']:.0%} | |")
+                     f"| {entry['fraction_of_gemm']:.0%} | {before} | {entry['sdpa']['gflops']:.1f} |")
     return lines + [""]
 
 
@@ -126,7 +163,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--head-size", type=int, default=64)
     parser.add_argument("--dtype", default="float32,bfloat16", help="comma-separated (default: float32,bfloat16)")
     parser.add_argument("--threads", type=int, default=1, help="torch threads (default: 1)")
-    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--repeats", type=int, default=5, help="rounds; each figure is its best (default: 5)")
     parser.add_argument("--json", action="store_true", help="print JSON instead of Markdown")
     args = parser.parse_args(argv)
     result = measure([int(n) for n in args.lengths.split(",")], num_heads=args.heads, num_kv_heads=args.kv_heads,
