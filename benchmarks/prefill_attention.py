@@ -7,7 +7,9 @@ for q.k and 2 * d for p.v), so a causal prompt of L tokens costs
 causality. Masked pairs the kernel skips or computes count for nothing.
 
 Each figure is the best of a few calls on fresh prompts (context 0, block size
-16, shuffled blocks), every variant taking turns round by round; `before` is the
+16, shuffled blocks), every variant taking turns round by round, timed by this
+process's CPU time at one thread (steadier on a crowded machine) and by elapsed
+time at more; `before` is the
 same call with KVFORGE_CPP_PREFILL=off
 (the tiles older than the prefill tile), `sdpa` PyTorch's causal SDPA over the
 same prompts held contiguously (vLLM's CPU prefill), `gemm` is `torch.mm`
@@ -82,17 +84,17 @@ def sdpa_call(lengths: list[int], num_heads: int, num_kv_heads: int, head_size: 
     return call
 
 
-def best_interleaved(calls: dict, repeats: int) -> dict[str, float]:
-    """Best-of-`repeats` seconds of each thunk, the thunks taking turns round by
-    round, so the load of a busy machine drifts over all of them alike."""
+def best_interleaved(calls: dict, repeats: int, clock=time.perf_counter) -> dict[str, float]:
+    """Best-of-`repeats` seconds of each thunk by `clock`, the thunks taking turns
+    round by round, so the load of a busy machine drifts over all of them alike."""
     for call in calls.values():
         call()  # first-call costs
     best = {name: float("inf") for name in calls}
     for _ in range(repeats):
         for name, call in calls.items():
-            start = time.perf_counter()
+            start = clock()
             call()
-            best[name] = min(best[name], time.perf_counter() - start)
+            best[name] = min(best[name], clock() - start)
     return best
 
 
@@ -120,7 +122,10 @@ def measure(lengths: list[int], *, num_heads: int = 8, num_kv_heads: int = 4, he
         calls[f"{name}/sdpa"] = sdpa_call(lengths, num_heads, num_kv_heads, head_size, dtype)
     previous = os.environ.get("KVFORGE_CPP_PREFILL")
     try:
-        best = best_interleaved(calls, repeats)
+        # One thread: this process's CPU time, which other jobs on a crowded machine
+        # disturb far less than elapsed time; more threads: elapsed time.
+        clock = time.process_time if torch.get_num_threads() == 1 else time.perf_counter
+        best = best_interleaved(calls, repeats, clock)
     finally:
         if previous is None:
             os.environ.pop("KVFORGE_CPP_PREFILL", None)
@@ -129,6 +134,7 @@ def measure(lengths: list[int], *, num_heads: int = 8, num_kv_heads: int = 4, he
     gemm = 2 * n**3 / best.pop("gemm") / 1e9
     result = {"lengths": lengths, "num_heads": num_heads, "num_kv_heads": num_kv_heads, "head_size": head_size,
               "threads": torch.get_num_threads(), "isa": torch.ops.kvforge_cpp.isa(), "repeats": repeats,
+              "clock": "cpu" if clock is time.process_time else "elapsed",
               "flops_convention": "4*d per visible (query, key) pair per query head: causal halves 4*q*k*d",
               "gemm_gflops": gemm, "dtypes": {}}
     for key, seconds in best.items():
@@ -143,7 +149,8 @@ def markdown(result: dict) -> list[str]:
     """The figures as report lines."""
     shape = (f"{len(result['lengths'])} prompt(s) of {', '.join(map(str, result['lengths']))} tokens, "
              f"{result['num_heads']} heads / {result['num_kv_heads']} KV heads of {result['head_size']}, "
-             f"{result['threads']} thread(s), {result['isa']}")
+             f"{result['threads']} thread(s), {result['isa']}, best of {result['repeats']} by "
+             f"{'CPU' if result['clock'] == 'cpu' else 'elapsed'} time")
     lines = [f"Prefill attention kernel ({shape}; FLOPs: {result['flops_convention']}), "
              f"against float32 `torch.mm` at **{result['gemm_gflops']:.1f} GFLOP/s**:", "",
              "| dtype | ms | GFLOP/s | of GEMM peak | before (older tiles) GFLOP/s | torch SDPA, contiguous, GFLOP/s |",

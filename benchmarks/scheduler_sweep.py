@@ -21,8 +21,14 @@ from pathlib import Path
 
 
 def sweep(scenario_names: list[str], setting: str, values: list[int], *, rounds: int, quick: bool,
-          dtype: str = "float32", threads: int = 1, kv_cache_gib: float | None = None, log=print) -> dict:
-    """{scenario: {value: {"tokens_per_s": [...], "median": x, "ratio": x / first median}}}."""
+          dtype: str = "float32", threads: int = 1, kv_cache_gib: float | None = None, per_cpu_second: bool = False,
+          log=print) -> dict:
+    """{scenario: {value: {"tokens_per_s": [...], "median": x, "ratio": x / first median}}}; with
+    `per_cpu_second` (one thread only) the figures are output tokens per second of
+    the engine process's CPU time, which other jobs on a crowded machine disturb
+    far less than elapsed time."""
+    if per_cpu_second and threads != 1:
+        raise ValueError(f"per_cpu_second measures one thread's work; got threads={threads}")
     from kvforge.cli_bench import FULL_MODEL, QUICK_MODEL, scenario_model_dir
 
     from . import harness, scenarios
@@ -34,7 +40,7 @@ def sweep(scenario_names: list[str], setting: str, values: list[int], *, rounds:
     vocab = json.loads((path / "config.json").read_text())["vocab_size"]
     gib = kv_cache_gib or (0.5 if quick else 2.0)
     out: dict = {"setting": setting, "values": values, "rounds": rounds, "quick": quick, "dtype": dtype,
-                 "threads": threads, "scenarios": {}}
+                 "threads": threads, "per_cpu_second": per_cpu_second, "scenarios": {}}
     with tempfile.TemporaryDirectory() as tmp:
         for name in scenario_names:
             scenario = scenarios.build(name, vocab, quick)
@@ -50,9 +56,11 @@ def sweep(scenario_names: list[str], setting: str, values: list[int], *, rounds:
                     (run,) = summary["runs"]
                     if run["status"] != "ok":
                         raise RuntimeError(f"{name} {setting}={value}: {run['status']}")
-                    speeds[value].append(run["metrics"]["tokens_per_s"])
+                    tokens = run["metrics"]["output_tokens"]
+                    speeds[value].append(tokens / run["info"]["cpu_s"] if per_cpu_second else
+                                         run["metrics"]["tokens_per_s"])
                     log(f"[{name}] round {round_ + 1}/{rounds} {setting}={value}: "
-                        f"{speeds[value][-1]:.1f} output tok/s")
+                        f"{speeds[value][-1]:.1f} output tok/{'CPU ' if per_cpu_second else ''}s")
             first = statistics.median(speeds[values[0]])
             out["scenarios"][name] = {str(v): {"tokens_per_s": s, "median": statistics.median(s),
                                                "ratio": statistics.median(s) / first} for v, s in speeds.items()}
@@ -78,10 +86,12 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--dtype", default="float32")
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--cpu-time", action="store_true",
+                        help="output tokens per CPU second of the engine process (one thread), not per elapsed second")
     args = parser.parse_args(argv)
     result = sweep(args.scenarios.split(","), args.setting, [int(v) for v in args.values.split(",")],
                    rounds=args.rounds, quick=args.quick, dtype=args.dtype, threads=args.threads,
-                   log=lambda line: print(line, file=sys.stderr))
+                   per_cpu_second=args.cpu_time, log=lambda line: print(line, file=sys.stderr))
     print(json.dumps(result))
     print("\n".join(markdown(result)))
 

@@ -86,3 +86,28 @@ def test_long_prompt_runs_end_to_end_on_a_model_that_holds_it(tmp_path):
     written = json.loads((tmp_path / "out" / "long-prompt" / "workload.json").read_text())["requests"]
     assert min(len(r["prompt_token_ids"]) for r in written) >= 512
     assert "Prefix caching off in every engine" in (tmp_path / "out" / "report.md").read_text()
+
+
+def test_scheduler_sweep_alternates_values_and_reports_medians(tmp_path, monkeypatch):
+    from kvforge.benchmarks import harness, scheduler_sweep
+
+    model = save_tiny(tmp_path / "m", 8192)
+    monkeypatch.setattr(model_dirs, "model_dir", lambda name: Path(model))
+    order, speeds = [], iter([10.0, 20.0, 30.0, 60.0, 20.0, 40.0] * 2)
+
+    def fake_run(scenario, model_dir, out, **kwargs):
+        (run,) = scenario.runs
+        order.append((scenario.name, run.options["scheduler"]["max_num_batched_tokens"]))
+        # the scenario's own kvforge options stay: long-prompt keeps prefix caching off
+        assert scenario.name == "mixed" or run.options["cache"] == {"enable_prefix_caching": False}
+        return {"runs": [{"status": "ok", "metrics": {"tokens_per_s": next(speeds), "output_tokens": 100},
+                          "info": {"cpu_s": 1.0}}]}
+
+    monkeypatch.setattr(harness, "run_scenario", fake_run)
+    result = scheduler_sweep.sweep(["mixed", "long-prompt"], "max_num_batched_tokens", [2048, 8192], rounds=3,
+                                   quick=True, log=lambda _: None)
+    assert order[:6] == [("mixed", 2048), ("mixed", 8192)] * 3  # alternating, round by round
+    mixed = result["scenarios"]["mixed"]
+    assert mixed["2048"]["tokens_per_s"] == [10.0, 30.0, 20.0] and mixed["2048"]["median"] == 20.0
+    assert mixed["8192"]["median"] == 40.0 and mixed["8192"]["ratio"] == 2.0
+    assert "| mixed | 20.0 (1.00x) | 40.0 (2.00x) |" in scheduler_sweep.markdown(result)
