@@ -74,17 +74,18 @@ def scenario_section(summary: dict) -> list[str]:
 
 def comparison_section(results: dict) -> list[str]:
     """Every ratio of a scenario's subject against its peers, then every target."""
-    lines = ["## Comparison", "", "| scenario | subject | against | throughput × | TTFT p50 × |",
-             "|---|---|---|---:|---:|"]
+    lines = ["## Comparison", "", "| scenario | subject | against | throughput × | per CPU second × | TTFT p50 × |",
+             "|---|---|---|---:|---:|---:|"]
     for summary in results["scenarios"]:
         for other, r in summary.get("ratios", {}).items():
             lines.append(f"| {summary['scenario']} | {summary['subject']} | {other} | {_num(r['throughput'], '{:.2f}')} "
-                         f"| {_num(r['ttft_p50'], '{:.3g}')} |")
+                         f"| {_num(r.get('throughput_cpu'), '{:.2f}')} | {_num(r['ttft_p50'], '{:.3g}')} |")
         for run in summary.get("runs", []):
             if run["status"] != "ok":
-                lines.append(f"| {summary['scenario']} | {summary['subject']} | {run['label']} | {_cell(run['status'])} | |")
+                lines.append(f"| {summary['scenario']} | {summary['subject']} | {run['label']} "
+                             f"| {_cell(run['status'])} | | |")
         if summary.get("status") != "ok":
-            lines.append(f"| {summary['scenario']} | | | {summary.get('status')} | |")
+            lines.append(f"| {summary['scenario']} | | | {summary.get('status')} | | |")
     lines += ["", "| target | measured | status |", "|---|---:|---|"]
     for row in all_targets(results):
         lines.append(f"| {row['target']} | {_value(row)} | {_status(row)} |")

@@ -111,3 +111,23 @@ def test_scheduler_sweep_alternates_values_and_reports_medians(tmp_path, monkeyp
     assert mixed["2048"]["tokens_per_s"] == [10.0, 30.0, 20.0] and mixed["2048"]["median"] == 20.0
     assert mixed["8192"]["median"] == 40.0 and mixed["8192"]["ratio"] == 2.0
     assert "| mixed | 20.0 (1.00x) | 40.0 (2.00x) |" in scheduler_sweep.markdown(result)
+
+
+def test_throughput_per_cpu_second_is_compared_where_both_peers_record_it():
+    from kvforge.benchmarks import harness, report
+
+    def result(elapsed, cpu):
+        return {"elapsed_s": elapsed, "info": {} if cpu is None else {"cpu_s": cpu},
+                "requests": [{"output_tokens": 10, "ttft_s": 0.1, "latency_s": 1.0}]}
+
+    kvforge = {"label": "kvforge", "status": "ok", "metrics": harness.metrics(result(4.0, 2.0))}
+    vllm = {"label": "vLLM CPU", "status": "ok", "metrics": harness.metrics(result(2.0, 3.0))}
+    old = {"label": "old", "status": "ok", "metrics": harness.metrics(result(2.0, None))}
+    assert kvforge["metrics"]["tokens_per_cpu_s"] == 5.0 and old["metrics"]["tokens_per_cpu_s"] is None
+    table = harness.ratios([kvforge, vllm, old], "kvforge")
+    # slower by the clock on the wall (a crowded machine), faster per CPU second
+    assert table["vLLM CPU"]["throughput"] == 0.5 and table["vLLM CPU"]["throughput_cpu"] == 1.5
+    assert table["old"]["throughput_cpu"] is None
+    text = "\n".join(report.comparison_section({"scenarios": [{"scenario": "long-prompt", "subject": "kvforge",
+                                                                "ratios": table, "runs": [], "status": "ok"}]}))
+    assert "| long-prompt | kvforge | vLLM CPU | 0.50 | 1.50 |" in text
