@@ -22,7 +22,7 @@ from pathlib import Path
 
 def sweep(scenario_names: list[str], setting: str, values: list[int], *, rounds: int, quick: bool,
           dtype: str = "float32", threads: int = 1, kv_cache_gib: float | None = None, per_cpu_second: bool = False,
-          log=print) -> dict:
+          max_requests: int | None = None, log=print) -> dict:
     """{scenario: {value: {"tokens_per_s": [...], "median": x, "ratio": x / first median}}}; with
     `per_cpu_second` (one thread only) the figures are output tokens per second of
     the engine process's CPU time, which other jobs on a crowded machine disturb
@@ -40,10 +40,11 @@ def sweep(scenario_names: list[str], setting: str, values: list[int], *, rounds:
     vocab = json.loads((path / "config.json").read_text())["vocab_size"]
     gib = kv_cache_gib or (0.5 if quick else 2.0)
     out: dict = {"setting": setting, "values": values, "rounds": rounds, "quick": quick, "dtype": dtype,
-                 "threads": threads, "per_cpu_second": per_cpu_second, "scenarios": {}}
+                 "threads": threads, "per_cpu_second": per_cpu_second, "max_requests": max_requests, "scenarios": {}}
     with tempfile.TemporaryDirectory() as tmp:
         for name in scenario_names:
             scenario = scenarios.build(name, vocab, quick)
+            scenario.requests = scenario.requests[:max_requests]
             own = scenario_model_dir(scenario, model, path)
             base = next(r.options for r in scenario.runs if r.peer == "kvforge")
             speeds: dict[int, list[float]] = {v: [] for v in values}
@@ -88,10 +89,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--cpu-time", action="store_true",
                         help="output tokens per CPU second of the engine process (one thread), not per elapsed second")
+    parser.add_argument("--max-requests", type=int, default=None, metavar="N", help="the first N requests only")
     args = parser.parse_args(argv)
     result = sweep(args.scenarios.split(","), args.setting, [int(v) for v in args.values.split(",")],
                    rounds=args.rounds, quick=args.quick, dtype=args.dtype, threads=args.threads,
-                   per_cpu_second=args.cpu_time, log=lambda line: print(line, file=sys.stderr))
+                   per_cpu_second=args.cpu_time, max_requests=args.max_requests, log=lambda line: print(line, file=sys.stderr))
     print(json.dumps(result))
     print("\n".join(markdown(result)))
 

@@ -33,7 +33,7 @@ void prefill_scores_bf16(const uint32_t* __restrict__ qt2, int64_t hs, const c10
   }
 }
 
-template void prefill_scores_bf16<1, 4>(const uint32_t*, int64_t, const c10::BFloat16* const*, float*);
-template void prefill_scores_bf16<2, 4>(const uint32_t*, int64_t, const c10::BFloat16* const*, float*);
-template void prefill_scores_bf16<3, 4>(const uint32_t*, int64_t, const c10::BFloat16* const*, float*);
-template void prefill_scores_bf16<4, 4>(const uint32_t*, int64_t, const c10::BFloat16* const*, float*);
+template void prefill_scores_bf16<1, 8>(const uint32_t*, int64_t, const c10::BFloat16* const*, float*);
+template void prefill_scores_bf16<2, 8>(const uint32_t*, int64_t, const c10::BFloat16* const*, float*);
+template void prefill_scores_bf16<3, 6>(const uint32_t*, int64_t, const c10::BFloat16* const*, float*);
+template void prefill_scores_bf16<4, 6>(const uint32_t*, int64_t, const c10::BFloat16* const*, float*);

@@ -9,8 +9,8 @@
 //
 // so no horizontal sum, shuffle or scalar per-row loop is left in the hot path:
 // each of the up to four row vectors (64 rows) reuses every key and value
-// element it broadcasts, and the register blocks (4 keys or 4 head dims x up to
-// 4 row vectors) keep 16 accumulators live. Key tiles of kKeyTile keys, read
+// element it broadcasts, and the register blocks (6-8 keys or 4-8 head dims x
+// up to 4 row vectors) keep 16-24 accumulators live. Key tiles of kKeyTile keys, read
 // through the block table across block boundaries, are converted to float32
 // into two small tile buffers first (a quantized cache times its scales); a key
 // tile no row of a row vector sees is skipped for that row vector, so the
@@ -22,7 +22,15 @@
 //
 // Included by paged_attention.cpp inside namespace avx512, after decode_tile.h.
 
-constexpr int64_t kKeyTile = 32;  // keys per softmax step (a multiple of 4)
+constexpr int64_t kKeyTile = 48;  // keys per softmax step (a multiple of kKeyPad)
+constexpr int64_t kKeyPad = 24;  // key counts are padded to a multiple of every register block's keys (6 and 8)
+
+// Keys per register block of the scores for RV row vectors: 6 x 4 or 6 x 3 or
+// 8 x 2 or 8 x 1 accumulators.
+template <int RV>
+constexpr int kScoreKeys = RV >= 3 ? 6 : 8;
+
+inline int64_t pad_keys(int64_t n) { return (n + kKeyPad - 1) / kKeyPad * kKeyPad; }
 constexpr int64_t kLanes = 64;  // lanes of every transposed row: the tile's rows, padded
 
 // st[j][lanes] = qt . key_j for J keys (rows of kf, hs apart) and RV row vectors.
@@ -96,9 +104,9 @@ inline __m512 tanh16(__m512 x) {
 }
 
 // Keys [k0, k0 + n) of the tile's KV head as float32 rows (hs apart) into
-// `keys` and `values`, read through the block table; rows n .. round4(n) zeroed.
+// `keys` and `values`, read through the block table; rows n .. pad_keys(n) zeroed.
 // With `rows` (bfloat16 scores, prefill_bf16.h) the keys stay where they are:
-// rows[j] points at key j, rows n .. round4(n) at `zeros`, and `keys` is not written.
+// rows[j] points at key j, rows n .. pad_keys(n) at `zeros`, and `keys` is not written.
 template <typename K>
 inline void load_key_tile(const Problem& p, const Tile& tile, int64_t k0, int64_t n, float* keys, float* values,
                           const K** rows = nullptr, const K* zeros = nullptr) {
@@ -136,7 +144,7 @@ inline void load_key_tile(const Problem& p, const Tile& tile, int64_t k0, int64_
     }
     j += run;
   }
-  const int64_t padded = (n + 3) / 4 * 4;
+  const int64_t padded = pad_keys(n);
   if (rows != nullptr) {
     for (int64_t j = n; j < padded; ++j) rows[j] = zeros;
   } else {
@@ -237,14 +245,15 @@ void attend_tile_prefill(const Problem& p, const Tile& tile, Scratch& scratch) {
     const int64_t lane0 = 16 * v_lo;
     with_row_vectors(v_hi - v_lo, [&](auto count) {
       constexpr int RV = decltype(count)::value;
-      for (int64_t j = 0; j < n; j += 4) {
+      constexpr int J = kScoreKeys<RV>;
+      for (int64_t j = 0; j < n; j += J) {
         if constexpr (kBf16) {
           if (pairs) {
-            avx512bf16::prefill_scores_bf16<RV, 4>(qt2 + lane0, hs, key_rows + j, st + j * kLanes + lane0);
+            avx512bf16::prefill_scores_bf16<RV, J>(qt2 + lane0, hs, key_rows + j, st + j * kLanes + lane0);
             continue;
           }
         }
-        prefill_scores<RV, 4>(qt + lane0, hs, tile_keys + j * hs, st + j * kLanes + lane0);
+        prefill_scores<RV, J>(qt + lane0, hs, tile_keys + j * hs, st + j * kLanes + lane0);
       }
     });
     for (int64_t v = v_lo; v < v_hi; ++v) {
@@ -295,7 +304,7 @@ void attend_tile_prefill(const Problem& p, const Tile& tile, Scratch& scratch) {
         _mm512_storeu_ps(sj, e);
         sum = _mm512_add_ps(sum, e);
       }
-      for (int64_t j = n; j < (n + 3) / 4 * 4; ++j) _mm512_storeu_ps(st + j * kLanes + 16 * v, _mm512_setzero_ps());
+      for (int64_t j = n; j < pad_keys(n); ++j) _mm512_storeu_ps(st + j * kLanes + 16 * v, _mm512_setzero_ps());
       row_sum[v] = sum;
       row_max[v] = best;
       if (_mm512_cmp_ps_mask(factor, _mm512_set1_ps(1.f), _CMP_NEQ_UQ) != 0) {
@@ -309,7 +318,7 @@ void attend_tile_prefill(const Problem& p, const Tile& tile, Scratch& scratch) {
       constexpr int RV = decltype(count)::value;
       constexpr int D = RV >= 3 ? 4 : 8;
       for (int64_t d = 0; d < hs; d += D) {
-        prefill_values<RV, D>(acct + d * kLanes + lane0, st + lane0, tile_values + d, hs, (n + 3) / 4 * 4);
+        prefill_values<RV, D>(acct + d * kLanes + lane0, st + lane0, tile_values + d, hs, pad_keys(n));
       }
     });
   }
