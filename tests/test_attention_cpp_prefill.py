@@ -144,3 +144,17 @@ def test_the_gflops_figure_reports_both_tiles_and_the_gemm_peak():
     assert entry["fraction_of_gemm"] == entry["after"]["gflops"] / result["gemm_gflops"]
     assert "KVFORGE_CPP_PREFILL" not in __import__("os").environ  # the switch is put back
     assert "| float32 |" in "\n".join(markdown(result))
+
+
+def test_the_check_catches_a_row_missing_one_key():
+    # The planted result: what a tile that skips one key too many would give (the
+    # last row of a 300-token prompt without its first key: the float64
+    # reference with a window of 299). The tolerance the cases above use fails it,
+    # while the kernel's own output passes.
+    layer = AttentionLayerSpec(num_heads=4, num_kv_heads=2, head_size=64)
+    out, expected = run_case(layer, torch.float32, [300], [0], 16, seed=11)
+    windowed = AttentionLayerSpec(num_heads=4, num_kv_heads=2, head_size=64, sliding_window=299)
+    _, planted = run_case(windowed, torch.float32, [300], [0], 16, seed=11)  # the same inputs: same seed, shapes
+    assert relative_error(out, expected) <= TOLERANCE[torch.float32]
+    assert relative_error(planted.float(), expected) > TOLERANCE[torch.float32]
+    assert (planted - expected).abs().amax(dim=(1, 2)).nonzero().flatten().tolist() == [299]  # one row differs
