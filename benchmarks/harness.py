@@ -91,8 +91,10 @@ def metrics(result: dict, latency_class: str | None = None) -> dict:
             if r["output_tokens"] > 1 and r["ttft_s"] is not None and r["latency_s"] is not None]
     elapsed = result["elapsed_s"]
     peak = result.get("peak_kv_bytes")
+    cpu = result.get("info", {}).get("cpu_s")  # the engine process's CPU time, where the peer records it
     return {"requests": len(requests), "output_tokens": tokens, "elapsed_s": elapsed,
             "tokens_per_s": tokens / elapsed if elapsed > 0 else None,
+            "tokens_per_cpu_s": tokens / cpu if cpu else None,
             "ttft_p50_s": percentile(ttft, 50), "ttft_p99_s": percentile(ttft, 99),
             "tpot_p50_s": percentile(tpot, 50), "tpot_p99_s": percentile(tpot, 99),
             "peak_kv_mib": None if peak is None else peak / 2**20}
@@ -114,6 +116,8 @@ def ratios(runs: list[dict], subject: str) -> dict[str, dict]:
             continue
         m, s = run["metrics"], base["metrics"]
         out[run["label"]] = {"throughput": _ratio(s["tokens_per_s"], m["tokens_per_s"]),
+                             # per CPU second: steadier than elapsed time where other jobs share the cores
+                             "throughput_cpu": _ratio(s.get("tokens_per_cpu_s"), m.get("tokens_per_cpu_s")),
                              "ttft_p50": _ratio(s["ttft_p50_s"], m["ttft_p50_s"])}
     return out
 
@@ -196,7 +200,7 @@ def run_scenario(scenario: Scenario, model_dir: str, out_dir: Path, *, peers: di
     """Every configuration of `scenario` on one workload, each the best of
     `repeats` runs; the scenario's results as a dict."""
     summary = {"scenario": scenario.name, "subject": scenario.subject, "latency_class": scenario.latency_class,
-               "runs": [], "ratios": {}, "targets": []}
+               "runs": [], "ratios": {}, "targets": [], "note": scenario.note}
     if scenario.unavailable:
         summary["status"] = scenario.unavailable
         return summary

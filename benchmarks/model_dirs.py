@@ -4,10 +4,15 @@ saved as ordinary Hugging Face directories with a byte-level BPE tokenizer, so
 every peer (kvforge, transformers, vLLM) loads the very same files.
 
     path = model_dir("bench-llama-50m")    # built once, then reused from the cache
+
+A synthetic model's cached directory is named after its config's digest too, so
+a changed config builds a new directory instead of reusing a stale one.
 """
 
 from __future__ import annotations
 
+import hashlib
+import json
 import os
 import sys
 from pathlib import Path
@@ -19,6 +24,9 @@ SYNTHETIC = {
     "bench-llama-50m": dict(vocab_size=16384, hidden_size=512, intermediate_size=1536, num_hidden_layers=10,
                             num_attention_heads=8, num_key_value_heads=4, max_position_embeddings=2048),
 }
+# The same models with room for the long-prompt scenario's 4k-token prompts.
+SYNTHETIC["bench-llama-tiny-8k"] = {**SYNTHETIC["bench-llama-tiny"], "max_position_embeddings": 8192}
+SYNTHETIC["bench-llama-50m-8k"] = {**SYNTHETIC["bench-llama-50m"], "max_position_embeddings": 8192}
 
 
 def cache_root() -> Path:
@@ -31,13 +39,23 @@ def model_dir(name: str) -> Path:
     """A local model directory for `name`: a synthetic name (built on first use),
     a built-in kvforge model, or a path."""
     if name in SYNTHETIC:
-        path = cache_root() / name
+        path = cache_root() / f"{name}-{config_digest(SYNTHETIC[name])}"
         if not (path / "model.safetensors").is_file() or not (path / "tokenizer.json").is_file():
             build(path, SYNTHETIC[name])
         return path
     from kvforge.models import resolve_model_dir
 
     return resolve_model_dir(name)
+
+
+def config_digest(arguments: dict) -> str:
+    """A short digest of a synthetic model's config arguments, for its cache directory's name."""
+    return hashlib.sha256(json.dumps(arguments, sort_keys=True).encode()).hexdigest()[:10]
+
+
+def max_positions(path: Path) -> int | None:
+    """The longest sequence the model directory's config admits (None when it does not say)."""
+    return json.loads((Path(path) / "config.json").read_text()).get("max_position_embeddings")
 
 
 def build(path: Path, arguments: dict, seed: int = 0) -> None:

@@ -47,6 +47,10 @@ def scenario_section(summary: dict) -> list[str]:
     lines = [f"## {summary['scenario']}", ""]
     if summary.get("status") != "ok":
         return lines + [summary.get("status", "not run"), ""]
+    if summary.get("note"):
+        lines += [summary["note"], ""]
+    if summary.get("model_dir"):
+        lines += [f"Model of this scenario: `{Path(summary['model_dir']).name}` (the default one holds too few positions).", ""]
     cls = summary.get("latency_class")
     if cls:
         lines += [f"TTFT and TPOT of the `{cls}` requests only.", ""]
@@ -60,22 +64,28 @@ def scenario_section(summary: dict) -> list[str]:
         lines.append(f"| {run['label']} | ok | {_num(m['tokens_per_s'])} | {_num(m['ttft_p50_s'], scale=1e3)} "
                      f"| {_num(m['ttft_p99_s'], scale=1e3)} | {_num(m['tpot_p50_s'], '{:.2f}', 1e3)} "
                      f"| {_num(m['tpot_p99_s'], '{:.2f}', 1e3)} | {_num(m['peak_kv_mib'])} |")
-    return lines + [""]
+    lines.append("")
+    if summary.get("prefill_attention"):
+        from .prefill_attention import markdown as prefill_markdown
+
+        lines += prefill_markdown(summary["prefill_attention"])
+    return lines
 
 
 def comparison_section(results: dict) -> list[str]:
     """Every ratio of a scenario's subject against its peers, then every target."""
-    lines = ["## Comparison", "", "| scenario | subject | against | throughput × | TTFT p50 × |",
-             "|---|---|---|---:|---:|"]
+    lines = ["## Comparison", "", "| scenario | subject | against | throughput × | per CPU second × | TTFT p50 × |",
+             "|---|---|---|---:|---:|---:|"]
     for summary in results["scenarios"]:
         for other, r in summary.get("ratios", {}).items():
             lines.append(f"| {summary['scenario']} | {summary['subject']} | {other} | {_num(r['throughput'], '{:.2f}')} "
-                         f"| {_num(r['ttft_p50'], '{:.3g}')} |")
+                         f"| {_num(r.get('throughput_cpu'), '{:.2f}')} | {_num(r['ttft_p50'], '{:.3g}')} |")
         for run in summary.get("runs", []):
             if run["status"] != "ok":
-                lines.append(f"| {summary['scenario']} | {summary['subject']} | {run['label']} | {_cell(run['status'])} | |")
+                lines.append(f"| {summary['scenario']} | {summary['subject']} | {run['label']} "
+                             f"| {_cell(run['status'])} | | |")
         if summary.get("status") != "ok":
-            lines.append(f"| {summary['scenario']} | | | {summary.get('status')} | |")
+            lines.append(f"| {summary['scenario']} | | | {summary.get('status')} | | |")
     lines += ["", "| target | measured | status |", "|---|---:|---|"]
     for row in all_targets(results):
         lines.append(f"| {row['target']} | {_value(row)} | {_status(row)} |")

@@ -17,7 +17,7 @@ from pathlib import Path
 
 from kvforge.core import QUANTIZER, SPECULATIVE_PROPOSER
 
-NAMES = ("mixed", "prefix", "speculative", "priority", "kv-quant")
+NAMES = ("mixed", "prefix", "speculative", "priority", "kv-quant", "long-prompt")
 
 
 @dataclass
@@ -49,6 +49,14 @@ class Scenario:
     targets: list[Target] = field(default_factory=list)
     latency_class: str | None = None  # TTFT/TPOT columns show this class only
     unavailable: str | None = None  # why the scenario cannot run here
+    # The default model when its own does not hold the longest request (see model_dirs.SYNTHETIC).
+    model: str | None = None
+    note: str | None = None  # said under the scenario's heading in the report
+    prefill_figures: bool = False  # the report adds the prefill attention kernel's GFLOP/s on its shapes
+
+    def longest(self) -> int:
+        """Positions the longest request needs: its prompt and every generated token."""
+        return max((len(r["prompt_token_ids"]) + r["max_tokens"] for r in self.requests), default=0)
 
 
 def _ids(rng: random.Random, n: int, vocab: int) -> list[int]:
@@ -104,6 +112,22 @@ def priority(vocab: int, quick: bool, seed: int = 0) -> Scenario:
     return Scenario("priority", requests, runs, "priority", latency_class="high")
 
 
+def long_prompt(vocab: int, quick: bool, seed: int = 0) -> Scenario:
+    """Prefill-bound: prompts of 1-4k tokens (512-2k quick), few output tokens,
+    prefix caching off in every engine, so each prompt is computed in full (the
+    random prompts share no prefix anyway; off makes it certain for every engine)."""
+    rng = random.Random(seed + 4)
+    n, prompt_min, prompt_max, output = (8, 512, 2048, 8) if quick else (32, 1024, 4096, 32)
+    requests = [request(i, _ids(rng, rng.randint(prompt_min, prompt_max), vocab), output) for i in range(n)]
+    runs = [Run("kvforge", "kvforge", {"cache": {"enable_prefix_caching": False}}),
+            Run("vLLM CPU", "vllm", {"enable_prefix_caching": False})]
+    target = Target("long-prompt: >= 1.2x vLLM CPU output tokens/s", "kvforge", "vLLM CPU", "throughput", 1.2)
+    return Scenario("long-prompt", requests, runs, "kvforge", [target],
+                    model="bench-llama-tiny-8k" if quick else "bench-llama-50m-8k", prefill_figures=True,
+                    note="Prefix caching off in every engine; prompts of "
+                         f"{prompt_min}-{prompt_max} tokens, {output} output tokens each.")
+
+
 def plugin_slot(name: str, kind: str, config_path: str, requests: list[dict]) -> Scenario:
     """`speculative` / `kv-quant`: every registered implementation of `kind`
     against none; unavailable while the registry holds none."""
@@ -157,6 +181,8 @@ def build(name: str, vocab: int, quick: bool, seed: int = 0) -> Scenario:
         return plugin_slot(name, SPECULATIVE_PROPOSER, "speculative.proposer", repetitive(vocab, quick, seed))
     if name == "kv-quant":
         return kv_quant(vocab, quick, seed)
+    if name == "long-prompt":
+        return long_prompt(vocab, quick, seed)
     from kvforge.core import ConfigError
 
     raise ConfigError(f"unknown scenario {name!r}; choose from: {', '.join(NAMES)}")

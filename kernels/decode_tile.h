@@ -304,22 +304,3 @@ void attend_tile_fast(const Problem& p, const Tile& tile, Scratch& s) {
   }
   write_rows(p, t, s);
 }
-
-// The fast kernel when the problem allows it, else the generic one, per tile;
-// tiles of up to kFetchRows query rows per KV head fetch ahead (fetch_ahead).
-constexpr int64_t kFetchRows = 8;
-inline void run_tiles_fast(const Problem& p, const std::vector<Tile>& tiles, int64_t rows_max) {
-  const bool fast = p.soft_cap <= 0.f && p.alibi == nullptr && p.head_size % 16 == 0;
-  run_tiles_with(p, tiles, rows_max, [&](const Tile& tile, Scratch& s, auto type) {
-    using K = typename decltype(type)::type;
-    if (fast) {
-      if (TileRows(p, tile).head_rows <= kFetchRows) {
-        attend_tile_fast<K, true>(p, tile, s);
-      } else {
-        attend_tile_fast<K, false>(p, tile, s);
-      }
-    } else {
-      attend_tile<K>(p, tile, s);
-    }
-  });
-}

@@ -75,6 +75,7 @@ struct Tile {
 // Per-thread buffers, allocated once per thread per call.
 struct Scratch {
   std::vector<float> q, acc, score, row_max, row_sum, keys, values;
+  std::vector<float> prefill;  // the AVX-512 prefill tile's buffers, sized on its first use (prefill_tile.h)
   Scratch(int64_t rows, int64_t head_size, int64_t block_size)
       : q(rows * head_size), acc(rows * head_size), score(rows * std::max<int64_t>(round8(block_size), 16)),
         row_max(rows), row_sum(rows),
@@ -132,11 +133,40 @@ namespace avx2 {
 }  // namespace avx2
 #pragma GCC pop_options
 #pragma GCC push_options
+#pragma GCC target("avx512f,avx512bw,avx512dq,avx512vl,avx512bf16,avx2,fma,f16c")
+namespace avx512bf16 {
+#include "prefill_bf16.h"
+}  // namespace avx512bf16
+#pragma GCC pop_options
+#pragma GCC push_options
 #pragma GCC target("avx512f,avx512bw,avx512dq,avx512vl,avx2,fma,f16c")
 namespace avx512 {
 #include "vector_kernels.h"
 #include "attention_tile.h"
 #include "decode_tile.h"
+#include "prefill_tile.h"
+
+// Per tile: the prefill tile (prefill_tile.h) for many rows of one KV head when
+// `prefill`, else the fast kernel when the problem allows it, else the generic one;
+// tiles of up to kFetchRows query rows per KV head fetch ahead (fetch_ahead).
+constexpr int64_t kFetchRows = 8;
+inline void run_tiles_fast(const Problem& p, const std::vector<Tile>& tiles, int64_t rows_max, bool prefill) {
+  const bool fast = p.soft_cap <= 0.f && p.alibi == nullptr && p.head_size % 16 == 0;
+  run_tiles_with(p, tiles, rows_max, [&](const Tile& tile, Scratch& s, auto type) {
+    using K = typename decltype(type)::type;
+    if (prefill && prefill_tile_fits(p, tile)) {
+      attend_tile_prefill<K>(p, tile, s);
+    } else if (fast) {
+      if (TileRows(p, tile).head_rows <= kFetchRows) {
+        attend_tile_fast<K, true>(p, tile, s);
+      } else {
+        attend_tile_fast<K, false>(p, tile, s);
+      }
+    } else {
+      attend_tile<K>(p, tile, s);
+    }
+  });
+}
 }  // namespace avx512
 #pragma GCC pop_options
 #undef KVFORGE_F16C
@@ -184,6 +214,15 @@ void check_scales(const at::Tensor& scales, const at::Tensor& kv_cache) {
   TORCH_CHECK(scales.stride(3) == 1 && scales.stride(2) == slot && scales.stride(1) == half &&
                   scales.stride(0) >= 2 * half,
               "kvforge_cpp: kv_scales must be dense within each block, got strides ", scales.strides());
+}
+
+// Whether AVX-512 runs prompt tiles on the prefill tile (prefill_tile.h):
+// KVFORGE_CPP_PREFILL=off sends them to the older tiles, for before/after figures.
+bool prefill_tile_enabled() {
+  const char* flag = std::getenv("KVFORGE_CPP_PREFILL");
+  if (flag == nullptr || std::string(flag) == "on") return true;
+  TORCH_CHECK(std::string(flag) == "off", "kvforge_cpp: KVFORGE_CPP_PREFILL must be on or off, got '", flag, "'");
+  return false;
 }
 
 }  // namespace
@@ -288,7 +327,7 @@ void paged_attention(const at::Tensor& query, const at::Tensor& kv_cache, const 
   const int64_t rows_max = std::max(tile_tokens * group, many_seqs ? kTileRows : int64_t{0});
 #ifdef KVFORGE_HAS_X86_PATHS
   switch (isa()) {
-    case Isa::kAvx512: avx512::run_tiles_fast(p, tiles, rows_max); return;
+    case Isa::kAvx512: avx512::run_tiles_fast(p, tiles, rows_max, prefill_tile_enabled()); return;
     case Isa::kAvx2: avx2::run_tiles(p, tiles, rows_max); return;
     case Isa::kBaseline: break;
   }

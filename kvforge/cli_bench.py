@@ -95,14 +95,53 @@ def bench(scenario_names: list[str], *, quick: bool, out: Path, peers: dict[str,
         scenario = scenarios.build(name, vocab, quick)
         if max_requests is not None:
             scenario.requests = scenario.requests[:max_requests]
-        results["scenarios"].append(harness.run_scenario(scenario, str(path), out, peers=peers, dtype=dtype,
-                                                         kv_cache_gib=kv_cache_gib, timeout=timeout, threads=threads,
-                                                         repeats=repeats, log=log))
+        scenario_path = scenario_model_dir(scenario, model, path)
+        summary = harness.run_scenario(scenario, str(scenario_path), out, peers=peers, dtype=dtype,
+                                       kv_cache_gib=kv_cache_gib, timeout=timeout, threads=threads,
+                                       repeats=repeats, log=log)
+        if scenario_path != path:
+            summary["model_dir"] = str(scenario_path)
+        if scenario.prefill_figures and machine_model and summary.get("status") == "ok":
+            log(f"[{name}] prefill attention kernel GFLOP/s ...")
+            summary["prefill_attention"] = prefill_figures(scenario, scenario_path, dtype, threads)
+        results["scenarios"].append(summary)
     (out / "results.json").write_text(json.dumps(results, indent=2))
     text = report.markdown(results)
     (out / "report.md").write_text(text + "\n")
     results["plots"] = [str(p) for p in report.plots(results, out)]
     return results
+
+
+def prefill_figures(scenario, path: Path, dtype: str, threads: int) -> dict:
+    """The prefill attention kernel's GFLOP/s against the GEMM peak, on the
+    scenario model's heads and its median prompt length (benchmarks/prefill_attention.py)."""
+    from kvforge.benchmarks import prefill_attention
+
+    config = json.loads((Path(path) / "config.json").read_text())
+    heads = config["num_attention_heads"]
+    lengths = sorted(len(r["prompt_token_ids"]) for r in scenario.requests)
+    return prefill_attention.measure([lengths[len(lengths) // 2]], num_heads=heads,
+                                     num_kv_heads=config.get("num_key_value_heads") or heads,
+                                     head_size=config.get("head_dim") or config["hidden_size"] // heads,
+                                     dtypes=(dtype,), threads=threads or None)
+
+
+def scenario_model_dir(scenario, model: str, path: Path) -> Path:
+    """The model directory `scenario` runs: `path` (of `model`) when it holds the
+    longest request of a scenario that names its own model (long-prompt), or
+    for any other scenario; else, for a default bench model, the scenario's own
+    model (the same one with more positions); else a ConfigError."""
+    from kvforge.benchmarks.model_dirs import max_positions, model_dir
+    from kvforge.core import ConfigError
+
+    need, limit = scenario.longest(), max_positions(path)
+    if scenario.model is None or limit is None or need <= limit:  # the others run as they always did
+        return path
+    if model in (QUICK_MODEL, FULL_MODEL):
+        return model_dir(scenario.model)
+    raise ConfigError(f"scenario {scenario.name}: its longest request needs {need} positions but model {model} "
+                      f"admits {limit} (max_position_embeddings); pass --model with at least {need}, e.g. "
+                      f"--model {scenario.model}, or drop the scenario")
 
 
 def run(args: argparse.Namespace) -> int:
