@@ -209,6 +209,18 @@ class KVCacheManager:
     def block_table(self, request_id: str) -> list[int]:
         return list(self._get(request_id, "read the block table of").blocks)
 
+    def live_block_tables(self, request_ids: Sequence[str]) -> list[list[int]]:
+        """Each request's block table as the manager holds it, not a copy (the
+        engine builds a step's tensors from them without copying every list):
+        read them before the next change to the tables, and never modify them."""
+        requests = self.requests
+        try:
+            return [requests[r].blocks for r in request_ids]
+        except KeyError:
+            missing = next(r for r in request_ids if r not in requests)
+            self._get(missing, "read the block table of")
+            raise
+
     def capacity(self, request_id: str) -> int:
         """Tokens the request's blocks have room for."""
         return len(self._get(request_id, "read").blocks) * self.block_size
