@@ -103,15 +103,17 @@ class StepClock:
 
 
 def decode_split(model_dir: str, batch: int, steps: int = 50, prompt_len: int = 8, repeats: int = 3,
-                 clock=time.thread_time) -> dict:
+                 clock=time.thread_time, temperature: float = 0.0, detokenize: bool = False) -> dict:
     """The step split of `steps` pure-decode steps at `batch` running requests
-    (greedy, ignore_eos), the best (least disturbed) of `repeats` windows."""
+    (EOS ignored), the best (least disturbed) of `repeats` windows. The defaults
+    are the bench peers' requests: greedy, token ids only."""
     from kvforge import SamplingParams
 
     from .machine import make_engine
 
     engine = make_engine(model_dir, batch, prompt_len)
-    params = SamplingParams(max_tokens=repeats * steps + 4, ignore_eos=True)
+    params = SamplingParams(max_tokens=repeats * steps + 4, ignore_eos=True, temperature=temperature,
+                            detokenize=detokenize)
     for i in range(batch):
         engine.add_request(f"d{i}", prompt_token_ids=[3 + (i * 7 + j) % 200 for j in range(prompt_len)], params=params)
     while engine.stats.num_prompt_tokens < batch * prompt_len:
@@ -177,13 +179,16 @@ def main(argv=None) -> None:
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--clock", choices=("cpu", "wall"), default="cpu",
                         help="this thread's CPU time (default; robust on a shared machine) or wall time")
+    parser.add_argument("--temperature", type=float, default=0.0, help="0 (default, as the bench): greedy")
+    parser.add_argument("--detokenize", action="store_true", help="decode text too (the bench peers do not)")
     parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
     parser.add_argument("--torch-profiler", type=int, metavar="BATCH", help="also print torch.profiler's top ops")
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
     path = str(model_dir(args.model))
     clock = time.thread_time if args.clock == "cpu" else time.perf_counter
-    splits = [decode_split(path, b, args.steps, repeats=args.repeats, clock=clock) for b in args.batch]
+    splits = [decode_split(path, b, args.steps, repeats=args.repeats, clock=clock, temperature=args.temperature,
+                           detokenize=args.detokenize) for b in args.batch]
     print(json.dumps(splits, indent=2) if args.json else format_split(splits))
     if args.torch_profiler:
         print(torch_profile(path, args.torch_profiler))

@@ -261,10 +261,14 @@ class LLMEngine:
             group = self.groups.get(group_id)
             if group is None:
                 continue
-            for sample in group.samples:  # samples never forked end with their parent
-                if sample.waits_for_parent and group.samples[0].finished and not sample.finished:
-                    sample.finish(group.samples[0].finish_reason, error=group.samples[0].error)
-            done = all(s.finished for s in group.samples)
+            samples = group.samples
+            if len(samples) == 1:  # n == 1, the common case: nothing waits for a parent
+                done = samples[0].finished
+            else:
+                for sample in samples:  # samples never forked end with their parent
+                    if sample.waits_for_parent and samples[0].finished and not sample.finished:
+                        sample.finish(samples[0].finish_reason, error=samples[0].error)
+                done = all(s.finished for s in samples)
             if done or not final_only:
                 outputs.append(self._output(group_id, group))
             if done:
@@ -323,23 +327,33 @@ class LLMEngine:
         speculated: list[tuple[ScheduledRequest, int]] = []
         row = 0
         for entry in plan.scheduled:
-            if entry.draft_token_ids and entry.samples:
+            if not entry.samples:
+                continue  # a prompt chunk short of the end: no logit rows
+            if entry.draft_token_ids:
                 speculated.append((entry, row))
-            elif entry.samples:
-                for request in [entry.request, *entry.forks]:  # forks sample from their parent's row
-                    rows.append(row)
-                    requests.append(request)
-            row += entry.num_logit_rows
+                row += 1 + len(entry.draft_token_ids)
+                continue
+            requests.append(entry.request)
+            rows.append(row)
+            for fork in entry.forks:  # forks sample from their parent's row
+                requests.append(fork)
+                rows.append(row)
+            row += 1
         sampled = self._verify(speculated, logits) if speculated else {}
         if not requests:
             return sampled
-        if len(rows) < logits.shape[0] or rows != list(range(len(rows))):
+        # rows never decrease: as many as logits, with none shared, means every row in order
+        if len(rows) != logits.shape[0] or speculated or (rows and rows[-1] != len(rows) - 1):
             logits = logits[torch.tensor(rows, device=logits.device)]
         result = self.sampler(logits, requests)
         token_ids = result.token_ids.tolist()
+        if result.sampled_logprobs is None:
+            for request, token in zip(requests, token_ids):
+                sampled[request.request_id] = SampledTokens([token])
+            return sampled
         for i, request in enumerate(requests):
             records = None
-            if result.sampled_logprobs is not None and request.logprobs is not None:
+            if request.logprobs is not None:
                 records = [logprob_record(request.params.logprobs, result.top_ids[i], result.top_logprobs[i],
                                           result.sampled_logprobs[i], token_ids[i])]
             sampled[request.request_id] = SampledTokens([token_ids[i]], records)

@@ -17,6 +17,7 @@ import torch
 
 from kvforge.core import AttentionBatch
 
+from .request import token_slice
 from .scheduler import ScheduledRequest
 
 
@@ -131,11 +132,3 @@ def copy_blocks(kv_caches: Sequence[torch.Tensor], copies: Sequence[tuple[int, i
     dst = torch.tensor([d for _, d in copies], device=device)
     for cache in kv_caches:
         cache[dst] = cache[src]
-
-
-def token_slice(request, start: int, end: int) -> list[int]:
-    """`request.all_token_ids[start:end]` without concatenating the whole sequence."""
-    prompt, output = request.prompt_token_ids, request.output_token_ids
-    if start >= len(prompt):
-        return output[start - len(prompt): end - len(prompt)]
-    return prompt[start:end] + output[: max(0, end - len(prompt))]

@@ -248,7 +248,7 @@ class Scheduler:
 
         out.scheduled = list(scheduled.values())
         for entry in out.scheduled:
-            if entry.samples and entry.request.forks:
+            if entry.request.forks and entry.samples:
                 entry.forks = [child for child in entry.request.forks if not child.finished]
                 entry.request.forks = []
         return out
@@ -276,7 +276,7 @@ class Scheduler:
             request.num_computed_tokens = min(computed, request.num_tokens)
             if entry.draft_token_ids:
                 self.kv.truncate(request.request_id, request.num_computed_tokens)
-            self.kv.cache_blocks(request.request_id, request.all_token_ids, request.num_computed_tokens)
+            self.kv.cache_blocks(request.request_id, request.token_view, request.num_computed_tokens)
             for child in entry.forks:
                 self.kv.fork(request.request_id, child.request_id)
                 child.num_computed_tokens = request.num_computed_tokens
