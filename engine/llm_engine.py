@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import logging
+import math
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -284,8 +285,12 @@ class LLMEngine:
         """End, with finish_reason "error", every request whose logits hold a NaN or an
         infinity (sampling them would emit garbage tokens); the others go on. Returns
         the plan and logits without them, and the requests ended."""
+        # One reduction per step: any NaN or infinity makes the sum non-finite (a finite
+        # sum that overflows only sends the step to the exact per-row check below).
+        if logits.numel() == 0 or math.isfinite(float(logits.sum())):
+            return plan, logits, []
         finite = torch.isfinite(logits).all(dim=-1)
-        if bool(finite.all()):  # one check per step; the per-entry walk only when something is wrong
+        if bool(finite.all()):
             return plan, logits, []
         finite = finite.tolist()
         kept, rows, failed, row = [], [], [], 0

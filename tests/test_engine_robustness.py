@@ -169,6 +169,22 @@ def test_non_finite_logits_end_every_sample_of_that_request():
     assert {c.finish_reason for c in outputs["clean"].outputs} == {"length"}
 
 
+def test_finite_logits_whose_sum_overflows_are_not_taken_for_non_finite():
+    # The step checks one sum of all logits first; float32 overflow there must not end anything.
+    model = FakeCausalLM()
+    original = model.compute_logits
+
+    def huge(hidden):
+        logits = original(hidden).clone()
+        logits[:, :4] = 3e38  # finite, but four of them sum to infinity in float32
+        return logits
+
+    model.compute_logits = huge
+    outputs = run_all(fake_engine(model), {"a": [1, 2, 3], "b": [4, 5]})
+    assert {o.finish_reason for o in outputs.values()} == {"length"}
+    assert all(o.error is None and len(o.token_ids) == GREEDY.max_tokens for o in outputs.values())
+
+
 # 6. A model name handed to LLMEngine
 
 
