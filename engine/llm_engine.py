@@ -33,6 +33,7 @@ from .rejection_sampler import RejectionSampler
 from .sampler import Sampler, logprob_record, raw_logprobs
 from .sampling_params import SamplingParams
 from .scheduler import SampledTokens, ScheduledRequest, Scheduler, SchedulerOutput
+from .warmup import warm_up
 
 log = logging.getLogger(__name__)
 
@@ -111,6 +112,9 @@ class LLMEngine:
             self.runner = ModelRunner(model, self.kv, kv_caches, block_size, self.device)
         else:
             self.runner = self.executor.runner(self.kv, kv_caches, block_size, self.num_blocks)
+        if config.warmup:
+            warm_up(self.runner, self.kv, max_num_batched_tokens=config.scheduler.max_num_batched_tokens,
+                    max_num_seqs=config.scheduler.max_num_seqs, max_model_len=int(model.max_model_len))
         self.sampler = Sampler(config.seed)
         self.verifier = RejectionSampler(self.sampler)
         self.max_model_len = int(model.max_model_len)

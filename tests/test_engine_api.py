@@ -149,6 +149,7 @@ def test_timings_measure_first_token_and_time_per_output_token():
 def test_plan_is_called_once_per_step():
     model = FakeCausalLM()
     engine = fake_engine(model, max_num_batched_tokens=8)
+    model.plans = 0  # the engine's start-up warm-up step planned once
     for i in range(5):
         engine.add_request(str(i), PROMPT, greedy(3))
     steps = 0

@@ -112,7 +112,7 @@ class LeakyAllocator(PrefixCachingAllocator):
 
 
 def leak_engine(allocator: str) -> LLMEngine:
-    config = EngineConfig(device="cpu", dtype="float32",
+    config = EngineConfig(device="cpu", dtype="float32", warmup=False,  # its blocks would leak too
                           cache={"allocator": allocator, "num_blocks": 32, "block_size": 4},
                           scheduler={"policy": "fcfs", "max_num_batched_tokens": 32})
     return LLMEngine(config, model=FakeCausalLM(), registry=registry_with(LeakyAllocator))
