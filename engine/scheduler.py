@@ -203,9 +203,18 @@ class Scheduler:
                 scheduled[request.request_id] = entry
                 budget -= num_new
 
+        # Full blocks this step computes. A waiting request whose next block is among
+        # them waits one step and then takes it from the prefix cache, instead of
+        # computing the same shared prompt again beside the request computing it now.
+        computing = set()
+        if self.kv.enable_prefix_caching:
+            for entry in scheduled.values():
+                computing.update(self.kv.block_hashes(entry.request.request_id, entry.start,
+                                                      entry.start + entry.num_tokens))
         while self.waiting and budget > 0 and not out.preempted:
             request = self.waiting[0]
-            if len(self.running) >= self.max_num_seqs:
+            needs_slot = len(self.running) >= self.max_num_seqs
+            if needs_slot:
                 view = request.view()
                 victim = victim_among([r for r in self.running if self.policy.may_preempt(view, r.view())])
                 if victim is None:
@@ -213,6 +222,9 @@ class Scheduler:
                 preempt(victim)
             salt = () if request.cache_salt is None else (("cache_salt", request.cache_salt),)
             computed = self.kv.admit(request.request_id, request.all_token_ids, salt)
+            if computing and not needs_slot and self.kv.next_block_hash(request.request_id, computed) in computing:
+                self.kv.free(request.request_id)
+                break  # strict order: what waits behind it waits too
             num_new = min(request.num_tokens - computed, budget)
             admitted = self.grow(request, computed + num_new)
             while not admitted:
@@ -245,6 +257,8 @@ class Scheduler:
             self.running.append(request)
             scheduled[request.request_id] = ScheduledRequest(request, computed, num_new)
             budget -= num_new
+            if self.kv.enable_prefix_caching:
+                computing.update(self.kv.block_hashes(request.request_id, computed, computed + num_new))
 
         out.scheduled = list(scheduled.values())
         for entry in out.scheduled:
