@@ -207,7 +207,7 @@ class Scheduler:
         # them waits one step and then takes it from the prefix cache, instead of
         # computing the same shared prompt again beside the request computing it now.
         computing = set()
-        if self.kv.enable_prefix_caching:
+        if self.kv.enable_prefix_caching and self.waiting:  # (pure decode steps skip this)
             for entry in scheduled.values():
                 computing.update(self.kv.block_hashes(entry.request.request_id, entry.start,
                                                       entry.start + entry.num_tokens))
