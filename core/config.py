@@ -158,6 +158,9 @@ class EngineConfig(Section):
     keep_freed_memory: bool = Field(
         True, description="CPU, glibc: keep freed heap memory for reuse (no page faults on each step's activations); "
                           "process-wide")
+    warmup: bool = Field(
+        True, description="run one throwaway step of max_num_batched_tokens tokens when the engine starts, so the "
+                          "first requests do not pay for first-touch memory and new kernel shapes (vLLM does the same)")
     attention: AttentionConfig = Field(default_factory=AttentionConfig)
     cache: CacheConfig = Field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = Field(default_factory=SchedulerConfig)

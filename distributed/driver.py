@@ -203,7 +203,7 @@ class DriverRunner(ModelRunner):
     def execute(self, scheduled) -> torch.Tensor:
         self.apply_block_copies()
         input_ids, positions, batch = self.build_batch(scheduled)
-        rows = logit_rows(scheduled)
+        rows = torch.tensor(logit_rows(scheduled), dtype=torch.int64)
         self.executor.check_workers("step")
         step_message.send_step(self.executor.group,
                                step_message.StepMessage(input_ids, positions, batch, self._copies, rows))

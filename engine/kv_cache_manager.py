@@ -209,6 +209,31 @@ class KVCacheManager:
     def block_table(self, request_id: str) -> list[int]:
         return list(self._get(request_id, "read the block table of").blocks)
 
+    def block_hashes(self, request_id: str, start: int, end: int) -> list[BlockHash]:
+        """The prefix-cache hashes of the full blocks that tokens [start, end) of an
+        admitted request complete, as far as they are known (none without prefix
+        caching): what this request offers to the cache once they are computed."""
+        hashes = self._get(request_id, "read the block hashes of").hashes
+        return hashes[start // self.block_size: min(len(hashes), end // self.block_size)]
+
+    def next_block_hash(self, request_id: str, num_computed_tokens: int) -> BlockHash | None:
+        """The hash of the full block that starts at `num_computed_tokens`, if known."""
+        hashes = self._get(request_id, "read the block hashes of").hashes
+        index, offset = divmod(num_computed_tokens, self.block_size)
+        return hashes[index] if offset == 0 and index < len(hashes) else None
+
+    def live_block_tables(self, request_ids: Sequence[str]) -> list[list[int]]:
+        """Each request's block table as the manager holds it, not a copy (the
+        engine builds a step's tensors from them without copying every list):
+        read them before the next change to the tables, and never modify them."""
+        requests = self.requests
+        try:
+            return [requests[r].blocks for r in request_ids]
+        except KeyError:
+            missing = next(r for r in request_ids if r not in requests)
+            self._get(missing, "read the block table of")
+            raise
+
     def capacity(self, request_id: str) -> int:
         """Tokens the request's blocks have room for."""
         return len(self._get(request_id, "read").blocks) * self.block_size

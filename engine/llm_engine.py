@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import logging
+import math
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -32,6 +33,7 @@ from .rejection_sampler import RejectionSampler
 from .sampler import Sampler, logprob_record, raw_logprobs
 from .sampling_params import SamplingParams
 from .scheduler import SampledTokens, ScheduledRequest, Scheduler, SchedulerOutput
+from .warmup import warm_up
 
 log = logging.getLogger(__name__)
 
@@ -113,6 +115,9 @@ class LLMEngine:
             self.runner = ModelRunner(model, self.kv, kv_caches, block_size, self.device)
         else:
             self.runner = self.executor.runner(self.kv, kv_caches, block_size, self.num_blocks)
+        if config.warmup:
+            warm_up(self.runner, self.kv, max_num_batched_tokens=config.scheduler.max_num_batched_tokens,
+                    max_num_seqs=config.scheduler.max_num_seqs, max_model_len=int(model.max_model_len))
         self.sampler = Sampler(config.seed)
         self.verifier = RejectionSampler(self.sampler)
         self.max_model_len = int(model.max_model_len)
@@ -264,10 +269,14 @@ class LLMEngine:
             group = self.groups.get(group_id)
             if group is None:
                 continue
-            for sample in group.samples:  # samples never forked end with their parent
-                if sample.waits_for_parent and group.samples[0].finished and not sample.finished:
-                    sample.finish(group.samples[0].finish_reason, error=group.samples[0].error)
-            done = all(s.finished for s in group.samples)
+            samples = group.samples
+            if len(samples) == 1:  # n == 1, the common case: nothing waits for a parent
+                done = samples[0].finished
+            else:
+                for sample in samples:  # samples never forked end with their parent
+                    if sample.waits_for_parent and samples[0].finished and not sample.finished:
+                        sample.finish(samples[0].finish_reason, error=samples[0].error)
+                done = all(s.finished for s in samples)
             if done or not final_only:
                 outputs.append(self._output(group_id, group))
             if done:
@@ -283,8 +292,12 @@ class LLMEngine:
         """End, with finish_reason "error", every request whose logits hold a NaN or an
         infinity (sampling them would emit garbage tokens); the others go on. Returns
         the plan and logits without them, and the requests ended."""
+        # One reduction per step: any NaN or infinity makes the sum non-finite (a finite
+        # sum that overflows only sends the step to the exact per-row check below).
+        if logits.numel() == 0 or math.isfinite(float(logits.sum())):
+            return plan, logits, []
         finite = torch.isfinite(logits).all(dim=-1)
-        if bool(finite.all()):  # one check per step; the per-entry walk only when something is wrong
+        if bool(finite.all()):
             return plan, logits, []
         finite = finite.tolist()
         kept, rows, failed, row = [], [], [], 0
@@ -326,23 +339,33 @@ class LLMEngine:
         speculated: list[tuple[ScheduledRequest, int]] = []
         row = 0
         for entry in plan.scheduled:
-            if entry.draft_token_ids and entry.samples:
+            if not entry.samples:
+                continue  # a prompt chunk short of the end: no logit rows
+            if entry.draft_token_ids:
                 speculated.append((entry, row))
-            elif entry.samples:
-                for request in [entry.request, *entry.forks]:  # forks sample from their parent's row
-                    rows.append(row)
-                    requests.append(request)
-            row += entry.num_logit_rows
+                row += 1 + len(entry.draft_token_ids)
+                continue
+            requests.append(entry.request)
+            rows.append(row)
+            for fork in entry.forks:  # forks sample from their parent's row
+                requests.append(fork)
+                rows.append(row)
+            row += 1
         sampled = self._verify(speculated, logits) if speculated else {}
         if not requests:
             return sampled
-        if len(rows) < logits.shape[0] or rows != list(range(len(rows))):
+        # rows never decrease: as many as logits, with none shared, means every row in order
+        if len(rows) != logits.shape[0] or speculated or (rows and rows[-1] != len(rows) - 1):
             logits = logits[torch.tensor(rows, device=logits.device)]
         result = self.sampler(logits, requests)
         token_ids = result.token_ids.tolist()
+        if result.sampled_logprobs is None:
+            for request, token in zip(requests, token_ids):
+                sampled[request.request_id] = SampledTokens([token])
+            return sampled
         for i, request in enumerate(requests):
             records = None
-            if result.sampled_logprobs is not None and request.logprobs is not None:
+            if request.logprobs is not None:
                 records = [logprob_record(request.params.logprobs, result.top_ids[i], result.top_logprobs[i],
                                           result.sampled_logprobs[i], token_ids[i])]
             sampled[request.request_id] = SampledTokens([token_ids[i]], records)

@@ -17,6 +17,7 @@ import torch
 
 from kvforge.core import AttentionBatch
 
+from .request import token_slice
 from .scheduler import ScheduledRequest
 
 
@@ -31,34 +32,53 @@ class ModelRunner:
         self.device = torch.device(device)
 
     def build_batch(self, scheduled: Sequence[ScheduledRequest]) -> tuple[torch.Tensor, torch.Tensor, AttentionBatch]:
-        """`(input_ids, positions, batch)` for the scheduled requests, in order."""
+        """`(input_ids, positions, batch)` for the scheduled requests, in order.
+
+        Per-request figures are gathered in one pass over the requests and turned
+        into tensors once; only token-level arrays (positions, slots) of a step that
+        prefills are computed with tensor ops. A step of pure decodes (one token
+        per request, the common case) needs no token-level op at all: each
+        request's one position and slot come from that pass."""
         tokens: list[int] = []
+        starts: list[int] = []
+        lens: list[int] = []
         for entry in scheduled:
             known_end = entry.start + entry.num_tokens - len(entry.draft_token_ids)
             tokens += token_slice(entry.request, entry.start, known_end)
             tokens += entry.draft_token_ids
-        starts = [entry.start for entry in scheduled]
-        lens = [entry.num_tokens for entry in scheduled]
-        device = self.device
-        query_lens = torch.tensor(lens, dtype=torch.int32)
+            starts.append(entry.start)
+            lens.append(entry.num_tokens)
+        size = self.block_size
+        tables = self.kv.live_block_tables([entry.request.request_id for entry in scheduled])
+        width = max(map(len, tables))
+        block_table = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32)
+        max_query_len = max(lens)
         context_lens = torch.tensor(starts, dtype=torch.int32)
-        query_start_loc = torch.zeros(len(lens) + 1, dtype=torch.int32)
-        torch.cumsum(query_lens, 0, out=query_start_loc[1:])
-        seq_lens = context_lens + query_lens
-        seq_of_token = torch.repeat_interleave(torch.arange(len(lens)), query_lens.long())
-        positions = (torch.arange(len(tokens)) - query_start_loc[:-1].long()[seq_of_token]
-                     + context_lens.long()[seq_of_token])
-        block_table = self.kv.block_table_tensor([entry.request.request_id for entry in scheduled]).to(torch.int32)
-        slot_mapping = (block_table[seq_of_token, positions // self.block_size].long() * self.block_size
-                        + positions % self.block_size)
+        if max_query_len == 1:
+            positions = context_lens.long()
+            query_start_loc = torch.arange(len(lens) + 1, dtype=torch.int32)
+            seq_lens = context_lens + 1
+            slot_mapping = torch.tensor([t[s // size] * size + s % size for t, s in zip(tables, starts)],
+                                        dtype=torch.int64)
+        else:
+            query_lens = torch.tensor(lens, dtype=torch.int64)
+            query_start_loc = torch.zeros(len(lens) + 1, dtype=torch.int32)
+            torch.cumsum(query_lens, 0, out=query_start_loc[1:])
+            seq_lens = context_lens + query_lens.int()
+            seq_of_token = torch.repeat_interleave(query_lens)
+            # A token's position: its index in the flat batch, shifted by its sequence's (context - start).
+            shift = context_lens.long() - query_start_loc[:-1].long()
+            positions = torch.arange(len(tokens)) + shift[seq_of_token]
+            slot_mapping = block_table[seq_of_token, positions // size].long() * size + positions % size
+        device = self.device
         batch = AttentionBatch(
             query_start_loc=query_start_loc.to(device),
             seq_lens=seq_lens.to(device),
             context_lens=context_lens.to(device),
             block_table=block_table.to(device),
             slot_mapping=slot_mapping.to(device),
-            block_size=self.block_size,
-            max_query_len=max(lens),
+            block_size=size,
+            max_query_len=max_query_len,
             max_seq_len=max(s + n for s, n in zip(starts, lens)),
         )
         input_ids = torch.tensor(tokens, dtype=torch.int64, device=device)
@@ -83,21 +103,25 @@ class ModelRunner:
         input_ids, positions, batch = self.build_batch(scheduled)
         hidden = self.forward(input_ids, positions, batch)
         rows = logit_rows(scheduled)
-        if rows.numel() == 0:
+        if not rows:
             return hidden.new_zeros((0, self.model.vocab_size), dtype=torch.float32)
-        return self.model.compute_logits(hidden[rows.to(hidden.device)]).float()
+        if len(rows) < hidden.shape[0]:  # rows are increasing: as many as tokens means every token
+            hidden = hidden[torch.tensor(rows, device=hidden.device)]
+        return self.model.compute_logits(hidden).float()
 
 
-def logit_rows(scheduled: Sequence[ScheduledRequest]) -> torch.Tensor:
-    """The rows of a step's flattened tokens whose logits are sampled: the last
-    `entry.num_logit_rows` new tokens of every entry, entry after entry (int64, CPU)."""
-    counts = torch.tensor([entry.num_logit_rows for entry in scheduled], dtype=torch.int64)
-    total = int(counts.sum())
-    # Row r of an entry with c rows is its token (end - c + r): offsets within each entry by cumsum.
-    ends = torch.cumsum(torch.tensor([entry.num_tokens for entry in scheduled], dtype=torch.int64), 0)
-    first = torch.repeat_interleave(ends - counts, counts)
-    within = torch.arange(total) - torch.repeat_interleave(torch.cumsum(counts, 0) - counts, counts)
-    return first + within
+def logit_rows(scheduled: Sequence[ScheduledRequest]) -> list[int]:
+    """Rows of the step's flat batch whose logits are needed: an entry with `c`
+    logit rows needs its last `c` tokens. A loop over requests (c is 1 plus its
+    drafts), not over tokens."""
+    rows: list[int] = []
+    end = 0
+    for entry in scheduled:
+        end += entry.num_tokens
+        count = entry.num_logit_rows
+        if count:
+            rows.extend(range(end - count, end))
+    return rows
 
 
 def copy_blocks(kv_caches: Sequence[torch.Tensor], copies: Sequence[tuple[int, int]], device: torch.device) -> None:
@@ -108,11 +132,3 @@ def copy_blocks(kv_caches: Sequence[torch.Tensor], copies: Sequence[tuple[int, i
     dst = torch.tensor([d for _, d in copies], device=device)
     for cache in kv_caches:
         cache[dst] = cache[src]
-
-
-def token_slice(request, start: int, end: int) -> list[int]:
-    """`request.all_token_ids[start:end]` without concatenating the whole sequence."""
-    prompt, output = request.prompt_token_ids, request.output_token_ids
-    if start >= len(prompt):
-        return output[start - len(prompt): end - len(prompt)]
-    return prompt[start:end] + output[: max(0, end - len(prompt))]

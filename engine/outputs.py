@@ -86,7 +86,7 @@ def visible_text(request: Request) -> str:
     decodes half a UTF-8 sequence as U+FFFD) and less a tail that could begin a
     stop string, until the request finishes, so streamed pieces always add up to
     the final text."""
-    if request.finished:
+    if request.finished or not request.text:  # (no text: token ids only, detokenize=False)
         return request.text
     text = request.text.rstrip("\ufffd")
     # Hold back a tail that may yet grow into a stop string, which would be cut off.
@@ -113,6 +113,10 @@ def completion_of(request: Request, previous_tokens: int = 0, previous_text: int
 
 
 def timings_of(samples: list[Request]) -> RequestTimings:
+    if len(samples) == 1:  # n == 1: every step reports one, so skip the general min/max
+        one = samples[0]
+        return RequestTimings(one.arrival_time, one.first_token_time, one.finish_time if one.finished else None,
+                              len(one.output_token_ids))
     firsts = [s.first_token_time for s in samples if s.first_token_time is not None]
     done = all(s.finished for s in samples)
     return RequestTimings(

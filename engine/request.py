@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import enum
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -37,6 +38,37 @@ class FinishReason(str, enum.Enum):
 
     def __str__(self) -> str:
         return self.value
+
+
+def token_slice(request, start: int, end: int) -> list[int]:
+    """`request.all_token_ids[start:end]` (0 <= start <= end) without concatenating
+    the whole sequence."""
+    prompt, output = request.prompt_token_ids, request.output_token_ids
+    if start >= len(prompt):
+        return output[start - len(prompt): end - len(prompt)]
+    return prompt[start:end] + output[: max(0, end - len(prompt))]
+
+
+class TokenIds(Sequence):
+    """A request's prompt and output as one read-only sequence, without the copy
+    `all_token_ids` makes: the prefix cache hashes a block of it only when one
+    fills, while a copy every step would cost O(length) per request."""
+
+    __slots__ = ("request",)
+
+    def __init__(self, request: "Request"):
+        self.request = request
+
+    def __len__(self) -> int:
+        return self.request.num_tokens
+
+    def __getitem__(self, index):
+        if isinstance(index, slice):
+            start, stop, step = index.indices(len(self))
+            if step == 1:
+                return token_slice(self.request, start, max(start, stop))
+            return self.request.all_token_ids[index]
+        return self.request.all_token_ids[index]
 
 
 @dataclass(eq=False)  # requests compare by identity: ids are unique, state changes
@@ -95,6 +127,11 @@ class Request:
     @property
     def all_token_ids(self) -> list[int]:
         return self.prompt_token_ids + self.output_token_ids
+
+    @property
+    def token_view(self) -> TokenIds:
+        """`all_token_ids` as a view: no copy."""
+        return TokenIds(self)
 
     @property
     def finished(self) -> bool:

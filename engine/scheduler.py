@@ -203,9 +203,18 @@ class Scheduler:
                 scheduled[request.request_id] = entry
                 budget -= num_new
 
+        # Full blocks this step computes. A waiting request whose next block is among
+        # them waits one step and then takes it from the prefix cache, instead of
+        # computing the same shared prompt again beside the request computing it now.
+        computing = set()
+        if self.kv.enable_prefix_caching and self.waiting:  # (pure decode steps skip this)
+            for entry in scheduled.values():
+                computing.update(self.kv.block_hashes(entry.request.request_id, entry.start,
+                                                      entry.start + entry.num_tokens))
         while self.waiting and budget > 0 and not out.preempted:
             request = self.waiting[0]
-            if len(self.running) >= self.max_num_seqs:
+            needs_slot = len(self.running) >= self.max_num_seqs
+            if needs_slot:
                 view = request.view()
                 victim = victim_among([r for r in self.running if self.policy.may_preempt(view, r.view())])
                 if victim is None:
@@ -213,6 +222,9 @@ class Scheduler:
                 preempt(victim)
             salt = () if request.cache_salt is None else (("cache_salt", request.cache_salt),)
             computed = self.kv.admit(request.request_id, request.all_token_ids, salt)
+            if computing and not needs_slot and self.kv.next_block_hash(request.request_id, computed) in computing:
+                self.kv.free(request.request_id)
+                break  # strict order: what waits behind it waits too
             num_new = min(request.num_tokens - computed, budget)
             admitted = self.grow(request, computed + num_new)
             while not admitted:
@@ -245,10 +257,12 @@ class Scheduler:
             self.running.append(request)
             scheduled[request.request_id] = ScheduledRequest(request, computed, num_new)
             budget -= num_new
+            if self.kv.enable_prefix_caching:
+                computing.update(self.kv.block_hashes(request.request_id, computed, computed + num_new))
 
         out.scheduled = list(scheduled.values())
         for entry in out.scheduled:
-            if entry.samples and entry.request.forks:
+            if entry.request.forks and entry.samples:
                 entry.forks = [child for child in entry.request.forks if not child.finished]
                 entry.request.forks = []
         return out
@@ -276,7 +290,7 @@ class Scheduler:
             request.num_computed_tokens = min(computed, request.num_tokens)
             if entry.draft_token_ids:
                 self.kv.truncate(request.request_id, request.num_computed_tokens)
-            self.kv.cache_blocks(request.request_id, request.all_token_ids, request.num_computed_tokens)
+            self.kv.cache_blocks(request.request_id, request.token_view, request.num_computed_tokens)
             for child in entry.forks:
                 self.kv.fork(request.request_id, child.request_id)
                 child.num_computed_tokens = request.num_computed_tokens

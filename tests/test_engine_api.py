@@ -149,6 +149,7 @@ def test_timings_measure_first_token_and_time_per_output_token():
 def test_plan_is_called_once_per_step():
     model = FakeCausalLM()
     engine = fake_engine(model, max_num_batched_tokens=8)
+    model.plans = 0  # the engine's start-up warm-up step planned once
     for i in range(5):
         engine.add_request(str(i), PROMPT, greedy(3))
     steps = 0
@@ -175,8 +176,8 @@ def test_abort_frees_blocks_at_once_and_reports_the_request_once():
 
 def test_high_priority_request_starts_before_every_lower_priority_waiting_one():
     engine = fake_engine(FakeCausalLM(), num_blocks=8, block_size=4, max_num_seqs=2, policy="priority")
-    for i in range(4):
-        engine.add_request(f"low{i}", PROMPT, greedy(6), priority=5)
+    for i in range(4):  # distinct prompts: a shared one would make them wait for its cached blocks, not preempt
+        engine.add_request(f"low{i}", [1 + i] + PROMPT[1:], greedy(6), priority=5)
     engine.step()
     engine.add_request("high", PROMPT, greedy(6), priority=0)
     first_token = {}

@@ -112,7 +112,7 @@ class LeakyAllocator(PrefixCachingAllocator):
 
 
 def leak_engine(allocator: str) -> LLMEngine:
-    config = EngineConfig(device="cpu", dtype="float32",
+    config = EngineConfig(device="cpu", dtype="float32", warmup=False,  # its blocks would leak too
                           cache={"allocator": allocator, "num_blocks": 32, "block_size": 4},
                           scheduler={"policy": "fcfs", "max_num_batched_tokens": 32})
     return LLMEngine(config, model=FakeCausalLM(), registry=registry_with(LeakyAllocator))
@@ -167,6 +167,22 @@ def test_non_finite_logits_end_every_sample_of_that_request():
     outputs = run_all(engine, {"poisoned": [POISON, 2, 3], "clean": [4, 5, 6]}, params)
     assert {c.finish_reason for c in outputs["poisoned"].outputs} == {"error"}
     assert {c.finish_reason for c in outputs["clean"].outputs} == {"length"}
+
+
+def test_finite_logits_whose_sum_overflows_are_not_taken_for_non_finite():
+    # The step checks one sum of all logits first; float32 overflow there must not end anything.
+    model = FakeCausalLM()
+    original = model.compute_logits
+
+    def huge(hidden):
+        logits = original(hidden).clone()
+        logits[:, :4] = 3e38  # finite, but four of them sum to infinity in float32
+        return logits
+
+    model.compute_logits = huge
+    outputs = run_all(fake_engine(model), {"a": [1, 2, 3], "b": [4, 5]})
+    assert {o.finish_reason for o in outputs.values()} == {"length"}
+    assert all(o.error is None and len(o.token_ids) == GREEDY.max_tokens for o in outputs.values())
 
 
 # 6. A model name handed to LLMEngine

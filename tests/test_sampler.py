@@ -188,4 +188,5 @@ def test_row_argmax_is_torch_argmax_with_ties_infinities_and_nan(rows, width, bl
             x[i % rows, torch.randint(0, width, (1,), generator=generator)] = float(special)
     if rows > 1:
         x[-1] = float("-inf")  # a row with nothing but -inf
+    assert torch.equal(row_argmax(x, block, direct_below=0), x.argmax(dim=-1))
     assert torch.equal(row_argmax(x, block), x.argmax(dim=-1))
