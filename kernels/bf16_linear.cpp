@@ -45,6 +45,7 @@ struct Epilogue {
 };
 
 namespace bf16_base {
+#include "bf16_vectors.h"
 #include "bf16_linear_tile.h"
 }  // namespace bf16_base
 
@@ -52,18 +53,21 @@ namespace bf16_base {
 #pragma GCC push_options
 #pragma GCC target("avx2,fma,f16c")
 namespace bf16_avx2 {
+#include "bf16_vectors.h"
 #include "bf16_linear_tile.h"
 }  // namespace bf16_avx2
 #pragma GCC pop_options
 #pragma GCC push_options
 #pragma GCC target("avx512f,avx512bw,avx512dq,avx512vl,avx2,fma,f16c")
 namespace bf16_avx512 {
+#include "bf16_vectors.h"
 #include "bf16_linear_tile.h"
 }  // namespace bf16_avx512
 #pragma GCC pop_options
 #pragma GCC push_options
 #pragma GCC target("avx512f,avx512bw,avx512dq,avx512vl,avx512bf16,avx2,fma,f16c")
 namespace bf16_dpbf16 {
+#include "bf16_vectors.h"
 #include "bf16_linear_tile.h"
 #include "bf16_linear_dpbf16.h"
 }  // namespace bf16_dpbf16

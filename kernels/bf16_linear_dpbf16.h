@@ -4,11 +4,15 @@
 // pair is broadcast as one 32-bit word; the weights are read as packed.
 // Included once, under the avx512bf16 target, after bf16_linear_tile.h.
 
-inline __m512bh x_pair(const uint16_t* p, bool second) {
-  uint32_t word = p[0];
-  if (second) word |= static_cast<uint32_t>(p[1]) << 16;
-  return (__m512bh)_mm512_set1_epi32(static_cast<int>(word));
+// Inputs 2p and 2p + 1 as one 32-bit word in every lane (one broadcast load).
+inline __m512bh x_pair(const uint16_t* p) {
+  int32_t word;
+  __builtin_memcpy(&word, p, 4);
+  return (__m512bh)_mm512_set1_epi32(word);
 }
+
+// An odd width's last input alone, the other half zero: never read past the row.
+inline __m512bh x_last(const uint16_t* p) { return (__m512bh)_mm512_set1_epi32(static_cast<int32_t>(p[0])); }
 
 template <int MR, int NB>
 inline void dpbf16_tile(const uint16_t* __restrict__ x, int64_t x_stride, const uint16_t* __restrict__ w,
@@ -22,7 +26,7 @@ inline void dpbf16_tile(const uint16_t* __restrict__ x, int64_t x_stride, const 
     __m512bh wv[NB];
     for (int b = 0; b < NB; ++b) wv[b] = (__m512bh)_mm512_loadu_si512(w + (b * pairs + p) * 2 * kLanes);
     for (int m = 0; m < MR; ++m) {
-      const __m512bh xv = x_pair(x + m * x_stride + 2 * p, true);
+      const __m512bh xv = x_pair(x + m * x_stride + 2 * p);
       for (int b = 0; b < NB; ++b) acc[m][b] = _mm512_dpbf16_ps(acc[m][b], xv, wv[b]);
     }
   }
@@ -30,7 +34,7 @@ inline void dpbf16_tile(const uint16_t* __restrict__ x, int64_t x_stride, const 
     __m512bh wv[NB];
     for (int b = 0; b < NB; ++b) wv[b] = (__m512bh)_mm512_loadu_si512(w + (b * pairs + full) * 2 * kLanes);
     for (int m = 0; m < MR; ++m) {
-      const __m512bh xv = x_pair(x + m * x_stride + 2 * full, false);
+      const __m512bh xv = x_last(x + m * x_stride + 2 * full);
       for (int b = 0; b < NB; ++b) acc[m][b] = _mm512_dpbf16_ps(acc[m][b], xv, wv[b]);
     }
   }

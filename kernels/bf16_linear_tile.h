@@ -11,30 +11,11 @@
 // and a mask (a bfloat16 is the top half of a float32), again with no shuffle.
 //
 // Included by bf16_linear.cpp once per ISA namespace (baseline, AVX2, AVX-512,
-// AVX-512 BF16); it includes nothing itself.
-
-typedef float vf16 __attribute__((vector_size(64), aligned(4), may_alias));
-typedef int32_t vi16 __attribute__((vector_size(64), aligned(4), may_alias));
-typedef uint32_t vu16 __attribute__((vector_size(64), aligned(4), may_alias));
+// AVX-512 BF16), after bf16_vectors.h; it includes nothing itself.
 
 constexpr int kLanes = 16;  // channels per block
 constexpr int kMaxRows = 4;  // rows per tile
 constexpr int kMaxBlocks = 4;  // blocks per tile: 64 channels
-
-inline float bf16_to_float(uint16_t b) {
-  const uint32_t bits = static_cast<uint32_t>(b) << 16;
-  float f;
-  __builtin_memcpy(&f, &bits, 4);
-  return f;
-}
-
-// Round to nearest even, as torch's float -> bfloat16; NaN stays a quiet NaN.
-inline uint16_t float_to_bf16(float f) {
-  uint32_t bits;
-  __builtin_memcpy(&bits, &f, 4);
-  if ((bits & 0x7fffffffu) > 0x7f800000u) return 0x7fc0;
-  return static_cast<uint16_t>((bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16);
-}
 
 // acc[m * 64 + b * 16 + j] = sum_d x[m][d] * w(channel 16 b + j of the tile, d), for m < MR, b < NB.
 // `w` is the tile's first block; blocks lie `pairs * 32` values apart.
@@ -69,34 +50,19 @@ inline void generic_tile(const uint16_t* __restrict__ x, int64_t x_stride, const
 // `Epilogue` (what the epilogue adds to the sums, and where it writes) is
 // defined once in bf16_linear.cpp, outside the ISA namespaces.
 
-// e^x lane by lane (Cephes' expf: range reduction by ln 2, degree-6
-// polynomial, about 1 ulp), for SiLU. vector_kernels.h has the same for the
-// attention's eight-lane vectors, but it needs the attention's own definitions
-// around it; x is clamped to [-87.3, 88], where e^x stays a normal float.
-inline vf16 exp16(vf16 x) {
-  x = x > 88.0f ? vf16{} + 88.0f : x;
-  x = x < -87.3f ? vf16{} - 87.3f : x;
-  const vf16 fx = x * 1.44269504088896341f + 0.5f;
-  vi16 n = __builtin_convertvector(fx, vi16);  // rounds toward zero ...
-  n = __builtin_convertvector(n, vf16) > fx ? n - 1 : n;  // ... so step down to floor
-  const vf16 nf = __builtin_convertvector(n, vf16);
-  const vf16 z = (x - nf * 0.693359375f) - nf * -2.12194440e-4f;
-  vf16 p = vf16{} + 1.9875691500e-4f;
-  p = p * z + 1.3981999507e-3f;
-  p = p * z + 8.3334519073e-3f;
-  p = p * z + 4.1665795894e-2f;
-  p = p * z + 1.6666665459e-1f;
-  p = p * z + 5.0000001201e-1f;
-  p = p * (z * z) + z + 1.0f;
-  const vi16 scale_bits = (n + 127) << 23;  // 2^n as float bits
-  return p * reinterpret_cast<const vf16&>(scale_bits);
-}
-
 // silu(g) = g / (1 + e^-g); a gate below -88 gives -0 or a tiny negative, as it should.
 inline vf16 silu16(vf16 g) { return g / (1.0f + exp16(-g)); }
 
 inline void store16(const Epilogue& e, int64_t row, int64_t c0, vf16 v) {
   const int64_t count = std::min<int64_t>(kLanes, e.n - c0);
+  if (count == kLanes) {
+    if (e.y_float) {
+      *reinterpret_cast<vf16*>(static_cast<float*>(e.y) + row * e.y_stride + c0) = v;
+    } else {
+      store_bf16x16(static_cast<uint16_t*>(e.y) + row * e.y_stride + c0, v);
+    }
+    return;
+  }
   if (e.y_float) {
     float* y = static_cast<float*>(e.y) + row * e.y_stride + c0;
     for (int64_t j = 0; j < count; ++j) y[j] = v[j];
@@ -127,7 +93,11 @@ inline void finish_tile(const float* acc, int mr, int nb, int64_t row0, int64_t 
       if (e.mode == 1) {
         const uint16_t* r = e.other + row * e.other_stride + c0;
         const int64_t count = std::min<int64_t>(kLanes, e.n - c0);
-        for (int64_t j = 0; j < count; ++j) v[j] += bf16_to_float(r[j]);
+        if (count == kLanes) {
+          v += load_bf16x16(r);
+        } else {
+          for (int64_t j = 0; j < count; ++j) v[j] += bf16_to_float(r[j]);
+        }
       }
       store16(e, row, c0, v);
     }

@@ -34,3 +34,13 @@ def _int8_weight_linear_fake(x, weight, scale, bias=None):
 @torch.library.register_fake("kvforge_cpp::bf16_linear")
 def _bf16_linear_fake(x, packed, out_features, bias=None, epilogue="none", other=None, float_out=False):
     return x.new_empty((x.shape[0], out_features), dtype=torch.float32 if float_out else x.dtype)
+
+
+@torch.library.register_fake("kvforge_cpp::rms_norm")
+def _rms_norm_fake(x, weight, eps):
+    return torch.empty_like(x, memory_format=torch.contiguous_format)
+
+
+@torch.library.register_fake("kvforge_cpp::rotary")
+def _rotary_fake(x, cos, sin):
+    return torch.empty_like(x, memory_format=torch.contiguous_format)

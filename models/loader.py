@@ -23,6 +23,7 @@ from kvforge.core.errors import ConfigError, UnsupportedConfigurationError
 
 from .base import CausalLM, ModelConfig
 from .cpp_linear import cpp_linear_pays, cpp_linear_unavailable, use_cpp_linears
+from .cpp_norms import use_cpp_norms
 from .packed_linear import AUTO_MIN_WEIGHT, LINEAR_KERNELS, onednn_unavailable, pack_linears
 from .quantized_linear import quantize_linears
 from .registry import model_class
@@ -206,6 +207,7 @@ def use_linear_kernel(model: CausalLM, kernel: str) -> None:
             raise UnsupportedConfigurationError(f"linear kernel 'cpp' is unavailable: {why_not}; "
                                                 "use linear_kernel 'torch', 'onednn' or 'auto'")
         use_cpp_linears(model)
+        use_cpp_norms(model)
         return
     why_not = onednn_unavailable(model.dtype, model.device)
     if why_not is None:
