@@ -23,6 +23,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from kvforge.core import dtype_name
 from kvforge.core.errors import UnsupportedConfigurationError
 
 from .packed_linear import linear_weight
@@ -47,7 +48,7 @@ def cpp_linear_unavailable(dtype: torch.dtype, device: torch.device) -> str | No
     if device.type != "cpu":
         return f"the C++ linear kernel is for CPU models, this one is on {device.type}"
     if dtype != torch.bfloat16:
-        return f"the C++ linear kernel runs bfloat16 models, this one is {str(dtype).removeprefix('torch.')}"
+        return f"the C++ linear kernel runs bfloat16 models, this one is {dtype_name(dtype)}"
     from kvforge.kernels import build
 
     if build.missing_tools() is not None and build.cached_library() is None:

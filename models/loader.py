@@ -23,7 +23,7 @@ from kvforge.core.errors import ConfigError, UnsupportedConfigurationError
 
 from .base import CausalLM, ModelConfig
 from .cpp_linear import cpp_linear_pays, cpp_linear_unavailable, use_cpp_linears
-from .cpp_norms import use_cpp_norms
+from .cpp_norms import cpp_norms_unavailable, use_cpp_norms
 from .packed_linear import AUTO_MIN_WEIGHT, LINEAR_KERNELS, onednn_unavailable, pack_linears
 from .quantized_linear import quantize_linears
 from .registry import model_class
@@ -162,6 +162,8 @@ def load_model(name_or_path: str | Path, *, dtype: torch.dtype | str = torch.flo
     bfloat16 CPU models, see `cpp_linear`) or "auto": cpp for a bfloat16 model
     on a CPU with AVX-512 BF16 (`cpp_linear.cpp_linear_pays`), else onednn where
     available, for weights of at least `AUTO_MIN_WEIGHT` elements, where packing pays.
+    "cpp", and "auto" for float32 and bfloat16 CPU models, also run RMSNorm and
+    rotary through kvforge's C++ kernels (`cpp_norms`).
     `kv_quantizer` (a `per_token` Quantizer instance) stores the KV cache quantized;
     `attention_backend` must then read its storage dtype (see `CausalLM.set_kv_quantizer`).
     `weight_quantizer` (a per_channel int8 `Quantizer`, e.g. the registry's
@@ -215,3 +217,5 @@ def use_linear_kernel(model: CausalLM, kernel: str) -> None:
     elif kernel == "onednn":
         raise UnsupportedConfigurationError(f"linear kernel 'onednn' is unavailable: {why_not}; "
                                             "use linear_kernel 'torch' or 'auto'")
+    if kernel == "auto" and cpp_norms_unavailable(model.dtype, model.device) is None:
+        use_cpp_norms(model)
