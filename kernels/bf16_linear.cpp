@@ -112,6 +112,8 @@ const Path& path_here() {
   return kBaseline;
 }
 
+constexpr int64_t kChunkRows = 64;  // a multiple of the 4-row tile
+
 int epilogue_mode(const std::string& name) {
   if (name == "none") return 0;
   if (name == "add") return 1;
@@ -180,14 +182,18 @@ at::Tensor bf16_linear(const at::Tensor& x, const at::Tensor& packed, int64_t ou
   const int64_t x_stride = x.stride(0);
   const Path& path = path_here();
   const int64_t channel_tiles = (blocks + 3) / 4;
-  at::parallel_for(0, channel_tiles, 1, [&](int64_t t0, int64_t t1) {
+  // Rows in chunks: a chunk's inputs stay in cache while every channel tile passes
+  // over them (a prefill's thousands of rows do not); a decode is one chunk.
+  const int64_t chunks = (m + kChunkRows - 1) / kChunkRows;
+  at::parallel_for(0, chunks * channel_tiles, 1, [&](int64_t i0, int64_t i1) {
     alignas(64) float acc[4 * 4 * 16];
-    for (int64_t t = t0; t < t1; ++t) {
-      const int64_t block0 = t * 4;
+    for (int64_t i = i0; i < i1; ++i) {
+      const int64_t row_end = std::min(m, (i / channel_tiles + 1) * kChunkRows);
+      const int64_t block0 = i % channel_tiles * 4;
       const int nb = static_cast<int>(std::min<int64_t>(4, blocks - block0));
       const uint16_t* w = w_ptr + block0 * pairs * 32;
-      for (int64_t r = 0; r < m; r += 4) {
-        const int mr = static_cast<int>(std::min<int64_t>(4, m - r));
+      for (int64_t r = i / channel_tiles * kChunkRows; r < row_end; r += 4) {
+        const int mr = static_cast<int>(std::min<int64_t>(4, row_end - r));
         path.tiles[mr - 1][nb - 1](x_ptr + r * x_stride, x_stride, w, pairs, k, acc);
         path.finish(acc, mr, nb, r, block0, e);
       }
