@@ -23,7 +23,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from kvforge.core import dtype_name
+from kvforge.core import cdiv, dtype_name
 from kvforge.core.errors import UnsupportedConfigurationError
 
 from .packed_linear import linear_weight
@@ -74,7 +74,7 @@ def pack_weight(weight: torch.Tensor) -> torch.Tensor:
     out padded with zero channels to a multiple of 16 and in with a zero input to
     an even count (the kernel never reads past a row of x for it)."""
     out_features, in_features = weight.shape
-    blocks, pairs = -(-out_features // LANES), -(-in_features // 2)
+    blocks, pairs = cdiv(out_features, LANES), cdiv(in_features, 2)
     padded = torch.zeros(blocks * LANES, pairs * 2, dtype=torch.bfloat16, device=weight.device)
     padded[:out_features, :in_features] = weight.detach()
     return padded.view(blocks, LANES, pairs, 2).transpose(1, 2).contiguous()
@@ -84,7 +84,7 @@ def pack_bias(bias: torch.Tensor | None, out_features: int) -> torch.Tensor | No
     """`bias` as float32, padded with zeros to whole blocks (the order of `pack_weight`)."""
     if bias is None:
         return None
-    padded = torch.zeros(-(-out_features // LANES) * LANES, dtype=torch.float32, device=bias.device)
+    padded = torch.zeros(cdiv(out_features, LANES) * LANES, dtype=torch.float32, device=bias.device)
     padded[:out_features] = bias.detach().float()
     return padded
 
