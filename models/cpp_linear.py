@@ -60,7 +60,12 @@ def cpp_linear_pays(dtype: torch.dtype, device: torch.device) -> bool:
     """Whether linear_kernel "auto" picks this kernel: a bfloat16 CPU model on a CPU
     with AVX-512 BF16, where it measured faster than `F.linear` and oneDNN at every
     layer shape and row count tried (docs/models.md, "bfloat16 linear layers")."""
-    return cpp_linear_unavailable(dtype, device) is None and kernel_path() == "avx512_bf16"
+    if cpp_linear_unavailable(dtype, device) is not None:
+        return False
+    try:
+        return kernel_path() == "avx512_bf16"
+    except UnsupportedConfigurationError:  # the library did not build: auto takes torch or oneDNN (the loader logs why)
+        return False
 
 
 def kernel_path() -> str:

@@ -218,4 +218,7 @@ def use_linear_kernel(model: CausalLM, kernel: str) -> None:
         raise UnsupportedConfigurationError(f"linear kernel 'onednn' is unavailable: {why_not}; "
                                             "use linear_kernel 'torch' or 'auto'")
     if kernel == "auto" and cpp_norms_unavailable(model.dtype, model.device) is None:
-        use_cpp_norms(model)
+        try:
+            use_cpp_norms(model)
+        except UnsupportedConfigurationError as exc:  # the compiler is there but the build failed
+            log.warning("RMSNorm and rotary stay on torch: %s", exc)
