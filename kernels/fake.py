@@ -1,7 +1,8 @@
 """Fake (meta) implementations of the `kvforge_cpp` ops, for FakeTensor tracing and
 torch.compile. The attention ops only mutate an argument and return nothing, so
-their fake implementations only have to exist; `int8_weight_linear` returns a
-new `[rows, out]` tensor of its input's dtype. Imported by `build.load` once the
+their fake implementations only have to exist; `int8_weight_linear` and
+`bf16_linear` return a new `[rows, out]` tensor (of the input's dtype, or
+float32 for `bf16_linear(..., float_out=True)`). Imported by `build.load` once the
 library is in."""
 
 from __future__ import annotations
@@ -28,3 +29,18 @@ def _write_quantized_kv_fake(key, value, kv_data, kv_scales, slot_mapping) -> No
 @torch.library.register_fake("kvforge_cpp::int8_weight_linear")
 def _int8_weight_linear_fake(x, weight, scale, bias=None):
     return x.new_empty((x.shape[0], weight.shape[0]))  # same dtype and device as x
+
+
+@torch.library.register_fake("kvforge_cpp::bf16_linear")
+def _bf16_linear_fake(x, packed, out_features, bias=None, epilogue="none", other=None, float_out=False):
+    return x.new_empty((x.shape[0], out_features), dtype=torch.float32 if float_out else x.dtype)
+
+
+@torch.library.register_fake("kvforge_cpp::rms_norm")
+def _rms_norm_fake(x, weight, eps):
+    return torch.empty_like(x, memory_format=torch.contiguous_format)
+
+
+@torch.library.register_fake("kvforge_cpp::rotary")
+def _rotary_fake(x, cos, sin):
+    return torch.empty_like(x, memory_format=torch.contiguous_format)

@@ -53,14 +53,20 @@ class ModelConfig(dict):
 
 
 class RMSNorm(nn.Module):
-    """Root-mean-square norm, computed in float32 like the Hugging Face models."""
+    """Root-mean-square norm, computed in float32 like the Hugging Face models.
+
+    `kernel` "cpp" (set by `cpp_norms.use_cpp_norms`) runs kvforge's C++ kernel:
+    one pass, the same rounding order, no float32 copy of the rows."""
 
     def __init__(self, size: int, eps: float):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(size))
         self.eps = eps
+        self.kernel = "torch"
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.kernel == "cpp":
+            return torch.ops.kvforge_cpp.rms_norm(x, self.weight, self.eps)
         # Hugging Face's rounding order (normalise in float32, cast, then scale by the weight),
         # with the small ops and the last multiply in place: fewer tensors to allocate.
         # (`F.rms_norm` is no faster here: on CPU it decomposes into these same ops.)
@@ -106,21 +112,30 @@ def rope_inv_freq(config: ModelConfig, head_size: int) -> torch.Tensor:
 class RotaryEmbedding(nn.Module):
     """Rotary position embedding (the rotate-half layout of the Hugging Face models).
 
-    `forward(positions)` gives the step's (cos, sin) once, `[T, 1, head/2]` (both
-    halves of a head share them); `rotate` uses them in every layer."""
+    `forward(positions)` gives the step's (cos, sin) once, `[T, 1, head/2]` in the
+    model's dtype (both halves of a head share them); `rotate` uses them in every
+    layer. With `kernel` "cpp" (set by `cpp_norms.use_cpp_norms`) they are float32
+    `[T, head/2]`, the tables of kvforge's C++ rotation (one pass, one rounding)."""
 
     def __init__(self, inv_freq: torch.Tensor):
         super().__init__()
         self.inv_freq = inv_freq  # a plain attribute, so meta-device construction leaves it real
+        self.kernel = "torch"
 
     def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        angles = (positions.float()[:, None] * self.inv_freq.to(positions.device)[None, :])[:, None, :]
-        return angles.cos().to(dtype), angles.sin().to(dtype)
+        angles = positions.float()[:, None] * self.inv_freq.to(positions.device)[None, :]
+        if self.kernel == "cpp":
+            return angles.cos(), angles.sin()
+        return angles[:, None, :].cos().to(dtype), angles[:, None, :].sin().to(dtype)
 
 
 def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Hugging Face's `x * cos + rotate_half(x) * sin` for `x` `[T, heads, head]` (any
-    strides), written half by half into one new tensor: no negated or concatenated copies."""
+    strides), written half by half into one new tensor: no negated or concatenated copies.
+    The C++ kernel's float32 `[T, head/2]` tables (`RotaryEmbedding` with kernel "cpp")
+    go to that kernel."""
+    if cos.dim() == 2:
+        return torch.ops.kvforge_cpp.rotary(x, cos, sin)
     half = x.shape[-1] // 2
     x1, x2 = x[..., :half], x[..., half:]
     out = torch.empty(x.shape, dtype=x.dtype, device=x.device)

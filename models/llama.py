@@ -72,12 +72,16 @@ class LlamaMLP(nn.Module):
         self.gate_proj = nn.Linear(hidden, inner, bias=bias)
         self.up_proj = nn.Linear(hidden, inner, bias=bias)
         self.down_proj = nn.Linear(inner, hidden, bias=bias)
+        self.gate_up_proj: nn.Module | None = None  # gate and up as one GEMM, set by cpp_linear.use_cpp_linears
         self.act = config.value("hidden_act", "silu")
         activation(self.act)  # refuse an unknown activation at construction
 
     def forward(self, x, residual=None):
         """`down(act(gate(x)) * up(x))`, plus `residual` when given; packed, no pass outside the GEMMs."""
-        gated = linear_mul(self.up_proj, x, linear_act(self.gate_proj, x, self.act))
+        if self.gate_up_proj is not None:
+            gated = self.gate_up_proj(x)
+        else:
+            gated = linear_mul(self.up_proj, x, linear_act(self.gate_proj, x, self.act))
         return linear_add(self.down_proj, gated, residual)
 
 

@@ -21,6 +21,8 @@ from kvforge.core import FLOAT_DTYPES, AttentionBackend, AttentionLayerSpec, Qua
 from kvforge.core.errors import ConfigError, UnsupportedConfigurationError
 
 from .base import CausalLM, ModelConfig
+from .cpp_linear import cpp_linear_pays, cpp_linear_unavailable, use_cpp_linears
+from .cpp_norms import cpp_norms_unavailable, use_cpp_norms
 from .packed_linear import AUTO_MIN_WEIGHT, LINEAR_KERNELS, onednn_unavailable, pack_linears
 from .quantized_linear import quantize_linears
 from .registry import model_class
@@ -168,8 +170,12 @@ def load_model(name_or_path: str | Path, *, dtype: torch.dtype | str = torch.flo
     `name_or_path` is a built-in name (`kvforge-tiny`, `kvforge-tiny-draft`) or a
     local Hugging Face directory. `dtype` is float32, bfloat16, float16 or "auto".
     `linear_kernel` is "torch" (`F.linear`), "onednn" (weights packed once, see
-    `packed_linear`; an error where unavailable) or "auto" (onednn where available,
-    for weights of at least `AUTO_MIN_WEIGHT` elements, where packing pays).
+    `packed_linear`; an error where unavailable), "cpp" (kvforge's C++ kernel,
+    bfloat16 CPU models, see `cpp_linear`) or "auto": cpp for a bfloat16 model
+    on a CPU with AVX-512 BF16 (`cpp_linear.cpp_linear_pays`), else onednn where
+    available, for weights of at least `AUTO_MIN_WEIGHT` elements, where packing pays.
+    "cpp", and "auto" for float32 and bfloat16 CPU models, also run RMSNorm and
+    rotary through kvforge's C++ kernels (`cpp_norms`).
     `kv_quantizer` (a `per_token` Quantizer instance) stores the KV cache quantized;
     `attention_backend` must then read its storage dtype (see `CausalLM.set_kv_quantizer`).
     `weight_quantizer` (a per_channel int8 `Quantizer`, e.g. the registry's
@@ -212,9 +218,22 @@ def use_linear_kernel(model: CausalLM, kernel: str) -> None:
         raise ConfigError(f"unknown linear kernel {kernel!r}; choose from: {', '.join(LINEAR_KERNELS)}")
     if kernel == "torch":
         return
+    if kernel == "cpp" or (kernel == "auto" and cpp_linear_pays(model.dtype, model.device)):
+        why_not = cpp_linear_unavailable(model.dtype, model.device)
+        if why_not is not None:
+            raise UnsupportedConfigurationError(f"linear kernel 'cpp' is unavailable: {why_not}; "
+                                                "use linear_kernel 'torch', 'onednn' or 'auto'")
+        use_cpp_linears(model)
+        use_cpp_norms(model)
+        return
     why_not = onednn_unavailable(model.dtype, model.device)
     if why_not is None:
         pack_linears(model, min_weight=AUTO_MIN_WEIGHT if kernel == "auto" else 0)
     elif kernel == "onednn":
         raise UnsupportedConfigurationError(f"linear kernel 'onednn' is unavailable: {why_not}; "
                                             "use linear_kernel 'torch' or 'auto'")
+    if kernel == "auto" and cpp_norms_unavailable(model.dtype, model.device) is None:
+        try:
+            use_cpp_norms(model)
+        except UnsupportedConfigurationError as exc:  # the compiler is there but the build failed
+            log.warning("RMSNorm and rotary stay on torch: %s", exc)

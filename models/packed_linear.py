@@ -25,7 +25,7 @@ from kvforge.core import dtype_name
 
 from .base import activation
 
-LINEAR_KERNELS = ("auto", "torch", "onednn")
+LINEAR_KERNELS = ("auto", "torch", "onednn", "cpp")
 # "auto" packs a weight of at least this many elements. A packed call costs about
 # 13 us more than `F.linear` before any work (measured here, one core), so small
 # weights run faster unpacked: a 128 x 384 layer takes 5 us unpacked against
@@ -100,7 +100,7 @@ def linear_add(layer: nn.Module, x: torch.Tensor, other: torch.Tensor | None) ->
     """`layer(x) + other` (a residual), or `layer(x)` when `other` is None; one GEMM when packed."""
     if other is None:
         return layer(x)
-    if isinstance(layer, PackedLinear):
+    if hasattr(layer, "binary"):  # PackedLinear, or cpp_linear.CppLinear: the add in the GEMM's epilogue
         return layer.binary(x, other, "add")
     return layer(x).add_(other)
 

@@ -19,6 +19,7 @@ import torch
 import transformers
 
 from kvforge.models import load_model
+from kvforge.models.cpp_linear import cpp_linear_unavailable
 from kvforge.models.packed_linear import LINEAR_KERNELS, onednn_unavailable
 
 sys.path.insert(0, str(Path(__file__).parent))  # the test-local driver sits beside this file
@@ -120,8 +121,33 @@ def test_matches_transformers_with_blocks_of_1(case, backend):
 def test_matches_transformers_with_every_linear_kernel(case, linear_kernel):
     if linear_kernel == "onednn" and onednn_unavailable(torch.float32, torch.device("cpu")):
         pytest.skip(onednn_unavailable(torch.float32, torch.device("cpu")))
+    if linear_kernel == "cpp":
+        pytest.skip("the cpp linear kernel runs bfloat16 models: test_bfloat16_stays_within_tolerance_with_each_kernel")
     _, path, prompts, references = case
     check_parity(path, prompts, references, BACKENDS[0], 16, permute=True, linear_kernel=linear_kernel)
+
+
+BF16_TOLERANCE = 0.05  # relative error of bfloat16 logits against float32 transformers (8 significant bits)
+
+
+@pytest.mark.parametrize("linear_kernel", ["torch", "cpp"])
+def test_bfloat16_stays_within_tolerance_with_each_kernel(case, linear_kernel):
+    """The model in bfloat16, against transformers in float32 on the prompts: with
+    kvforge's C++ linears, RMSNorm and rotary ("cpp") no further from float32 than
+    torch's bfloat16 path (which rounds after every op), and both within BF16_TOLERANCE."""
+    if linear_kernel == "cpp" and cpp_linear_unavailable(torch.bfloat16, torch.device("cpu")):
+        pytest.skip(cpp_linear_unavailable(torch.bfloat16, torch.device("cpu")))
+    arch, path, prompts, references = case
+    errors = {}
+    for kernel in dict.fromkeys(["torch", linear_kernel]):
+        model = load_model(path, dtype=torch.bfloat16, device="cpu", attention_backend=cpu_backends(torch.bfloat16)[0],
+                           linear_kernel=kernel)
+        driver = PagedDriver(model, 16, len(prompts), max(PROMPT_LENS) + 1)
+        prompt_logits, _, _ = driver.greedy(prompts, 1)
+        errors[kernel] = max(relative_error(prompt_logits[b].float(), ref_logits[:len(prompt)])
+                             for b, (prompt, (ref_logits, _)) in enumerate(zip(prompts, references)))
+    assert errors[linear_kernel] <= BF16_TOLERANCE, errors
+    assert errors[linear_kernel] <= 1.5 * errors["torch"] + 1e-3, errors
 
 
 def test_some_backend_is_available_on_cpu():

@@ -1,0 +1,222 @@
+// kvforge's bfloat16 linear for CPUs, a torch.library custom op:
+//
+//   kvforge_cpp::bf16_linear(x, packed, out_features, bias=None, epilogue="none",
+//                            other=None, float_out=False) -> Tensor
+//
+// x bfloat16 [rows, in] (rows may be strided); packed bfloat16 [blocks, pairs,
+// 16, 2], the weight as models/cpp_linear.py packs it once at load (layout:
+// bf16_linear_tile.h); bias float32 [blocks * 16] in the packed order, or None.
+// Sums are float32; the epilogue then works on them before the one rounding:
+//   "none":     y = x W^T + bias
+//   "add":      y = x W^T + bias + other        (other bfloat16 [rows, out]: a residual)
+//   "silu_mul": y = silu(x G^T + bg) * (x U^T + bu), G and U packed as
+//               alternating blocks (gate, up, gate, up, ...): the MLP's two
+//               projections as one GEMM, and no pass outside it.
+// y is bfloat16 [rows, out_features], or float32 when float_out (logits).
+// Tiles of 4 rows x 64 packed channels; channel tiles run in parallel.
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <optional>
+#include <string>
+
+#include "cpu_isa.h"
+
+#ifdef KVFORGE_HAS_X86_PATHS
+#include <immintrin.h>
+#endif
+
+namespace kvforge_cpp {
+
+// What the epilogue adds to the sums, and where it writes (see finish_tile).
+struct Epilogue {
+  int mode;  // 0: + bias; 1: + bias + other (a residual); 2: silu(gate) * up, blocks interleaved gate, up
+  const float* bias;  // [blocks * 16] in the packed order, or nullptr
+  const uint16_t* other;  // bfloat16 [rows, n] for mode 1
+  int64_t other_stride;
+  void* y;  // [rows, n], bfloat16 or float32
+  bool y_float;
+  int64_t y_stride;
+  int64_t n;  // output channels
+};
+
+namespace bf16_base {
+#include "bf16_vectors.h"
+#include "bf16_linear_tile.h"
+}  // namespace bf16_base
+
+#ifdef KVFORGE_HAS_X86_PATHS
+#pragma GCC push_options
+#pragma GCC target("avx2,fma,f16c")
+namespace bf16_avx2 {
+#include "bf16_vectors.h"
+#include "bf16_linear_tile.h"
+}  // namespace bf16_avx2
+#pragma GCC pop_options
+#pragma GCC push_options
+#pragma GCC target("avx512f,avx512bw,avx512dq,avx512vl,avx2,fma,f16c")
+namespace bf16_avx512 {
+#include "bf16_vectors.h"
+#include "bf16_linear_tile.h"
+}  // namespace bf16_avx512
+#pragma GCC pop_options
+#pragma GCC push_options
+#pragma GCC target("avx512f,avx512bw,avx512dq,avx512vl,avx512bf16,avx2,fma,f16c")
+namespace bf16_dpbf16 {
+#include "bf16_vectors.h"
+#include "bf16_linear_tile.h"
+#include "bf16_linear_dpbf16.h"
+}  // namespace bf16_dpbf16
+#pragma GCC pop_options
+#endif
+
+namespace {
+
+using TileFn = void (*)(const uint16_t*, int64_t, const uint16_t*, int64_t, int64_t, float*);
+using FinishFn = void (*)(const float*, int, int, int64_t, int64_t, const Epilogue&);
+
+// tiles[MR - 1][NB - 1] and the epilogue of one ISA.
+struct Path {
+  TileFn tiles[4][4];
+  FinishFn finish;
+  const char* name;
+};
+
+#define KVFORGE_TILE_ROW(NS, FN, MR) {&NS::FN<MR, 1>, &NS::FN<MR, 2>, &NS::FN<MR, 3>, &NS::FN<MR, 4>}
+#define KVFORGE_TILES(NS, FN) \
+  {KVFORGE_TILE_ROW(NS, FN, 1), KVFORGE_TILE_ROW(NS, FN, 2), KVFORGE_TILE_ROW(NS, FN, 3), KVFORGE_TILE_ROW(NS, FN, 4)}
+
+const Path kBaseline = {KVFORGE_TILES(bf16_base, generic_tile),
+                        &bf16_base::finish_tile, "baseline"};
+#ifdef KVFORGE_HAS_X86_PATHS
+const Path kAvx2 = {KVFORGE_TILES(bf16_avx2, generic_tile),
+                    &bf16_avx2::finish_tile, "avx2"};
+const Path kAvx512 = {KVFORGE_TILES(bf16_avx512, generic_tile),
+                      &bf16_avx512::finish_tile, "avx512"};
+const Path kDpbf16 = {KVFORGE_TILES(bf16_dpbf16, dpbf16_tile),
+                      &bf16_dpbf16::finish_tile, "avx512_bf16"};
+#endif
+
+const Path& path_here() {
+#ifdef KVFORGE_HAS_X86_PATHS
+  switch (isa()) {
+    case Isa::kAvx512: return has_avx512_bf16() ? kDpbf16 : kAvx512;
+    case Isa::kAvx2: return kAvx2;
+    case Isa::kBaseline: break;
+  }
+#endif
+  return kBaseline;
+}
+
+constexpr int64_t kChunkRows = 64;  // a multiple of the 4-row tile
+
+int epilogue_mode(const std::string& name) {
+  if (name == "none") return 0;
+  if (name == "add") return 1;
+  if (name == "silu_mul") return 2;
+  TORCH_CHECK(false, "kvforge_cpp.bf16_linear: epilogue must be 'none', 'add' or 'silu_mul', got '", name, "'");
+  return -1;
+}
+
+void check_inputs(const at::Tensor& x, const at::Tensor& packed, int64_t n, const std::optional<at::Tensor>& bias,
+                  int mode, const std::optional<at::Tensor>& other) {
+  const char* op = "kvforge_cpp.bf16_linear: ";
+  TORCH_CHECK(x.device().is_cpu() && packed.device().is_cpu(), op, "tensors must be on the CPU");
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16 && (x.stride(1) == 1 || x.size(1) <= 1), op,
+              "x must be a 2-D bfloat16 tensor [rows, in] with unit stride along `in`, got ", x.scalar_type(), " ",
+              x.sizes(), " strides ", x.strides());
+  TORCH_CHECK(packed.dim() == 4 && packed.scalar_type() == at::kBFloat16 && packed.size(2) == 16 &&
+                  packed.size(3) == 2 && packed.is_contiguous(), op,
+              "packed must be a contiguous bfloat16 [blocks, pairs, 16, 2] (pack the weight with "
+              "kvforge.models.cpp_linear.pack_weight), got ", packed.scalar_type(), " ", packed.sizes());
+  TORCH_CHECK(packed.size(1) == (x.size(1) + 1) / 2, op, "x has ", x.size(1), " input features but the packed "
+              "weight holds ", packed.size(1), " input pairs (", 2 * packed.size(1) - 1, " or ", 2 * packed.size(1),
+              " features)");
+  const int64_t room = mode == 2 ? packed.size(0) / 2 * 16 : packed.size(0) * 16;
+  TORCH_CHECK(n >= 0 && n <= room && n > room - 16 && (mode != 2 || packed.size(0) % 2 == 0), op, "out_features ",
+              n, " does not fit the packed weight's ", packed.size(0), " blocks of 16 channels",
+              mode == 2 ? " (silu_mul: alternating gate and up blocks, an even number)" : "");
+  if (bias.has_value()) {
+    TORCH_CHECK(bias->scalar_type() == at::kFloat && bias->is_contiguous() && bias->numel() == packed.size(0) * 16,
+                op, "bias must be a contiguous float32 tensor of ", packed.size(0) * 16,
+                " values (blocks x 16, in the packed order), got ", bias->scalar_type(), " ", bias->sizes());
+  }
+  if (mode == 1) {
+    TORCH_CHECK(other.has_value() && other->scalar_type() == at::kBFloat16 && other->dim() == 2 &&
+                    other->size(0) == x.size(0) && other->size(1) == n && other->stride(1) == 1, op,
+                "epilogue 'add' needs `other`, a bfloat16 [rows, out_features] = [", x.size(0), ", ", n,
+                "] with unit stride along out_features");
+  } else {
+    TORCH_CHECK(!other.has_value(), op, "`other` is only read by epilogue 'add'");
+  }
+}
+
+}  // namespace
+
+at::Tensor bf16_linear(const at::Tensor& x, const at::Tensor& packed, int64_t out_features,
+                       const std::optional<at::Tensor>& bias, const std::string& epilogue,
+                       const std::optional<at::Tensor>& other, bool float_out) {
+  const int mode = epilogue_mode(epilogue);
+  check_inputs(x, packed, out_features, bias, mode, other);
+  const int64_t m = x.size(0), k = x.size(1), blocks = packed.size(0), pairs = packed.size(1);
+  at::Tensor y = at::empty({m, out_features}, x.options().dtype(float_out ? at::kFloat : at::kBFloat16));
+  if (m == 0 || out_features == 0) return y;
+  if (k == 0) {  // no inputs: every sum is zero; the epilogue still applies
+    return bf16_linear(at::zeros({m, 2}, x.options()), at::zeros({blocks, 1, 16, 2}, packed.options()),
+                       out_features, bias, epilogue, other, float_out);
+  }
+  Epilogue e{mode,
+                        bias.has_value() ? bias->data_ptr<float>() : nullptr,
+                        mode == 1 ? reinterpret_cast<const uint16_t*>(other->data_ptr()) : nullptr,
+                        mode == 1 ? other->stride(0) : 0,
+                        y.data_ptr(),
+                        float_out,
+                        out_features,
+                        out_features};
+  const auto* x_ptr = reinterpret_cast<const uint16_t*>(x.data_ptr());
+  const auto* w_ptr = reinterpret_cast<const uint16_t*>(packed.data_ptr());
+  const int64_t x_stride = x.stride(0);
+  const Path& path = path_here();
+  const int64_t channel_tiles = (blocks + 3) / 4;
+  // Rows in chunks: a chunk's inputs stay in cache while every channel tile passes
+  // over them (a prefill's thousands of rows do not); a decode is one chunk.
+  const int64_t chunks = (m + kChunkRows - 1) / kChunkRows;
+  at::parallel_for(0, chunks * channel_tiles, 1, [&](int64_t i0, int64_t i1) {
+    alignas(64) float acc[4 * 4 * 16];
+    for (int64_t i = i0; i < i1; ++i) {
+      const int64_t row_end = std::min(m, (i / channel_tiles + 1) * kChunkRows);
+      const int64_t block0 = i % channel_tiles * 4;
+      const int nb = static_cast<int>(std::min<int64_t>(4, blocks - block0));
+      const uint16_t* w = w_ptr + block0 * pairs * 32;
+      for (int64_t r = i / channel_tiles * kChunkRows; r < row_end; r += 4) {
+        const int mr = static_cast<int>(std::min<int64_t>(4, row_end - r));
+        path.tiles[mr - 1][nb - 1](x_ptr + r * x_stride, x_stride, w, pairs, k, acc);
+        path.finish(acc, mr, nb, r, block0, e);
+      }
+    }
+  });
+  return y;
+}
+
+// Which path bf16_linear takes here and now ("avx512_bf16", "avx512", "avx2" or "baseline").
+std::string bf16_linear_path() { return path_here().name; }
+
+TORCH_LIBRARY_FRAGMENT(kvforge_cpp, m) {
+  m.def("bf16_linear(Tensor x, Tensor packed, int out_features, Tensor? bias=None, str epilogue=\"none\", "
+        "Tensor? other=None, bool float_out=False) -> Tensor");
+  m.def("bf16_linear_path() -> str");
+}
+
+TORCH_LIBRARY_IMPL(kvforge_cpp, CPU, m) {
+  m.impl("bf16_linear", &bf16_linear);
+}
+
+TORCH_LIBRARY_IMPL(kvforge_cpp, CompositeExplicitAutograd, m) {
+  m.impl("bf16_linear_path", &bf16_linear_path);
+}
+
+}  // namespace kvforge_cpp

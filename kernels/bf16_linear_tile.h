@@ -1,0 +1,105 @@
+// Register tiles of the bfloat16 linear (bf16_linear.cpp) over the packed
+// weight layout, and the epilogue they share.
+//
+// The packed weight is [blocks, pairs, 16, 2] bfloat16: sixteen output channels
+// per block, and for each pair of inputs (2p, 2p + 1) the sixteen channels'
+// two weights side by side. One 64-byte vector then holds the weights of 16
+// channels for two inputs: AVX-512 BF16's vdpbf16ps multiplies it by the two
+// inputs (broadcast) and adds both products into 16 float32 sums, with no
+// horizontal reduction at the end, whatever the input width. Without that
+// instruction each 32-bit word splits into its two weights as floats by a shift
+// and a mask (a bfloat16 is the top half of a float32), again with no shuffle.
+//
+// Included by bf16_linear.cpp once per ISA namespace (baseline, AVX2, AVX-512,
+// AVX-512 BF16), after bf16_vectors.h; it includes nothing itself.
+
+constexpr int kLanes = 16;  // channels per block
+constexpr int kMaxRows = 4;  // rows per tile
+constexpr int kMaxBlocks = 4;  // blocks per tile: 64 channels
+
+// acc[m * 64 + b * 16 + j] = sum_d x[m][d] * w(channel 16 b + j of the tile, d), for m < MR, b < NB.
+// `w` is the tile's first block; blocks lie `pairs * 32` values apart.
+template <int MR, int NB>
+inline void generic_tile(const uint16_t* __restrict__ x, int64_t x_stride, const uint16_t* __restrict__ w,
+                         int64_t pairs, int64_t k, float* __restrict__ acc_out) {
+  vf16 acc[MR][NB];
+  for (int m = 0; m < MR; ++m) {
+    for (int b = 0; b < NB; ++b) acc[m][b] = vf16{};
+  }
+  const int64_t full = k / 2;
+  for (int64_t p = 0; p < pairs; ++p) {
+    vf16 lo[NB], hi[NB];
+    for (int b = 0; b < NB; ++b) {
+      const vu16 words = *reinterpret_cast<const vu16*>(w + (b * pairs + p) * 2 * kLanes);
+      const vu16 even = words << 16, odd = words & 0xffff0000u;
+      lo[b] = reinterpret_cast<const vf16&>(even);
+      hi[b] = reinterpret_cast<const vf16&>(odd);
+    }
+    for (int m = 0; m < MR; ++m) {
+      const float x0 = bf16_to_float(x[m * x_stride + 2 * p]);
+      // An odd width's last pair has no second input (and a zero weight): never read past the row.
+      const float x1 = p < full ? bf16_to_float(x[m * x_stride + 2 * p + 1]) : 0.f;
+      for (int b = 0; b < NB; ++b) acc[m][b] += x0 * lo[b] + x1 * hi[b];
+    }
+  }
+  for (int m = 0; m < MR; ++m) {
+    for (int b = 0; b < NB; ++b) *reinterpret_cast<vf16*>(acc_out + m * kMaxBlocks * kLanes + b * kLanes) = acc[m][b];
+  }
+}
+
+// `Epilogue` (what the epilogue adds to the sums, and where it writes) is
+// defined once in bf16_linear.cpp, outside the ISA namespaces.
+
+// silu(g) = g / (1 + e^-g); a gate below -88 gives -0 or a tiny negative, as it should.
+inline vf16 silu16(vf16 g) { return g / (1.0f + exp16(-g)); }
+
+inline void store16(const Epilogue& e, int64_t row, int64_t c0, vf16 v) {
+  const int64_t count = std::min<int64_t>(kLanes, e.n - c0);
+  if (count == kLanes) {
+    if (e.y_float) {
+      *reinterpret_cast<vf16*>(static_cast<float*>(e.y) + row * e.y_stride + c0) = v;
+    } else {
+      store_bf16x16(static_cast<uint16_t*>(e.y) + row * e.y_stride + c0, v);
+    }
+    return;
+  }
+  if (e.y_float) {
+    float* y = static_cast<float*>(e.y) + row * e.y_stride + c0;
+    for (int64_t j = 0; j < count; ++j) y[j] = v[j];
+  } else {
+    uint16_t* y = static_cast<uint16_t*>(e.y) + row * e.y_stride + c0;
+    for (int64_t j = 0; j < count; ++j) y[j] = float_to_bf16(v[j]);
+  }
+}
+
+// Rows [row0, row0 + mr) of blocks [block0, block0 + nb): the sums in `acc`
+// (as generic_tile leaves them) through the epilogue into y.
+inline void finish_tile(const float* acc, int mr, int nb, int64_t row0, int64_t block0, const Epilogue& e) {
+  for (int m = 0; m < mr; ++m) {
+    const int64_t row = row0 + m;
+    for (int b = 0; b < nb; b += e.mode == 2 ? 2 : 1) {
+      vf16 v = *reinterpret_cast<const vf16*>(acc + m * kMaxBlocks * kLanes + b * kLanes);
+      const int64_t block = block0 + b;
+      if (e.bias != nullptr) v += *reinterpret_cast<const vf16*>(e.bias + block * kLanes);
+      if (e.mode == 2) {
+        vf16 up = *reinterpret_cast<const vf16*>(acc + m * kMaxBlocks * kLanes + (b + 1) * kLanes);
+        if (e.bias != nullptr) up += *reinterpret_cast<const vf16*>(e.bias + (block + 1) * kLanes);
+        const int64_t c0 = block / 2 * kLanes;
+        if (c0 < e.n) store16(e, row, c0, silu16(v) * up);
+        continue;
+      }
+      const int64_t c0 = block * kLanes;
+      if (c0 >= e.n) continue;
+      if (e.mode == 1) {
+        const uint16_t* r = e.other + row * e.other_stride + c0;
+        const int64_t count = std::min<int64_t>(kLanes, e.n - c0);
+        if (count == kLanes) {
+          v += load_bf16x16(r);
+        } else {
+          for (int64_t j = 0; j < count; ++j) v[j] += bf16_to_float(r[j]);
+        }
+      }
+      store16(e, row, c0, v);
+    }
+  }
+}

@@ -1,0 +1,201 @@
+"""bfloat16 linear layers through kvforge's C++ kernel, for CPU inference.
+
+`torch.ops.kvforge_cpp.bf16_linear` (kernels/bf16_linear.cpp) reads the
+weight in a layout packed once at load: sixteen output channels side by side
+for each pair of inputs, the operand AVX-512 BF16's `vdpbf16ps` multiplies and
+sums in one instruction (with float32 sums). CPUs without that instruction
+run the same layout through AVX-512, AVX2 or plain float32 tiles, chosen at
+run time. The sums stay in float32 until one rounding at the end, after the
+epilogue the models need: a bias, a residual add, or SiLU(gate) x up.
+
+`use_cpp_linears(model)` swaps every `nn.Linear` (and GPT-2's `Conv1D`) of a
+loaded bfloat16 CPU model for a `CppLinear`; a Llama-style MLP whose gate and
+up projections feed SiLU gets one `CppGateUp` for both (one GEMM, no pass
+outside it); the language-model head becomes a `CppLinear` that writes float32
+logits directly. When `linear_kernel` "auto" picks this kernel, and the
+measurements behind that: docs/models.md, "bfloat16 linear layers".
+
+The packed copy replaces the weight: nothing keeps the original.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from kvforge.core import cdiv, dtype_name
+from kvforge.core.errors import UnsupportedConfigurationError
+
+from .packed_linear import linear_weight
+
+LANES = 16  # output channels per packed block
+
+
+def load_kernel() -> None:
+    """Build (once, cached on disk) and load kvforge's C++ library, or raise a clear error."""
+    from kvforge.kernels import build
+
+    try:
+        build.load()
+    except build.CppBuildError as exc:
+        raise UnsupportedConfigurationError(
+            f"linear kernel 'cpp' needs kvforge's C++ library, which did not build: {exc}; "
+            "fix the toolchain, or use linear_kernel 'torch' or 'onednn'") from exc
+
+
+def cpp_linear_unavailable(dtype: torch.dtype, device: torch.device) -> str | None:
+    """Why the C++ bfloat16 linear cannot serve a `dtype` model on `device`; None when it can."""
+    if device.type != "cpu":
+        return f"the C++ linear kernel is for CPU models, this one is on {device.type}"
+    if dtype != torch.bfloat16:
+        return f"the C++ linear kernel runs bfloat16 models, this one is {dtype_name(dtype)}"
+    from kvforge.kernels import build
+
+    if build.missing_tools() is not None and build.cached_library() is None:
+        return f"kvforge's C++ library cannot be built here: {build.missing_tools()}"
+    return None
+
+
+def cpp_linear_pays(dtype: torch.dtype, device: torch.device) -> bool:
+    """Whether linear_kernel "auto" picks this kernel: a bfloat16 CPU model on a CPU
+    with AVX-512 BF16, where it measured faster than `F.linear` and oneDNN at every
+    layer shape and row count tried (docs/models.md, "bfloat16 linear layers")."""
+    if cpp_linear_unavailable(dtype, device) is not None:
+        return False
+    try:
+        return kernel_path() == "avx512_bf16"
+    except UnsupportedConfigurationError:  # the library did not build: auto takes torch or oneDNN (the loader logs why)
+        return False
+
+
+def kernel_path() -> str:
+    """The instruction set the kernel runs with here ("avx512_bf16", "avx512", "avx2" or "baseline")."""
+    load_kernel()
+    return torch.ops.kvforge_cpp.bf16_linear_path()
+
+
+def pack_weight(weight: torch.Tensor) -> torch.Tensor:
+    """`weight` `[out, in]` as the kernel reads it: bfloat16 `[blocks, pairs, 16, 2]`,
+    out padded with zero channels to a multiple of 16 and in with a zero input to
+    an even count (the kernel never reads past a row of x for it)."""
+    out_features, in_features = weight.shape
+    blocks, pairs = cdiv(out_features, LANES), cdiv(in_features, 2)
+    padded = torch.zeros(blocks * LANES, pairs * 2, dtype=torch.bfloat16, device=weight.device)
+    padded[:out_features, :in_features] = weight.detach()
+    return padded.view(blocks, LANES, pairs, 2).transpose(1, 2).contiguous()
+
+
+def pack_bias(bias: torch.Tensor | None, out_features: int) -> torch.Tensor | None:
+    """`bias` as float32, padded with zeros to whole blocks (the order of `pack_weight`)."""
+    if bias is None:
+        return None
+    padded = torch.zeros(cdiv(out_features, LANES) * LANES, dtype=torch.float32, device=bias.device)
+    padded[:out_features] = bias.detach().float()
+    return padded
+
+
+def interleave_blocks(first: torch.Tensor, second: torch.Tensor) -> torch.Tensor:
+    """Blocks of two packed tensors alternating (first's 0, second's 0, first's 1, ...)."""
+    return torch.stack([first, second], dim=1).flatten(0, 1).contiguous()
+
+
+class CppLinear(nn.Module):
+    """`y = x W^T + b` in bfloat16 through `kvforge_cpp::bf16_linear`, with `W` packed
+    (`pack_weight`). `float_out` makes the output float32 (the logits)."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, float_out: bool = False):
+        super().__init__()
+        load_kernel()
+        self.out_features, self.in_features = weight.shape
+        self.packed = pack_weight(weight)
+        self.bias = pack_bias(bias, self.out_features)
+        self.float_out = float_out
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.call(x, "none", None)
+
+    def binary(self, x: torch.Tensor, other: torch.Tensor, op: str) -> torch.Tensor:
+        """`(x W^T + b) op other` for op "add" (in the kernel's epilogue) or "mul"."""
+        if op == "mul":
+            return self(x).mul_(other)
+        return self.call(x, op, other)
+
+    def call(self, x: torch.Tensor, epilogue: str, other: torch.Tensor | None) -> torch.Tensor:
+        if x.dim() == 2:
+            return torch.ops.kvforge_cpp.bf16_linear(x, self.packed, self.out_features, self.bias, epilogue, other,
+                                                     self.float_out)
+        rows = x.reshape(-1, self.in_features)
+        other = None if other is None else other.reshape(-1, self.out_features)
+        y = torch.ops.kvforge_cpp.bf16_linear(rows, self.packed, self.out_features, self.bias, epilogue, other,
+                                              self.float_out)
+        return y.view(*x.shape[:-1], self.out_features)
+
+    def extra_repr(self) -> str:
+        return (f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, "
+                f"kvforge C++ bfloat16{', float32 out' if self.float_out else ''}")
+
+
+class CppGateUp(nn.Module):
+    """`silu(x G^T + bg) * (x U^T + bu)`, a SwiGLU MLP's gate and up projections as
+    one GEMM: their packed blocks alternate, and the kernel's epilogue multiplies
+    each gate block's SiLU with the up block beside it."""
+
+    def __init__(self, gate: nn.Module, up: nn.Module):
+        super().__init__()
+        load_kernel()
+        (gate_w, gate_b), (up_w, up_b) = linear_weight(gate), linear_weight(up)
+        if gate_w.shape != up_w.shape:
+            raise ValueError(f"gate and up weights must have one shape, got {tuple(gate_w.shape)} and "
+                             f"{tuple(up_w.shape)}")
+        self.out_features, self.in_features = gate_w.shape
+        self.packed = interleave_blocks(pack_weight(gate_w), pack_weight(up_w))
+        if gate_b is None and up_b is None:
+            self.bias = None
+        else:
+            zeros = torch.zeros(self.out_features, device=gate_w.device)
+            gb = pack_bias(gate_b if gate_b is not None else zeros, self.out_features)
+            ub = pack_bias(up_b if up_b is not None else zeros, self.out_features)
+            self.bias = torch.stack([gb.view(-1, LANES), ub.view(-1, LANES)], dim=1).flatten().contiguous()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x if x.dim() == 2 else x.reshape(-1, self.in_features)
+        y = torch.ops.kvforge_cpp.bf16_linear(rows, self.packed, self.out_features, self.bias, "silu_mul")
+        return y if x.dim() == 2 else y.view(*x.shape[:-1], self.out_features)
+
+    def extra_repr(self) -> str:
+        return (f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, "
+                "silu(gate) * up, kvforge C++ bfloat16")
+
+
+FUSED_ACTIVATIONS = ("silu", "swish")  # what CppGateUp's epilogue computes
+
+
+@torch.no_grad()
+def use_cpp_linears(model: nn.Module) -> int:
+    """Replace the linear layers of a loaded bfloat16 CPU model by CppLinear, fuse
+    each SiLU MLP's gate and up into a CppGateUp (set as the MLP's `gate_up_proj`),
+    and give the model a float32-output head (`lm_head_layer`); the number of
+    weights packed."""
+    count = 0
+    for module in list(model.modules()):
+        gate, up = getattr(module, "gate_proj", None), getattr(module, "up_proj", None)
+        if (hasattr(module, "gate_up_proj") and getattr(module, "act", None) in FUSED_ACTIVATIONS
+                and linear_weight(gate) is not None and linear_weight(up) is not None):
+            module.gate_up_proj = CppGateUp(gate, up)
+            del module.gate_proj, module.up_proj
+            count += 2
+    head = model.lm_head_weight() if hasattr(model, "lm_head_weight") else None
+    head_layer = CppLinear(head, None, float_out=True) if head is not None else None
+    count += int(head_layer is not None)
+    for parent in list(model.modules()):
+        for name, child in list(parent.named_children()):
+            if head_layer is not None and isinstance(child, nn.Linear) and child.weight is head:
+                setattr(parent, name, head_layer)  # an untied head: the one packed copy serves both
+                continue
+            found = linear_weight(child)
+            if found is not None:
+                setattr(parent, name, CppLinear(*found))
+                count += 1
+    if head_layer is not None:
+        model.lm_head_layer = head_layer
+    return count

@@ -1,0 +1,174 @@
+"""The bfloat16 linear kernel (`kvforge_cpp::bf16_linear`) against float64 on fresh
+random inputs: odd sizes that leave tails in every tiling (rows not a multiple of
+the 4-row tile, out not a multiple of the 16-channel block or the 64-channel tile,
+in odd so the last input pair is half empty), 1 to 129 rows, with and without
+bias, each epilogue (none, float32 out, residual add, SiLU(gate) x up), on every
+instruction-set path this CPU runs (capped with KVFORGE_CPP_ISA). Deliberately
+broken variants fail the same check, and bad input gets a clear error."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvforge.models.cpp_linear import interleave_blocks, kernel_path, load_kernel, pack_bias, pack_weight
+
+SHAPES = [(1, 37, 23), (3, 100, 70), (8, 515, 129), (33, 48, 9), (129, 130, 67), (6, 1, 17)]  # (rows, in, out)
+LEVELS = ("avx512", "avx2", "baseline")  # the cap; avx512 runs avx512_bf16 where the CPU has it
+EPILOGUES = ("none", "float_out", "add", "silu_mul")
+ACCUMULATION = 2e-6  # float32 sums: a few ulps of the sum of |terms| (in <= 515 here)
+BF16_HALF_ULP = 2.0**-8  # of |result|, for bfloat16 output
+
+
+@pytest.fixture(scope="module", autouse=True)
+def kernel():
+    load_kernel()
+
+
+def operands(rows: int, k: int, n: int, bias: bool, epilogue: str):
+    """Fresh random bfloat16 operands (a new draw every run), weights of two
+    projections for silu_mul; channel n // 2 much larger, so a mixed-up channel shows."""
+    x = torch.randn(rows, k).bfloat16()
+    count = 2 if epilogue == "silu_mul" else 1
+    ws = [torch.randn(n, k) * 0.3 for _ in range(count)]
+    for w in ws:
+        w[n // 2] *= 30
+    ws = [w.bfloat16() for w in ws]
+    bs = [torch.randn(n) if bias else None for _ in range(count)]
+    other = torch.randn(rows, n).bfloat16() if epilogue == "add" else None
+    return x, ws, bs, other
+
+
+def run_kernel(x, ws, bs, other, epilogue: str, pack=pack_weight):
+    n = ws[0].shape[0]
+    if epilogue == "silu_mul":
+        packed = interleave_blocks(pack(ws[0]), pack(ws[1]))
+        bias = None
+        if bs[0] is not None:
+            bias = torch.stack([pack_bias(b, n).view(-1, 16) for b in bs], dim=1).flatten().contiguous()
+        return torch.ops.kvforge_cpp.bf16_linear(x, packed, n, bias, "silu_mul")
+    mode = "add" if epilogue == "add" else "none"
+    return torch.ops.kvforge_cpp.bf16_linear(x, pack(ws[0]), n, pack_bias(bs[0], n), mode, other,
+                                             epilogue == "float_out")
+
+
+def kernel_error(out, x, ws, bs, other, epilogue: str) -> float:
+    """Largest error of `out` against float64, in units of its allowed error; <= 1 passes."""
+    x64 = x.double()
+    sums, bounds = [], []
+    for w, b in zip(ws, bs):
+        w64 = w.double()
+        sums.append(x64 @ w64.T + (0 if b is None else b.double()))
+        bounds.append(ACCUMULATION * (x64.abs() @ w64.abs().T + (0 if b is None else b.double().abs())))
+    if epilogue == "silu_mul":
+        gate, up = sums
+        silu = gate * torch.sigmoid(gate)
+        ref = silu * up
+        # |silu'| <= 1.1: the gate's error passes through scaled by |up|
+        allowed = 1.1 * up.abs() * bounds[0] + silu.abs() * bounds[1] + 1e-6 * ref.abs()
+    else:
+        ref, allowed = sums[0], bounds[0]
+        if other is not None:
+            ref = ref + other.double()
+    if epilogue != "float_out":
+        allowed = allowed + BF16_HALF_ULP * ref.abs()
+    assert out.shape == ref.shape
+    assert out.dtype == (torch.float32 if epilogue == "float_out" else torch.bfloat16)
+    return float(((out.double() - ref).abs() / (allowed + 1e-30)).max())
+
+
+@pytest.mark.parametrize("level", LEVELS)
+@pytest.mark.parametrize("epilogue", EPILOGUES)
+@pytest.mark.parametrize("bias", [False, True], ids=["no_bias", "bias"])
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
+def test_kernel_matches_float64_on_every_path(level, epilogue, bias, shape, monkeypatch):
+    monkeypatch.setenv("KVFORGE_CPP_ISA", level)
+    path = kernel_path()
+    if not path.startswith(level):  # the CPU lacks this level: the cap cannot raise it
+        pytest.skip(f"this CPU runs {path}, not {level}")
+    x, ws, bs, other = operands(*shape, bias, epilogue)
+    out = run_kernel(x, ws, bs, other, epilogue)
+    assert kernel_error(out, x, ws, bs, other, epilogue) <= 1
+
+
+def test_every_level_names_its_path(monkeypatch):
+    for level in LEVELS:
+        monkeypatch.setenv("KVFORGE_CPP_ISA", level)
+        assert kernel_path() in {"avx512": ("avx512_bf16", "avx512", "avx2", "baseline"), "avx2": ("avx2", "baseline"),
+                                 "baseline": ("baseline",)}[level]
+
+
+def test_the_check_catches_a_kernel_that_drops_the_last_input():
+    """Packing only the first in - 1 inputs (a tail bug: the half-empty last pair
+    lost) fails the check, though every other term of every sum is right."""
+    x, ws, bs, other = operands(5, 37, 23, False, "float_out")
+    assert kernel_error(run_kernel(x, ws, bs, other, "float_out"), x, ws, bs, other, "float_out") <= 1
+
+    def drops_last(w):
+        w = w.clone()
+        w[:, -1] = 0
+        return pack_weight(w)
+
+    broken = run_kernel(x, ws, bs, other, "float_out", pack=drops_last)
+    assert kernel_error(broken, x, ws, bs, other, "float_out") > 100
+
+
+def test_the_check_catches_weights_swapped_within_a_pair():
+    """A packing that swaps the two inputs of each pair (a layout bug) fails."""
+    x, ws, bs, other = operands(4, 64, 32, False, "none")
+    broken = run_kernel(x, ws, bs, other, "none", pack=lambda w: pack_weight(w).flip(-1).contiguous())
+    assert kernel_error(broken, x, ws, bs, other, "none") > 10
+
+
+def test_the_check_catches_gate_and_up_swapped():
+    """silu(up) * gate is not silu(gate) * up: the check tells them apart."""
+    x, ws, bs, other = operands(4, 40, 40, True, "silu_mul")
+    broken = run_kernel(x, ws[::-1], bs[::-1], other, "silu_mul")
+    assert kernel_error(broken, x, ws, bs, other, "silu_mul") > 10
+
+
+def test_strided_rows_zero_rows_and_rows_independent():
+    x, ws, bs, other = operands(9, 40, 24, True, "none")
+    wide = torch.zeros(9, 64, dtype=torch.bfloat16)
+    wide[:, 7:47] = x
+    op = torch.ops.kvforge_cpp.bf16_linear
+    packed, bias = pack_weight(ws[0]), pack_bias(bs[0], 24)
+    first = op(x, packed, 24, bias)
+    assert torch.equal(op(wide[:, 7:47], packed, 24, bias), first)  # rows 64 apart
+    assert op(x[:0], packed, 24, bias).shape == (0, 24)
+    changed = x.clone()
+    changed[1:] = torch.randn(8, 40).bfloat16() * 50
+    assert torch.equal(op(changed, packed, 24, bias)[0], first[0])  # no tile reads a neighbour's inputs
+
+
+@pytest.mark.parametrize("bad, message", [
+    (lambda x, p, n: (x.float(), p, n), "2-D bfloat16"),
+    (lambda x, p, n: (x[:, :10], p, n), "input pairs"),
+    (lambda x, p, n: (x, p.view(-1, 16, 2), n), r"\[blocks, pairs, 16, 2\]"),
+    (lambda x, p, n: (x, p, n + 16), "does not fit"),
+])
+def test_bad_input_gets_a_clear_error(bad, message):
+    x, ws, _, _ = operands(2, 16, 8, False, "none")
+    with pytest.raises(RuntimeError, match=message):
+        torch.ops.kvforge_cpp.bf16_linear(*bad(x, pack_weight(ws[0]), 8))
+
+
+def test_bad_epilogue_and_residual_get_a_clear_error():
+    x, ws, _, _ = operands(2, 16, 8, False, "none")
+    op, packed = torch.ops.kvforge_cpp.bf16_linear, pack_weight(ws[0])
+    with pytest.raises(RuntimeError, match="'none', 'add' or 'silu_mul'"):
+        op(x, packed, 8, None, "gelu")
+    with pytest.raises(RuntimeError, match=r"needs `other`.*\[2, 8\]"):
+        op(x, packed, 8, None, "add", torch.zeros(3, 8, dtype=torch.bfloat16))
+    with pytest.raises(RuntimeError, match="silu_mul.*even"):
+        op(x, packed, 8, None, "silu_mul")
+
+
+def test_fake_implementation_gives_the_output_shape_and_dtype():
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode():
+        x, packed = torch.empty(3, 40, dtype=torch.bfloat16), torch.empty(1, 20, 16, 2, dtype=torch.bfloat16)
+        assert torch.ops.kvforge_cpp.bf16_linear(x, packed, 7).dtype == torch.bfloat16
+        y = torch.ops.kvforge_cpp.bf16_linear(x, packed, 7, float_out=True)
+        assert y.shape == (3, 7) and y.dtype == torch.float32
