@@ -27,6 +27,8 @@ import time
 
 import torch
 
+from kvforge.core import cdiv
+
 
 def prefill_flops(lengths: list[int], num_heads: int, head_size: int) -> float:
     """Useful FLOPs of causal prefill attention over fresh prompts of `lengths` (see the module doc)."""
@@ -37,7 +39,7 @@ def prefill_inputs(lengths: list[int], num_heads: int, num_kv_heads: int, head_s
                    block_size: int = 16, seed: int = 0) -> dict:
     """The kernel's arguments for fresh prompts of `lengths`, every block shuffled in the cache."""
     g = torch.Generator().manual_seed(seed)
-    needs = [-(-n // block_size) for n in lengths]
+    needs = [cdiv(n, block_size) for n in lengths]
     num_blocks = sum(needs)
     physical = torch.randperm(num_blocks, generator=g).to(torch.int32)
     table = torch.zeros(len(lengths), max(needs), dtype=torch.int32)
