@@ -2,7 +2,7 @@
 // kernels (bf16_linear.cpp, rms_norm_rotary.cpp). GCC vector types: one zmm
 // register under AVX-512, two ymm under AVX2, four SSE registers on the
 // baseline, from one source. Included once per ISA namespace; it includes
-// nothing itself.
+// nothing but vector_exp.h (as unguarded).
 
 typedef float vf16 __attribute__((vector_size(64), aligned(4), may_alias));
 typedef int32_t vi16 __attribute__((vector_size(64), aligned(4), may_alias));
@@ -43,25 +43,7 @@ inline float sum16(vf16 v) {
   return s;
 }
 
-// e^x lane by lane (Cephes' expf: range reduction by ln 2, degree-6
-// polynomial, about 1 ulp), for SiLU. vector_kernels.h has the same for the
-// attention's eight-lane vectors, but it needs the attention's own definitions
-// around it; x is clamped to [-87.3, 88], where e^x stays a normal float.
-inline vf16 exp16(vf16 x) {
-  x = x > 88.0f ? vf16{} + 88.0f : x;
-  x = x < -87.3f ? vf16{} - 87.3f : x;
-  const vf16 fx = x * 1.44269504088896341f + 0.5f;
-  vi16 n = __builtin_convertvector(fx, vi16);  // rounds toward zero ...
-  n = __builtin_convertvector(n, vf16) > fx ? n - 1 : n;  // ... so step down to floor
-  const vf16 nf = __builtin_convertvector(n, vf16);
-  const vf16 z = (x - nf * 0.693359375f) - nf * -2.12194440e-4f;
-  vf16 p = vf16{} + 1.9875691500e-4f;
-  p = p * z + 1.3981999507e-3f;
-  p = p * z + 8.3334519073e-3f;
-  p = p * z + 4.1665795894e-2f;
-  p = p * z + 1.6666665459e-1f;
-  p = p * z + 5.0000001201e-1f;
-  p = p * (z * z) + z + 1.0f;
-  const vi16 scale_bits = (n + 127) << 23;  // 2^n as float bits
-  return p * reinterpret_cast<const vf16&>(scale_bits);
-}
+#include "vector_exp.h"
+
+// e^x on sixteen lanes, for SiLU.
+inline vf16 exp16(vf16 x) { return exp_of<vf16, vi16>(x); }

@@ -3,7 +3,7 @@
 //
 // Included twice by paged_attention.cpp (like attention_tile.h), once for the
 // baseline ISA and once under `#pragma GCC target("avx2,fma,f16c")`; it
-// therefore includes nothing itself and holds no state.
+// therefore includes nothing but vector_exp.h (as unguarded) and holds no state.
 
 // Eight floats as a GCC/Clang vector: lowered to one AVX register under the
 // AVX2 target and to two SSE (or NEON) registers on the baseline, with no
@@ -18,31 +18,7 @@ typedef int32_t vi8 __attribute__((vector_size(32), aligned(4), may_alias));
 
 inline vf8 splat(float x) { return vf8{} + x; }
 
-// e^x lane by lane for any float vector V with int32 twin VI (Cephes' expf:
-// range reduction by ln 2, degree-6 polynomial, about 1 ulp); x below -87.3,
-// and -inf, give exactly 0. The scalar expf call was a third of a prefill's time.
-template <typename V, typename VI>
-inline V exp_of(V x) {
-  const V lowest = V{} + -87.3365478515625f;
-  const VI underflow = x < lowest;
-  x = x > V{} + 88.0f ? V{} + 88.0f : x;
-  x = x < lowest ? lowest : x;
-  const V fx = x * 1.44269504088896341f + 0.5f;
-  VI n = __builtin_convertvector(fx, VI);  // rounds toward zero ...
-  n = __builtin_convertvector(n, V) > fx ? n - 1 : n;  // ... so step down to floor
-  const V nf = __builtin_convertvector(n, V);
-  const V z = (x - nf * 0.693359375f) - nf * -2.12194440e-4f;
-  V p = V{} + 1.9875691500e-4f;
-  p = p * z + 1.3981999507e-3f;
-  p = p * z + 8.3334519073e-3f;
-  p = p * z + 4.1665795894e-2f;
-  p = p * z + 1.6666665459e-1f;
-  p = p * z + 5.0000001201e-1f;
-  p = p * (z * z) + z + 1.0f;
-  const VI scale_bits = (n + 127) << 23;  // 2^n as float bits
-  const V result = p * reinterpret_cast<const V&>(scale_bits);
-  return underflow ? V{} : result;
-}
+#include "vector_exp.h"
 
 inline vf8 exp8(vf8 x) { return exp_of<vf8, vi8>(x); }
 

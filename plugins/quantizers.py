@@ -23,7 +23,15 @@ import torch
 from kvforge.core import PER_CHANNEL, PER_TOKEN, QuantizedTensor, Quantizer, StaticScaleQuantizer, hookimpl
 
 
-class AbsmaxQuantizer(Quantizer):
+class LinearDequantize:
+    """The dequantization every built-in quantizer shares: the linear map `data * scale`
+    the contract promises (`kvforge.core.Quantizer`)."""
+
+    def dequantize(self, q: QuantizedTensor, dtype: torch.dtype | None = None) -> torch.Tensor:
+        return (q.data.float() * q.scale).to(dtype or q.original_dtype)
+
+
+class AbsmaxQuantizer(LinearDequantize, Quantizer):
     """Scale each group (a row of the last dimension) by its largest magnitude."""
 
     max_value: ClassVar[float]  # the largest finite value of `storage_dtype`
@@ -44,9 +52,6 @@ class AbsmaxQuantizer(Quantizer):
             scaled = scaled.round_()
         data = scaled.clamp_(-self.max_value, self.max_value).to(self.storage_dtype)
         return QuantizedTensor(data, scale, x.dtype)
-
-    def dequantize(self, q: QuantizedTensor, dtype: torch.dtype | None = None) -> torch.Tensor:
-        return (q.data.float() * q.scale).to(dtype or q.original_dtype)
 
 
 class Fp8E4m3Quantizer(AbsmaxQuantizer):
@@ -91,7 +96,7 @@ class Int8WeightQuantizer(Int8Quantizer):
     granularity = PER_CHANNEL
 
 
-class StaticFp8Quantizer(StaticScaleQuantizer):
+class StaticFp8Quantizer(LinearDequantize, StaticScaleQuantizer):
     """fp8 with one fixed scale: `x / scale` rounded to the nearest fp8 value,
     saturating at the format's largest finite value (torch's own cast would give
     NaN for e4m3fn and Inf for e5m2 there). Rounding to nearest with m mantissa
@@ -104,9 +109,6 @@ class StaticFp8Quantizer(StaticScaleQuantizer):
         scale = self.fixed_scale()
         data = (x.float() / scale).clamp_(-self.max_value, self.max_value).to(self.storage_dtype)
         return QuantizedTensor(data, torch.tensor(scale, dtype=torch.float32, device=x.device), x.dtype)
-
-    def dequantize(self, q: QuantizedTensor, dtype: torch.dtype | None = None) -> torch.Tensor:
-        return (q.data.float() * q.scale).to(dtype or q.original_dtype)
 
 
 class Fp8E4m3PerTensorQuantizer(StaticFp8Quantizer):
