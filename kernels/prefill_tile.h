@@ -30,6 +30,8 @@ constexpr int64_t kKeyPad = 24;  // key counts are padded to a multiple of every
 template <int RV>
 constexpr int kScoreKeys = RV >= 3 ? 6 : 8;
 
+constexpr float kMaxSlack = 8.f;  // how far a score may pass its row's running maximum before the rescale
+
 inline int64_t pad_keys(int64_t n) { return (n + kKeyPad - 1) / kKeyPad * kKeyPad; }
 constexpr int64_t kLanes = 64;  // lanes of every transposed row: the tile's rows, padded
 
@@ -105,11 +107,12 @@ inline __m512 tanh16(__m512 x) {
 
 // Keys [k0, k0 + n) of the tile's KV head as float32 rows (hs apart) into
 // `keys` and `values`, read through the block table; rows n .. pad_keys(n) zeroed.
-// With `rows` (bfloat16 scores, prefill_bf16.h) the keys stay where they are:
-// rows[j] points at key j, rows n .. pad_keys(n) at `zeros`, and `keys` is not written.
+// With `rows` (bfloat16 sums, prefill_bf16.h) keys and values stay where they are:
+// rows[j] and value_rows[j] point at key j's, rows n .. pad_keys(n) at `zeros`,
+// and neither `keys` nor `values` is written.
 template <typename K>
 inline void load_key_tile(const Problem& p, const Tile& tile, int64_t k0, int64_t n, float* keys, float* values,
-                          const K** rows = nullptr, const K* zeros = nullptr) {
+                          const K** rows = nullptr, const K** value_rows = nullptr, const K* zeros = nullptr) {
   const int64_t hs = p.head_size, bs = p.block_size, heads = p.num_kv_heads, slot_stride = heads * hs;
   for (int64_t j = 0; j < n;) {
     const int64_t pos = k0 + j, logical = pos / bs, slot = pos % bs;
@@ -129,12 +132,13 @@ inline void load_key_tile(const Problem& p, const Tile& tile, int64_t k0, int64_
       float* vd = values + (j + i) * hs;
       if (rows != nullptr) {
         rows[j + i] = k;
-      } else {
-        for (int64_t d = 0; d < hs; d += 16) {
-          __m512 kx = load16(k + d);
-          if constexpr (kScaled<K>) kx = _mm512_mul_ps(kx, _mm512_set1_ps(key_scale));
-          _mm512_storeu_ps(kd + d, kx);
-        }
+        value_rows[j + i] = v;
+        continue;
+      }
+      for (int64_t d = 0; d < hs; d += 16) {
+        __m512 kx = load16(k + d);
+        if constexpr (kScaled<K>) kx = _mm512_mul_ps(kx, _mm512_set1_ps(key_scale));
+        _mm512_storeu_ps(kd + d, kx);
       }
       for (int64_t d = 0; d < hs; d += 16) {
         __m512 vx = load16(v + d);
@@ -146,11 +150,41 @@ inline void load_key_tile(const Problem& p, const Tile& tile, int64_t k0, int64_
   }
   const int64_t padded = pad_keys(n);
   if (rows != nullptr) {
-    for (int64_t j = n; j < padded; ++j) rows[j] = zeros;
-  } else {
-    std::fill(keys + n * hs, keys + padded * hs, 0.f);
+    for (int64_t j = n; j < padded; ++j) rows[j] = value_rows[j] = zeros;
+    return;
   }
+  std::fill(keys + n * hs, keys + padded * hs, 0.f);
   std::fill(values + n * hs, values + padded * hs, 0.f);
+}
+
+// Asks for keys and values [k0, k0 + n) of the tile's KV head (into L2) while the
+// tile before them is computed: a tile reads rows scattered over blocks, which
+// the hardware prefetchers do not follow.
+template <typename K>
+inline void prefetch_key_tile(const Problem& p, const Tile& tile, int64_t k0, int64_t n) {
+  const int64_t bs = p.block_size, slot_stride = p.num_kv_heads * p.head_size;
+  const int64_t head_bytes = p.head_size * static_cast<int64_t>(sizeof(K));
+  for (int64_t j = 0; j < n;) {
+    const int64_t pos = k0 + j, slot = pos % bs, run = std::min(n - j, bs - slot);
+    const K* page = page_of<K>(p, tile, pos / bs);
+    prefetch_rows(page + slot * slot_stride, run, slot_stride, head_bytes);
+    prefetch_rows(page + (bs + slot) * slot_stride, run, slot_stride, head_bytes);
+    j += run;
+  }
+}
+
+// vt2[jp][d] = (v[2jp][d], v[2jp + 1][d]) as one 32-bit word, for the bfloat16
+// value sums (prefill_bf16.h): `pairs` key pairs from bfloat16 rows where they lie.
+inline void pair_value_rows(const c10::BFloat16* const* value_rows, int64_t pairs, int64_t hs, uint32_t* vt2) {
+  for (int64_t jp = 0; jp < pairs; ++jp) {
+    const auto* even = value_rows[2 * jp];
+    const auto* odd = value_rows[2 * jp + 1];
+    for (int64_t d = 0; d < hs; d += 16) {
+      const __m512i lo = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(even + d)));
+      const __m512i hi = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(odd + d)));
+      _mm512_storeu_si512(vt2 + jp * hs + d, _mm512_or_si512(lo, _mm512_slli_epi32(hi, 16)));
+    }
+  }
 }
 
 // Calls f(std::integral_constant<int, RV>) for RV = count in 1..4.
@@ -176,11 +210,13 @@ void attend_tile_prefill(const Problem& p, const Tile& tile, Scratch& scratch) {
   // st [kKeyTile][kLanes], the key and value tiles [kKeyTile][hs].
   std::vector<float>& buffer = scratch.prefill;
   // With AVX-512 BF16 and a bfloat16 cache, the queries are also kept as bfloat16
-  // pairs (qt2 [hs / 2][kLanes] words) and a row of hs zero bfloat16 pads key tiles.
+  // pairs (qt2 [hs / 2][kLanes] words), a row of hs zero bfloat16 pads key tiles,
+  // and the weights and values go as pairs of keys (pt2 [kKeyTile / 2][kLanes],
+  // vt2 [kKeyTile / 2][hs] words) to the bfloat16 value sums.
   constexpr bool kBf16 = std::is_same_v<K, c10::BFloat16>;
   const bool pairs = kBf16 && has_avx512_bf16();
   buffer.resize(std::max<size_t>(buffer.size(), 2 * hs * kLanes + kKeyTile * kLanes + 2 * kKeyTile * hs +
-                                                    hs / 2 * kLanes + hs / 2));
+                                                    hs / 2 * kLanes + hs / 2 + kKeyTile / 2 * (kLanes + hs)));
   float* qt = buffer.data();
   float* acct = qt + hs * kLanes;
   float* st = acct + hs * kLanes;
@@ -188,8 +224,11 @@ void attend_tile_prefill(const Problem& p, const Tile& tile, Scratch& scratch) {
   float* tile_values = tile_keys + kKeyTile * hs;
   auto* qt2 = reinterpret_cast<uint32_t*>(tile_values + kKeyTile * hs);
   auto* zero_row = reinterpret_cast<const K*>(qt2 + hs / 2 * kLanes);
+  uint32_t* pt2 = qt2 + hs / 2 * kLanes + hs / 2;
+  uint32_t* vt2 = pt2 + kKeyTile / 2 * kLanes;
   if (pairs) std::fill(qt2, qt2 + hs / 2 * kLanes + hs / 2, 0u);  // the zero row too
   const K* key_rows[kKeyTile];
+  const K* value_rows[kKeyTile];
 
   // Queries in, transposed and scaled; padded lanes get no position, so see nothing.
   alignas(64) int32_t pos[kLanes];
@@ -226,6 +265,10 @@ void attend_tile_prefill(const Problem& p, const Tile& tile, Scratch& scratch) {
   }
   const int32_t window = static_cast<int32_t>(p.window);
   const __m512 cap = _mm512_set1_ps(p.soft_cap), inv_cap = _mm512_set1_ps(p.soft_cap > 0.f ? 1.f / p.soft_cap : 0.f);
+  // Locals, not reads of `p` in the loops: the score stores could alias it, so each would be reloaded.
+  const __m512 score_scale = _mm512_set1_ps(p.scale);
+  const __m512 max_slack = _mm512_set1_ps(kMaxSlack);
+  const bool capped = p.soft_cap > 0.f, has_alibi = p.alibi != nullptr;
 
   for (int64_t k0 = t.first; k0 <= t.last; k0 += kKeyTile) {
     const int64_t n = std::min<int64_t>(kKeyTile, t.last + 1 - k0);
@@ -241,7 +284,11 @@ void attend_tile_prefill(const Problem& p, const Tile& tile, Scratch& scratch) {
       }
     }
     if (v_lo >= v_hi) continue;
-    load_key_tile<K>(p, tile, k0, n, tile_keys, tile_values, pairs ? key_rows : nullptr, zero_row);
+    load_key_tile<K>(p, tile, k0, n, tile_keys, tile_values, pairs ? key_rows : nullptr, value_rows, zero_row);
+    if (k0 + kKeyTile <= t.last) prefetch_key_tile<K>(p, tile, k0 + kKeyTile, std::min(kKeyTile, t.last + 1 - k0 - kKeyTile));
+    if constexpr (kBf16) {
+      if (pairs) pair_value_rows(value_rows, pad_keys(n) / 2, hs, vt2);
+    }
     const int64_t lane0 = 16 * v_lo;
     with_row_vectors(v_hi - v_lo, [&](auto count) {
       constexpr int RV = decltype(count)::value;
@@ -265,7 +312,7 @@ void attend_tile_prefill(const Problem& p, const Tile& tile, Scratch& scratch) {
       const int64_t lane_last = std::min<int64_t>(16 * v + 15, rows - 1);
       const bool all_seen = pos[16 * v] >= k0 + n - 1 && lane_last == 16 * v + 15 &&
                             (window <= 0 || pos[lane_last] - window < k0);
-      const bool rewrite = !all_seen || pairs || p.soft_cap > 0.f || p.alibi != nullptr;
+      const bool rewrite = !all_seen || pairs || capped || has_alibi;
       __m512 best = row_max[v];
       for (int64_t j = 0; j < n; ++j) {
         float* sj = st + j * kLanes + 16 * v;
@@ -275,9 +322,9 @@ void attend_tile_prefill(const Problem& p, const Tile& tile, Scratch& scratch) {
           continue;
         }
         const __m512i key = _mm512_set1_epi32(static_cast<int32_t>(k0 + j));
-        if (pairs) x = _mm512_mul_ps(x, _mm512_set1_ps(p.scale));
-        if (p.soft_cap > 0.f) x = _mm512_mul_ps(cap, tanh16(_mm512_mul_ps(x, inv_cap)));
-        if (p.alibi != nullptr) {
+        if (pairs) x = _mm512_mul_ps(x, score_scale);
+        if (capped) x = _mm512_mul_ps(cap, tanh16(_mm512_mul_ps(x, inv_cap)));
+        if (has_alibi) {
           const __m512 distance = _mm512_cvtepi32_ps(_mm512_sub_epi32(key, lane_pos));
           x = _mm512_fmadd_ps(lane_slope, distance, x);
         }
@@ -289,6 +336,12 @@ void attend_tile_prefill(const Problem& p, const Tile& tile, Scratch& scratch) {
         _mm512_storeu_ps(sj, x);
         best = _mm512_max_ps(best, x);
       }
+      // A lane's running maximum moves only when a score passes it by more than
+      // kMaxSlack: weights up to e^kMaxSlack are harmless in float32 (and in the
+      // bfloat16 weights, which have float32's range), and the accumulator is
+      // rescaled a few times per row instead of on most key tiles.
+      best = _mm512_mask_blend_ps(_mm512_cmp_ps_mask(best, _mm512_add_ps(row_max[v], max_slack), _CMP_GT_OQ),
+                                  row_max[v], best);
       // Lanes that saw nothing yet keep -inf; they subtract 0 instead, so no inf - inf.
       const __mmask16 empty = _mm512_cmp_ps_mask(best, _mm512_set1_ps(kNegInf), _CMP_EQ_OQ);
       const __m512 shift = _mm512_mask_blend_ps(empty, best, _mm512_setzero_ps());
@@ -307,6 +360,7 @@ void attend_tile_prefill(const Problem& p, const Tile& tile, Scratch& scratch) {
       for (int64_t j = n; j < pad_keys(n); ++j) _mm512_storeu_ps(st + j * kLanes + 16 * v, _mm512_setzero_ps());
       row_sum[v] = sum;
       row_max[v] = best;
+      if (pairs) avx512bf16::probability_pairs(st, pt2, 16 * v, pad_keys(n) / 2);
       if (_mm512_cmp_ps_mask(factor, _mm512_set1_ps(1.f), _CMP_NEQ_UQ) != 0) {
         for (int64_t d = 0; d < hs; ++d) {
           float* a = acct + d * kLanes + 16 * v;
@@ -318,6 +372,13 @@ void attend_tile_prefill(const Problem& p, const Tile& tile, Scratch& scratch) {
       constexpr int RV = decltype(count)::value;
       constexpr int D = RV >= 3 ? 4 : 8;
       for (int64_t d = 0; d < hs; d += D) {
+        if constexpr (kBf16) {
+          if (pairs) {
+            avx512bf16::prefill_values_bf16<RV, D>(acct + d * kLanes + lane0, pt2 + lane0, vt2 + d, hs,
+                                                   pad_keys(n) / 2);
+            continue;
+          }
+        }
         prefill_values<RV, D>(acct + d * kLanes + lane0, st + lane0, tile_values + d, hs, pad_keys(n));
       }
     });

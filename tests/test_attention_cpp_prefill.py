@@ -77,6 +77,32 @@ def test_16_bit_queries_and_caches_match_reference(monkeypatch, dtype):
     check(monkeypatch, layer, dtype, [130, 33], [0, 0], 16, seed=4)
 
 
+@pytest.mark.parametrize("block_size", [1, 5, 16])
+@pytest.mark.parametrize("heads,kv_heads", [(8, 4), (6, 2)])
+def test_bfloat16_pairs_of_keys_across_blocks_match_reference(monkeypatch, block_size, heads, kv_heads):
+    # With AVX-512 BF16 the value sums take keys two by two: odd block sizes put
+    # a pair's keys in different blocks, odd key counts leave a pair half padding,
+    # and chunks with context start key tiles mid-block.
+    layer = AttentionLayerSpec(num_heads=heads, num_kv_heads=kv_heads, head_size=64)
+    check(monkeypatch, layer, torch.bfloat16, [131, 37, 1], [0, 29, 60], block_size, seed=block_size + heads)
+
+
+@pytest.mark.parametrize("extra", [{"sliding_window": 33}, {"logit_soft_cap": 2.0},
+                                   {"alibi_slopes": (0.5, 0.25, 0.125, 0.0625)}])
+def test_bfloat16_windows_soft_cap_and_alibi_match_reference(monkeypatch, extra):
+    layer = AttentionLayerSpec(num_heads=4, num_kv_heads=2, head_size=64, **extra)
+    check(monkeypatch, layer, torch.bfloat16, [120, 30], [0, 45], 8, seed=12)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_steep_scores_whose_maximum_keeps_jumping_match_reference(monkeypatch, dtype):
+    # A scale of 12 puts scores hundreds apart: each row's running maximum jumps by
+    # more than the slack the tile allows before it rescales, and by more than
+    # e^x can bear in float32 (88), so a tile that never rescaled would overflow.
+    layer = AttentionLayerSpec(num_heads=4, num_kv_heads=2, head_size=64, scale=12.0)
+    check(monkeypatch, layer, dtype, [200, 40], [0, 70], 16, seed=13)
+
+
 def test_chunks_with_context_match_reference(monkeypatch):
     # chunked prefill: the chunk's rows see the whole context and their own causal part
     layer = AttentionLayerSpec(num_heads=8, num_kv_heads=2, head_size=64)
