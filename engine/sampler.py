@@ -18,6 +18,8 @@ from dataclasses import dataclass
 
 import torch
 
+from kvforge.kernels import build as kernel_library
+
 from .request import Request
 
 NEG_INF = float("-inf")
@@ -142,7 +144,13 @@ def uniforms(requests: Sequence[Request], generator: torch.Generator, device: to
 
 def inverse_cdf(probs: torch.Tensor, u: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
     """The first token of each row whose cumulative probability exceeds `u * total`.
-    `out`, if given, is a float64 buffer of `probs`' shape to hold the CDF."""
+    `out`, if given, is a float64 buffer of `probs`' shape to hold the CDF.
+
+    On CPU, once kvforge's C++ library is loaded (every CPU model with the default
+    kernels loads it), `kvforge_cpp::inverse_cdf` draws the same tokens from the
+    same float64 sums without writing the CDF (kernels/inverse_cdf.cpp)."""
+    if compiled_draw_ready(probs, u):
+        return torch.ops.kvforge_cpp.inverse_cdf(probs, u)
     # Same sums as `.double().cumsum`, one pass less.
     cdf = torch.cumsum(probs, dim=-1, dtype=torch.float64, out=out) if out is not None else \
         torch.cumsum(probs, dim=-1, dtype=torch.float64)
@@ -153,6 +161,14 @@ def inverse_cdf(probs: torch.Tensor, u: torch.Tensor, out: torch.Tensor | None =
     if probs.device.type == "cpu" and not bool(impossible.any()):  # no sync to avoid on CPU
         return chosen  # the usual case: skip a full-vocabulary argmax
     return torch.where(impossible, probs.argmax(dim=-1), chosen)
+
+
+def compiled_draw_ready(probs: torch.Tensor, u: torch.Tensor) -> bool:
+    """Whether `kvforge_cpp::inverse_cdf` can draw these rows: CPU float32 rows, and
+    the library already loaded (the sampler never starts a build of its own)."""
+    if probs.device.type != "cpu" or probs.dtype != torch.float32 or not probs.is_contiguous():
+        return False
+    return probs.shape[-1] > 0 and u.dtype == torch.float64 and kernel_library.is_loaded()
 
 
 def mask_stop_tokens(logits: torch.Tensor, requests: Sequence[Request]) -> None:

@@ -1,7 +1,7 @@
 """Just-in-time build of the C++ kernels, cached on disk across processes.
 
-The first use compiles `paged_attention.cpp`, `int8_linear.cpp`, `bf16_linear.cpp` and
-`rms_norm_rotary.cpp` into one
+The first use compiles `paged_attention.cpp`, `int8_linear.cpp`, `bf16_linear.cpp`,
+`rms_norm_rotary.cpp` and `inverse_cdf.cpp` into one
 library with `torch.utils.cpp_extension.load` (about 30 s on two cores) into a build directory keyed by the torch and Python
 versions; later processes find the library there and only load it. Torch's own
 lock file in that directory keeps concurrent first uses from building twice.
@@ -27,7 +27,7 @@ from kvforge.core.errors import KvforgeError
 NAME = "kvforge_cpp_attention"
 HERE = Path(__file__).resolve().parent
 SOURCES = [HERE / "paged_attention.cpp", HERE / "int8_linear.cpp", HERE / "bf16_linear.cpp",
-           HERE / "rms_norm_rotary.cpp"]
+           HERE / "rms_norm_rotary.cpp", HERE / "inverse_cdf.cpp"]
 HEADERS = [HERE / "cpu_isa.h", HERE / "vector_kernels.h", HERE / "vector_exp.h", HERE / "attention_tile.h",
            HERE / "decode_tile.h", HERE / "prefill_tile.h", HERE / "prefill_bf16.h", HERE / "quantized_write.h",
            HERE / "int8_linear_tile.h", HERE / "int8_linear_bf16.h", HERE / "bf16_vectors.h",

@@ -44,3 +44,8 @@ def _rms_norm_fake(x, weight, eps):
 @torch.library.register_fake("kvforge_cpp::rotary")
 def _rotary_fake(x, cos, sin):
     return torch.empty_like(x, memory_format=torch.contiguous_format)
+
+
+@torch.library.register_fake("kvforge_cpp::inverse_cdf")
+def _inverse_cdf_fake(probs, u):
+    return probs.new_empty((probs.shape[0],), dtype=torch.int64)

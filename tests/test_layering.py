@@ -21,7 +21,7 @@ ALLOWED = {
     "backends/cpp": ("kvforge.core", "kvforge.kernels"),
     "kernels": ("kvforge.core",),
     "models": ("kvforge.core", "kvforge.kernels"),
-    "engine": ("kvforge.core", "kvforge.models"),
+    "engine": ("kvforge.core", "kvforge.models", "kvforge.kernels"),
     "conformance": ("kvforge.core",),
     "serving": ("kvforge.core", "kvforge.engine"),
     "distributed": ("kvforge.core", "kvforge.models", "kvforge.engine"),
