@@ -26,7 +26,7 @@ from kvforge.engine.model_runner import ModelRunner, copy_blocks, logit_rows
 
 from . import step_message
 from .group import STARTUP_TIMEOUT_S
-from .layout import build_groups
+from .layout import RankGroups, build_groups
 from .rank_step import RankStep
 from .shard_loading import WorkerSpec, check_split, load_shard
 from .timing import RankTiming, StageTimer, gather_timings
@@ -54,6 +54,7 @@ class DriverExecutor:
         self.timeout_s = parallel.collective_timeout_s
         check_split(config)
         self.failure: DistributedError | None = None
+        self.groups: RankGroups | None = None  # built once the workers are up
         self.memory: list[tuple[int, int]] = []
         self._serving = False  # True once the workers wait for steps (and so understand STOP)
         self._store, host = self._rendezvous()
@@ -181,6 +182,8 @@ class DriverExecutor:
             except DistributedError:
                 pass
         self._stop_workers(STOP_WAIT_S if self.failure is None else 0.1)
+        if self.groups is not None:
+            self.groups.close()
         if self.failure is None:
             self.failure = DistributedError("this distributed engine was shut down; build a new one")
 

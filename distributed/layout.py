@@ -70,6 +70,9 @@ class SoloGroup:
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         return x
 
+    def close(self) -> None:
+        pass
+
     def all_gather(self, x: torch.Tensor) -> list[torch.Tensor]:
         return [x]
 
@@ -92,6 +95,11 @@ class RankGroups:
     @property
     def comm_seconds(self) -> float:
         return sum(g.comm_seconds for g in self.groups)
+
+    def close(self) -> None:
+        """Release every group's threads and sockets (see `RankGroup.close`)."""
+        for group in self.groups:
+            group.close()
 
 
 def build_groups(store: dist.Store, rank: int, parallel, device: torch.device, host: str = HOST) -> RankGroups:

@@ -58,6 +58,7 @@ def work(spec: WorkerSpec, rank: int, store: dist.Store, host: str, device_index
     its rank, one host's devices in rank order)."""
     config = spec.engine_config
     torch.set_num_threads(spec.threads)
+    groups = None
     try:
         device = rank_device(components.resolve_device(config), rank if device_index is None else device_index)
         if device.type == "cuda":
@@ -74,6 +75,9 @@ def work(spec: WorkerSpec, rank: int, store: dist.Store, host: str, device_index
     except BaseException:
         store.set(error_key(rank), traceback.format_exc()[-4000:])
         raise
+    finally:
+        if groups is not None:
+            groups.close()
 
 
 @torch.inference_mode()
