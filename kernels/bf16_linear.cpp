@@ -13,7 +13,8 @@
 //               alternating blocks (gate, up, gate, up, ...): the MLP's two
 //               projections as one GEMM, and no pass outside it.
 // y is bfloat16 [rows, out_features], or float32 when float_out (logits).
-// Tiles of 4 rows x 64 packed channels; channel tiles run in parallel.
+// Register tiles per instruction set (8 rows x 32 channels with AVX-512 BF16,
+// 4 x 64 otherwise); chunks of rows x channel tiles run in parallel.
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -43,6 +44,11 @@ struct Epilogue {
   int64_t y_stride;
   int64_t n;  // output channels
 };
+
+// The largest register tile any path runs: rows x blocks of 16 channels (acc
+// buffers are laid out for it; each path picks its own tile within it).
+constexpr int kMaxRows = 8;
+constexpr int kMaxBlocks = 4;
 
 namespace bf16_base {
 #include "bf16_vectors.h"
@@ -79,26 +85,29 @@ namespace {
 using TileFn = void (*)(const uint16_t*, int64_t, const uint16_t*, int64_t, int64_t, float*);
 using FinishFn = void (*)(const float*, int, int, int64_t, int64_t, const Epilogue&);
 
-// tiles[MR - 1][NB - 1] and the epilogue of one ISA.
+// One ISA's register tiles, tiles[MR - 1][NB - 1] for tails, the full tile's
+// size (rows x blocks, what fits its register file), and its epilogue.
 struct Path {
-  TileFn tiles[4][4];
+  TileFn tiles[kMaxRows][kMaxBlocks];
+  int rows, blocks;
   FinishFn finish;
   const char* name;
 };
 
 #define KVFORGE_TILE_ROW(NS, FN, MR) {&NS::FN<MR, 1>, &NS::FN<MR, 2>, &NS::FN<MR, 3>, &NS::FN<MR, 4>}
-#define KVFORGE_TILES(NS, FN) \
-  {KVFORGE_TILE_ROW(NS, FN, 1), KVFORGE_TILE_ROW(NS, FN, 2), KVFORGE_TILE_ROW(NS, FN, 3), KVFORGE_TILE_ROW(NS, FN, 4)}
+#define KVFORGE_TILES(NS, FN)                                                                                   \
+  {KVFORGE_TILE_ROW(NS, FN, 1), KVFORGE_TILE_ROW(NS, FN, 2), KVFORGE_TILE_ROW(NS, FN, 3),                       \
+   KVFORGE_TILE_ROW(NS, FN, 4), KVFORGE_TILE_ROW(NS, FN, 5), KVFORGE_TILE_ROW(NS, FN, 6),                       \
+   KVFORGE_TILE_ROW(NS, FN, 7), KVFORGE_TILE_ROW(NS, FN, 8)}
 
-const Path kBaseline = {KVFORGE_TILES(bf16_base, generic_tile),
-                        &bf16_base::finish_tile, "baseline"};
+const Path kBaseline = {KVFORGE_TILES(bf16_base, generic_tile), 4, 4, &bf16_base::finish_tile, "baseline"};
 #ifdef KVFORGE_HAS_X86_PATHS
-const Path kAvx2 = {KVFORGE_TILES(bf16_avx2, generic_tile),
-                    &bf16_avx2::finish_tile, "avx2"};
-const Path kAvx512 = {KVFORGE_TILES(bf16_avx512, generic_tile),
-                      &bf16_avx512::finish_tile, "avx512"};
-const Path kDpbf16 = {KVFORGE_TILES(bf16_dpbf16, dpbf16_tile),
-                      &bf16_dpbf16::finish_tile, "avx512_bf16"};
+const Path kAvx2 = {KVFORGE_TILES(bf16_avx2, generic_tile), 4, 4, &bf16_avx2::finish_tile, "avx2"};
+const Path kAvx512 = {KVFORGE_TILES(bf16_avx512, generic_tile), 4, 4, &bf16_avx512::finish_tile, "avx512"};
+// 8 rows x 2 blocks: 16 sums, and per input pair 2 weight loads for 16 vdpbf16ps.
+// Fewer weight streams than 4 x 4 measured faster at prefill sizes (docs/models.md).
+const Path kDpbf16 = {KVFORGE_TILES(bf16_dpbf16, dpbf16_tile), 8, 2, &bf16_dpbf16::finish_tile,
+                      "avx512_bf16"};
 #endif
 
 const Path& path_here() {
@@ -112,7 +121,10 @@ const Path& path_here() {
   return kBaseline;
 }
 
-constexpr int64_t kChunkRows = 64;  // a multiple of the 4-row tile
+// Rows go in chunks of (about) this many: a chunk's inputs stay in cache while
+// every channel tile passes over them (a prefill's thousands of rows do not); a
+// decode is one chunk.
+constexpr int64_t kChunkRows = 64;
 
 int epilogue_mode(const std::string& name) {
   if (name == "none") return 0;
@@ -181,19 +193,19 @@ at::Tensor bf16_linear(const at::Tensor& x, const at::Tensor& packed, int64_t ou
   const auto* w_ptr = reinterpret_cast<const uint16_t*>(packed.data_ptr());
   const int64_t x_stride = x.stride(0);
   const Path& path = path_here();
-  const int64_t channel_tiles = (blocks + 3) / 4;
-  // Rows in chunks: a chunk's inputs stay in cache while every channel tile passes
-  // over them (a prefill's thousands of rows do not); a decode is one chunk.
-  const int64_t chunks = (m + kChunkRows - 1) / kChunkRows;
+  const int64_t tile_blocks = path.blocks, tile_rows = path.rows;
+  const int64_t channel_tiles = (blocks + tile_blocks - 1) / tile_blocks;
+  const int64_t chunk_rows = kChunkRows / tile_rows * tile_rows;
+  const int64_t chunks = (m + chunk_rows - 1) / chunk_rows;
   at::parallel_for(0, chunks * channel_tiles, 1, [&](int64_t i0, int64_t i1) {
-    alignas(64) float acc[4 * 4 * 16];
+    alignas(64) float acc[kMaxRows * kMaxBlocks * 16];
     for (int64_t i = i0; i < i1; ++i) {
-      const int64_t row_end = std::min(m, (i / channel_tiles + 1) * kChunkRows);
-      const int64_t block0 = i % channel_tiles * 4;
-      const int nb = static_cast<int>(std::min<int64_t>(4, blocks - block0));
+      const int64_t row_end = std::min(m, (i / channel_tiles + 1) * chunk_rows);
+      const int64_t block0 = i % channel_tiles * tile_blocks;
+      const int nb = static_cast<int>(std::min<int64_t>(tile_blocks, blocks - block0));
       const uint16_t* w = w_ptr + block0 * pairs * 32;
-      for (int64_t r = i / channel_tiles * kChunkRows; r < row_end; r += 4) {
-        const int mr = static_cast<int>(std::min<int64_t>(4, row_end - r));
+      for (int64_t r = i / channel_tiles * chunk_rows; r < row_end; r += tile_rows) {
+        const int mr = static_cast<int>(std::min<int64_t>(tile_rows, row_end - r));
         path.tiles[mr - 1][nb - 1](x_ptr + r * x_stride, x_stride, w, pairs, k, acc);
         path.finish(acc, mr, nb, r, block0, e);
       }

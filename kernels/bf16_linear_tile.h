@@ -14,10 +14,8 @@
 // AVX-512 BF16), after bf16_vectors.h; it includes nothing itself.
 
 constexpr int kLanes = 16;  // channels per block
-constexpr int kMaxRows = 4;  // rows per tile
-constexpr int kMaxBlocks = 4;  // blocks per tile: 64 channels
 
-// acc[m * 64 + b * 16 + j] = sum_d x[m][d] * w(channel 16 b + j of the tile, d), for m < MR, b < NB.
+// acc[m * kMaxBlocks * 16 + b * 16 + j] = sum_d x[m][d] * w(channel 16 b + j of the tile, d), for m < MR, b < NB.
 // `w` is the tile's first block; blocks lie `pairs * 32` values apart.
 template <int MR, int NB>
 inline void generic_tile(const uint16_t* __restrict__ x, int64_t x_stride, const uint16_t* __restrict__ w,

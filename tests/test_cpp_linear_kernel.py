@@ -1,6 +1,6 @@
 """The bfloat16 linear kernel (`kvforge_cpp::bf16_linear`) against float64 on fresh
 random inputs: odd sizes that leave tails in every tiling (rows not a multiple of
-the 4-row tile, out not a multiple of the 16-channel block or the 64-channel tile,
+the 4- or 8-row tile, out not a multiple of the 16-channel block or the channel tile,
 in odd so the last input pair is half empty), 1 to 129 rows, with and without
 bias, each epilogue (none, float32 out, residual add, SiLU(gate) x up), on every
 instruction-set path this CPU runs (capped with KVFORGE_CPP_ISA). Deliberately
@@ -13,7 +13,9 @@ import torch
 
 from kvforge.models.cpp_linear import interleave_blocks, kernel_path, load_kernel, pack_bias, pack_weight
 
-SHAPES = [(1, 37, 23), (3, 100, 70), (8, 515, 129), (33, 48, 9), (129, 130, 67), (6, 1, 17)]  # (rows, in, out)
+# (rows, in, out): tails of the 8- and 4-row tiles and the 64-row chunk, of 16-channel
+# blocks and 32- and 64-channel tiles, and an odd `in` (a half-empty last input pair).
+SHAPES = [(1, 37, 23), (3, 100, 70), (8, 515, 129), (33, 48, 9), (129, 130, 67), (6, 1, 17), (75, 33, 50)]
 LEVELS = ("avx512", "avx2", "baseline")  # the cap; avx512 runs avx512_bf16 where the CPU has it
 EPILOGUES = ("none", "float_out", "add", "silu_mul")
 ACCUMULATION = 2e-6  # float32 sums: a few ulps of the sum of |terms| (in <= 515 here)
