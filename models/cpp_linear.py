@@ -61,15 +61,21 @@ def cpp_linear_unavailable(dtype: torch.dtype, device: torch.device) -> str | No
 
 
 def cpp_linear_pays(dtype: torch.dtype, device: torch.device) -> bool:
-    """Whether linear_kernel "auto" picks this kernel: a bfloat16 CPU model on a CPU
-    with AVX-512 BF16, where it measured faster than `F.linear` and oneDNN at every
-    layer shape and row count tried (docs/models.md, "bfloat16 linear layers")."""
+    """Whether linear_kernel "auto" picks these kernels for a `dtype` CPU model.
+
+    bfloat16: on a CPU with AVX-512 BF16, where the kernel measured faster than
+    `F.linear` and oneDNN at every layer shape and row count tried up to 128 rows
+    (docs/models.md, "bfloat16 linear layers"). float32: on a CPU with AVX-512,
+    where it measured faster than both at the bench models' layer shapes up to
+    hundreds of rows, most at 1-32 rows (decode), and within a few percent at
+    thousands (docs/models.md, "float32 linear layers")."""
     if cpp_linear_unavailable(dtype, device) is not None:
         return False
     try:
-        return kernel_path() == "avx512_bf16"
+        path = kernel_path()
     except UnsupportedConfigurationError:  # the library did not build: auto takes torch or oneDNN (the loader logs why)
         return False
+    return path == "avx512_bf16" if dtype == torch.bfloat16 else path.startswith("avx512")
 
 
 def kernel_path() -> str:
