@@ -4,8 +4,8 @@ linear layers").
 
 For each layer of `bench-llama-tiny` and `bench-llama-50m` (qkv, o with its
 residual add, gate and up with SiLU x up, down with its residual add, the
-head) and each row count, microseconds of one call through torch `F.linear`,
-oneDNN-packed (`packed_linear`) and kvforge's C++ kernel (`cpp_linear`), each
+head with float32 logits out) and each row count, microseconds of one call
+through torch `F.linear`, oneDNN-packed (`packed_linear`) and kvforge's C++ kernel (`cpp_linear`), each
 run the way the models run it (`linear_act`, `linear_mul`, `linear_add`, or
 the fused `CppGateUp`). One thread, CPU time (`time.thread_time`), freed heap
 memory kept as the engine keeps it (`engine.heap`: no page faults on each
@@ -59,6 +59,8 @@ def layer_calls(name: str, out: int, k: int, rows: int, dtype: torch.dtype) -> d
     plain = nn.Linear(k, out, bias=False).to(dtype)
     layers = {"torch": plain, "onednn": PackedLinear(plain.weight, None),
               "cpp": CppLinear(plain.weight, None, float_out=name == "head")}
+    if name == "head":  # float32 logits, as `compute_logits` returns them (cpp writes them directly)
+        return {kernel: (lambda layer=layer: layer(x).float()) for kernel, layer in layers.items()}
     other = residual if name in ("o", "down") else None
     return {kernel: (lambda layer=layer: linear_add(layer, x, other)) for kernel, layer in layers.items()}
 

@@ -18,10 +18,7 @@ template <int MR, int NB>
 inline void dpbf16_tile(const uint16_t* __restrict__ x, int64_t x_stride, const uint16_t* __restrict__ w,
                         int64_t k, float* __restrict__ acc_out) {
   const int64_t pairs = (k + 1) / 2;
-  __m512 acc[MR][NB];
-  for (int m = 0; m < MR; ++m) {
-    for (int b = 0; b < NB; ++b) acc[m][b] = _mm512_setzero_ps();
-  }
+  __m512 acc[MR][NB] = {};
   const int64_t full = k / 2;
   for (int64_t p = 0; p < full; ++p) {
     __m512bh wv[NB];

@@ -17,8 +17,8 @@
 //   "silu_mul": y = silu(x G^T + bg) * (x U^T + bu), G and U packed as
 //               alternating blocks (gate, up, gate, up, ...): the MLP's two
 //               projections as one GEMM, and no pass outside it.
-// Register tiles per instruction set and dtype (Path below); chunks of rows x
-// channel tiles run in parallel.
+// Register tiles per instruction set, dtype and row count (Path below); chunks
+// of rows x channel tiles run in parallel.
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -91,12 +91,18 @@ template <typename T>
 using TileFn = void (*)(const T*, int64_t, const T*, int64_t, float*);
 using FinishFn = void (*)(const float*, int, int, int64_t, int64_t, const Epilogue&);
 
+// A register tile's size: rows x blocks of 16 channels.
+struct TileShape {
+  int rows, blocks;
+};
+
 // One dtype's register tiles on one ISA: at[MR - 1][NB - 1] for tails, and the
-// full tile's size (rows x blocks, what fits the register file).
+// full tile's size for calls of at most one chunk of rows (a decode: every
+// weight read once, from memory) and for more (a prefill: weights re-read from cache).
 template <typename T>
 struct Tiles {
   TileFn<T> at[kMaxRows][kMaxBlocks];
-  int rows, blocks;
+  TileShape few, many;
 };
 
 // Everything one ISA runs: the tiles of each dtype and the epilogue.
@@ -113,22 +119,23 @@ struct Path {
    KVFORGE_TILE_ROW(NS, FN, 4), KVFORGE_TILE_ROW(NS, FN, 5), KVFORGE_TILE_ROW(NS, FN, 6),                       \
    KVFORGE_TILE_ROW(NS, FN, 7), KVFORGE_TILE_ROW(NS, FN, 8)}
 
-const Path kBaseline = {{KVFORGE_TILES(linear_base, generic_tile), 4, 4},
-                        {KVFORGE_TILES(linear_base, f32_tile), 4, 4},
+const Path kBaseline = {{KVFORGE_TILES(linear_base, generic_tile), {4, 4}, {4, 4}},
+                        {KVFORGE_TILES(linear_base, f32_tile), {4, 4}, {4, 4}},
                         &linear_base::finish_tile, "baseline"};
 #ifdef KVFORGE_HAS_X86_PATHS
 // AVX2 has 16 ymm registers and a 16-channel block takes two: 3 x 2 float32 tiles.
-const Path kAvx2 = {{KVFORGE_TILES(linear_avx2, generic_tile), 4, 4},
-                    {KVFORGE_TILES(linear_avx2, f32_tile), 3, 2},
+const Path kAvx2 = {{KVFORGE_TILES(linear_avx2, generic_tile), {4, 4}, {4, 4}},
+                    {KVFORGE_TILES(linear_avx2, f32_tile), {3, 2}, {3, 2}},
                     &linear_avx2::finish_tile, "avx2"};
-const Path kAvx512 = {{KVFORGE_TILES(linear_avx512, generic_tile), 4, 4},
-                      {KVFORGE_TILES(linear_avx512, f32_tile), 4, 4},
+const Path kAvx512 = {{KVFORGE_TILES(linear_avx512, generic_tile), {4, 4}, {4, 4}},
+                      {KVFORGE_TILES(linear_avx512, f32_tile), {4, 4}, {4, 4}},
                       &linear_avx512::finish_tile, "avx512"};
-// bfloat16 8 rows x 2 blocks: 16 sums, and per input pair 2 weight loads for 16
-// vdpbf16ps. Fewer weight streams than 4 x 4 measured faster at prefill sizes
-// (docs/models.md).
-const Path kDpbf16 = {{KVFORGE_TILES(linear_dpbf16, dpbf16_tile), 8, 2},
-                      {KVFORGE_TILES(linear_dpbf16, f32_tile), 4, 4},
+// bfloat16 at prefill sizes 8 rows x 2 blocks: 16 sums, and per input pair 2
+// weight loads for 16 vdpbf16ps, which measured faster than 4 x 4 there; a
+// decode, streaming its weights from memory, measured faster with 4 x 4's four
+// weight streams (docs/models.md).
+const Path kDpbf16 = {{KVFORGE_TILES(linear_dpbf16, dpbf16_tile), {4, 4}, {8, 2}},
+                      {KVFORGE_TILES(linear_dpbf16, f32_tile), {4, 4}, {4, 4}},
                       &linear_dpbf16::finish_tile, "avx512_bf16"};
 #endif
 
@@ -153,7 +160,8 @@ constexpr int64_t kChunkRows = 64;
 template <typename T>
 void run_tiles(const Tiles<T>& tiles, FinishFn finish, const T* x, int64_t x_stride, int64_t m, int64_t k,
                const T* w, int64_t blocks, int64_t block_elems, const Epilogue& e) {
-  const int64_t tile_blocks = tiles.blocks, tile_rows = tiles.rows;
+  const TileShape shape = m <= kChunkRows ? tiles.few : tiles.many;
+  const int64_t tile_blocks = shape.blocks, tile_rows = shape.rows;
   const int64_t channel_tiles = (blocks + tile_blocks - 1) / tile_blocks;
   const int64_t chunk_rows = kChunkRows / tile_rows * tile_rows;
   const int64_t chunks = (m + chunk_rows - 1) / chunk_rows;

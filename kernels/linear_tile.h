@@ -27,10 +27,7 @@ template <int MR, int NB>
 inline void generic_tile(const uint16_t* __restrict__ x, int64_t x_stride, const uint16_t* __restrict__ w,
                          int64_t k, float* __restrict__ acc_out) {
   const int64_t pairs = (k + 1) / 2;
-  vf16 acc[MR][NB];
-  for (int m = 0; m < MR; ++m) {
-    for (int b = 0; b < NB; ++b) acc[m][b] = vf16{};
-  }
+  vf16 acc[MR][NB] = {};
   const int64_t full = k / 2;
   for (int64_t p = 0; p < pairs; ++p) {
     vf16 lo[NB], hi[NB];
@@ -56,10 +53,7 @@ inline void generic_tile(const uint16_t* __restrict__ x, int64_t x_stride, const
 template <int MR, int NB>
 inline void f32_tile(const float* __restrict__ x, int64_t x_stride, const float* __restrict__ w, int64_t k,
                      float* __restrict__ acc_out) {
-  vf16 acc[MR][NB];
-  for (int m = 0; m < MR; ++m) {
-    for (int b = 0; b < NB; ++b) acc[m][b] = vf16{};
-  }
+  vf16 acc[MR][NB] = {};
   for (int64_t d = 0; d < k; ++d) {
     vf16 wv[NB];
     for (int b = 0; b < NB; ++b) wv[b] = *reinterpret_cast<const vf16*>(w + (b * k + d) * kLanes);

@@ -64,11 +64,12 @@ def cpp_linear_pays(dtype: torch.dtype, device: torch.device) -> bool:
     """Whether linear_kernel "auto" picks these kernels for a `dtype` CPU model.
 
     bfloat16: on a CPU with AVX-512 BF16, where the kernel measured faster than
-    `F.linear` and oneDNN at every layer shape and row count tried up to 128 rows
-    (docs/models.md, "bfloat16 linear layers"). float32: on a CPU with AVX-512,
-    where it measured faster than both at the bench models' layer shapes up to
-    hundreds of rows, most at 1-32 rows (decode), and within a few percent at
-    thousands (docs/models.md, "float32 linear layers")."""
+    `F.linear` and oneDNN at the bench models' layer shapes up to 32 rows and
+    level at hundreds. float32: on a CPU with AVX-512, where it measured 1.05-2.4x
+    faster than both at 1-32 rows (decode), level at 64-512 and a few percent
+    behind oneDNN at 2,048. A model holds one packed copy of a weight, so the
+    choice is per model, not per call. Tables: docs/models.md, "bfloat16 and
+    float32 linear layers" and its "float32 linear layers"."""
     if cpp_linear_unavailable(dtype, device) is not None:
         return False
     try:
