@@ -15,8 +15,8 @@ loaded bfloat16 or float32 CPU model for a `CppLinear`; a Llama-style MLP whose 
 up projections feed SiLU gets one `CppGateUp` for both (one GEMM, no pass
 outside it); the language-model head becomes a `CppLinear` that writes float32
 logits directly. When `linear_kernel` "auto" picks these kernels, and the
-measurements behind that: docs/models.md, "bfloat16 linear layers" and
-"float32 linear layers".
+measurements behind that: docs/models.md, "bfloat16 linear layers" (float32
+too) and its "float32 linear layers".
 
 The packed copy replaces the weight: nothing keeps the original.
 """
@@ -68,8 +68,8 @@ def cpp_linear_pays(dtype: torch.dtype, device: torch.device) -> bool:
     level at hundreds. float32: on a CPU with AVX-512, where it measured 1.05-2.4x
     faster than both at 1-32 rows (decode), level at 64-512 and a few percent
     behind oneDNN at 2,048. A model holds one packed copy of a weight, so the
-    choice is per model, not per call. Tables: docs/models.md, "bfloat16 and
-    float32 linear layers" and its "float32 linear layers"."""
+    choice is per model, not per call. Tables: docs/models.md, "bfloat16
+    linear layers" (float32 too) and its "float32 linear layers"."""
     if cpp_linear_unavailable(dtype, device) is not None:
         return False
     try:
