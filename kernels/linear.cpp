@@ -91,7 +91,8 @@ template <typename T>
 using TileFn = void (*)(const T*, int64_t, const T*, int64_t, float*);
 using FinishFn = void (*)(const float*, int, int, int64_t, int64_t, const Epilogue&);
 
-// A register tile's size: rows x blocks of 16 channels.
+// A register tile's size: rows x blocks of 16 channels. Blocks must be even:
+// silu_mul's interleaved gate and up blocks have to land in one tile.
 struct TileShape {
   int rows, blocks;
 };
