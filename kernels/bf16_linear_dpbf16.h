@@ -1,8 +1,8 @@
 // The register tile of the bfloat16 linear for CPUs with AVX-512 BF16: one
 // vdpbf16ps per (row, block, input pair) adds x[2p] w[2p] + x[2p+1] w[2p+1]
-// into the block's 16 float32 sums (layout: bf16_linear_tile.h). The inputs
+// into the block's 16 float32 sums (layout: linear_tile.h). The inputs
 // pair is broadcast as one 32-bit word; the weights are read as packed.
-// Included once, under the avx512bf16 target, after bf16_linear_tile.h.
+// Included once, under the avx512bf16 target, after linear_tile.h.
 
 // Inputs 2p and 2p + 1 as one 32-bit word in every lane (one broadcast load).
 inline __m512bh x_pair(const uint16_t* p) {
@@ -16,11 +16,9 @@ inline __m512bh x_last(const uint16_t* p) { return (__m512bh)_mm512_set1_epi32(s
 
 template <int MR, int NB>
 inline void dpbf16_tile(const uint16_t* __restrict__ x, int64_t x_stride, const uint16_t* __restrict__ w,
-                        int64_t pairs, int64_t k, float* __restrict__ acc_out) {
-  __m512 acc[MR][NB];
-  for (int m = 0; m < MR; ++m) {
-    for (int b = 0; b < NB; ++b) acc[m][b] = _mm512_setzero_ps();
-  }
+                        int64_t k, float* __restrict__ acc_out) {
+  const int64_t pairs = (k + 1) / 2;
+  __m512 acc[MR][NB] = {};
   const int64_t full = k / 2;
   for (int64_t p = 0; p < full; ++p) {
     __m512bh wv[NB];

@@ -1,5 +1,5 @@
 // Sixteen-lane float vectors and bfloat16 conversions shared by the bfloat16
-// kernels (bf16_linear.cpp, rms_norm_rotary.cpp). GCC vector types: one zmm
+// kernels (linear.cpp, rms_norm_rotary.cpp). GCC vector types: one zmm
 // register under AVX-512, two ymm under AVX2, four SSE registers on the
 // baseline, from one source. Included once per ISA namespace; it includes
 // nothing but vector_exp.h (as unguarded).

@@ -1,8 +1,8 @@
 """Fake (meta) implementations of the `kvforge_cpp` ops, for FakeTensor tracing and
 torch.compile. The attention ops only mutate an argument and return nothing, so
-their fake implementations only have to exist; `int8_weight_linear` and
-`bf16_linear` return a new `[rows, out]` tensor (of the input's dtype, or
-float32 for `bf16_linear(..., float_out=True)`). Imported by `build.load` once the
+their fake implementations only have to exist; `int8_weight_linear`,
+`bf16_linear` and `f32_linear` return a new `[rows, out]` tensor (of the input's
+dtype, or float32 for `bf16_linear(..., float_out=True)`). Imported by `build.load` once the
 library is in."""
 
 from __future__ import annotations
@@ -34,6 +34,11 @@ def _int8_weight_linear_fake(x, weight, scale, bias=None):
 @torch.library.register_fake("kvforge_cpp::bf16_linear")
 def _bf16_linear_fake(x, packed, out_features, bias=None, epilogue="none", other=None, float_out=False):
     return x.new_empty((x.shape[0], out_features), dtype=torch.float32 if float_out else x.dtype)
+
+
+@torch.library.register_fake("kvforge_cpp::f32_linear")
+def _f32_linear_fake(x, packed, out_features, bias=None, epilogue="none", other=None):
+    return x.new_empty((x.shape[0], out_features))
 
 
 @torch.library.register_fake("kvforge_cpp::rms_norm")

@@ -1,19 +1,22 @@
-"""bfloat16 linear layers through kvforge's C++ kernel, for CPU inference.
+"""bfloat16 and float32 linear layers through kvforge's C++ kernels, for CPU inference.
 
-`torch.ops.kvforge_cpp.bf16_linear` (kernels/bf16_linear.cpp) reads the
-weight in a layout packed once at load: sixteen output channels side by side
-for each pair of inputs, the operand AVX-512 BF16's `vdpbf16ps` multiplies and
-sums in one instruction (with float32 sums). CPUs without that instruction
-run the same layout through AVX-512, AVX2 or plain float32 tiles, chosen at
-run time. The sums stay in float32 until one rounding at the end, after the
-epilogue the models need: a bias, a residual add, or SiLU(gate) x up.
+`torch.ops.kvforge_cpp.bf16_linear` (kernels/linear.cpp) reads the weight in a
+layout packed once at load: sixteen output channels side by side for each pair
+of inputs, the operand AVX-512 BF16's `vdpbf16ps` multiplies and sums in one
+instruction (with float32 sums). CPUs without that instruction run the same
+layout through AVX-512, AVX2 or plain float32 tiles, chosen at run time.
+`torch.ops.kvforge_cpp.f32_linear` is its float32 twin (same tile driver and
+epilogue): sixteen channels side by side for each input, one FMA operand. The
+sums stay in float32 until one rounding at the end, after the epilogue the
+models need: a bias, a residual add, or SiLU(gate) x up.
 
 `use_cpp_linears(model)` swaps every `nn.Linear` (and GPT-2's `Conv1D`) of a
-loaded bfloat16 CPU model for a `CppLinear`; a Llama-style MLP whose gate and
+loaded bfloat16 or float32 CPU model for a `CppLinear`; a Llama-style MLP whose gate and
 up projections feed SiLU gets one `CppGateUp` for both (one GEMM, no pass
 outside it); the language-model head becomes a `CppLinear` that writes float32
-logits directly. When `linear_kernel` "auto" picks this kernel, and the
-measurements behind that: docs/models.md, "bfloat16 linear layers".
+logits directly. When `linear_kernel` "auto" picks these kernels, and the
+measurements behind that: docs/models.md, "bfloat16 linear layers" (float32
+too) and its "float32 linear layers".
 
 The packed copy replaces the weight: nothing keeps the original.
 """
@@ -29,6 +32,7 @@ from kvforge.core.errors import UnsupportedConfigurationError
 from .packed_linear import linear_weight
 
 LANES = 16  # output channels per packed block
+DTYPES = (torch.bfloat16, torch.float32)  # what the kernels run
 
 
 def load_kernel() -> None:
@@ -44,11 +48,11 @@ def load_kernel() -> None:
 
 
 def cpp_linear_unavailable(dtype: torch.dtype, device: torch.device) -> str | None:
-    """Why the C++ bfloat16 linear cannot serve a `dtype` model on `device`; None when it can."""
+    """Why the C++ linear kernels cannot serve a `dtype` model on `device`; None when they can."""
     if device.type != "cpu":
         return f"the C++ linear kernel is for CPU models, this one is on {device.type}"
-    if dtype != torch.bfloat16:
-        return f"the C++ linear kernel runs bfloat16 models, this one is {dtype_name(dtype)}"
+    if dtype not in DTYPES:
+        return f"the C++ linear kernel runs bfloat16 and float32 models, this one is {dtype_name(dtype)}"
     from kvforge.kernels import build
 
     if build.missing_tools() is not None and build.cached_library() is None:
@@ -57,15 +61,22 @@ def cpp_linear_unavailable(dtype: torch.dtype, device: torch.device) -> str | No
 
 
 def cpp_linear_pays(dtype: torch.dtype, device: torch.device) -> bool:
-    """Whether linear_kernel "auto" picks this kernel: a bfloat16 CPU model on a CPU
-    with AVX-512 BF16, where it measured faster than `F.linear` and oneDNN at every
-    layer shape and row count tried (docs/models.md, "bfloat16 linear layers")."""
+    """Whether linear_kernel "auto" picks these kernels for a `dtype` CPU model.
+
+    bfloat16: on a CPU with AVX-512 BF16, where the kernel measured faster than
+    `F.linear` and oneDNN at the bench models' layer shapes up to 32 rows and
+    level at hundreds. float32: on a CPU with AVX-512, where it measured 1.05-2.4x
+    faster than both at 1-32 rows (decode), level at 64-512 and a few percent
+    behind oneDNN at 2,048. A model holds one packed copy of a weight, so the
+    choice is per model, not per call. Tables: docs/models.md, "bfloat16
+    linear layers" (float32 too) and its "float32 linear layers"."""
     if cpp_linear_unavailable(dtype, device) is not None:
         return False
     try:
-        return kernel_path() == "avx512_bf16"
+        path = kernel_path()
     except UnsupportedConfigurationError:  # the library did not build: auto takes torch or oneDNN (the loader logs why)
         return False
+    return path == "avx512_bf16" if dtype == torch.bfloat16 else path.startswith("avx512")
 
 
 def kernel_path() -> str:
@@ -75,10 +86,15 @@ def kernel_path() -> str:
 
 
 def pack_weight(weight: torch.Tensor) -> torch.Tensor:
-    """`weight` `[out, in]` as the kernel reads it: bfloat16 `[blocks, pairs, 16, 2]`,
-    out padded with zero channels to a multiple of 16 and in with a zero input to
-    an even count (the kernel never reads past a row of x for it)."""
+    """`weight` `[out, in]` as the kernel of its dtype reads it, out padded with zero
+    channels to a multiple of 16: float32 `[blocks, in, 16]`; bfloat16 (any other
+    dtype is rounded to it) `[blocks, pairs, 16, 2]`, in padded with a zero input
+    to an even count (the kernel never reads past a row of x for it)."""
     out_features, in_features = weight.shape
+    if weight.dtype == torch.float32:
+        padded = torch.zeros(cdiv(out_features, LANES) * LANES, in_features, device=weight.device)
+        padded[:out_features] = weight.detach()
+        return padded.view(-1, LANES, in_features).transpose(1, 2).contiguous()
     blocks, pairs = cdiv(out_features, LANES), cdiv(in_features, 2)
     padded = torch.zeros(blocks * LANES, pairs * 2, dtype=torch.bfloat16, device=weight.device)
     padded[:out_features, :in_features] = weight.detach()
@@ -99,9 +115,18 @@ def interleave_blocks(first: torch.Tensor, second: torch.Tensor) -> torch.Tensor
     return torch.stack([first, second], dim=1).flatten(0, 1).contiguous()
 
 
+def linear(x: torch.Tensor, packed: torch.Tensor, out_features: int, bias: torch.Tensor | None, epilogue: str,
+           other: torch.Tensor | None, float_out: bool = False) -> torch.Tensor:
+    """The C++ linear op of `packed`'s dtype on 2-D `x` (float32 output is implied for float32)."""
+    if packed.dtype == torch.float32:
+        return torch.ops.kvforge_cpp.f32_linear(x, packed, out_features, bias, epilogue, other)
+    return torch.ops.kvforge_cpp.bf16_linear(x, packed, out_features, bias, epilogue, other, float_out)
+
+
 class CppLinear(nn.Module):
-    """`y = x W^T + b` in bfloat16 through `kvforge_cpp::bf16_linear`, with `W` packed
-    (`pack_weight`). `float_out` makes the output float32 (the logits)."""
+    """`y = x W^T + b` in the weight's dtype (bfloat16 or float32) through
+    `kvforge_cpp::bf16_linear` or `f32_linear`, with `W` packed (`pack_weight`).
+    `float_out` makes a bfloat16 layer's output float32 (the logits)."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, float_out: bool = False):
         super().__init__()
@@ -122,17 +147,15 @@ class CppLinear(nn.Module):
 
     def call(self, x: torch.Tensor, epilogue: str, other: torch.Tensor | None) -> torch.Tensor:
         if x.dim() == 2:
-            return torch.ops.kvforge_cpp.bf16_linear(x, self.packed, self.out_features, self.bias, epilogue, other,
-                                                     self.float_out)
+            return linear(x, self.packed, self.out_features, self.bias, epilogue, other, self.float_out)
         rows = x.reshape(-1, self.in_features)
         other = None if other is None else other.reshape(-1, self.out_features)
-        y = torch.ops.kvforge_cpp.bf16_linear(rows, self.packed, self.out_features, self.bias, epilogue, other,
-                                              self.float_out)
+        y = linear(rows, self.packed, self.out_features, self.bias, epilogue, other, self.float_out)
         return y.view(*x.shape[:-1], self.out_features)
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, "
-                f"kvforge C++ bfloat16{', float32 out' if self.float_out else ''}")
+                f"kvforge C++ {dtype_name(self.packed.dtype)}{', float32 out' if self.float_out else ''}")
 
 
 class CppGateUp(nn.Module):
@@ -159,12 +182,12 @@ class CppGateUp(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x if x.dim() == 2 else x.reshape(-1, self.in_features)
-        y = torch.ops.kvforge_cpp.bf16_linear(rows, self.packed, self.out_features, self.bias, "silu_mul")
+        y = linear(rows, self.packed, self.out_features, self.bias, "silu_mul", None)
         return y if x.dim() == 2 else y.view(*x.shape[:-1], self.out_features)
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, "
-                "silu(gate) * up, kvforge C++ bfloat16")
+                f"silu(gate) * up, kvforge C++ {dtype_name(self.packed.dtype)}")
 
 
 FUSED_ACTIVATIONS = ("silu", "swish")  # what CppGateUp's epilogue computes
@@ -172,7 +195,7 @@ FUSED_ACTIVATIONS = ("silu", "swish")  # what CppGateUp's epilogue computes
 
 @torch.no_grad()
 def use_cpp_linears(model: nn.Module) -> int:
-    """Replace the linear layers of a loaded bfloat16 CPU model by CppLinear, fuse
+    """Replace the linear layers of a loaded bfloat16 or float32 CPU model by CppLinear, fuse
     each SiLU MLP's gate and up into a CppGateUp (set as the MLP's `gate_up_proj`),
     and give the model a float32-output head (`lm_head_layer`); the number of
     weights packed."""

@@ -170,10 +170,11 @@ def load_model(name_or_path: str | Path, *, dtype: torch.dtype | str = torch.flo
     `name_or_path` is a built-in name (`kvforge-tiny`, `kvforge-tiny-draft`) or a
     local Hugging Face directory. `dtype` is float32, bfloat16, float16 or "auto".
     `linear_kernel` is "torch" (`F.linear`), "onednn" (weights packed once, see
-    `packed_linear`; an error where unavailable), "cpp" (kvforge's C++ kernel,
-    bfloat16 CPU models, see `cpp_linear`) or "auto": cpp for a bfloat16 model
-    on a CPU with AVX-512 BF16 (`cpp_linear.cpp_linear_pays`), else onednn where
-    available, for weights of at least `AUTO_MIN_WEIGHT` elements, where packing pays.
+    `packed_linear`; an error where unavailable), "cpp" (kvforge's C++ kernels,
+    bfloat16 and float32 CPU models, see `cpp_linear`) or "auto": cpp where
+    `cpp_linear.cpp_linear_pays` says it measured fastest for the model's dtype,
+    else onednn where available, for weights of at least `AUTO_MIN_WEIGHT`
+    elements, where packing pays.
     "cpp", and "auto" for float32 and bfloat16 CPU models, also run RMSNorm and
     rotary through kvforge's C++ kernels (`cpp_norms`).
     `kv_quantizer` (a `per_token` Quantizer instance) stores the KV cache quantized;

@@ -1,8 +1,9 @@
-"""The bfloat16 linear kernel (`kvforge_cpp::bf16_linear`) against float64 on fresh
-random inputs: odd sizes that leave tails in every tiling (rows not a multiple of
-the 4-row tile, out not a multiple of the 16-channel block or the 64-channel tile,
+"""The linear kernels (`kvforge_cpp::bf16_linear` and its float32 twin
+`kvforge_cpp::f32_linear`) against float64 on fresh random inputs: odd sizes that leave tails in every tiling (rows not a multiple of
+the 4- or 8-row tile, out not a multiple of the 16-channel block or the channel tile,
 in odd so the last input pair is half empty), 1 to 129 rows, with and without
-bias, each epilogue (none, float32 out, residual add, SiLU(gate) x up), on every
+bias, each epilogue (none, float32 out, residual add, SiLU(gate) x up), in
+bfloat16 and float32, on every
 instruction-set path this CPU runs (capped with KVFORGE_CPP_ISA). Deliberately
 broken variants fail the same check, and bad input gets a clear error."""
 
@@ -11,13 +12,17 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvforge.models.cpp_linear import interleave_blocks, kernel_path, load_kernel, pack_bias, pack_weight
+from kvforge.models.cpp_linear import interleave_blocks, kernel_path, linear, load_kernel, pack_bias, pack_weight
 
-SHAPES = [(1, 37, 23), (3, 100, 70), (8, 515, 129), (33, 48, 9), (129, 130, 67), (6, 1, 17)]  # (rows, in, out)
+# (rows, in, out): tails of the 8- and 4-row tiles and the 64-row chunk, of 16-channel
+# blocks and 32- and 64-channel tiles, and an odd `in` (a half-empty last input pair).
+SHAPES = [(1, 37, 23), (3, 100, 70), (8, 515, 129), (33, 48, 9), (129, 130, 67), (6, 1, 17), (75, 33, 50)]
 LEVELS = ("avx512", "avx2", "baseline")  # the cap; avx512 runs avx512_bf16 where the CPU has it
 EPILOGUES = ("none", "float_out", "add", "silu_mul")
 ACCUMULATION = 2e-6  # float32 sums: a few ulps of the sum of |terms| (in <= 515 here)
 BF16_HALF_ULP = 2.0**-8  # of |result|, for bfloat16 output
+FLOAT32_ROUNDINGS = 2.0**-23  # of |result| + |residual|: float32 output, rounded after the residual add
+DTYPES = (torch.bfloat16, torch.float32)
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -25,17 +30,17 @@ def kernel():
     load_kernel()
 
 
-def operands(rows: int, k: int, n: int, bias: bool, epilogue: str):
-    """Fresh random bfloat16 operands (a new draw every run), weights of two
+def operands(rows: int, k: int, n: int, bias: bool, epilogue: str, dtype=torch.bfloat16):
+    """Fresh random operands of `dtype` (a new draw every run), weights of two
     projections for silu_mul; channel n // 2 much larger, so a mixed-up channel shows."""
-    x = torch.randn(rows, k).bfloat16()
+    x = torch.randn(rows, k).to(dtype)
     count = 2 if epilogue == "silu_mul" else 1
     ws = [torch.randn(n, k) * 0.3 for _ in range(count)]
     for w in ws:
         w[n // 2] *= 30
-    ws = [w.bfloat16() for w in ws]
+    ws = [w.to(dtype) for w in ws]
     bs = [torch.randn(n) if bias else None for _ in range(count)]
-    other = torch.randn(rows, n).bfloat16() if epilogue == "add" else None
+    other = torch.randn(rows, n).to(dtype) if epilogue == "add" else None
     return x, ws, bs, other
 
 
@@ -46,10 +51,9 @@ def run_kernel(x, ws, bs, other, epilogue: str, pack=pack_weight):
         bias = None
         if bs[0] is not None:
             bias = torch.stack([pack_bias(b, n).view(-1, 16) for b in bs], dim=1).flatten().contiguous()
-        return torch.ops.kvforge_cpp.bf16_linear(x, packed, n, bias, "silu_mul")
+        return linear(x, packed, n, bias, "silu_mul", None)
     mode = "add" if epilogue == "add" else "none"
-    return torch.ops.kvforge_cpp.bf16_linear(x, pack(ws[0]), n, pack_bias(bs[0], n), mode, other,
-                                             epilogue == "float_out")
+    return linear(x, pack(ws[0]), n, pack_bias(bs[0], n), mode, other, epilogue == "float_out")
 
 
 def kernel_error(out, x, ws, bs, other, epilogue: str) -> float:
@@ -70,23 +74,27 @@ def kernel_error(out, x, ws, bs, other, epilogue: str) -> float:
         ref, allowed = sums[0], bounds[0]
         if other is not None:
             ref = ref + other.double()
-    if epilogue != "float_out":
+            allowed = allowed + FLOAT32_ROUNDINGS * (ref.abs() + other.double().abs())
+    if epilogue != "float_out" and x.dtype == torch.bfloat16:
         allowed = allowed + BF16_HALF_ULP * ref.abs()
     assert out.shape == ref.shape
-    assert out.dtype == (torch.float32 if epilogue == "float_out" else torch.bfloat16)
+    assert out.dtype == (torch.float32 if epilogue == "float_out" else x.dtype)
     return float(((out.double() - ref).abs() / (allowed + 1e-30)).max())
 
 
+@pytest.mark.parametrize("dtype", DTYPES, ids=["bfloat16", "float32"])
 @pytest.mark.parametrize("level", LEVELS)
 @pytest.mark.parametrize("epilogue", EPILOGUES)
 @pytest.mark.parametrize("bias", [False, True], ids=["no_bias", "bias"])
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
-def test_kernel_matches_float64_on_every_path(level, epilogue, bias, shape, monkeypatch):
+def test_kernel_matches_float64_on_every_path(dtype, level, epilogue, bias, shape, monkeypatch):
+    if dtype == torch.float32 and epilogue == "float_out":
+        pytest.skip("float32 output is the float32 kernel's only output")
     monkeypatch.setenv("KVFORGE_CPP_ISA", level)
     path = kernel_path()
     if not path.startswith(level):  # the CPU lacks this level: the cap cannot raise it
         pytest.skip(f"this CPU runs {path}, not {level}")
-    x, ws, bs, other = operands(*shape, bias, epilogue)
+    x, ws, bs, other = operands(*shape, bias, epilogue, dtype)
     out = run_kernel(x, ws, bs, other, epilogue)
     assert kernel_error(out, x, ws, bs, other, epilogue) <= 1
 
@@ -98,19 +106,21 @@ def test_every_level_names_its_path(monkeypatch):
                                  "baseline": ("baseline",)}[level]
 
 
-def test_the_check_catches_a_kernel_that_drops_the_last_input():
-    """Packing only the first in - 1 inputs (a tail bug: the half-empty last pair
-    lost) fails the check, though every other term of every sum is right."""
-    x, ws, bs, other = operands(5, 37, 23, False, "float_out")
-    assert kernel_error(run_kernel(x, ws, bs, other, "float_out"), x, ws, bs, other, "float_out") <= 1
+@pytest.mark.parametrize("dtype", DTYPES, ids=["bfloat16", "float32"])
+def test_the_check_catches_a_kernel_that_drops_the_last_input(dtype):
+    """Packing only the first in - 1 inputs (a tail bug: for bfloat16 the half-empty
+    last pair lost) fails the check, though every other term of every sum is right."""
+    epilogue = "float_out" if dtype == torch.bfloat16 else "none"
+    x, ws, bs, other = operands(5, 37, 23, False, epilogue, dtype)
+    assert kernel_error(run_kernel(x, ws, bs, other, epilogue), x, ws, bs, other, epilogue) <= 1
 
     def drops_last(w):
         w = w.clone()
         w[:, -1] = 0
         return pack_weight(w)
 
-    broken = run_kernel(x, ws, bs, other, "float_out", pack=drops_last)
-    assert kernel_error(broken, x, ws, bs, other, "float_out") > 100
+    broken = run_kernel(x, ws, bs, other, epilogue, pack=drops_last)
+    assert kernel_error(broken, x, ws, bs, other, epilogue) > 100
 
 
 def test_the_check_catches_weights_swapped_within_a_pair():
@@ -127,18 +137,31 @@ def test_the_check_catches_gate_and_up_swapped():
     assert kernel_error(broken, x, ws, bs, other, "silu_mul") > 10
 
 
-def test_strided_rows_zero_rows_and_rows_independent():
-    x, ws, bs, other = operands(9, 40, 24, True, "none")
-    wide = torch.zeros(9, 64, dtype=torch.bfloat16)
+def test_the_check_catches_a_float32_block_left_untransposed():
+    """float32 packed as [blocks, 16, in] read as [blocks, in, 16] (a layout bug) fails."""
+    x, ws, bs, other = operands(4, 48, 32, False, "none", torch.float32)
+
+    def untransposed(w):
+        return w.contiguous().view(-1, 16, w.shape[1]).reshape(-1, w.shape[1], 16).contiguous()
+
+    assert kernel_error(run_kernel(x, ws, bs, other, "none"), x, ws, bs, other, "none") <= 1
+    broken = run_kernel(x, ws, bs, other, "none", pack=untransposed)
+    assert kernel_error(broken, x, ws, bs, other, "none") > 10
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=["bfloat16", "float32"])
+def test_strided_rows_zero_rows_and_rows_independent(dtype):
+    x, ws, bs, other = operands(21, 40, 24, True, "none", dtype)
+    wide = torch.zeros(21, 64, dtype=dtype)
     wide[:, 7:47] = x
-    op = torch.ops.kvforge_cpp.bf16_linear
     packed, bias = pack_weight(ws[0]), pack_bias(bs[0], 24)
-    first = op(x, packed, 24, bias)
-    assert torch.equal(op(wide[:, 7:47], packed, 24, bias), first)  # rows 64 apart
-    assert op(x[:0], packed, 24, bias).shape == (0, 24)
+    first = linear(x, packed, 24, bias, "none", None)
+    assert torch.equal(linear(wide[:, 7:47], packed, 24, bias, "none", None), first)  # rows 64 apart
+    assert linear(x[:0], packed, 24, bias, "none", None).shape == (0, 24)
     changed = x.clone()
-    changed[1:] = torch.randn(8, 40).bfloat16() * 50
-    assert torch.equal(op(changed, packed, 24, bias)[0], first[0])  # no tile reads a neighbour's inputs
+    changed[1:] = torch.randn(20, 40).to(dtype) * 50
+    # no tile reads a neighbour's inputs
+    assert torch.equal(linear(changed, packed, 24, bias, "none", None)[0], first[0])
 
 
 @pytest.mark.parametrize("bad, message", [
@@ -151,6 +174,20 @@ def test_bad_input_gets_a_clear_error(bad, message):
     x, ws, _, _ = operands(2, 16, 8, False, "none")
     with pytest.raises(RuntimeError, match=message):
         torch.ops.kvforge_cpp.bf16_linear(*bad(x, pack_weight(ws[0]), 8))
+
+
+@pytest.mark.parametrize("bad, message", [
+    (lambda x, p, n: (x.bfloat16(), p, n), "2-D float32"),
+    (lambda x, p, n: (x[:, :10], p, n), "input features but the packed weight holds 16"),
+    (lambda x, p, n: (x, p.bfloat16(), n), r"float32 \[blocks, in, 16\]"),
+    (lambda x, p, n: (x, p, n + 16), "does not fit"),
+])
+def test_bad_float32_input_gets_a_clear_error(bad, message):
+    x, ws, _, _ = operands(2, 16, 8, False, "none", torch.float32)
+    with pytest.raises(RuntimeError, match=message):
+        torch.ops.kvforge_cpp.f32_linear(*bad(x, pack_weight(ws[0]), 8))
+    with pytest.raises(RuntimeError, match=r"needs `other`, a float32"):
+        torch.ops.kvforge_cpp.f32_linear(x, pack_weight(ws[0]), 8, None, "add", torch.zeros(2, 8).bfloat16())
 
 
 def test_bad_epilogue_and_residual_get_a_clear_error():
@@ -171,4 +208,6 @@ def test_fake_implementation_gives_the_output_shape_and_dtype():
         x, packed = torch.empty(3, 40, dtype=torch.bfloat16), torch.empty(1, 20, 16, 2, dtype=torch.bfloat16)
         assert torch.ops.kvforge_cpp.bf16_linear(x, packed, 7).dtype == torch.bfloat16
         y = torch.ops.kvforge_cpp.bf16_linear(x, packed, 7, float_out=True)
+        assert y.shape == (3, 7) and y.dtype == torch.float32
+        y = torch.ops.kvforge_cpp.f32_linear(torch.empty(3, 40), torch.empty(1, 40, 16), 7)
         assert y.shape == (3, 7) and y.dtype == torch.float32

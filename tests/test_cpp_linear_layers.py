@@ -1,8 +1,8 @@
-"""The C++ bfloat16 linear layers in a model: `use_cpp_linears` replaces every
-linear (the head once, float32 logits; gate and up fused into one SiLU GEMM),
-each replaced layer computes what the torch layer did within bfloat16's
-rounding, `linear_kernel` picks them as documented, and a float32 model is
-refused with the reason."""
+"""The C++ linear layers in a model: `use_cpp_linears` replaces every linear
+(the head once, float32 logits; gate and up fused into one SiLU GEMM), each
+replaced layer computes what the torch layer did within bfloat16's rounding, or
+float32's for a float32 model, `linear_kernel` picks them as documented, and a
+float16 model is refused with the reason."""
 
 from __future__ import annotations
 
@@ -72,14 +72,34 @@ def test_linear_kernel_choices(tmp_path):
     assert picked == cpp_linear_pays(torch.bfloat16, CPU) == (kernel_path() == "avx512_bf16")
     torch_model = load_model(path, dtype=torch.bfloat16, linear_kernel="torch")
     assert torch_model.model.norm.kernel == "torch" and torch_model.rotary.kernel == "torch"
-    float32 = load_model(path, dtype=torch.float32)  # auto: torch or oneDNN linears, C++ norms and rotary
-    assert not any(isinstance(m, CppLinear) for m in float32.modules()) and float32.model.norm.kernel == "cpp"
+    float32 = load_model(path, dtype=torch.float32)  # auto: C++ where it pays, C++ norms and rotary
+    picked = isinstance(float32.model.layers[0].mlp.gate_up_proj, CppGateUp)
+    assert picked == cpp_linear_pays(torch.float32, CPU) == kernel_path().startswith("avx512")
+    assert float32.model.norm.kernel == "cpp"
 
 
-def test_a_float32_model_is_refused_with_the_reason(tmp_path):
+def test_float32_layers_match_float64(tmp_path):
+    gate, up = nn.Linear(40, 24), nn.Linear(40, 24)
+    fused, layer = CppGateUp(gate, up), CppLinear(gate.weight, gate.bias)
+    assert fused.packed.dtype == layer.packed.dtype == torch.float32
+    x = torch.randn(2, 3, 40)
+    g64, u64, x64 = gate.double(), up.double(), x.double()
+    torch.testing.assert_close(fused(x).double(), torch.nn.functional.silu(g64(x64)) * u64(x64), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(layer.binary(x, x[..., :24], "add").double(), g64(x64) + x64[..., :24], rtol=1e-5,
+                               atol=1e-5)
+    path = save_llama(tmp_path, tied=True)
+    plain = load_model(path, dtype=torch.float32, linear_kernel="torch")
+    model = load_model(path, dtype=torch.float32, linear_kernel="cpp")
+    assert isinstance(model.lm_head_layer, CppLinear) and model.lm_head_layer.packed.dtype == torch.float32
+    hidden = torch.randn(5, 32)
+    torch.testing.assert_close(model.compute_logits(hidden), plain.compute_logits(hidden), rtol=1e-5, atol=1e-5)
+
+
+def test_a_float16_model_is_refused_with_the_reason(tmp_path):
     path = save_llama(tmp_path, tied=False)
-    with pytest.raises(UnsupportedConfigurationError, match="'cpp' is unavailable: .*bfloat16.*float32.*'torch'"):
-        load_model(path, dtype=torch.float32, linear_kernel="cpp")
+    with pytest.raises(UnsupportedConfigurationError,
+                       match="'cpp' is unavailable: .*bfloat16 and float32.*float16.*'torch'"):
+        load_model(path, dtype=torch.float16, linear_kernel="cpp")
 
 
 def test_qwen2_biases_and_gpt2_conv1d_become_cpp_linears(tmp_path):

@@ -121,8 +121,8 @@ def test_matches_transformers_with_blocks_of_1(case, backend):
 def test_matches_transformers_with_every_linear_kernel(case, linear_kernel):
     if linear_kernel == "onednn" and onednn_unavailable(torch.float32, torch.device("cpu")):
         pytest.skip(onednn_unavailable(torch.float32, torch.device("cpu")))
-    if linear_kernel == "cpp":
-        pytest.skip("the cpp linear kernel runs bfloat16 models: test_bfloat16_stays_within_tolerance_with_each_kernel")
+    if linear_kernel == "cpp" and cpp_linear_unavailable(torch.float32, torch.device("cpu")):
+        pytest.skip(cpp_linear_unavailable(torch.float32, torch.device("cpu")))
     _, path, prompts, references = case
     check_parity(path, prompts, references, BACKENDS[0], 16, permute=True, linear_kernel=linear_kernel)
 

@@ -70,8 +70,10 @@ def test_linear_kernel_choices(tmp_path):
         load_model(path, linear_kernel="mkl")
 
 
-def test_auto_packs_only_the_weights_large_enough_to_gain(tmp_path):
-    # hidden 512: every layer's weight is at least 512 x 512, the 64-token head is not
+def test_auto_packs_only_the_weights_large_enough_to_gain(tmp_path, monkeypatch):
+    # where the C++ kernel does not pay (a CPU without AVX-512); hidden 512: every
+    # layer's weight is at least 512 x 512, the 64-token head is not
+    monkeypatch.setattr("kvforge.models.loader.cpp_linear_pays", lambda dtype, device: False)
     config = transformers.LlamaConfig(vocab_size=64, hidden_size=512, intermediate_size=640, num_hidden_layers=1,
                                       num_attention_heads=8, num_key_value_heads=4)
     transformers.LlamaForCausalLM(config).save_pretrained(tmp_path / "wide")

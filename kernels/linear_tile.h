@@ -1,7 +1,7 @@
-// Register tiles of the bfloat16 linear (bf16_linear.cpp) over the packed
-// weight layout, and the epilogue they share.
+// Register tiles of the linear ops (linear.cpp) over their packed weight
+// layouts, and the epilogue every tile shares.
 //
-// The packed weight is [blocks, pairs, 16, 2] bfloat16: sixteen output channels
+// bfloat16: the packed weight is [blocks, pairs, 16, 2] bfloat16: sixteen output channels
 // per block, and for each pair of inputs (2p, 2p + 1) the sixteen channels'
 // two weights side by side. One 64-byte vector then holds the weights of 16
 // channels for two inputs: AVX-512 BF16's vdpbf16ps multiplies it by the two
@@ -10,22 +10,24 @@
 // instruction each 32-bit word splits into its two weights as floats by a shift
 // and a mask (a bfloat16 is the top half of a float32), again with no shuffle.
 //
-// Included by bf16_linear.cpp once per ISA namespace (baseline, AVX2, AVX-512,
+// float32: the packed weight is [blocks, in, 16]: for each input, sixteen
+// channels' weights side by side, one vector an FMA multiplies by the input
+// (broadcast) and adds into 16 float32 sums.
+//
+// Included by linear.cpp once per ISA namespace (baseline, AVX2, AVX-512,
 // AVX-512 BF16), after bf16_vectors.h; it includes nothing itself.
 
 constexpr int kLanes = 16;  // channels per block
-constexpr int kMaxRows = 4;  // rows per tile
-constexpr int kMaxBlocks = 4;  // blocks per tile: 64 channels
 
-// acc[m * 64 + b * 16 + j] = sum_d x[m][d] * w(channel 16 b + j of the tile, d), for m < MR, b < NB.
-// `w` is the tile's first block; blocks lie `pairs * 32` values apart.
+// Every tile: acc[m * kMaxBlocks * 16 + b * 16 + j] = sum_d x[m][d] * w(channel 16 b + j of the tile, d),
+// for m < MR, b < NB; `w` is the tile's first block, `k` the input width.
+
+// bfloat16; blocks lie `pairs * 32` values apart.
 template <int MR, int NB>
 inline void generic_tile(const uint16_t* __restrict__ x, int64_t x_stride, const uint16_t* __restrict__ w,
-                         int64_t pairs, int64_t k, float* __restrict__ acc_out) {
-  vf16 acc[MR][NB];
-  for (int m = 0; m < MR; ++m) {
-    for (int b = 0; b < NB; ++b) acc[m][b] = vf16{};
-  }
+                         int64_t k, float* __restrict__ acc_out) {
+  const int64_t pairs = (k + 1) / 2;
+  vf16 acc[MR][NB] = {};
   const int64_t full = k / 2;
   for (int64_t p = 0; p < pairs; ++p) {
     vf16 lo[NB], hi[NB];
@@ -47,8 +49,26 @@ inline void generic_tile(const uint16_t* __restrict__ x, int64_t x_stride, const
   }
 }
 
+// float32; blocks lie `k * 16` values apart. (GCC contracts the vector multiply-add into FMA.)
+template <int MR, int NB>
+inline void f32_tile(const float* __restrict__ x, int64_t x_stride, const float* __restrict__ w, int64_t k,
+                     float* __restrict__ acc_out) {
+  vf16 acc[MR][NB] = {};
+  for (int64_t d = 0; d < k; ++d) {
+    vf16 wv[NB];
+    for (int b = 0; b < NB; ++b) wv[b] = *reinterpret_cast<const vf16*>(w + (b * k + d) * kLanes);
+    for (int m = 0; m < MR; ++m) {
+      const float xv = x[m * x_stride + d];
+      for (int b = 0; b < NB; ++b) acc[m][b] += xv * wv[b];
+    }
+  }
+  for (int m = 0; m < MR; ++m) {
+    for (int b = 0; b < NB; ++b) *reinterpret_cast<vf16*>(acc_out + m * kMaxBlocks * kLanes + b * kLanes) = acc[m][b];
+  }
+}
+
 // `Epilogue` (what the epilogue adds to the sums, and where it writes) is
-// defined once in bf16_linear.cpp, outside the ISA namespaces.
+// defined once in linear.cpp, outside the ISA namespaces.
 
 // silu(g) = g / (1 + e^-g); a gate below -88 gives -0 or a tiny negative, as it should.
 inline vf16 silu16(vf16 g) { return g / (1.0f + exp16(-g)); }
@@ -72,6 +92,23 @@ inline void store16(const Epilogue& e, int64_t row, int64_t c0, vf16 v) {
   }
 }
 
+// The residual's 16 values from channel c0 (zeros past the last channel).
+inline vf16 residual16(const Epilogue& e, int64_t row, int64_t c0) {
+  const int64_t count = std::min<int64_t>(kLanes, e.n - c0);
+  if (e.other_float) {
+    const float* r = static_cast<const float*>(e.other) + row * e.other_stride + c0;
+    if (count == kLanes) return *reinterpret_cast<const vf16*>(r);
+    vf16 v{};
+    for (int64_t j = 0; j < count; ++j) v[j] = r[j];
+    return v;
+  }
+  const uint16_t* r = static_cast<const uint16_t*>(e.other) + row * e.other_stride + c0;
+  if (count == kLanes) return load_bf16x16(r);
+  vf16 v{};
+  for (int64_t j = 0; j < count; ++j) v[j] = bf16_to_float(r[j]);
+  return v;
+}
+
 // Rows [row0, row0 + mr) of blocks [block0, block0 + nb): the sums in `acc`
 // (as generic_tile leaves them) through the epilogue into y.
 inline void finish_tile(const float* acc, int mr, int nb, int64_t row0, int64_t block0, const Epilogue& e) {
@@ -90,15 +127,7 @@ inline void finish_tile(const float* acc, int mr, int nb, int64_t row0, int64_t 
       }
       const int64_t c0 = block * kLanes;
       if (c0 >= e.n) continue;
-      if (e.mode == 1) {
-        const uint16_t* r = e.other + row * e.other_stride + c0;
-        const int64_t count = std::min<int64_t>(kLanes, e.n - c0);
-        if (count == kLanes) {
-          v += load_bf16x16(r);
-        } else {
-          for (int64_t j = 0; j < count; ++j) v[j] += bf16_to_float(r[j]);
-        }
-      }
+      if (e.mode == 1) v += residual16(e, row, c0);
       store16(e, row, c0, v);
     }
   }

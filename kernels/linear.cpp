@@ -1,0 +1,313 @@
+// kvforge's linear layers for CPUs, two torch.library custom ops over one tile
+// driver and one epilogue:
+//
+//   kvforge_cpp::bf16_linear(x, packed, out_features, bias=None, epilogue="none",
+//                            other=None, float_out=False) -> Tensor
+//   kvforge_cpp::f32_linear(x, packed, out_features, bias=None, epilogue="none",
+//                           other=None) -> Tensor
+//
+// bf16_linear: x bfloat16 [rows, in] (rows may be strided); packed bfloat16
+// [blocks, pairs, 16, 2]; other bfloat16; y bfloat16, or float32 when float_out
+// (logits). f32_linear: x, packed [blocks, in, 16], other and y float32. The
+// weight is packed once at load by models/cpp_linear.py (layouts: linear_tile.h);
+// bias float32 [blocks * 16] in the packed order, or None. Sums are float32; the
+// epilogue then works on them before the one rounding:
+//   "none":     y = x W^T + bias
+//   "add":      y = x W^T + bias + other        (other [rows, out]: a residual)
+//   "silu_mul": y = silu(x G^T + bg) * (x U^T + bu), G and U packed as
+//               alternating blocks (gate, up, gate, up, ...): the MLP's two
+//               projections as one GEMM, and no pass outside it.
+// Register tiles per instruction set, dtype and row count (Path below); chunks
+// of rows x channel tiles run in parallel.
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <optional>
+#include <string>
+
+#include "cpu_isa.h"
+
+#ifdef KVFORGE_HAS_X86_PATHS
+#include <immintrin.h>
+#endif
+
+namespace kvforge_cpp {
+
+// What the epilogue adds to the sums, and where it writes (see finish_tile).
+struct Epilogue {
+  int mode;  // 0: + bias; 1: + bias + other (a residual); 2: silu(gate) * up, blocks interleaved gate, up
+  const float* bias;  // [blocks * 16] in the packed order, or nullptr
+  const void* other;  // [rows, n] for mode 1, bfloat16 or float32
+  bool other_float;
+  int64_t other_stride;
+  void* y;  // [rows, n], bfloat16 or float32
+  bool y_float;
+  int64_t y_stride;
+  int64_t n;  // output channels
+};
+
+// The largest register tile any path runs: rows x blocks of 16 channels (acc
+// buffers are laid out for it; each path picks its own tile within it).
+constexpr int kMaxRows = 8;
+constexpr int kMaxBlocks = 4;
+
+namespace linear_base {
+#include "bf16_vectors.h"
+#include "linear_tile.h"
+}  // namespace linear_base
+
+#ifdef KVFORGE_HAS_X86_PATHS
+#pragma GCC push_options
+#pragma GCC target("avx2,fma,f16c")
+namespace linear_avx2 {
+#include "bf16_vectors.h"
+#include "linear_tile.h"
+}  // namespace linear_avx2
+#pragma GCC pop_options
+#pragma GCC push_options
+#pragma GCC target("avx512f,avx512bw,avx512dq,avx512vl,avx2,fma,f16c")
+namespace linear_avx512 {
+#include "bf16_vectors.h"
+#include "linear_tile.h"
+}  // namespace linear_avx512
+#pragma GCC pop_options
+#pragma GCC push_options
+#pragma GCC target("avx512f,avx512bw,avx512dq,avx512vl,avx512bf16,avx2,fma,f16c")
+namespace linear_dpbf16 {
+#include "bf16_vectors.h"
+#include "linear_tile.h"
+#include "bf16_linear_dpbf16.h"
+}  // namespace linear_dpbf16
+#pragma GCC pop_options
+#endif
+
+namespace {
+
+template <typename T>
+using TileFn = void (*)(const T*, int64_t, const T*, int64_t, float*);
+using FinishFn = void (*)(const float*, int, int, int64_t, int64_t, const Epilogue&);
+
+// A register tile's size: rows x blocks of 16 channels. Blocks must be even:
+// silu_mul's interleaved gate and up blocks have to land in one tile.
+struct TileShape {
+  int rows, blocks;
+};
+
+// One dtype's register tiles on one ISA: at[MR - 1][NB - 1] for tails, and the
+// full tile's size for calls of at most one chunk of rows (a decode: every
+// weight read once, from memory) and for more (a prefill: weights re-read from cache).
+template <typename T>
+struct Tiles {
+  TileFn<T> at[kMaxRows][kMaxBlocks];
+  TileShape few, many;
+};
+
+// Everything one ISA runs: the tiles of each dtype and the epilogue.
+struct Path {
+  Tiles<uint16_t> bf16;
+  Tiles<float> f32;
+  FinishFn finish;
+  const char* name;
+};
+
+#define KVFORGE_TILE_ROW(NS, FN, MR) {&NS::FN<MR, 1>, &NS::FN<MR, 2>, &NS::FN<MR, 3>, &NS::FN<MR, 4>}
+#define KVFORGE_TILES(NS, FN)                                                                                   \
+  {KVFORGE_TILE_ROW(NS, FN, 1), KVFORGE_TILE_ROW(NS, FN, 2), KVFORGE_TILE_ROW(NS, FN, 3),                       \
+   KVFORGE_TILE_ROW(NS, FN, 4), KVFORGE_TILE_ROW(NS, FN, 5), KVFORGE_TILE_ROW(NS, FN, 6),                       \
+   KVFORGE_TILE_ROW(NS, FN, 7), KVFORGE_TILE_ROW(NS, FN, 8)}
+
+const Path kBaseline = {{KVFORGE_TILES(linear_base, generic_tile), {4, 4}, {4, 4}},
+                        {KVFORGE_TILES(linear_base, f32_tile), {4, 4}, {4, 4}},
+                        &linear_base::finish_tile, "baseline"};
+#ifdef KVFORGE_HAS_X86_PATHS
+// AVX2 has 16 ymm registers and a 16-channel block takes two: 3 x 2 float32 tiles.
+const Path kAvx2 = {{KVFORGE_TILES(linear_avx2, generic_tile), {4, 4}, {4, 4}},
+                    {KVFORGE_TILES(linear_avx2, f32_tile), {3, 2}, {3, 2}},
+                    &linear_avx2::finish_tile, "avx2"};
+const Path kAvx512 = {{KVFORGE_TILES(linear_avx512, generic_tile), {4, 4}, {4, 4}},
+                      {KVFORGE_TILES(linear_avx512, f32_tile), {4, 4}, {4, 4}},
+                      &linear_avx512::finish_tile, "avx512"};
+// bfloat16 at prefill sizes 8 rows x 2 blocks: 16 sums, and per input pair 2
+// weight loads for 16 vdpbf16ps, which measured faster than 4 x 4 there; a
+// decode, streaming its weights from memory, measured faster with 4 x 4's four
+// weight streams (docs/models.md).
+const Path kDpbf16 = {{KVFORGE_TILES(linear_dpbf16, dpbf16_tile), {4, 4}, {8, 2}},
+                      {KVFORGE_TILES(linear_dpbf16, f32_tile), {4, 4}, {4, 4}},
+                      &linear_dpbf16::finish_tile, "avx512_bf16"};
+#endif
+
+const Path& path_here() {
+#ifdef KVFORGE_HAS_X86_PATHS
+  switch (isa()) {
+    case Isa::kAvx512: return has_avx512_bf16() ? kDpbf16 : kAvx512;
+    case Isa::kAvx2: return kAvx2;
+    case Isa::kBaseline: break;
+  }
+#endif
+  return kBaseline;
+}
+
+// Rows go in chunks of (about) this many: a chunk's inputs stay in cache while
+// every channel tile passes over them (a prefill's thousands of rows do not); a
+// decode is one chunk.
+constexpr int64_t kChunkRows = 64;
+
+// Every tile of y = epilogue(x W^T): `w` holds `blocks` packed blocks of
+// `block_elems` values each.
+template <typename T>
+void run_tiles(const Tiles<T>& tiles, FinishFn finish, const T* x, int64_t x_stride, int64_t m, int64_t k,
+               const T* w, int64_t blocks, int64_t block_elems, const Epilogue& e) {
+  const TileShape shape = m <= kChunkRows ? tiles.few : tiles.many;
+  const int64_t tile_blocks = shape.blocks, tile_rows = shape.rows;
+  const int64_t channel_tiles = (blocks + tile_blocks - 1) / tile_blocks;
+  const int64_t chunk_rows = kChunkRows / tile_rows * tile_rows;
+  const int64_t chunks = (m + chunk_rows - 1) / chunk_rows;
+  at::parallel_for(0, chunks * channel_tiles, 1, [&](int64_t i0, int64_t i1) {
+    alignas(64) float acc[kMaxRows * kMaxBlocks * 16];
+    for (int64_t i = i0; i < i1; ++i) {
+      const int64_t row_end = std::min(m, (i / channel_tiles + 1) * chunk_rows);
+      const int64_t block0 = i % channel_tiles * tile_blocks;
+      const int nb = static_cast<int>(std::min<int64_t>(tile_blocks, blocks - block0));
+      for (int64_t r = i / channel_tiles * chunk_rows; r < row_end; r += tile_rows) {
+        const int mr = static_cast<int>(std::min<int64_t>(tile_rows, row_end - r));
+        tiles.at[mr - 1][nb - 1](x + r * x_stride, x_stride, w + block0 * block_elems, k, acc);
+        finish(acc, mr, nb, r, block0, e);
+      }
+    }
+  });
+}
+
+int epilogue_mode(const char* op, const std::string& name) {
+  if (name == "none") return 0;
+  if (name == "add") return 1;
+  if (name == "silu_mul") return 2;
+  TORCH_CHECK(false, op, "epilogue must be 'none', 'add' or 'silu_mul', got '", name, "'");
+  return -1;
+}
+
+// The dtype as the kernels' names and messages spell it.
+const char* dtype_word(at::ScalarType t) { return t == at::kFloat ? "float32" : "bfloat16"; }
+
+// The checks both ops share: out_features against the packed blocks, the bias, `other`.
+void check_epilogue(const char* op, const at::Tensor& x, int64_t blocks, int64_t n,
+                    const std::optional<at::Tensor>& bias, int mode, const std::optional<at::Tensor>& other) {
+  const int64_t room = mode == 2 ? blocks / 2 * 16 : blocks * 16;
+  TORCH_CHECK(n >= 0 && n <= room && n > room - 16 && (mode != 2 || blocks % 2 == 0), op, "out_features ", n,
+              " does not fit the packed weight's ", blocks, " blocks of 16 channels",
+              mode == 2 ? " (silu_mul: alternating gate and up blocks, an even number)" : "");
+  if (bias.has_value()) {
+    TORCH_CHECK(bias->scalar_type() == at::kFloat && bias->is_contiguous() && bias->numel() == blocks * 16, op,
+                "bias must be a contiguous float32 tensor of ", blocks * 16,
+                " values (blocks x 16, in the packed order), got ", bias->scalar_type(), " ", bias->sizes());
+  }
+  if (mode == 1) {
+    TORCH_CHECK(other.has_value() && other->scalar_type() == x.scalar_type() && other->dim() == 2 &&
+                    other->size(0) == x.size(0) && other->size(1) == n && other->stride(1) == 1, op,
+                "epilogue 'add' needs `other`, a ", dtype_word(x.scalar_type()), " [rows, out_features] = [", x.size(0), ", ",
+                n, "] with unit stride along out_features");
+  } else {
+    TORCH_CHECK(!other.has_value(), op, "`other` is only read by epilogue 'add'");
+  }
+}
+
+void check_x(const char* op, const at::Tensor& x, const at::Tensor& packed, at::ScalarType dtype) {
+  TORCH_CHECK(x.device().is_cpu() && packed.device().is_cpu(), op, "tensors must be on the CPU");
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == dtype && (x.stride(1) == 1 || x.size(1) <= 1), op,
+              "x must be a 2-D ", dtype_word(dtype), " tensor [rows, in] with unit stride along `in`, got ", x.scalar_type(),
+              " ", x.sizes(), " strides ", x.strides());
+}
+
+Epilogue epilogue_for(int mode, const std::optional<at::Tensor>& bias, const std::optional<at::Tensor>& other,
+                      at::Tensor& y) {
+  return Epilogue{mode,
+                  bias.has_value() ? bias->data_ptr<float>() : nullptr,
+                  mode == 1 ? other->data_ptr() : nullptr,
+                  mode == 1 && other->scalar_type() == at::kFloat,
+                  mode == 1 ? other->stride(0) : 0,
+                  y.data_ptr(),
+                  y.scalar_type() == at::kFloat,
+                  y.stride(0),
+                  y.size(1)};
+}
+
+}  // namespace
+
+at::Tensor bf16_linear(const at::Tensor& x, const at::Tensor& packed, int64_t out_features,
+                       const std::optional<at::Tensor>& bias, const std::string& epilogue,
+                       const std::optional<at::Tensor>& other, bool float_out) {
+  const char* op = "kvforge_cpp.bf16_linear: ";
+  const int mode = epilogue_mode(op, epilogue);
+  check_x(op, x, packed, at::kBFloat16);
+  TORCH_CHECK(packed.dim() == 4 && packed.scalar_type() == at::kBFloat16 && packed.size(2) == 16 &&
+                  packed.size(3) == 2 && packed.is_contiguous(), op,
+              "packed must be a contiguous bfloat16 [blocks, pairs, 16, 2] (pack the weight with "
+              "kvforge.models.cpp_linear.pack_weight), got ", packed.scalar_type(), " ", packed.sizes());
+  TORCH_CHECK(packed.size(1) == (x.size(1) + 1) / 2, op, "x has ", x.size(1), " input features but the packed "
+              "weight holds ", packed.size(1), " input pairs (", 2 * packed.size(1) - 1, " or ", 2 * packed.size(1),
+              " features)");
+  check_epilogue(op, x, packed.size(0), out_features, bias, mode, other);
+  const int64_t m = x.size(0), k = x.size(1), blocks = packed.size(0), pairs = packed.size(1);
+  at::Tensor y = at::empty({m, out_features}, x.options().dtype(float_out ? at::kFloat : at::kBFloat16));
+  if (m == 0 || out_features == 0) return y;
+  if (k == 0) {  // no inputs: every sum is zero; the epilogue still applies
+    return bf16_linear(at::zeros({m, 2}, x.options()), at::zeros({blocks, 1, 16, 2}, packed.options()),
+                       out_features, bias, epilogue, other, float_out);
+  }
+  const Path& path = path_here();
+  run_tiles(path.bf16, path.finish, reinterpret_cast<const uint16_t*>(x.data_ptr()), x.stride(0), m, k,
+            reinterpret_cast<const uint16_t*>(packed.data_ptr()), blocks, pairs * 32,
+            epilogue_for(mode, bias, other, y));
+  return y;
+}
+
+at::Tensor f32_linear(const at::Tensor& x, const at::Tensor& packed, int64_t out_features,
+                      const std::optional<at::Tensor>& bias, const std::string& epilogue,
+                      const std::optional<at::Tensor>& other) {
+  const char* op = "kvforge_cpp.f32_linear: ";
+  const int mode = epilogue_mode(op, epilogue);
+  check_x(op, x, packed, at::kFloat);
+  TORCH_CHECK(packed.dim() == 3 && packed.scalar_type() == at::kFloat && packed.size(2) == 16 &&
+                  packed.is_contiguous(), op,
+              "packed must be a contiguous float32 [blocks, in, 16] (pack the weight with "
+              "kvforge.models.cpp_linear.pack_weight), got ", packed.scalar_type(), " ", packed.sizes());
+  TORCH_CHECK(packed.size(1) == x.size(1), op, "x has ", x.size(1), " input features but the packed weight holds ",
+              packed.size(1));
+  check_epilogue(op, x, packed.size(0), out_features, bias, mode, other);
+  const int64_t m = x.size(0), k = x.size(1), blocks = packed.size(0);
+  at::Tensor y = at::empty({m, out_features}, x.options());
+  if (m == 0 || out_features == 0) return y;
+  if (k == 0) {  // no inputs: every sum is zero; the epilogue still applies
+    return f32_linear(at::zeros({m, 1}, x.options()), at::zeros({blocks, 1, 16}, packed.options()), out_features,
+                      bias, epilogue, other);
+  }
+  const Path& path = path_here();
+  run_tiles(path.f32, path.finish, x.data_ptr<float>(), x.stride(0), m, k, packed.data_ptr<float>(), blocks, k * 16,
+            epilogue_for(mode, bias, other, y));
+  return y;
+}
+
+// Which path the linear ops take here and now ("avx512_bf16", "avx512", "avx2" or "baseline").
+std::string bf16_linear_path() { return path_here().name; }
+
+TORCH_LIBRARY_FRAGMENT(kvforge_cpp, m) {
+  m.def("bf16_linear(Tensor x, Tensor packed, int out_features, Tensor? bias=None, str epilogue=\"none\", "
+        "Tensor? other=None, bool float_out=False) -> Tensor");
+  m.def("f32_linear(Tensor x, Tensor packed, int out_features, Tensor? bias=None, str epilogue=\"none\", "
+        "Tensor? other=None) -> Tensor");
+  m.def("bf16_linear_path() -> str");
+}
+
+TORCH_LIBRARY_IMPL(kvforge_cpp, CPU, m) {
+  m.impl("bf16_linear", &bf16_linear);
+  m.impl("f32_linear", &f32_linear);
+}
+
+TORCH_LIBRARY_IMPL(kvforge_cpp, CompositeExplicitAutograd, m) {
+  m.impl("bf16_linear_path", &bf16_linear_path);
+}
+
+}  // namespace kvforge_cpp
