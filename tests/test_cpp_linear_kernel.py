@@ -149,17 +149,18 @@ def test_the_check_catches_a_float32_block_left_untransposed():
     assert kernel_error(broken, x, ws, bs, other, "none") > 10
 
 
+@pytest.mark.parametrize("rows", [21, 70], ids=["one_chunk", "two_chunks"])  # the decode and the prefill tiles
 @pytest.mark.parametrize("dtype", DTYPES, ids=["bfloat16", "float32"])
-def test_strided_rows_zero_rows_and_rows_independent(dtype):
-    x, ws, bs, other = operands(21, 40, 24, True, "none", dtype)
-    wide = torch.zeros(21, 64, dtype=dtype)
+def test_strided_rows_zero_rows_and_rows_independent(dtype, rows):
+    x, ws, bs, other = operands(rows, 40, 24, True, "none", dtype)
+    wide = torch.zeros(rows, 64, dtype=dtype)
     wide[:, 7:47] = x
     packed, bias = pack_weight(ws[0]), pack_bias(bs[0], 24)
     first = linear(x, packed, 24, bias, "none", None)
     assert torch.equal(linear(wide[:, 7:47], packed, 24, bias, "none", None), first)  # rows 64 apart
     assert linear(x[:0], packed, 24, bias, "none", None).shape == (0, 24)
     changed = x.clone()
-    changed[1:] = torch.randn(20, 40).to(dtype) * 50
+    changed[1:] = torch.randn(rows - 1, 40).to(dtype) * 50
     # no tile reads a neighbour's inputs
     assert torch.equal(linear(changed, packed, 24, bias, "none", None)[0], first[0])
 
