@@ -75,7 +75,8 @@ class Sampler:
         if not all(greedy_rows):
             probs = sampling_probs(logits, params)
             u = uniforms(requests, self.generator(device), device)
-            sampled = inverse_cdf(probs, u, self.cdf_buffer(probs))
+            buffer = None if compiled_draw_ready(probs, u) else self.cdf_buffer(probs)  # the kernel needs none
+            sampled = inverse_cdf(probs, u, buffer)
             if token_ids is None:
                 token_ids = sampled
             else:
