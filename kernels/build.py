@@ -13,11 +13,13 @@ lives in its `torch_extensions/` subfolder.
 from __future__ import annotations
 
 import hashlib
+import logging
 import os
 import shutil
 import sys
 import sysconfig
 import threading
+import time
 from pathlib import Path
 
 import torch
@@ -37,6 +39,11 @@ CACHE_ENV = "KVFORGE_CACHE_DIR"
 # inside the library, so no -march=native (the build must run on any x86-64).
 CFLAGS = ["-O3", "-fopenmp", "-std=c++17"]
 
+# A build takes about a minute; torch's lock file older than this belongs to a
+# build that was killed (its process gone), and would make every later load wait forever.
+STALE_LOCK_S = 900.0
+
+log = logging.getLogger(__name__)
 _lock = threading.Lock()
 _loaded: str | None = None  # path of the loaded library
 _failure: str | None = None  # why the build failed in this process
@@ -85,6 +92,21 @@ def cached_library() -> Path | None:
     return built[-1] if built else None
 
 
+def clear_stale_lock(directory: Path, now: float | None = None) -> bool:
+    """Remove torch's build lock in `directory` when it is older than `STALE_LOCK_S`
+    (left by a build that was killed); True if one was removed."""
+    lock = directory / "lock"
+    try:
+        age = (time.time() if now is None else now) - lock.stat().st_mtime
+    except FileNotFoundError:
+        return False
+    if age <= STALE_LOCK_S:
+        return False
+    log.warning("removing %s, a build lock %.0f s old: the build that held it was killed", lock, age)
+    lock.unlink(missing_ok=True)
+    return True
+
+
 def failure() -> str | None:
     """Why an earlier build in this process failed, or None."""
     return _failure
@@ -110,6 +132,7 @@ def load() -> str:
 
         directory = build_dir()
         directory.mkdir(parents=True, exist_ok=True)
+        clear_stale_lock(directory)
         built = cached_library()
         if built is not None and not (directory / "lock").exists():
             # Built earlier from these very sources and no build is running: load it

@@ -199,6 +199,17 @@ def test_every_kernel_source_is_hashed_into_the_build_folder_name(tmp_path, monk
     assert build.build_dir() != before
 
 
+def test_a_killed_builds_lock_is_removed_and_a_running_ones_kept(tmp_path):
+    # torch waits for its lock file to vanish: one left by a killed build would
+    # make every later load wait forever; one younger than a build may be live.
+    lock = tmp_path / "lock"
+    lock.write_text("")
+    now = lock.stat().st_mtime
+    assert not build.clear_stale_lock(tmp_path, now=now + 60) and lock.exists()
+    assert build.clear_stale_lock(tmp_path, now=now + build.STALE_LOCK_S + 1) and not lock.exists()
+    assert not build.clear_stale_lock(tmp_path)  # none there: nothing to do
+
+
 def test_availability_names_the_missing_compiler(monkeypatch):
     monkeypatch.setenv("CXX", "kvforge-no-such-compiler")
     monkeypatch.setattr(build, "cached_library", lambda: None)
