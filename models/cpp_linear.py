@@ -47,17 +47,23 @@ def load_kernel() -> None:
             "fix the toolchain, or use linear_kernel 'torch' or 'onednn'") from exc
 
 
-def cpp_linear_unavailable(dtype: torch.dtype, device: torch.device) -> str | None:
-    """Why the C++ linear kernels cannot serve a `dtype` model on `device`; None when they can."""
+def cpp_kernels_unavailable(kernels: str, dtype: torch.dtype, device: torch.device) -> str | None:
+    """Why kvforge's C++ `kernels` (named so in the message: the linear, or RMSNorm and
+    rotary) cannot serve a `dtype` model on `device`; None when they can."""
     if device.type != "cpu":
-        return f"the C++ linear kernel is for CPU models, this one is on {device.type}"
+        return f"the C++ {kernels} kernels are for CPU models, this one is on {device.type}"
     if dtype not in DTYPES:
-        return f"the C++ linear kernel runs bfloat16 and float32 models, this one is {dtype_name(dtype)}"
+        return f"the C++ {kernels} kernels run bfloat16 and float32 models, this one is {dtype_name(dtype)}"
     from kvforge.kernels import build
 
     if build.missing_tools() is not None and build.cached_library() is None:
         return f"kvforge's C++ library cannot be built here: {build.missing_tools()}"
     return None
+
+
+def cpp_linear_unavailable(dtype: torch.dtype, device: torch.device) -> str | None:
+    """Why the C++ linear kernels cannot serve a `dtype` model on `device`; None when they can."""
+    return cpp_kernels_unavailable("linear", dtype, device)
 
 
 def cpp_linear_pays(dtype: torch.dtype, device: torch.device) -> bool:

@@ -16,25 +16,13 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from kvforge.core import dtype_name
-
 from .base import RMSNorm, RotaryEmbedding
-from .cpp_linear import load_kernel
-
-DTYPES = (torch.float32, torch.bfloat16)
+from .cpp_linear import cpp_kernels_unavailable, load_kernel
 
 
 def cpp_norms_unavailable(dtype: torch.dtype, device: torch.device) -> str | None:
     """Why the C++ RMSNorm and rotary kernels cannot serve a `dtype` model on `device`; None when they can."""
-    if device.type != "cpu":
-        return f"the C++ RMSNorm and rotary kernels are for CPU models, this one is on {device.type}"
-    if dtype not in DTYPES:
-        return f"the C++ RMSNorm and rotary kernels run float32 and bfloat16, not {dtype_name(dtype)}"
-    from kvforge.kernels import build
-
-    if build.missing_tools() is not None and build.cached_library() is None:
-        return f"kvforge's C++ library cannot be built here: {build.missing_tools()}"
-    return None
+    return cpp_kernels_unavailable("RMSNorm and rotary", dtype, device)
 
 
 def use_cpp_norms(model: nn.Module) -> int:
