@@ -18,7 +18,8 @@
 // Soft-cap and ALiBi are applied per lane too, so this tile serves every
 // feature the generic one does.
 //
-// With AVX-512 BF16 and a bfloat16 cache, the scores come from prefill_bf16.h.
+// With AVX-512 BF16 and a bfloat16 cache, the scores and the value sums come from
+// prefill_bf16.h (two head dims, or two keys, per vdpbf16ps).
 //
 // Included by paged_attention.cpp inside namespace avx512, after decode_tile.h.
 
