@@ -16,11 +16,12 @@ inline __m512bh x_last(const uint16_t* p) { return (__m512bh)_mm512_set1_epi32(s
 
 template <int MR, int NB>
 inline void dpbf16_tile(const uint16_t* __restrict__ x, int64_t x_stride, const uint16_t* __restrict__ w,
-                        int64_t k, float* __restrict__ acc_out) {
+                        int64_t k, float* __restrict__ acc_out, const char* ahead, int64_t ahead_step) {
   const int64_t pairs = (k + 1) / 2;
   __m512 acc[MR][NB] = {};
   const int64_t full = k / 2;
   for (int64_t p = 0; p < full; ++p) {
+    prefetch_step(ahead, ahead_step, p);
     __m512bh wv[NB];
     for (int b = 0; b < NB; ++b) wv[b] = (__m512bh)_mm512_loadu_si512(w + (b * pairs + p) * 2 * kLanes);
     for (int m = 0; m < MR; ++m) {

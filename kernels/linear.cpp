@@ -88,7 +88,7 @@ namespace linear_dpbf16 {
 namespace {
 
 template <typename T>
-using TileFn = void (*)(const T*, int64_t, const T*, int64_t, float*);
+using TileFn = void (*)(const T*, int64_t, const T*, int64_t, float*, const char*, int64_t);
 using FinishFn = void (*)(const float*, int, int, int64_t, int64_t, const Epilogue&);
 
 // A register tile's size: rows x blocks of 16 channels. Blocks must be even:
@@ -156,11 +156,32 @@ const Path& path_here() {
 // decode is one chunk.
 constexpr int64_t kChunkRows = 64;
 
+// The prefetches a chunk of row tiles spreads the next channel tile's weights
+// over: each row tile's `steps` input steps fetch `step` bytes further on. A
+// decode reads every weight from memory once; fetched into L2 during the
+// tile before, the next tile's weights arrive while this one computes instead
+// of stalling its first row tile. With too few rows to spread them at most one
+// line a step (a small batch is bound by memory anyway), nothing is fetched.
+struct Lookahead {
+  const char* next;  // the next tile's first weight, or nullptr
+  int64_t step;      // bytes per input step
+
+  Lookahead(const char* next_tile, int64_t next_bytes, int64_t row_tiles, int64_t steps)
+      : next(nullptr), step(0) {
+    const int64_t spread = row_tiles * std::max<int64_t>(steps, 1);
+    if (next_tile == nullptr || next_bytes > spread * 64) return;
+    next = next_tile;
+    step = (next_bytes + spread - 1) / spread;
+  }
+  // Where row tile `t` of the chunk starts fetching.
+  const char* for_row_tile(int64_t t, int64_t steps) const { return next ? next + t * steps * step : nullptr; }
+};
+
 // Every tile of y = epilogue(x W^T): `w` holds `blocks` packed blocks of
-// `block_elems` values each.
+// `block_elems` values each; a tile takes `steps` steps over the inputs.
 template <typename T>
 void run_tiles(const Tiles<T>& tiles, FinishFn finish, const T* x, int64_t x_stride, int64_t m, int64_t k,
-               const T* w, int64_t blocks, int64_t block_elems, const Epilogue& e) {
+               const T* w, int64_t blocks, int64_t block_elems, int64_t steps, const Epilogue& e) {
   const TileShape shape = m <= kChunkRows ? tiles.few : tiles.many;
   const int64_t tile_blocks = shape.blocks, tile_rows = shape.rows;
   const int64_t channel_tiles = (blocks + tile_blocks - 1) / tile_blocks;
@@ -169,12 +190,17 @@ void run_tiles(const Tiles<T>& tiles, FinishFn finish, const T* x, int64_t x_str
   at::parallel_for(0, chunks * channel_tiles, 1, [&](int64_t i0, int64_t i1) {
     alignas(64) float acc[kMaxRows * kMaxBlocks * 16];
     for (int64_t i = i0; i < i1; ++i) {
-      const int64_t row_end = std::min(m, (i / channel_tiles + 1) * chunk_rows);
+      const int64_t row_begin = i / channel_tiles * chunk_rows, row_end = std::min(m, row_begin + chunk_rows);
       const int64_t block0 = i % channel_tiles * tile_blocks;
       const int nb = static_cast<int>(std::min<int64_t>(tile_blocks, blocks - block0));
-      for (int64_t r = i / channel_tiles * chunk_rows; r < row_end; r += tile_rows) {
+      const int64_t next_block0 = (i + 1) % channel_tiles * tile_blocks;
+      const Lookahead ahead(i + 1 < i1 ? reinterpret_cast<const char*>(w + next_block0 * block_elems) : nullptr,
+                            std::min<int64_t>(tile_blocks, blocks - next_block0) * block_elems * int64_t{sizeof(T)},
+                            (row_end - row_begin + tile_rows - 1) / tile_rows, steps);
+      for (int64_t r = row_begin; r < row_end; r += tile_rows) {
         const int mr = static_cast<int>(std::min<int64_t>(tile_rows, row_end - r));
-        tiles.at[mr - 1][nb - 1](x + r * x_stride, x_stride, w + block0 * block_elems, k, acc);
+        tiles.at[mr - 1][nb - 1](x + r * x_stride, x_stride, w + block0 * block_elems, k, acc,
+                                 ahead.for_row_tile((r - row_begin) / tile_rows, steps), ahead.step);
         finish(acc, mr, nb, r, block0, e);
       }
     }
@@ -259,7 +285,7 @@ at::Tensor bf16_linear(const at::Tensor& x, const at::Tensor& packed, int64_t ou
   }
   const Path& path = path_here();
   run_tiles(path.bf16, path.finish, reinterpret_cast<const uint16_t*>(x.data_ptr()), x.stride(0), m, k,
-            reinterpret_cast<const uint16_t*>(packed.data_ptr()), blocks, pairs * 32,
+            reinterpret_cast<const uint16_t*>(packed.data_ptr()), blocks, pairs * 32, k / 2,
             epilogue_for(mode, bias, other, y));
   return y;
 }
@@ -285,7 +311,7 @@ at::Tensor f32_linear(const at::Tensor& x, const at::Tensor& packed, int64_t out
                       bias, epilogue, other);
   }
   const Path& path = path_here();
-  run_tiles(path.f32, path.finish, x.data_ptr<float>(), x.stride(0), m, k, packed.data_ptr<float>(), blocks, k * 16,
+  run_tiles(path.f32, path.finish, x.data_ptr<float>(), x.stride(0), m, k, packed.data_ptr<float>(), blocks, k * 16, k,
             epilogue_for(mode, bias, other, y));
   return y;
 }

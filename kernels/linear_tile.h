@@ -21,15 +21,24 @@ constexpr int kLanes = 16;  // channels per block
 
 // Every tile: acc[m * kMaxBlocks * 16 + b * 16 + j] = sum_d x[m][d] * w(channel 16 b + j of the tile, d),
 // for m < MR, b < NB; `w` is the tile's first block, `k` the input width.
+// Unless `ahead` is null, each step over the inputs (one input, or one pair)
+// also prefetches `ahead + step * ahead_step` into L2: the driver spreads the
+// next tile's weights over this tile's steps (run_tiles in linear.cpp).
+
+// The prefetch of input step `d` (see above); a prefetch never faults.
+inline void prefetch_step(const char* ahead, int64_t ahead_step, int64_t d) {
+  if (ahead != nullptr) __builtin_prefetch(ahead + d * ahead_step, 0, 2);
+}
 
 // bfloat16; blocks lie `pairs * 32` values apart.
 template <int MR, int NB>
 inline void generic_tile(const uint16_t* __restrict__ x, int64_t x_stride, const uint16_t* __restrict__ w,
-                         int64_t k, float* __restrict__ acc_out) {
+                         int64_t k, float* __restrict__ acc_out, const char* ahead, int64_t ahead_step) {
   const int64_t pairs = (k + 1) / 2;
   vf16 acc[MR][NB] = {};
   const int64_t full = k / 2;
   for (int64_t p = 0; p < pairs; ++p) {
+    prefetch_step(ahead, ahead_step, p);
     vf16 lo[NB], hi[NB];
     for (int b = 0; b < NB; ++b) {
       const vu16 words = *reinterpret_cast<const vu16*>(w + (b * pairs + p) * 2 * kLanes);
@@ -52,9 +61,10 @@ inline void generic_tile(const uint16_t* __restrict__ x, int64_t x_stride, const
 // float32; blocks lie `k * 16` values apart. (GCC contracts the vector multiply-add into FMA.)
 template <int MR, int NB>
 inline void f32_tile(const float* __restrict__ x, int64_t x_stride, const float* __restrict__ w, int64_t k,
-                     float* __restrict__ acc_out) {
+                     float* __restrict__ acc_out, const char* ahead, int64_t ahead_step) {
   vf16 acc[MR][NB] = {};
   for (int64_t d = 0; d < k; ++d) {
+    prefetch_step(ahead, ahead_step, d);
     vf16 wv[NB];
     for (int b = 0; b < NB; ++b) wv[b] = *reinterpret_cast<const vf16*>(w + (b * k + d) * kLanes);
     for (int m = 0; m < MR; ++m) {

@@ -36,6 +36,7 @@ from kvforge.core import (
     kv_cache_request,
 )
 from kvforge.core.errors import ConfigError, UnsupportedConfigurationError
+from .huge_pages import zeros_on_huge_pages
 
 
 class ModelConfig(dict):
@@ -330,6 +331,10 @@ class CausalLM(nn.Module):
         spec's `tensor_dtype` (raw bytes holding data and scales when quantized)."""
         spec = self.kv_cache_spec(block_size)
         shape = self.backend_class().kv_cache_shape(num_blocks, spec)
+        if self.device.type == "cpu":  # on 2 MiB pages where the system allows (huge_pages)
+            caches = zeros_on_huge_pages([shape] * len(self.layer_specs), spec.tensor_dtype)
+            if caches is not None:
+                return caches
         return [torch.zeros(shape, dtype=spec.tensor_dtype, device=self.device) for _ in self.layer_specs]
 
     # One step

@@ -29,6 +29,7 @@ from torch import nn
 from kvforge.core import cdiv, dtype_name
 from kvforge.core.errors import UnsupportedConfigurationError
 
+from .huge_pages import on_huge_pages
 from .packed_linear import linear_weight
 
 LANES = 16  # output channels per packed block
@@ -204,7 +205,8 @@ def use_cpp_linears(model: nn.Module) -> int:
     """Replace the linear layers of a loaded bfloat16 or float32 CPU model by CppLinear, fuse
     each SiLU MLP's gate and up into a CppGateUp (set as the MLP's `gate_up_proj`),
     and give the model a float32-output head (`lm_head_layer`); the number of
-    weights packed."""
+    weights packed. The packed weights then sit side by side on 2 MiB pages in
+    the order the model runs them (`huge_pages`)."""
     count = 0
     for module in list(model.modules()):
         gate, up = getattr(module, "gate_proj", None), getattr(module, "up_proj", None)
@@ -227,4 +229,7 @@ def use_cpp_linears(model: nn.Module) -> int:
                 count += 1
     if head_layer is not None:
         model.lm_head_layer = head_layer
+    packed_layers = [m for m in model.modules() if isinstance(m, (CppLinear, CppGateUp))]
+    for layer, packed in zip(packed_layers, on_huge_pages([m.packed for m in packed_layers])):
+        layer.packed = packed
     return count
