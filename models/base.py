@@ -371,18 +371,26 @@ class CausalLM(nn.Module):
 
     def weight_bytes(self) -> int:
         """Bytes of every tensor the model holds: parameters, buffers, and tensors kept as
-        plain module attributes (oneDNN-packed weights); a shared tensor counts once."""
+        plain module attributes (oneDNN-packed weights); bytes two tensors share count
+        once (a tied head; views of one mapping, as `huge_pages` makes)."""
         seen: set[int] = set()
+        spans: list[tuple[int, int]] = []
         total = 0
         for module in self.modules():
             held = [*module._parameters.values(), *module._buffers.values(), *vars(module).values()]
             for tensor in held:
                 if not isinstance(tensor, torch.Tensor):
                     continue
-                key = id(tensor) if tensor.is_mkldnn else tensor.untyped_storage().data_ptr()
-                if key not in seen:
-                    seen.add(key)
-                    total += tensor.numel() * tensor.element_size()
+                size = tensor.numel() * tensor.element_size()
+                if not tensor.is_mkldnn:
+                    spans.append((tensor.data_ptr(), tensor.data_ptr() + size))
+                elif id(tensor) not in seen:
+                    seen.add(id(tensor))
+                    total += size
+        end = 0
+        for start, stop in sorted(spans):  # the union of the byte ranges
+            total += max(0, stop - max(start, end))
+            end = max(end, stop)
         return total
 
     @staticmethod

@@ -80,4 +80,5 @@ def zeros_on_huge_pages(shapes: list[tuple[int, ...]], dtype: torch.dtype) -> li
     arena = huge_page_bytes(total)
     if arena is None:
         return None
+    arena.zero_()  # fault every page in now, as torch.zeros does, not in the steps that first write there
     return _views(arena, offsets, [torch.Size(s) for s in shapes], lambda i: dtype)

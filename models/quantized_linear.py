@@ -40,6 +40,7 @@ from torch import nn
 from kvforge.core import PER_CHANNEL, Quantizer, dtype_name
 from kvforge.core.errors import UnsupportedConfigurationError
 
+from .huge_pages import on_huge_pages
 from .packed_linear import linear_weight
 
 # What the int8 layer reads: int8 data with one scale per output channel (row of `[out, in]`).
@@ -184,7 +185,8 @@ def quantize_linears(model: nn.Module, quantizer: Quantizer, lm_head: bool = Tru
     replaced. An untied language-model head is among them unless `lm_head` is
     False (it then becomes the model's `lm_head_layer`); a tied head is the
     embedding and stays float. Call it after `finish_loading` (fused q/k/v are
-    quantized as one weight)."""
+    quantized as one weight). On a CPU the int8 weights then sit side by side on
+    2 MiB pages (`huge_pages`)."""
     if activations not in ACTIVATIONS:
         raise UnsupportedConfigurationError(
             f"activations {activations!r} is not a choice: use 'none' (weight-only, int8 weights and float "
@@ -204,4 +206,7 @@ def quantize_linears(model: nn.Module, quantizer: Quantizer, lm_head: bool = Tru
             count += 1
             if is_head:
                 model.lm_head_layer = replacement
+    layers = [m for m in model.modules() if isinstance(m, Int8Linear)]
+    for layer, weight in zip(layers, on_huge_pages([m.weight_int8 for m in layers])):
+        layer.weight_int8 = weight  # side by side on 2 MiB pages on a CPU (huge_pages)
     return count

@@ -362,10 +362,12 @@ def test_the_backends_fast_views_are_the_cores_views(name, block_size, kv_heads,
     from kvforge.backends.cpp.quantized_views import QuantizedViews
 
     spec = KVCacheSpec(block_size, kv_heads, head_size, torch.float32, quantizer=quantizer(name))
-    cache = torch.randint(0, 256, (5, spec.layer_block_bytes()), dtype=torch.uint8)
-    for fast, core in zip(QuantizedViews(spec).views(cache), quantized_kv_views(cache, spec)):
-        assert (fast.dtype, fast.shape, fast.stride(), fast.data_ptr()) == (
-            core.dtype, core.shape, core.stride(), core.data_ptr())
+    whole = torch.randint(0, 256, (8, spec.layer_block_bytes()), dtype=torch.uint8)
+    # the cache alone, and the cache as rows of a larger tensor (as models/huge_pages.py lays out layers)
+    for cache in (whole[:5].clone(), whole[3:]):
+        for fast, core in zip(QuantizedViews(spec).views(cache), quantized_kv_views(cache, spec)):
+            assert (fast.dtype, fast.shape, fast.stride(), fast.data_ptr()) == (
+                core.dtype, core.shape, core.stride(), core.data_ptr())
     with pytest.raises(ValueError, match=rf"uint8 tensor \[num_blocks, {spec.layer_block_bytes()}\]"):
         QuantizedViews(spec).views(cache[:, 1:])
 

@@ -88,3 +88,17 @@ def test_model_weights_and_kv_cache_land_on_huge_pages(tmp_path):
     assert packed and all("hg" in vm_flags(p.data_ptr()) for p in packed)
     caches = model.allocate_kv_cache(4, 16)
     assert all("hg" in vm_flags(c.data_ptr()) and not c.any() for c in caches)
+
+
+def test_int8_weights_land_on_huge_pages(tmp_path):
+    from kvforge.models import load_model
+    from kvforge.models.quantized_linear import Int8Linear, quantize_linears
+    from kvforge.plugins.quantizers import Int8WeightQuantizer
+    from tests.model_driver import cpu_backends, save_llama
+
+    model = load_model(save_llama(tmp_path, tied=False), dtype=torch.float32, linear_kernel="torch",
+                       attention_backend=cpu_backends()[0])
+    assert quantize_linears(model, Int8WeightQuantizer()) > 0
+    layers = [m for m in model.modules() if isinstance(m, Int8Linear)]
+    assert all("hg" in vm_flags(m.weight_int8.data_ptr()) and m.weight_int8.dtype == torch.int8 for m in layers)
+    assert all(m._buffers["weight_int8"] is m.weight_int8 for m in layers)  # still a buffer (state_dict, .to)

@@ -34,9 +34,13 @@ class QuantizedViews:
                 f"a KV cache quantized to {self.spec.storage_dtype} must be a contiguous uint8 tensor "
                 f"[num_blocks, {self.row_bytes}] (AttentionBackend.kv_cache_shape), got {kv_cache.dtype} "
                 f"{tuple(kv_cache.shape)}; allocate it with kv_cache_shape and spec.tensor_dtype")
-        num_blocks = kv_cache.shape[0]
-        shape, stride, offset = self.data_layout
-        data = kv_cache.view(self.spec.storage_dtype).as_strided((num_blocks, *shape), stride, offset)
-        shape, stride, offset = self.scale_layout
-        scales = kv_cache.view(SCALE_DTYPE).as_strided((num_blocks, *shape), stride, offset)
-        return data, scales
+        return self._view(kv_cache, self.spec.storage_dtype, self.data_layout), self._view(
+            kv_cache, SCALE_DTYPE, self.scale_layout)
+
+    @staticmethod
+    def _view(kv_cache: torch.Tensor, dtype: torch.dtype, layout) -> torch.Tensor:
+        # Offsets count from the cache's own start, which need not be its storage's
+        # (a cache may be a view of a larger mapping: models/huge_pages.py).
+        shape, stride, offset = layout
+        typed = kv_cache.view(dtype)
+        return typed.as_strided((kv_cache.shape[0], *shape), stride, typed.storage_offset() + offset)
