@@ -17,7 +17,7 @@
 //   "silu_mul": y = silu(x G^T + bg) * (x U^T + bu), G and U packed as
 //               alternating blocks (gate, up, gate, up, ...): the MLP's two
 //               projections as one GEMM, and no pass outside it.
-// Register tiles per instruction set, dtype and row count (Path below); chunks
+// Register tiles per instruction set and dtype (Path below); chunks
 // of rows x channel tiles run in parallel.
 
 #include <ATen/ATen.h>
@@ -98,12 +98,11 @@ struct TileShape {
 };
 
 // One dtype's register tiles on one ISA: at[MR - 1][NB - 1] for tails, and the
-// full tile's size for calls of at most one chunk of rows (a decode: every
-// weight read once, from memory) and for more (a prefill: weights re-read from cache).
+// full tile's size.
 template <typename T>
 struct Tiles {
   TileFn<T> at[kMaxRows][kMaxBlocks];
-  TileShape few, many;
+  TileShape shape;
 };
 
 // Everything one ISA runs: the tiles of each dtype and the epilogue.
@@ -120,23 +119,22 @@ struct Path {
    KVFORGE_TILE_ROW(NS, FN, 4), KVFORGE_TILE_ROW(NS, FN, 5), KVFORGE_TILE_ROW(NS, FN, 6),                       \
    KVFORGE_TILE_ROW(NS, FN, 7), KVFORGE_TILE_ROW(NS, FN, 8)}
 
-const Path kBaseline = {{KVFORGE_TILES(linear_base, generic_tile), {4, 4}, {4, 4}},
-                        {KVFORGE_TILES(linear_base, f32_tile), {4, 4}, {4, 4}},
+const Path kBaseline = {{KVFORGE_TILES(linear_base, generic_tile), {4, 4}},
+                        {KVFORGE_TILES(linear_base, f32_tile), {4, 4}},
                         &linear_base::finish_tile, "baseline"};
 #ifdef KVFORGE_HAS_X86_PATHS
 // AVX2 has 16 ymm registers and a 16-channel block takes two: 3 x 2 float32 tiles.
-const Path kAvx2 = {{KVFORGE_TILES(linear_avx2, generic_tile), {4, 4}, {4, 4}},
-                    {KVFORGE_TILES(linear_avx2, f32_tile), {3, 2}, {3, 2}},
+const Path kAvx2 = {{KVFORGE_TILES(linear_avx2, generic_tile), {4, 4}},
+                    {KVFORGE_TILES(linear_avx2, f32_tile), {3, 2}},
                     &linear_avx2::finish_tile, "avx2"};
-const Path kAvx512 = {{KVFORGE_TILES(linear_avx512, generic_tile), {4, 4}, {4, 4}},
-                      {KVFORGE_TILES(linear_avx512, f32_tile), {4, 4}, {4, 4}},
+const Path kAvx512 = {{KVFORGE_TILES(linear_avx512, generic_tile), {4, 4}},
+                      {KVFORGE_TILES(linear_avx512, f32_tile), {4, 4}},
                       &linear_avx512::finish_tile, "avx512"};
-// bfloat16 at prefill sizes 8 rows x 2 blocks: 16 sums, and per input pair 2
-// weight loads for 16 vdpbf16ps, which measured faster than 4 x 4 there; a
-// decode, streaming its weights from memory, measured faster with 4 x 4's four
-// weight streams (docs/models.md).
-const Path kDpbf16 = {{KVFORGE_TILES(linear_dpbf16, dpbf16_tile), {4, 4}, {8, 2}},
-                      {KVFORGE_TILES(linear_dpbf16, f32_tile), {4, 4}, {4, 4}},
+// bfloat16 8 rows x 2 blocks: 16 sums, and per input pair 2 weight loads for 16
+// vdpbf16ps, which measured faster than 4 x 4 at every row count once a
+// decode's weights stream from 2 MiB pages (docs/models.md).
+const Path kDpbf16 = {{KVFORGE_TILES(linear_dpbf16, dpbf16_tile), {8, 2}},
+                      {KVFORGE_TILES(linear_dpbf16, f32_tile), {4, 4}},
                       &linear_dpbf16::finish_tile, "avx512_bf16"};
 #endif
 
@@ -182,8 +180,7 @@ struct Lookahead {
 template <typename T>
 void run_tiles(const Tiles<T>& tiles, FinishFn finish, const T* x, int64_t x_stride, int64_t m, int64_t k,
                const T* w, int64_t blocks, int64_t block_elems, int64_t steps, const Epilogue& e) {
-  const TileShape shape = m <= kChunkRows ? tiles.few : tiles.many;
-  const int64_t tile_blocks = shape.blocks, tile_rows = shape.rows;
+  const int64_t tile_blocks = tiles.shape.blocks, tile_rows = tiles.shape.rows;
   const int64_t channel_tiles = (blocks + tile_blocks - 1) / tile_blocks;
   const int64_t chunk_rows = kChunkRows / tile_rows * tile_rows;
   const int64_t chunks = (m + chunk_rows - 1) / chunk_rows;
