@@ -90,9 +90,11 @@ class ModelRunner:
         copy_blocks(self.kv_caches, copies, self.device)
         return len(copies)
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, batch: AttentionBatch) -> torch.Tensor:
-        """The model's hidden states for one step's batch: `plan` once, then `forward`."""
-        plan = self.model.plan(batch)
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, batch: AttentionBatch,
+                output_rows: torch.Tensor | None = None) -> torch.Tensor:
+        """The model's hidden states for one step's batch (only `output_rows`' when
+        given): `plan` once, then `forward`."""
+        plan = self.model.plan(batch) if output_rows is None else self.model.plan(batch, output_rows)
         return self.model.forward(input_ids, positions, self.kv_caches, plan)
 
     @torch.inference_mode()
@@ -101,12 +103,17 @@ class ModelRunner:
         of every scheduled entry, entry after entry: `[sum of num_logit_rows, vocab]`."""
         self.apply_block_copies()
         input_ids, positions, batch = self.build_batch(scheduled)
-        hidden = self.forward(input_ids, positions, batch)
         rows = logit_rows(scheduled)
+        if len(rows) == input_ids.shape[0]:  # rows are increasing: as many as tokens means every token
+            hidden = self.forward(input_ids, positions, batch)
+        else:
+            wanted = torch.tensor(rows, dtype=torch.int64, device=self.device)
+            if getattr(self.model, "computes_output_rows_only", False):  # its last layer runs on these rows only
+                hidden = self.forward(input_ids, positions, batch, wanted)
+            else:
+                hidden = self.forward(input_ids, positions, batch)[wanted]
         if not rows:
             return hidden.new_zeros((0, self.model.vocab_size), dtype=torch.float32)
-        if len(rows) < hidden.shape[0]:  # rows are increasing: as many as tokens means every token
-            hidden = hidden[torch.tensor(rows, device=hidden.device)]
         return self.model.compute_logits(hidden).float()
 
 

@@ -37,6 +37,7 @@ from kvforge.core import (
 )
 from kvforge.core.errors import ConfigError, UnsupportedConfigurationError
 from .huge_pages import zeros_on_huge_pages
+from .output_rows import output_rows_batch
 
 
 class ModelConfig(dict):
@@ -208,10 +209,26 @@ def calibrated_kv_scales(quantizer: StaticScaleQuantizer, key: torch.Tensor, val
 
 @dataclass
 class ModelPlan:
-    """One step's batch and, per distinct layer spec, its backend and that backend's plan."""
+    """One step's batch and, per distinct layer spec, its backend and that backend's plan.
+
+    When the step needs the hidden states of some rows only (`CausalLM.plan`'s
+    `output_rows`), `last_layer` is the plan of the model's last layer: the same
+    batch for writing keys and values, `rows` for everything after (attention
+    output, projections, MLP), and backend plans over those rows (output_rows.py).
+    """
 
     batch: AttentionBatch
     backends: dict[AttentionLayerSpec, tuple[AttentionBackend, Any]] = field(default_factory=dict)
+    rows: torch.Tensor | None = None  # the rows of `batch` this plan's layer computes past its KV write
+    last_layer: ModelPlan | None = None
+
+    def for_last_layer(self) -> ModelPlan:
+        """The plan the model's last layer runs with."""
+        return self.last_layer or self
+
+    def select(self, x: torch.Tensor | None) -> torch.Tensor | None:
+        """`x`'s rows this plan's layer computes (all of them without `rows`)."""
+        return x if self.rows is None or x is None else x[self.rows]
 
 
 class PagedAttention(nn.Module):
@@ -232,7 +249,11 @@ class PagedAttention(nn.Module):
         if quantizer is not None and quantizer.static_scale and not quantizer.calibrated:
             backend = self.calibrated_backend(backend, k, v, plan.batch.slot_mapping)
         backend.write_kv(k, v, kv_cache, plan.batch.slot_mapping)
-        return backend.forward(q, kv_cache, backend_plan)
+        if plan.rows is None:
+            return backend.forward(q, kv_cache, backend_plan)
+        if plan.rows.numel() == 0:  # a step that samples nothing (prompt chunks only): the write was all
+            return q[:0]
+        return backend.forward(q[plan.rows], kv_cache, backend_plan)
 
     def calibrated_backend(self, backend: AttentionBackend, k: torch.Tensor, v: torch.Tensor,
                            slot_mapping: torch.Tensor) -> AttentionBackend:
@@ -260,6 +281,9 @@ class CausalLM(nn.Module):
     """
 
     tied_keys: tuple[str, ...] = ()  # checkpoint tensors that may be present but are tied to another
+    # Whether `forward` honours `plan(batch, output_rows)`: its last layer runs
+    # with `plan.for_last_layer()` and selects its residual rows with `plan.select`.
+    computes_output_rows_only: bool = False
     ignored_suffixes: tuple[str, ...] = ("rotary_emb.inv_freq",)  # checkpoint tensors we recompute
 
     def __init__(self, config: ModelConfig):
@@ -339,12 +363,23 @@ class CausalLM(nn.Module):
 
     # One step
 
-    def plan(self, batch: AttentionBatch) -> ModelPlan:
-        """Plan the step: each distinct backend instance's `plan` runs once."""
+    def plan(self, batch: AttentionBatch, output_rows: torch.Tensor | None = None) -> ModelPlan:
+        """Plan the step: each distinct backend instance's `plan` runs once. With
+        `output_rows` (a model that `computes_output_rows_only`; the rows as
+        `output_rows_batch` takes them), `forward` returns those rows' hidden
+        states only, and its last layer computes only them past its KV write."""
         plan = ModelPlan(batch)
         for spec in dict.fromkeys(self.layer_specs):
             backend = self.backend_for(spec, batch.block_size)
             plan.backends[spec] = (backend, backend.plan(batch))
+        if output_rows is not None:
+            if not self.computes_output_rows_only:
+                raise ConfigError(f"{type(self).__name__} computes every row: plan it without output_rows")
+            rows_batch = output_rows_batch(batch, output_rows)
+            spec = self.layer_specs[-1]
+            backend = self.backend_for(spec, batch.block_size)
+            rows_plan = backend.plan(rows_batch) if rows_batch.num_seqs else None
+            plan.last_layer = ModelPlan(batch, {spec: (backend, rows_plan)}, rows=output_rows)
         return plan
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor],

@@ -37,7 +37,7 @@ class GPT2Attention(nn.Module):
         tokens = x.shape[0]
         q, k, v = self.c_attn(x).view(tokens, 3, spec.num_heads, spec.head_size).unbind(1)
         out = self.attn(q, k, v, kv_cache, plan)
-        return linear_add(self.c_proj, out.reshape(tokens, -1), residual)
+        return linear_add(self.c_proj, out.reshape(out.shape[0], spec.num_heads * spec.head_size), plan.select(residual))
 
 
 class GPT2MLP(nn.Module):
@@ -80,6 +80,7 @@ class GPT2LMHeadModel(CausalLM):
     """GPT-2. The output projection is always the token embedding (tied)."""
 
     tied_keys = ("lm_head.weight",)
+    computes_output_rows_only = True
     # Old checkpoints store the causal-mask buffers; we never need them.
     ignored_suffixes = ("attn.bias", "attn.masked_bias")
 
@@ -106,8 +107,9 @@ class GPT2LMHeadModel(CausalLM):
                 plan: ModelPlan) -> torch.Tensor:
         t = self.transformer
         x = t.wte(input_ids) + t.wpe(positions)
-        for block, kv_cache in zip(t.h, kv_caches):
-            x = block(x, kv_cache, plan)
+        last = len(t.h) - 1
+        for i, (block, kv_cache) in enumerate(zip(t.h, kv_caches)):
+            x = block(x, kv_cache, plan.for_last_layer() if i == last else plan)
         return t.ln_f(x)
 
     def lm_head_weight(self) -> torch.Tensor:

@@ -62,7 +62,7 @@ class LlamaAttention(nn.Module):
         else:  # q and k sit side by side: one rotation for both
             q, k = rotate(qkv[:, :heads + kv_heads], *cos_sin).split([heads, kv_heads], dim=1)
         out = self.attn(q, k, v, kv_cache, plan)
-        return linear_add(self.o_proj, out.reshape(tokens, heads * head), residual)
+        return linear_add(self.o_proj, out.reshape(out.shape[0], heads * head), plan.select(residual))
 
 
 class LlamaMLP(nn.Module):
@@ -112,6 +112,7 @@ class LlamaForCausalLM(CausalLM):
 
     qk_norm = False
     tied_keys = ("lm_head.weight",)
+    computes_output_rows_only = True
 
     def __init__(self, config: ModelConfig):
         super().__init__(config)
@@ -150,8 +151,9 @@ class LlamaForCausalLM(CausalLM):
                 plan: ModelPlan) -> torch.Tensor:
         x = self.model.embed_tokens(input_ids)
         cos_sin = self.rotary(positions, x.dtype)
-        for layer, kv_cache in zip(self.model.layers, kv_caches):
-            x = layer(x, cos_sin, kv_cache, plan)
+        last = len(self.model.layers) - 1
+        for i, (layer, kv_cache) in enumerate(zip(self.model.layers, kv_caches)):
+            x = layer(x, cos_sin, kv_cache, plan.for_last_layer() if i == last else plan)
         return self.model.norm(x)
 
     def lm_head_weight(self) -> torch.Tensor | None:

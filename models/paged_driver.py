@@ -31,10 +31,9 @@ class PagedDriver:
         self.kv_caches = model.allocate_kv_cache(num_blocks, block_size)
         self.lens = torch.zeros(num_seqs, dtype=torch.int64)
 
-    def step(self, new_tokens: list[list[int]]) -> list[torch.Tensor]:
-        """Feed each sequence its new tokens; float32 logits of every new token, per sequence.
-
-        A sequence given no tokens is left out of the step's batch, as an engine would."""
+    def inputs(self, new_tokens: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor, AttentionBatch]:
+        """(input_ids, positions, batch) of a step feeding each sequence its new tokens;
+        a sequence given none is left out of the batch, as an engine would."""
         active = torch.tensor([b for b, t in enumerate(new_tokens) if t], dtype=torch.int64)
         query_lens = torch.tensor([len(new_tokens[b]) for b in active.tolist()], dtype=torch.int64)
         rows = torch.repeat_interleave(torch.arange(len(active)), query_lens)  # batch row of each token
@@ -56,12 +55,23 @@ class PagedDriver:
             max_seq_len=int(seq_lens.max()),
         )
         input_ids = torch.tensor([t for tokens in new_tokens for t in tokens], dtype=torch.int64)
+        return input_ids, positions, batch
+
+    def step(self, new_tokens: list[list[int]]) -> list[torch.Tensor]:
+        """Feed each sequence its new tokens; float32 logits of every new token, per sequence.
+
+        A sequence given no tokens is left out of the step's batch, as an engine would."""
+        input_ids, positions, batch = self.inputs(new_tokens)
         with torch.no_grad():
             hidden = self.model.forward(input_ids, positions, self.kv_caches, self.model.plan(batch))
             logits = self.model.compute_logits(hidden)
-        self.lens[active] = seq_lens
-        split = iter(logits.split(query_lens.tolist()))
+        self.advance(new_tokens)
+        split = iter(logits.split([len(t) for t in new_tokens if t]))
         return [next(split) if t else logits[:0] for t in new_tokens]
+
+    def advance(self, new_tokens: list[list[int]]) -> None:
+        """Count the tokens a step fed as cached."""
+        self.lens += torch.tensor([len(t) for t in new_tokens], dtype=torch.int64)
 
     def greedy(self, prompts: list[list[int]], new_tokens: int, chunk: int | None = None):
         """Prefill (in chunks of `chunk` tokens when given), then decode greedily.
