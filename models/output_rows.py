@@ -9,7 +9,7 @@ every token too, but its attention output, output projection and MLP are only
 needed for those rows. With a 2,048-token prefill chunk and one row to sample,
 that spares nearly all of the last layer's work: a tenth of a 10-layer model's
 prefill. `CausalLM.plan(batch, output_rows)` builds the last layer's plan over
-`output_rows_batch`; see `ModelPlan.for_output_rows`.
+`output_rows_batch`; see `ModelPlan.for_last_layer`.
 """
 
 from __future__ import annotations
