@@ -51,9 +51,10 @@ def _layout(sizes: list[int]) -> tuple[list[int], int]:
     return offsets, total
 
 
-def _views(arena: torch.Tensor, offsets: list[int], shapes: list[torch.Size], dtype_of) -> list[torch.Tensor]:
-    return [arena[o:o + torch.Size(s).numel() * dtype_of(i).itemsize].view(dtype_of(i)).view(s)
-            for i, (o, s) in enumerate(zip(offsets, shapes))]
+def _views(arena: torch.Tensor, offsets: list[int], shapes: list[torch.Size],
+           dtypes: list[torch.dtype]) -> list[torch.Tensor]:
+    """Tensors of `shapes` and `dtypes` over `arena`'s bytes from `offsets`."""
+    return [arena[o:o + s.numel() * d.itemsize].view(d).view(s) for o, s, d in zip(offsets, shapes, dtypes)]
 
 
 def on_huge_pages(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
@@ -66,7 +67,7 @@ def on_huge_pages(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
     arena = huge_page_bytes(total)
     if arena is None:
         return tensors
-    views = _views(arena, offsets, [t.shape for t in tensors], lambda i: tensors[i].dtype)
+    views = _views(arena, offsets, [t.shape for t in tensors], [t.dtype for t in tensors])
     for view, tensor in zip(views, tensors):
         view.copy_(tensor)
     return views
@@ -81,4 +82,4 @@ def zeros_on_huge_pages(shapes: list[tuple[int, ...]], dtype: torch.dtype) -> li
     if arena is None:
         return None
     arena.zero_()  # fault every page in now, as torch.zeros does, not in the steps that first write there
-    return _views(arena, offsets, [torch.Size(s) for s in shapes], lambda i: dtype)
+    return _views(arena, offsets, [torch.Size(s) for s in shapes], [dtype] * len(shapes))
