@@ -10,9 +10,10 @@
 // so no horizontal sum, shuffle or scalar per-row loop is left in the hot path:
 // each of the up to four row vectors (64 rows) reuses every key and value
 // element it broadcasts, and the register blocks (6-8 keys or 4-8 head dims x
-// up to 4 row vectors) keep 16-24 accumulators live. Key tiles of kKeyTile keys, read
-// through the block table across block boundaries, are converted to float32
-// into two small tile buffers first (a quantized cache times its scales); a key
+// up to 4 row vectors) keep 16-24 accumulators live. Key tiles of kKeyTile keys are
+// read through the block table across block boundaries: a float32 cache where
+// it lies, by row pointers; any other is converted to float32 into two small
+// tile buffers first (a quantized cache times its scales); a key
 // tile no row of a row vector sees is skipped for that row vector, so the
 // causal upper triangle and everything left of a sliding window cost nothing.
 // Soft-cap and ALiBi are applied per lane too, so this tile serves every
@@ -36,10 +37,12 @@ constexpr float kMaxSlack = 8.f;  // how far a score may pass its row's running 
 inline int64_t pad_keys(int64_t n) { return (n + kKeyPad - 1) / kKeyPad * kKeyPad; }
 constexpr int64_t kLanes = 64;  // lanes of every transposed row: the tile's rows, padded
 
-// st[j][lanes] = qt . key_j for J keys (rows of kf, hs apart) and RV row vectors.
+// st[j][lanes] = qt . key_j for J keys (float32 rows at keys[j]) and RV row vectors.
 template <int RV, int J>
-inline void prefill_scores(const float* __restrict__ qt, int64_t hs, const float* __restrict__ kf,
+inline void prefill_scores(const float* __restrict__ qt, int64_t hs, const float* const* keys,
                            float* __restrict__ st) {
+  const float* kf[J];
+  for (int j = 0; j < J; ++j) kf[j] = keys[j];
   __m512 s[J][RV];
   for (int j = 0; j < J; ++j) {
     for (int v = 0; v < RV; ++v) s[j][v] = _mm512_setzero_ps();
@@ -48,7 +51,7 @@ inline void prefill_scores(const float* __restrict__ qt, int64_t hs, const float
     __m512 q[RV];
     for (int v = 0; v < RV; ++v) q[v] = _mm512_loadu_ps(qt + d * kLanes + 16 * v);
     for (int j = 0; j < J; ++j) {
-      const __m512 k = _mm512_set1_ps(kf[j * hs + d]);
+      const __m512 k = _mm512_set1_ps(kf[j][d]);
       for (int v = 0; v < RV; ++v) s[j][v] = _mm512_fmadd_ps(q[v], k, s[j][v]);
     }
   }
@@ -57,10 +60,10 @@ inline void prefill_scores(const float* __restrict__ qt, int64_t hs, const float
   }
 }
 
-// acct[d][lanes] += sum_j st[j][lanes] * vf[j][d] for D head dims from `d0`.
+// acct[d][lanes] += sum_j st[j][lanes] * values[j][d0 + d] for D head dims from `d0`.
 template <int RV, int D>
-inline void prefill_values(float* __restrict__ acct, const float* __restrict__ pt, const float* __restrict__ vf,
-                           int64_t hs, int64_t n) {
+inline void prefill_values(float* __restrict__ acct, const float* __restrict__ pt, const float* const* values,
+                           int64_t d0, int64_t n) {
   __m512 a[D][RV];
   for (int d = 0; d < D; ++d) {
     for (int v = 0; v < RV; ++v) a[d][v] = _mm512_loadu_ps(acct + d * kLanes + 16 * v);
@@ -68,8 +71,9 @@ inline void prefill_values(float* __restrict__ acct, const float* __restrict__ p
   for (int64_t j = 0; j < n; ++j) {
     __m512 w[RV];
     for (int v = 0; v < RV; ++v) w[v] = _mm512_loadu_ps(pt + j * kLanes + 16 * v);
+    const float* vf = values[j] + d0;
     for (int d = 0; d < D; ++d) {
-      const __m512 x = _mm512_set1_ps(vf[j * hs + d]);
+      const __m512 x = _mm512_set1_ps(vf[d]);
       for (int v = 0; v < RV; ++v) a[d][v] = _mm512_fmadd_ps(w[v], x, a[d][v]);
     }
   }
@@ -108,7 +112,7 @@ inline __m512 tanh16(__m512 x) {
 
 // Keys [k0, k0 + n) of the tile's KV head as float32 rows (hs apart) into
 // `keys` and `values`, read through the block table; rows n .. pad_keys(n) zeroed.
-// With `rows` (bfloat16 sums, prefill_bf16.h) keys and values stay where they are:
+// With `rows` (a float32 cache, or bfloat16 sums, prefill_bf16.h) keys and values stay where they are:
 // rows[j] and value_rows[j] point at key j's, rows n .. pad_keys(n) at `zeros`,
 // and neither `keys` nor `values` is written.
 template <typename K>
@@ -188,6 +192,17 @@ inline void pair_value_rows(const c10::BFloat16* const* value_rows, int64_t pair
   }
 }
 
+// The rows a float32 cache's tile reads in place (load_key_tile's `rows`), or for
+// any other cache the rows of its float32 tile buffer.
+template <typename K>
+inline const float* const* float_rows(const K* const* in_place, const float* const* converted) {
+  if constexpr (std::is_same_v<K, float>) {
+    return in_place;
+  } else {
+    return converted;
+  }
+}
+
 // Calls f(std::integral_constant<int, RV>) for RV = count in 1..4.
 template <typename F>
 inline void with_row_vectors(int64_t count, F&& f) {
@@ -210,26 +225,42 @@ void attend_tile_prefill(const Problem& p, const Tile& tile, Scratch& scratch) {
   // The thread's buffers, made on its first prefill tile: qt and acct [hs][kLanes],
   // st [kKeyTile][kLanes], the key and value tiles [kKeyTile][hs].
   std::vector<float>& buffer = scratch.prefill;
-  // With AVX-512 BF16 and a bfloat16 cache, the queries are also kept as bfloat16
-  // pairs (qt2 [hs / 2][kLanes] words), a row of hs zero bfloat16 pads key tiles,
-  // and the weights and values go as pairs of keys (pt2 [kKeyTile / 2][kLanes],
-  // vt2 [kKeyTile / 2][hs] words) to the bfloat16 value sums.
+  // A float32 cache is read where it lies (keys and values by row pointers, a
+  // row of hs zero words padding key tiles); other caches are converted into the
+  // key and value tiles, and the rows point there. With AVX-512 BF16 and a
+  // bfloat16 cache, the queries are also kept as bfloat16 pairs (qt2 [hs / 2][kLanes]
+  // words), the zero row pads key tiles, and the weights and values go as pairs
+  // of keys (pt2 [kKeyTile / 2][kLanes], vt2 [kKeyTile / 2][hs] words) to the
+  // bfloat16 value sums.
   constexpr bool kBf16 = std::is_same_v<K, c10::BFloat16>;
+  constexpr bool kInPlace = std::is_same_v<K, float>;
   const bool pairs = kBf16 && has_avx512_bf16();
   buffer.resize(std::max<size_t>(buffer.size(), 2 * hs * kLanes + kKeyTile * kLanes + 2 * kKeyTile * hs +
-                                                    hs / 2 * kLanes + hs / 2 + kKeyTile / 2 * (kLanes + hs)));
+                                                    hs / 2 * kLanes + hs + kKeyTile / 2 * (kLanes + hs)));
   float* qt = buffer.data();
   float* acct = qt + hs * kLanes;
   float* st = acct + hs * kLanes;
   float* tile_keys = st + kKeyTile * kLanes;
   float* tile_values = tile_keys + kKeyTile * hs;
   auto* qt2 = reinterpret_cast<uint32_t*>(tile_values + kKeyTile * hs);
-  auto* zero_row = reinterpret_cast<const K*>(qt2 + hs / 2 * kLanes);
-  uint32_t* pt2 = qt2 + hs / 2 * kLanes + hs / 2;
+  uint32_t* zero_words = qt2 + hs / 2 * kLanes;
+  auto* zero_row = reinterpret_cast<const K*>(zero_words);
+  uint32_t* pt2 = zero_words + hs;
   uint32_t* vt2 = pt2 + kKeyTile / 2 * kLanes;
-  if (pairs) std::fill(qt2, qt2 + hs / 2 * kLanes + hs / 2, 0u);  // the zero row too
+  std::fill(zero_words, zero_words + hs, 0u);
+  if (pairs) std::fill(qt2, zero_words, 0u);
   const K* key_rows[kKeyTile];
   const K* value_rows[kKeyTile];
+  const bool by_rows = pairs || kInPlace;  // load_key_tile fills key_rows and value_rows
+  // The float32 rows the scores and value sums read: the cache's own, or the tiles'.
+  const float* tile_key_rows[kKeyTile];
+  const float* tile_value_rows[kKeyTile];
+  for (int64_t j = 0; j < kKeyTile; ++j) {
+    tile_key_rows[j] = tile_keys + j * hs;
+    tile_value_rows[j] = tile_values + j * hs;
+  }
+  const float* const* float_keys = float_rows<K>(key_rows, tile_key_rows);
+  const float* const* float_values = float_rows<K>(value_rows, tile_value_rows);
 
   // Queries in, transposed and scaled; padded lanes get no position, so see nothing.
   alignas(64) int32_t pos[kLanes];
@@ -237,6 +268,13 @@ void attend_tile_prefill(const Problem& p, const Tile& tile, Scratch& scratch) {
   std::fill(qt, qt + hs * kLanes, 0.f);
   std::fill(acct, acct + hs * kLanes, 0.f);
   {
+    // Ask for every query row first: one row at a time, each read waited on
+    // memory while the transposing stores held up the next.
+    const int64_t element = p.dtype == at::ScalarType::Float ? 4 : 2;
+    for (int64_t r = 0; r < rows; ++r) {
+      const int64_t offset = (t.q_row0 + t.token_of(r)) * p.q_token_stride + t.head_of(r) * p.q_head_stride;
+      prefetch_rows(static_cast<const char*>(p.query) + offset * element, 1, 0, hs * element);
+    }
     alignas(64) float row[1024];  // head sizes up to 1024 (checked by the caller)
     for (int64_t r = 0; r < kLanes; ++r) {
       pos[r] = r < rows ? static_cast<int32_t>(t.pos0 + r / group) : -1;
@@ -285,7 +323,7 @@ void attend_tile_prefill(const Problem& p, const Tile& tile, Scratch& scratch) {
       }
     }
     if (v_lo >= v_hi) continue;
-    load_key_tile<K>(p, tile, k0, n, tile_keys, tile_values, pairs ? key_rows : nullptr, value_rows, zero_row);
+    load_key_tile<K>(p, tile, k0, n, tile_keys, tile_values, by_rows ? key_rows : nullptr, value_rows, zero_row);
     if (k0 + kKeyTile <= t.last) prefetch_key_tile<K>(p, tile, k0 + kKeyTile, std::min(kKeyTile, t.last + 1 - k0 - kKeyTile));
     if constexpr (kBf16) {
       if (pairs) pair_value_rows(value_rows, pad_keys(n) / 2, hs, vt2);
@@ -301,7 +339,7 @@ void attend_tile_prefill(const Problem& p, const Tile& tile, Scratch& scratch) {
             continue;
           }
         }
-        prefill_scores<RV, J>(qt + lane0, hs, tile_keys + j * hs, st + j * kLanes + lane0);
+        prefill_scores<RV, J>(qt + lane0, hs, float_keys + j, st + j * kLanes + lane0);
       }
     });
     for (int64_t v = v_lo; v < v_hi; ++v) {
@@ -380,7 +418,7 @@ void attend_tile_prefill(const Problem& p, const Tile& tile, Scratch& scratch) {
             continue;
           }
         }
-        prefill_values<RV, D>(acct + d * kLanes + lane0, st + lane0, tile_values + d, hs, pad_keys(n));
+        prefill_values<RV, D>(acct + d * kLanes + lane0, st + lane0, float_values, d, pad_keys(n));
       }
     });
   }
@@ -392,9 +430,14 @@ void attend_tile_prefill(const Problem& p, const Tile& tile, Scratch& scratch) {
     const __mmask16 live = _mm512_cmp_ps_mask(sum, _mm512_setzero_ps(), _CMP_GT_OQ);
     _mm512_store_ps(inv + 16 * v, _mm512_maskz_div_ps(live, _mm512_set1_ps(1.f), sum));
   }
+  const __m512i kDownOneLane = _mm512_mullo_epi32(
+      _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15), _mm512_set1_epi32(kLanes));
   alignas(64) float row[1024];
   for (int64_t r = 0; r < rows; ++r) {
-    for (int64_t d = 0; d < hs; ++d) row[d] = acct[d * kLanes + r] * inv[r];
+    const __m512 scale = _mm512_set1_ps(inv[r]);
+    for (int64_t d = 0; d < hs; d += 16) {  // 16 head dims of row r, kLanes apart in acct
+      _mm512_store_ps(row + d, _mm512_mul_ps(_mm512_i32gather_ps(kDownOneLane, acct + d * kLanes + r, 4), scale));
+    }
     const int64_t offset = (t.q_row0 + t.token_of(r)) * p.o_token_stride + t.head_of(r) * p.o_head_stride;
     switch (p.dtype) {
       case at::ScalarType::Half: {
