@@ -6,6 +6,12 @@ in all-reduces and stage hand-offs). Ranks of stage 0 that compute logits
 final hidden states from the same tensor-parallel place of the last stage, and
 compute the logits of the step's sampled rows: the whole vocabulary on rank 0
 with a replicated head, or each rank its vocabulary slice, gathered.
+
+A model that `computes_output_rows_only` runs its last layer on the sampled rows
+alone (models/output_rows.py) on the ranks of the last stage, which hold that
+layer; they then send stage 0 those rows' hidden states only. Every rank knows
+the rows, so stage 0 knows what to receive. Under pipeline parallelism a step
+that samples nothing keeps the full path, so no stage sends an empty tensor.
 """
 
 from __future__ import annotations
@@ -29,18 +35,34 @@ class RankStep:
         self.final_from = layout.rank_of(layout.pp - 1, layout.tp_rank) if layout.pp > 1 else None
         self.gathers = layout.vocab_parallel
         self.returns = layout.rank == 0
+        self.last_stage = layout.last_stage
+        self.rows_only_model = getattr(model, "computes_output_rows_only", False)
+        self.stages = layout.pp
+
+    def rows_only(self, rows: torch.Tensor, tokens: int) -> bool:
+        """Whether the last stage runs its last layer on the step's sampled `rows` only
+        (and returns, or sends to stage 0, their hidden states alone): the same answer
+        on every rank."""
+        return self.rows_only_model and rows.numel() < tokens and (rows.numel() > 0 or self.stages == 1)
 
     def run(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor],
             batch: AttentionBatch, rows: torch.Tensor) -> torch.Tensor | None:
         model = self.model
-        hidden = model.forward(input_ids, positions, kv_caches, model.plan(batch))
+        tokens = input_ids.shape[0]
+        rows_only = self.rows_only(rows, tokens)
+        if rows_only and self.last_stage:
+            plan = model.plan(batch, rows.to(input_ids.device))
+        else:
+            plan = model.plan(batch)
+        hidden = model.forward(input_ids, positions, kv_caches, plan)
         if not self.computes_logits:
             return None
         if self.final_from is not None:  # this stage-0 rank ran the first layers; the last stage sends the end
-            hidden = self.groups.world.recv(torch.empty_like(hidden), self.final_from)
+            count = rows.numel() if rows_only else tokens
+            hidden = self.groups.world.recv(hidden.new_empty((count, hidden.shape[-1])), self.final_from)
         if rows.numel() == 0:  # every rank knows: no gather of empty slices
             return hidden.new_zeros((0, model.vocab_size), dtype=torch.float32) if self.returns else None
-        logits = model.compute_logits(hidden[rows.to(hidden.device)]).float()
+        logits = model.compute_logits(hidden if rows_only else hidden[rows.to(hidden.device)]).float()
         if self.gathers:
             logits = gather_logits(logits, self.groups.tp, model.vocab_size)
         return logits if self.returns else None
