@@ -7,7 +7,8 @@ residual add, gate and up with SiLU x up, down with its residual add, the
 head with float32 logits out) and each row count, microseconds of one call
 through torch `F.linear`, oneDNN-packed (`packed_linear`) and kvforge's C++ kernel (`cpp_linear`), each
 run the way the models run it (`linear_act`, `linear_mul`, `linear_add`, or
-the fused `CppGateUp`). One thread, CPU time (`time.thread_time`), freed heap
+the fused `CppGateUp`, its packed weight on 2 MiB pages as `use_cpp_linears`
+puts a model's). One thread, CPU time (`time.thread_time`), freed heap
 memory kept as the engine keeps it (`engine.heap`: no page faults on each
 call's output), the three kernels alternated `rounds` times; each figure is
 the median over rounds.
@@ -26,6 +27,7 @@ from torch import nn
 
 from kvforge.engine.heap import keep_freed_memory
 from kvforge.models.cpp_linear import CppGateUp, CppLinear
+from kvforge.models.huge_pages import on_huge_pages
 from kvforge.models.packed_linear import PackedLinear, linear_act, linear_add, linear_mul
 
 from .model_dirs import SYNTHETIC
@@ -45,6 +47,13 @@ def layer_shapes(model: str) -> dict[str, tuple[int, int]]:
             "down": (hidden, inter), "head": (c["vocab_size"], hidden)}
 
 
+def on_huge_pages_as_models_do(layer):
+    """`layer` (a CppLinear or CppGateUp) with its packed weight on 2 MiB pages, where
+    `use_cpp_linears` puts a model's."""
+    layer.packed = on_huge_pages([layer.packed])[0]
+    return layer
+
+
 def layer_calls(name: str, out: int, k: int, rows: int, dtype: torch.dtype) -> dict:
     """Kernel -> a no-argument call running layer `name` as the models do."""
     x = torch.randn(rows, k, dtype=dtype)
@@ -52,13 +61,13 @@ def layer_calls(name: str, out: int, k: int, rows: int, dtype: torch.dtype) -> d
     if name == "gate_up":
         gate, up = nn.Linear(k, out, bias=False).to(dtype), nn.Linear(k, out, bias=False).to(dtype)
         onednn_gate, onednn_up = PackedLinear(gate.weight, None), PackedLinear(up.weight, None)
-        fused = CppGateUp(gate, up)
+        fused = on_huge_pages_as_models_do(CppGateUp(gate, up))
         return {"torch": lambda: linear_mul(up, x, linear_act(gate, x, "silu")),
                 "onednn": lambda: linear_mul(onednn_up, x, linear_act(onednn_gate, x, "silu")),
                 "cpp": lambda: fused(x)}
     plain = nn.Linear(k, out, bias=False).to(dtype)
     layers = {"torch": plain, "onednn": PackedLinear(plain.weight, None),
-              "cpp": CppLinear(plain.weight, None, float_out=name == "head")}
+              "cpp": on_huge_pages_as_models_do(CppLinear(plain.weight, None, float_out=name == "head"))}
     if name == "head":  # float32 logits, as `compute_logits` returns them (cpp writes them directly)
         return {kernel: (lambda layer=layer: layer(x).float()) for kernel, layer in layers.items()}
     other = residual if name in ("o", "down") else None
