@@ -1,9 +1,10 @@
 """kvforge.core: the contract every implementation and every host agrees on.
 
 Read in this order: `api` (versions and kinds), `implementation` (what all
-implementations share), the five interfaces (`attention`, `block_allocator`,
-`scheduler_policy`, `quantizer`, `speculative`), `hookspecs` (how a plugin
-registers), `registry` (discovery and selection), `config` and `config_sources`.
+implementations share), the paged KV cache's layout (`kv_cache`), the five
+interfaces (`attention`, `block_allocator`, `scheduler_policy`, `quantizer`,
+`speculative`), `hookspecs` (how a plugin registers), `registry` (discovery and
+selection), `config` and `config_sources`.
 """
 
 from .api import (
@@ -19,22 +20,12 @@ from .api import (
 from .attention import (
     ALIBI,
     LOGIT_SOFT_CAP,
-    NHD,
     SLIDING_WINDOW,
     AttentionBackend,
     AttentionBatch,
     AttentionLayerSpec,
-    KVCacheSpec,
-    SCALE_DTYPE,
-    PagedCSR,
     attention_request,
-    cdiv,
-    dequantize_kv_blocks,
     kv_cache_request,
-    paged_csr,
-    quantized_kv_views,
-    write_kv_by_slot,
-    write_quantized_kv_by_slot,
 )
 from .block_allocator import AllocatorUsage, BlockAllocator, BlockHash
 from .config import FLOAT_DTYPES, EngineConfig, implementation_names
@@ -56,6 +47,18 @@ from .errors import (
 )
 from .hookspecs import hookimpl, hookspec
 from .implementation import Availability, Implementation, SelectionRequest
+from .kv_cache import (
+    NHD,
+    SCALE_DTYPE,
+    KVCacheSpec,
+    PagedCSR,
+    cdiv,
+    dequantize_kv_blocks,
+    paged_csr,
+    quantized_kv_views,
+    write_kv_by_slot,
+    write_quantized_kv_by_slot,
+)
 from .quantizer import (
     GRANULARITIES,
     PER_CHANNEL,

@@ -73,8 +73,8 @@ def test_api_reference_renders_each_interface_with_its_numbered_guarantees(site)
 @needs_mkdocs
 def test_attribute_docstrings_are_read_statically(site):
     """A static read keeps the docstrings written under constants (an import would lose them)."""
-    attention = (site / "api" / "attention" / "index.html").read_text()
-    assert "The default KV layout" in attention  # the docstring under NHD
+    kv_cache = (site / "api" / "kv_cache" / "index.html").read_text()
+    assert "The default KV layout" in kv_cache  # the docstring under NHD
 
 
 @needs_mkdocs
