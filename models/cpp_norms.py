@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from .base import RMSNorm, RotaryEmbedding
+from .layers import RMSNorm, RotaryEmbedding
 from .cpp_linear import cpp_kernels_unavailable, load_kernel
 
 

@@ -7,7 +7,8 @@ from torch import nn
 
 from kvforge.core import AttentionLayerSpec
 
-from .base import CausalLM, ModelConfig, ModelPlan, PagedAttention, activation
+from .base import CausalLM, ModelConfig, ModelPlan, PagedAttention
+from .layers import activation
 from .packed_linear import linear_act, linear_add
 
 

@@ -9,8 +9,8 @@ from torch import nn
 from kvforge.core import AttentionLayerSpec
 from kvforge.core.errors import ConfigError
 
-from .base import (CausalLM, ModelConfig, ModelPlan, PagedAttention, RMSNorm, RotaryEmbedding, activation,
-                   rope_inv_freq, rotate)
+from .base import CausalLM, ModelConfig, ModelPlan, PagedAttention
+from .layers import RMSNorm, RotaryEmbedding, activation, rope_inv_freq, rotate
 from .packed_linear import linear_act, linear_add, linear_mul
 
 

@@ -23,7 +23,7 @@ from torch import nn
 
 from kvforge.core import dtype_name
 
-from .base import activation
+from .layers import activation
 
 LINEAR_KERNELS = ("auto", "torch", "onednn", "cpp")
 # "auto" packs a weight of at least this many elements. A packed call costs about
@@ -83,7 +83,7 @@ class PackedLinear(nn.Module):
 
 
 def linear_act(layer: nn.Module, x: torch.Tensor, act: str) -> torch.Tensor:
-    """`act(layer(x))` for an activation named as in `base.ACTIVATIONS`; one GEMM when packed."""
+    """`act(layer(x))` for an activation named as in `layers.ACTIVATIONS`; one GEMM when packed."""
     if isinstance(layer, PackedLinear) and act in POST_OPS:
         return layer(x, *POST_OPS[act])
     return activation(act)(layer(x))

@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvforge.models.base import RMSNorm, RotaryEmbedding, rotate
+from kvforge.models.layers import RMSNorm, RotaryEmbedding, rotate
 from kvforge.models.cpp_linear import load_kernel
 
 LEVELS = ("avx512", "avx2", "baseline")

@@ -15,7 +15,7 @@ from torch import nn
 
 from kvforge.core import ConfigError
 from kvforge.models import ModelConfig, load_model
-from kvforge.models.base import ACTIVATIONS, RMSNorm, rotate
+from kvforge.models.layers import ACTIVATIONS, RMSNorm, rotate
 from kvforge.models.llama import LlamaForCausalLM, LlamaMLP
 from kvforge.models.packed_linear import (POST_OPS, PackedLinear, linear_act, linear_add, linear_mul,
                                           onednn_unavailable, pack_linears)

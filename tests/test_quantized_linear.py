@@ -168,7 +168,7 @@ def test_fused_post_ops_keep_their_meaning(act, activations):
     layer, _, _ = quantized_layer(activations=activations)
     x, other = torch.randn(5, 40), torch.randn(5, 48)
     y = layer(x)
-    from kvforge.models.base import activation
+    from kvforge.models.layers import activation
 
     torch.testing.assert_close(linear_act(layer, x, act), activation(act)(y))
     torch.testing.assert_close(linear_mul(layer, x, other), y * other)
