@@ -303,13 +303,16 @@ inline void run_tiles_with(const Problem& p, const std::vector<Tile>& tiles, int
   at::parallel_for(0, workers, 1, [&](int64_t, int64_t) {
     Scratch s(rows_max, p.head_size, p.block_size);
     for (int64_t i = next.fetch_add(1); i < n; i = next.fetch_add(1)) {
+      // The tile queued after this one: the one this thread most likely takes next
+      // (always, on one thread); decode tiles fetch its first keys ahead.
+      const Tile* after = i + 1 < n ? &tiles[i + 1] : nullptr;
       switch (p.kv_dtype) {
-        case at::ScalarType::Float: attend(tiles[i], s, TypeTag<float>{}); break;
-        case at::ScalarType::Half: attend(tiles[i], s, TypeTag<c10::Half>{}); break;
-        case at::ScalarType::BFloat16: attend(tiles[i], s, TypeTag<c10::BFloat16>{}); break;
-        case at::ScalarType::Char: attend(tiles[i], s, TypeTag<int8_t>{}); break;
-        case at::ScalarType::Float8_e4m3fn: attend(tiles[i], s, TypeTag<c10::Float8_e4m3fn>{}); break;
-        case at::ScalarType::Float8_e5m2: attend(tiles[i], s, TypeTag<c10::Float8_e5m2>{}); break;
+        case at::ScalarType::Float: attend(tiles[i], s, TypeTag<float>{}, after); break;
+        case at::ScalarType::Half: attend(tiles[i], s, TypeTag<c10::Half>{}, after); break;
+        case at::ScalarType::BFloat16: attend(tiles[i], s, TypeTag<c10::BFloat16>{}, after); break;
+        case at::ScalarType::Char: attend(tiles[i], s, TypeTag<int8_t>{}, after); break;
+        case at::ScalarType::Float8_e4m3fn: attend(tiles[i], s, TypeTag<c10::Float8_e4m3fn>{}, after); break;
+        case at::ScalarType::Float8_e5m2: attend(tiles[i], s, TypeTag<c10::Float8_e5m2>{}, after); break;
         default: TORCH_CHECK(false, "kvforge_cpp: unsupported KV cache dtype ", p.kv_dtype);
       }
     }
@@ -317,7 +320,7 @@ inline void run_tiles_with(const Problem& p, const std::vector<Tile>& tiles, int
 }
 
 inline void run_tiles(const Problem& p, const std::vector<Tile>& tiles, int64_t rows_max) {
-  run_tiles_with(p, tiles, rows_max, [&](const Tile& tile, Scratch& s, auto type) {
+  run_tiles_with(p, tiles, rows_max, [&](const Tile& tile, Scratch& s, auto type, const Tile*) {
     attend_tile<typename decltype(type)::type>(p, tile, s);
   });
 }

@@ -223,7 +223,7 @@ inline __m512 scales16(const float* scales, int64_t heads, int64_t n, float unit
 // multiplied by the keys' scales, and its 16 softmax weights (after the row's
 // sum took them) by the values' scales.
 template <typename K, bool Fetch>
-void attend_tile_fast(const Problem& p, const Tile& tile, Scratch& s) {
+void attend_tile_fast(const Problem& p, const Tile& tile, Scratch& s, const Tile* after = nullptr) {
   const TileRows t(p, tile);
   const int64_t group = t.group, head_rows = t.head_rows, pos0 = t.pos0, last = t.last, first = t.first;
   const int64_t hs = p.head_size;
@@ -245,14 +245,18 @@ void attend_tile_fast(const Problem& p, const Tile& tile, Scratch& s) {
     for (int64_t j0 = j_begin; j0 < j_end; j0 += 16) {
       const int64_t n = std::min<int64_t>(16, j_end - j0);
       const int64_t key0 = block_start + j0;  // position of the group's first key
-      // The next group of keys (fetch_ahead); these keys again when there is none.
-      const int64_t next0 = key0 + 16 <= last ? key0 + 16 : key0;
-      const K* next_page = page_of<K>(p, tile, next0 / bs);
+      // The next group of keys (fetch_ahead): this tile's, else the first of the
+      // tile `after` (as many KV heads), else these keys again. A short context
+      // is one group, and without the next tile's it would wait on every read.
+      const bool onward = key0 + 16 > last && after != nullptr && after->kv_heads == tile.kv_heads;
+      const Tile& ahead = onward ? *after : tile;
+      const int64_t next0 = key0 + 16 <= last ? key0 + 16 : onward ? TileRows(p, *after).first : key0;
+      const K* next_page = page_of<K>(p, ahead, next0 / bs);
       const float* key_scales = nullptr;  // of the group's first key, at the tile's first KV head
       if constexpr (kScaled<K>) {
         key_scales = scales_of(p, tile, logical) + j0 * heads + tile.kv_head;
         if constexpr (Fetch) {  // the next group's scales, keys' and values', every head: a few lines
-          const float* next_scales = scales_of(p, tile, next0 / bs) + (next0 % bs) * heads;
+          const float* next_scales = scales_of(p, ahead, next0 / bs) + (next0 % bs) * heads;
           for (int64_t kv = 0; kv < 2; ++kv) {
             const char* from = reinterpret_cast<const char*>(next_scales + kv * bs * heads);
             for (int64_t b = 0; b < 16 * heads * int64_t{sizeof(float)}; b += 64) fetch_ahead<true>(from + b);
