@@ -83,14 +83,15 @@ inline void prefill_values(float* __restrict__ acct, const float* __restrict__ p
 }
 
 // e^x lane by lane in 10 instructions, 6 of them multiplies (where a degree-6
-// polynomial took 9): x log2 e = k + i/16 + f with k an integer, i in 0..15 and |f| <= 1/32; 2^(i/16) from a register table
-// by one vpermps, 2^f from a degree-3 polynomial (within 1e-8), 2^k by
-// vscalefps. One FMA rounds x log2 e to sixteenths and leaves i in the low bits
-// of the sum; f comes from another FMA, exact but for log2(e)'s own rounding, so
-// the relative error grows with |x|: below 5e-7 above x = -30, 1.2e-6 at -87 (on
-// a weight of e^-87). x is clamped at -87 (e^-87, a normal float just above the
-// smallest, stands for anything below: no denormal results, which are slow, and
-// no NaN from -inf; callers mask what must be exactly 0). exp(0) is exactly 1.
+// polynomial took 9): x log2 e = k + i/16 + f with k an integer, i in 0..15 and
+// |f| <= 1/32; 2^(i/16) from a register table by one vpermps, 2^f from a
+// degree-3 polynomial (within 1e-8), 2^k by vscalefps. One FMA rounds x log2 e
+// to sixteenths and leaves i in the low bits of the sum; f comes from another
+// FMA, exact but for log2(e)'s own rounding, so the relative error grows with
+// |x|: below 5e-7 above x = -30, 1.2e-6 at -87 (on a weight of e^-87). x is
+// clamped at -87 (e^-87, a normal float just above the smallest, stands for
+// anything below: no denormal results, which are slow, and no NaN from -inf;
+// callers mask what must be exactly 0). exp(0) is exactly 1.
 inline __m512 exp16_fast(__m512 x) {
   const __m512 log2e = _mm512_set1_ps(1.44269504088896341f);
   const __m512 magic = _mm512_set1_ps(786432.f);  // 1.5 * 2^19: its ulp is 1/16
