@@ -291,10 +291,15 @@ void attend_tile(const Problem& p, const Tile& tile, Scratch& s) {
   write_rows(p, t, s);
 }
 
-// Runs attend(tile, scratch, TypeTag<K>{}) for every tile on the thread pool,
-// K the type of the stored keys and values.
-template <typename Attend>
-inline void run_tiles_with(const Problem& p, const std::vector<Tile>& tiles, int64_t rows_max, Attend&& attend) {
+// Runs attend(tile, scratch, TypeTag<K>{}, after) for every tile on the thread
+// pool, K the type of the stored keys and values. A tile for which
+// fetches_ahead(tile) holds (a decode's) claims the next queued tile before it
+// runs and gets it as `after`: the tile this thread takes next, whose first keys
+// it can ask for while it computes. Others get no `after` and claim their
+// successor only when done, which keeps the longest-first order's balance.
+template <typename Attend, typename FetchesAhead>
+inline void run_tiles_with(const Problem& p, const std::vector<Tile>& tiles, int64_t rows_max, Attend&& attend,
+                           FetchesAhead&& fetches_ahead) {
   std::atomic<int64_t> next{0};
   const int64_t n = static_cast<int64_t>(tiles.size());
   const int64_t workers = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), n));
@@ -302,10 +307,9 @@ inline void run_tiles_with(const Problem& p, const std::vector<Tile>& tiles, int
   // splits statically, and prefill tiles cost far more than decode ones.
   at::parallel_for(0, workers, 1, [&](int64_t, int64_t) {
     Scratch s(rows_max, p.head_size, p.block_size);
-    for (int64_t i = next.fetch_add(1); i < n; i = next.fetch_add(1)) {
-      // The tile queued after this one: the one this thread most likely takes next
-      // (always, on one thread); decode tiles fetch its first keys ahead.
-      const Tile* after = i + 1 < n ? &tiles[i + 1] : nullptr;
+    for (int64_t i = next.fetch_add(1); i < n;) {
+      const int64_t claimed = fetches_ahead(tiles[i]) ? next.fetch_add(1) : -1;
+      const Tile* after = claimed >= 0 && claimed < n ? &tiles[claimed] : nullptr;
       switch (p.kv_dtype) {
         case at::ScalarType::Float: attend(tiles[i], s, TypeTag<float>{}, after); break;
         case at::ScalarType::Half: attend(tiles[i], s, TypeTag<c10::Half>{}, after); break;
@@ -315,12 +319,14 @@ inline void run_tiles_with(const Problem& p, const std::vector<Tile>& tiles, int
         case at::ScalarType::Float8_e5m2: attend(tiles[i], s, TypeTag<c10::Float8_e5m2>{}, after); break;
         default: TORCH_CHECK(false, "kvforge_cpp: unsupported KV cache dtype ", p.kv_dtype);
       }
+      i = claimed >= 0 ? claimed : next.fetch_add(1);
     }
   });
 }
 
 inline void run_tiles(const Problem& p, const std::vector<Tile>& tiles, int64_t rows_max) {
-  run_tiles_with(p, tiles, rows_max, [&](const Tile& tile, Scratch& s, auto type, const Tile*) {
-    attend_tile<typename decltype(type)::type>(p, tile, s);
-  });
+  run_tiles_with(
+      p, tiles, rows_max,
+      [&](const Tile& tile, Scratch& s, auto type, const Tile*) { attend_tile<typename decltype(type)::type>(p, tile, s); },
+      [](const Tile&) { return false; });
 }

@@ -152,20 +152,24 @@ namespace avx512 {
 constexpr int64_t kFetchRows = 8;
 inline void run_tiles_fast(const Problem& p, const std::vector<Tile>& tiles, int64_t rows_max, bool prefill) {
   const bool fast = p.soft_cap <= 0.f && p.alibi == nullptr && p.head_size % 16 == 0;
-  run_tiles_with(p, tiles, rows_max, [&](const Tile& tile, Scratch& s, auto type, const Tile* after) {
-    using K = typename decltype(type)::type;
-    if (prefill && prefill_tile_fits(p, tile)) {
-      attend_tile_prefill<K>(p, tile, s);
-    } else if (fast) {
-      if (TileRows(p, tile).head_rows <= kFetchRows) {
-        attend_tile_fast<K, true>(p, tile, s, after);
-      } else {
-        attend_tile_fast<K, false>(p, tile, s);
-      }
-    } else {
-      attend_tile<K>(p, tile, s);
-    }
-  });
+  const auto fetches_ahead = [&](const Tile& tile) {
+    return fast && !(prefill && prefill_tile_fits(p, tile)) && TileRows(p, tile).head_rows <= kFetchRows;
+  };
+  run_tiles_with(
+      p, tiles, rows_max,
+      [&](const Tile& tile, Scratch& s, auto type, const Tile* after) {
+        using K = typename decltype(type)::type;
+        if (prefill && prefill_tile_fits(p, tile)) {
+          attend_tile_prefill<K>(p, tile, s);
+        } else if (!fast) {
+          attend_tile<K>(p, tile, s);
+        } else if (fetches_ahead(tile)) {
+          attend_tile_fast<K, true>(p, tile, s, after);
+        } else {
+          attend_tile_fast<K, false>(p, tile, s);
+        }
+      },
+      fetches_ahead);
 }
 }  // namespace avx512
 #pragma GCC pop_options

@@ -88,6 +88,23 @@ def test_mixed_prefill_and_decode_matches_float64_reference(dtype, heads, kv_hea
     assert relative_error(out, expected) <= TOLERANCE[dtype]
 
 
+def test_decode_tiles_on_two_threads_give_the_one_thread_result():
+    # A decode tile claims the tile it runs next before it starts (to fetch its keys
+    # ahead): with two threads pulling tiles, every tile must still run exactly once.
+    layer = AttentionLayerSpec(num_heads=8, num_kv_heads=2, head_size=64)
+    query_lens, context_lens = [40] + [1] * 13, [0] + [3 + 11 * i for i in range(13)]
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one, expected = run_case(layer, torch.float32, query_lens, context_lens, block_size=16, seed=4)
+        torch.set_num_threads(2)
+        two, _ = run_case(layer, torch.float32, query_lens, context_lens, block_size=16, seed=4)
+    finally:
+        torch.set_num_threads(threads)
+    assert relative_error(two, expected) <= TOLERANCE[torch.float32]
+    assert torch.equal(one, two)  # each tile is one thread's work, in one order
+
+
 ISAS = ["baseline", "avx2", "avx512"]
 
 
