@@ -28,7 +28,7 @@ PHASES = (
     ("plan", "model", "plan"),
     ("forward", "model", "forward"),
     ("logits", "model", "compute_logits"),
-    ("sample", None, "_sample"),
+    ("sample", "step_sampler", "sample"),
     ("apply result", "scheduler", "update_from_output"),
     ("outputs", None, "_output"),
 )

@@ -29,10 +29,9 @@ from .model_runner import ModelRunner
 from .outputs import RequestOutput, completion_of, timings_of
 from .request import FinishReason, Request
 from .drafting import Drafter
-from .rejection_sampler import RejectionSampler
-from .sampler import Sampler, logprob_record, raw_logprobs
 from .sampling_params import SamplingParams
-from .scheduler import SampledTokens, ScheduledRequest, Scheduler, SchedulerOutput
+from .scheduler import Scheduler, SchedulerOutput
+from .step_sampling import StepSampler
 from .warmup import warm_up
 
 log = logging.getLogger(__name__)
@@ -118,8 +117,8 @@ class LLMEngine:
         if config.warmup:
             warm_up(self.runner, self.kv, max_num_batched_tokens=config.scheduler.max_num_batched_tokens,
                     max_num_seqs=config.scheduler.max_num_seqs, max_model_len=int(model.max_model_len))
-        self.sampler = Sampler(config.seed)
-        self.verifier = RejectionSampler(self.sampler)
+        self.stats = EngineMetrics()
+        self.step_sampler = StepSampler(config.seed, self.stats)
         self.max_model_len = int(model.max_model_len)
         self.vocab_size = int(model.vocab_size)
         self.drafter = None
@@ -135,7 +134,6 @@ class LLMEngine:
         self.eos_token_id = getattr(model, "eos_token_id", None)
         if self.eos_token_id is None and tokenizer is not None:
             self.eos_token_id = getattr(tokenizer, "eos_token_id", None)
-        self.stats = EngineMetrics()
         self.groups: dict[str, _Group] = {}
         self._arrivals = itertools.count()
 
@@ -257,7 +255,7 @@ class LLMEngine:
             plan, logits, failed = self._end_non_finite(plan, logits)
             touched.update(dict.fromkeys(r.group_id for r in failed))
             finished += failed
-            update = self.scheduler.update_from_output(plan, self._sample(plan, logits))
+            update = self.scheduler.update_from_output(plan, self.step_sampler.sample(plan, logits))
             self.stats.num_generated_tokens += update.num_generated_tokens
             touched.update(dict.fromkeys(r.group_id for r in update.progressed))
             finished += update.finished
@@ -331,73 +329,6 @@ class LLMEngine:
                 f"{usage.num_blocks} blocks still held; its free() does not return every block to the pool. "
                 f"Run `kvforge conformance --plugin PLUGIN` on the plugin that provides {name!r}, or choose another "
                 f"allocator (cache.allocator)")
-
-    def _sample(self, plan: SchedulerOutput, logits: torch.Tensor) -> dict[str, SampledTokens]:
-        """The tokens every sampling request (and every sample forked this step) emits."""
-        rows: list[int] = []
-        requests: list[Request] = []
-        speculated: list[tuple[ScheduledRequest, int]] = []
-        row = 0
-        for entry in plan.scheduled:
-            if not entry.samples:
-                continue  # a prompt chunk short of the end: no logit rows
-            if entry.draft_token_ids:
-                speculated.append((entry, row))
-                row += 1 + len(entry.draft_token_ids)
-                continue
-            requests.append(entry.request)
-            rows.append(row)
-            for fork in entry.forks:  # forks sample from their parent's row
-                requests.append(fork)
-                rows.append(row)
-            row += 1
-        sampled = self._verify(speculated, logits) if speculated else {}
-        if not requests:
-            return sampled
-        # rows never decrease: as many as logits, with none shared, means every row in order
-        if len(rows) != logits.shape[0] or speculated or (rows and rows[-1] != len(rows) - 1):
-            logits = logits[torch.tensor(rows, device=logits.device)]
-        result = self.sampler(logits, requests)
-        token_ids = result.token_ids.tolist()
-        if result.sampled_logprobs is None:
-            for request, token in zip(requests, token_ids):
-                sampled[request.request_id] = SampledTokens([token])
-            return sampled
-        for i, request in enumerate(requests):
-            records = None
-            if request.logprobs is not None:
-                records = [logprob_record(request.params.logprobs, result.top_ids[i], result.top_logprobs[i],
-                                          result.sampled_logprobs[i], token_ids[i])]
-            sampled[request.request_id] = SampledTokens([token_ids[i]], records)
-        return sampled
-
-    def _verify(self, speculated: list[tuple[ScheduledRequest, int]], logits: torch.Tensor) -> dict[str, SampledTokens]:
-        """Verify the drafts of every speculating request in one batch."""
-        flat = [r for entry, first in speculated for r in range(first, first + entry.num_logit_rows)]
-        logits = logits[torch.tensor(flat, device=logits.device)]
-        entries = [entry for entry, _ in speculated]
-        verified = self.verifier(logits, [e.request for e in entries], [e.draft_token_ids for e in entries],
-                                 [e.draft_probs for e in entries])
-        self.stats.num_draft_tokens += len(flat) - len(entries)
-        self.stats.num_accepted_tokens += sum(verified.num_accepted)
-        self.stats.num_verifications += len(entries)
-        wanted = [e.request.params.logprobs for e in entries if e.request.logprobs is not None]
-        if wanted:  # the raw logprobs of each emitted token, at the row it was drawn from
-            starts = itertools.accumulate([e.num_logit_rows for e in entries], initial=0)
-            rows = [start + j for start, tokens in zip(starts, verified.token_ids) for j in range(len(tokens))]
-            emitted = torch.tensor([t for tokens in verified.token_ids for t in tokens], device=logits.device)
-            chosen, top_ids, top_logprobs = raw_logprobs(logits[torch.tensor(rows, device=logits.device)], emitted,
-                                                         max(wanted))
-        sampled, at = {}, 0
-        for entry, tokens in zip(entries, verified.token_ids):
-            records = None
-            if entry.request.logprobs is not None:
-                k = entry.request.params.logprobs
-                records = [logprob_record(k, top_ids[at + j], top_logprobs[at + j], chosen[at + j], token)
-                           for j, token in enumerate(tokens)]
-            sampled[entry.request.request_id] = SampledTokens(tokens, records)
-            at += len(tokens)
-        return sampled
 
     def _output(self, group_id: str, group: _Group) -> RequestOutput:
         completions = []

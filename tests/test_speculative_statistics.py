@@ -24,6 +24,6 @@ def test_distribution_check_detects_a_verifier_that_accepts_without_comparing():
     honest = engine_for("ngram", seed=2)
     assert homogeneity_pvalue(plain, sampled_continuations(honest)) > 1e-3
     biased = engine_for("ngram", seed=2)
-    biased.verifier = AcceptEverything(biased.verifier)
+    biased.step_sampler.verifier = AcceptEverything(biased.step_sampler.verifier)
     assert homogeneity_pvalue(plain, sampled_continuations(biased)) < 1e-6
     assert biased.metrics()["spec_draft_tokens"] > 0

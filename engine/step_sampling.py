@@ -1,0 +1,97 @@
+"""One step's logits to each request's tokens.
+
+`StepSampler.sample` picks each request's logit row (a sample forked this step
+draws from its parent's row; a prompt chunk short of the end has none), samples
+them in one batch, verifies every speculating request's drafts in another
+(`RejectionSampler`), and records the log-probabilities a request asked for.
+The engine hands the result to `Scheduler.update_from_output`.
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import torch
+
+from .metrics import EngineMetrics
+from .rejection_sampler import RejectionSampler
+from .request import Request
+from .sampler import Sampler, logprob_record, raw_logprobs
+from .scheduler import SampledTokens, ScheduledRequest, SchedulerOutput
+
+
+class StepSampler:
+    """The engine's sampler (seeded by `seed`) and draft verifier; the draft
+    counts go to `stats`."""
+
+    def __init__(self, seed: int | None, stats: EngineMetrics):
+        self.sampler = Sampler(seed)
+        self.verifier = RejectionSampler(self.sampler)
+        self.stats = stats
+
+    def sample(self, plan: SchedulerOutput, logits: torch.Tensor) -> dict[str, SampledTokens]:
+        """The tokens every sampling request (and every sample forked this step) emits."""
+        rows: list[int] = []
+        requests: list[Request] = []
+        speculated: list[tuple[ScheduledRequest, int]] = []
+        row = 0
+        for entry in plan.scheduled:
+            if not entry.samples:
+                continue  # a prompt chunk short of the end: no logit rows
+            if entry.draft_token_ids:
+                speculated.append((entry, row))
+                row += 1 + len(entry.draft_token_ids)
+                continue
+            requests.append(entry.request)
+            rows.append(row)
+            for fork in entry.forks:  # forks sample from their parent's row
+                requests.append(fork)
+                rows.append(row)
+            row += 1
+        sampled = self._verify(speculated, logits) if speculated else {}
+        if not requests:
+            return sampled
+        # rows never decrease: as many as logits, with none shared, means every row in order
+        if len(rows) != logits.shape[0] or speculated or (rows and rows[-1] != len(rows) - 1):
+            logits = logits[torch.tensor(rows, device=logits.device)]
+        result = self.sampler(logits, requests)
+        token_ids = result.token_ids.tolist()
+        if result.sampled_logprobs is None:
+            for request, token in zip(requests, token_ids):
+                sampled[request.request_id] = SampledTokens([token])
+            return sampled
+        for i, request in enumerate(requests):
+            records = None
+            if request.logprobs is not None:
+                records = [logprob_record(request.params.logprobs, result.top_ids[i], result.top_logprobs[i],
+                                          result.sampled_logprobs[i], token_ids[i])]
+            sampled[request.request_id] = SampledTokens([token_ids[i]], records)
+        return sampled
+
+    def _verify(self, speculated: list[tuple[ScheduledRequest, int]], logits: torch.Tensor) -> dict[str, SampledTokens]:
+        """Verify the drafts of every speculating request in one batch."""
+        flat = [r for entry, first in speculated for r in range(first, first + entry.num_logit_rows)]
+        logits = logits[torch.tensor(flat, device=logits.device)]
+        entries = [entry for entry, _ in speculated]
+        verified = self.verifier(logits, [e.request for e in entries], [e.draft_token_ids for e in entries],
+                                 [e.draft_probs for e in entries])
+        self.stats.num_draft_tokens += len(flat) - len(entries)
+        self.stats.num_accepted_tokens += sum(verified.num_accepted)
+        self.stats.num_verifications += len(entries)
+        wanted = [e.request.params.logprobs for e in entries if e.request.logprobs is not None]
+        if wanted:  # the raw logprobs of each emitted token, at the row it was drawn from
+            starts = itertools.accumulate([e.num_logit_rows for e in entries], initial=0)
+            rows = [start + j for start, tokens in zip(starts, verified.token_ids) for j in range(len(tokens))]
+            emitted = torch.tensor([t for tokens in verified.token_ids for t in tokens], device=logits.device)
+            chosen, top_ids, top_logprobs = raw_logprobs(logits[torch.tensor(rows, device=logits.device)], emitted,
+                                                         max(wanted))
+        sampled, at = {}, 0
+        for entry, tokens in zip(entries, verified.token_ids):
+            records = None
+            if entry.request.logprobs is not None:
+                k = entry.request.params.logprobs
+                records = [logprob_record(k, top_ids[at + j], top_logprobs[at + j], chosen[at + j], token)
+                           for j, token in enumerate(tokens)]
+            sampled[entry.request.request_id] = SampledTokens(tokens, records)
+            at += len(tokens)
+        return sampled
