@@ -327,6 +327,8 @@ inline void run_tiles_with(const Problem& p, const std::vector<Tile>& tiles, int
 inline void run_tiles(const Problem& p, const std::vector<Tile>& tiles, int64_t rows_max) {
   run_tiles_with(
       p, tiles, rows_max,
-      [&](const Tile& tile, Scratch& s, auto type, const Tile*) { attend_tile<typename decltype(type)::type>(p, tile, s); },
+      [&](const Tile& tile, Scratch& s, auto type, const Tile*) {
+        attend_tile<typename decltype(type)::type>(p, tile, s);
+      },
       [](const Tile&) { return false; });
 }

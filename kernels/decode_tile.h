@@ -79,9 +79,12 @@ inline __m512 fold_lanes(__m512 x, __m512 y) {
 // against keys [0, n) (n <= 16) at `keys`, `stride` elements apart: out[r]
 // lane j is row r . key j; lanes from n on are 0. Keys come four at a time,
 // every row's partial sums folded as they complete, so that the registers hold
-// the rows, four partial sums per row and the folded quads.
+// the rows, four partial sums per row and the folded quads. With Fetch, the
+// ahead_n (<= 16) keys at `ahead` are asked for: key j's beside the load of key
+// j, those past n on their own.
 template <int C, int RQ, bool Fetch, typename T>
-inline void scores16(const float* q, const T* keys, int64_t stride, int64_t n, __m512* out, const T* ahead) {
+inline void scores16(const float* q, const T* keys, int64_t stride, int64_t n, __m512* out, const T* ahead,
+                     int64_t ahead_n) {
   __m512 rows[RQ][C];
   for (int r = 0; r < RQ; ++r) {
     for (int c = 0; c < C; ++c) rows[r][c] = _mm512_loadu_ps(q + r * 16 * C + 16 * c);
@@ -91,16 +94,20 @@ inline void scores16(const float* q, const T* keys, int64_t stride, int64_t n, _
     __m512 part[RQ][4];
     for (int k = 0; k < 4; ++k) {
       const T* key = keys + (4 * i + k) * stride;
+      const T* next = ahead + (4 * i + k) * stride;
+      const bool fetch = Fetch && 4 * i + k < ahead_n;
       if (4 * i + k >= n) {
         for (int r = 0; r < RQ; ++r) part[r][k] = _mm512_setzero_ps();
+        for (int c = 0; c < C && fetch; ++c) {
+          if (fetches_slice<T>(c)) fetch_ahead<true>(next + 16 * c);
+        }
         continue;
       }
-      const T* next = ahead + (4 * i + k) * stride;
-      fetch_ahead<Fetch>(next);
+      if (fetch) fetch_ahead<true>(next);
       __m512 slice = load16(key);
       for (int r = 0; r < RQ; ++r) part[r][k] = _mm512_mul_ps(rows[r][0], slice);
       for (int c = 1; c < C; ++c) {
-        if (fetches_slice<T>(c)) fetch_ahead<Fetch>(next + 16 * c);
+        if (fetch && fetches_slice<T>(c)) fetch_ahead<true>(next + 16 * c);
         slice = load16(key + 16 * c);
         for (int r = 0; r < RQ; ++r) part[r][k] = _mm512_fmadd_ps(rows[r][c], slice, part[r][k]);
       }
@@ -116,22 +123,22 @@ inline void scores16(const float* q, const T* keys, int64_t stride, int64_t n, _
 // registers allow it.
 template <int RQ, bool Fetch, typename T>
 inline void scores16_any(const float* q, int64_t hs, const T* keys, int64_t stride, int64_t n, __m512* out,
-                         const T* ahead) {
+                         const T* ahead, int64_t ahead_n) {
   switch (hs / 16) {
-    case 4: scores16<4, RQ, Fetch>(q, keys, stride, n, out, ahead); return;
-    case 5: scores16<5, RQ, Fetch>(q, keys, stride, n, out, ahead); return;
-    case 6: scores16<6, RQ, Fetch>(q, keys, stride, n, out, ahead); return;
-    case 8: scores16<8, RQ, Fetch>(q, keys, stride, n, out, ahead); return;
+    case 4: scores16<4, RQ, Fetch>(q, keys, stride, n, out, ahead, ahead_n); return;
+    case 5: scores16<5, RQ, Fetch>(q, keys, stride, n, out, ahead, ahead_n); return;
+    case 6: scores16<6, RQ, Fetch>(q, keys, stride, n, out, ahead, ahead_n); return;
+    case 8: scores16<8, RQ, Fetch>(q, keys, stride, n, out, ahead, ahead_n); return;
     default: break;
   }
   for (int r = 0; r < RQ; ++r) {  // other multiples of 16: one row at a time
     if (hs == 256) {
-      scores16<16, 1, Fetch>(q + r * hs, keys, stride, n, out + r, ahead);
+      scores16<16, 1, Fetch>(q + r * hs, keys, stride, n, out + r, ahead, ahead_n);
     } else {  // slice by slice, the slices' scores added up
       __m512 sum = _mm512_setzero_ps();
       for (int64_t d = 0; d < hs; d += 16) {
         __m512 lane_d;
-        scores16<1, 1, Fetch>(q + r * hs + d, keys + d, stride, n, &lane_d, ahead + d);
+        scores16<1, 1, Fetch>(q + r * hs + d, keys + d, stride, n, &lane_d, ahead + d, ahead_n);
         sum = _mm512_add_ps(sum, lane_d);
       }
       out[r] = sum;
@@ -157,18 +164,25 @@ inline __mmask16 visible_keys(int64_t start, int64_t n, int64_t pos, int64_t win
 // acc[r] += sum_j w[r * 16 + j] * value_j over R rows and n keys, for NC
 // 16-float slices of the head at once: R * NC independent FMA chains, where one
 // slice of one row would leave the FMA units waiting on each chain's latency.
+// With Fetch, the ahead_n values at `ahead` are asked for as scores16 does.
 template <int R, int NC, bool Fetch, typename T>
 inline void accumulate16(float* __restrict__ acc, int64_t hs, const float* __restrict__ w, const T* values,
-                         int64_t stride, int64_t n, const T* ahead) {
+                         int64_t stride, int64_t n, const T* ahead, int64_t ahead_n) {
   __m512 a[R][NC];
   for (int r = 0; r < R; ++r) {
     for (int c = 0; c < NC; ++c) a[r][c] = _mm512_loadu_ps(acc + r * hs + 16 * c);
   }
   for (int64_t j = 0; j < n; ++j) {
+    const bool fetch = Fetch && j < ahead_n;
     for (int c = 0; c < NC; ++c) {
-      if (fetches_slice<T>(c)) fetch_ahead<Fetch>(ahead + j * stride + 16 * c);
+      if (fetch && fetches_slice<T>(c)) fetch_ahead<true>(ahead + j * stride + 16 * c);
       const __m512 v = load16(values + j * stride + 16 * c);
       for (int r = 0; r < R; ++r) a[r][c] = _mm512_fmadd_ps(_mm512_set1_ps(w[r * 16 + j]), v, a[r][c]);
+    }
+  }
+  for (int64_t j = n; Fetch && j < ahead_n; ++j) {
+    for (int c = 0; c < NC; ++c) {
+      if (fetches_slice<T>(c)) fetch_ahead<true>(ahead + j * stride + 16 * c);
     }
   }
   for (int r = 0; r < R; ++r) {
@@ -179,13 +193,13 @@ inline void accumulate16(float* __restrict__ acc, int64_t hs, const float* __res
 // accumulate16 over the whole head: slices four at a time, then the rest.
 template <int R, bool Fetch, typename T>
 inline void accumulate_head(float* acc, int64_t hs, const float* w, const T* values, int64_t stride, int64_t n,
-                            const T* ahead) {
+                            const T* ahead, int64_t ahead_n) {
   int64_t d = 0;
-  for (; d + 64 <= hs; d += 64) accumulate16<R, 4, Fetch>(acc + d, hs, w, values + d, stride, n, ahead + d);
+  for (; d + 64 <= hs; d += 64) accumulate16<R, 4, Fetch>(acc + d, hs, w, values + d, stride, n, ahead + d, ahead_n);
   switch ((hs - d) / 16) {
-    case 3: accumulate16<R, 3, Fetch>(acc + d, hs, w, values + d, stride, n, ahead + d); break;
-    case 2: accumulate16<R, 2, Fetch>(acc + d, hs, w, values + d, stride, n, ahead + d); break;
-    case 1: accumulate16<R, 1, Fetch>(acc + d, hs, w, values + d, stride, n, ahead + d); break;
+    case 3: accumulate16<R, 3, Fetch>(acc + d, hs, w, values + d, stride, n, ahead + d, ahead_n); break;
+    case 2: accumulate16<R, 2, Fetch>(acc + d, hs, w, values + d, stride, n, ahead + d, ahead_n); break;
+    case 1: accumulate16<R, 1, Fetch>(acc + d, hs, w, values + d, stride, n, ahead + d, ahead_n); break;
     default: break;
   }
 }
@@ -246,11 +260,18 @@ void attend_tile_fast(const Problem& p, const Tile& tile, Scratch& s, const Tile
       const int64_t n = std::min<int64_t>(16, j_end - j0);
       const int64_t key0 = block_start + j0;  // position of the group's first key
       // The next group of keys (fetch_ahead): this tile's, else the first of the
-      // tile `after` (as many KV heads), else these keys again. A short context
-      // is one group, and without the next tile's it would wait on every read.
-      const bool onward = key0 + 16 > last && after != nullptr && after->kv_heads == tile.kv_heads;
+      // tile `after` (as many KV heads), else none. A short context is one group,
+      // and without the next tile's it would wait on every read. Exactly the
+      // next group's keys are asked for, however many this group has: a last
+      // group of 2 keys still fetches all 16 of the next tile's first group, and
+      // a full group before a 2-key one fetches only those 2.
+      const bool inside = key0 + n <= last;
+      const bool onward = !inside && after != nullptr && after->kv_heads == tile.kv_heads;
       const Tile& ahead = onward ? *after : tile;
-      const int64_t next0 = key0 + 16 <= last ? key0 + 16 : onward ? TileRows(p, *after).first : key0;
+      const int64_t next0 = inside ? key0 + n : onward ? TileRows(p, *after).first : key0;
+      const int64_t next_last = onward ? TileRows(p, *after).last : last;
+      const int64_t next_n =
+          inside || onward ? std::min<int64_t>({16, (next0 / bs + 1) * bs - next0, next_last + 1 - next0}) : 0;
       const K* next_page = page_of<K>(p, ahead, next0 / bs);
       const float* key_scales = nullptr;  // of the group's first key, at the tile's first KV head
       if constexpr (kScaled<K>) {
@@ -286,9 +307,9 @@ void attend_tile_fast(const Problem& p, const Tile& tile, Scratch& s, const Tile
           any = true;
           __m512 score[2];
           if (pair == 2) {
-            scores16_any<2, Fetch>(q + (r0 + rr) * hs, hs, keys, slot_stride, n, score, next_keys);
+            scores16_any<2, Fetch>(q + (r0 + rr) * hs, hs, keys, slot_stride, n, score, next_keys, next_n);
           } else {
-            scores16_any<1, Fetch>(q + (r0 + rr) * hs, hs, keys, slot_stride, n, score, next_keys);
+            scores16_any<1, Fetch>(q + (r0 + rr) * hs, hs, keys, slot_stride, n, score, next_keys, next_n);
           }
           for (int64_t i = 0; i < pair; ++i) {
             float* w = weights + (rr + i) * 16;
@@ -301,7 +322,8 @@ void attend_tile_fast(const Problem& p, const Tile& tile, Scratch& s, const Tile
         if (!any) continue;
         for_row_groups(head_rows, [&](auto group_rows, int64_t rr) {
           constexpr int R = decltype(group_rows)::value;
-          accumulate_head<R, Fetch>(acc + (r0 + rr) * hs, hs, weights + rr * 16, values, slot_stride, n, next_values);
+          accumulate_head<R, Fetch>(acc + (r0 + rr) * hs, hs, weights + rr * 16, values, slot_stride, n, next_values,
+                                    next_n);
         });
       }
     }
