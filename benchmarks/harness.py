@@ -24,6 +24,7 @@ import numpy as np
 
 from kvforge.engine import heap
 
+from . import work
 from .scenarios import Scenario, Target, write_workload
 
 PEERS_DIR = Path(__file__).resolve().parent / "peers"
@@ -80,9 +81,10 @@ def failed_runs(results: dict) -> list[tuple[dict, dict]]:
             if run["status"].startswith("failed")]
 
 
-def metrics(result: dict, latency_class: str | None = None) -> dict:
+def metrics(result: dict, latency_class: str | None = None, flops: float | None = None) -> dict:
     """Output tokens/s over the whole run; TTFT and TPOT percentiles over the
-    requests (of `latency_class` only, when given); peak KV in MiB."""
+    requests (of `latency_class` only, when given); peak KV in MiB; with the
+    run's useful `flops` (work.py), its useful GFLOP/s."""
     requests = result["requests"]
     tokens = sum(r["output_tokens"] for r in requests)
     chosen = [r for r in requests if latency_class is None or r.get("cls") == latency_class]
@@ -95,6 +97,7 @@ def metrics(result: dict, latency_class: str | None = None) -> dict:
     return {"requests": len(requests), "output_tokens": tokens, "elapsed_s": elapsed,
             "tokens_per_s": tokens / elapsed if elapsed > 0 else None,
             "tokens_per_cpu_s": tokens / cpu if cpu else None,
+            "useful_gflops": flops / elapsed / 1e9 if flops is not None and elapsed > 0 else None,
             "ttft_p50_s": percentile(ttft, 50), "ttft_p99_s": percentile(ttft, 99),
             "tpot_p50_s": percentile(tpot, 50), "tpot_p99_s": percentile(tpot, 99),
             "peak_kv_mib": None if peak is None else peak / 2**20}
@@ -209,6 +212,8 @@ def run_scenario(scenario: Scenario, model_dir: str, out_dir: Path, *, peers: di
     model_dir = str(Path(model_dir).absolute())
     workload = write_workload(scenario, out_dir / "workload.json", model_dir=model_dir, dtype=dtype,
                               kv_cache_gib=kv_cache_gib)
+    hf_config = json.loads((Path(model_dir) / "config.json").read_text())
+    prompt_lengths = {r["id"]: len(r["prompt_token_ids"]) for r in scenario.requests}
     for i, run in enumerate(scenario.runs):
         entry = {"label": run.label, "peer": run.peer, "options": run.options}
         python = peers.get(run.peer)
@@ -223,7 +228,9 @@ def run_scenario(scenario: Scenario, model_dir: str, out_dir: Path, *, peers: di
                                                        timeout, kv_cache_gib, threads))
             entry["status"] = outcome["status"]
             if "result" in outcome:
-                entry["metrics"] = metrics(outcome["result"], scenario.latency_class)
+                records = outcome["result"]["requests"]
+                entry["metrics"] = metrics(outcome["result"], scenario.latency_class,
+                                           work.run_flops(hf_config, prompt_lengths, records))
                 entry["info"] = outcome["result"].get("info", {})
             log(f"[{scenario.name}] {run.label}: {entry['status']}")
         summary["runs"].append(entry)

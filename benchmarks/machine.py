@@ -24,6 +24,8 @@ import time
 
 import torch
 
+from .work import attention_pair_flops, layer_weights, logits_flops
+
 
 def describe() -> dict:
     """What the figures were measured on."""
@@ -67,15 +69,11 @@ def gemm_peak(sizes) -> dict[str, float]:
 
 def decode_flops(hf_config: dict, batch: int, context: int) -> float:
     """Model FLOPs of one decode step: 2 per weight per token for every matmul
-    (attention projections, MLP, LM head) plus attention over `context` tokens."""
-    h, layers = hf_config["hidden_size"], hf_config["num_hidden_layers"]
-    heads = hf_config["num_attention_heads"]
-    kv_heads = hf_config.get("num_key_value_heads") or heads
-    head = hf_config.get("head_dim") or h // heads
-    per_layer = h * heads * head * 2 + h * kv_heads * head * 2 + 3 * h * hf_config["intermediate_size"]
-    weights = layers * per_layer + h * hf_config["vocab_size"]
-    attention = layers * 2 * 2 * heads * head * context  # q.k and p.v
-    return batch * (2 * weights + attention)
+    (attention projections, MLP, LM head) plus attention over `context` tokens
+    (counted as benchmarks/work.py counts them)."""
+    weights, _ = layer_weights(hf_config)
+    layers = hf_config["num_hidden_layers"]
+    return batch * (2 * layers * weights + logits_flops(hf_config) + layers * attention_pair_flops(hf_config) * context)
 
 
 class ModelClock:

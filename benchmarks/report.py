@@ -43,7 +43,9 @@ def _load(load) -> str:
     return "unknown" if not load else " / ".join(f"{x:.1f}" for x in load)
 
 
-def scenario_section(summary: dict) -> list[str]:
+def scenario_section(summary: dict, peak_gflops: float | None = None) -> list[str]:
+    """A scenario's table; with the machine's float32 GEMM peak (float32 runs only),
+    each run's useful GFLOP/s (benchmarks/work.py) also as a fraction of it."""
     lines = [f"## {summary['scenario']}", ""]
     if summary.get("status") != "ok":
         return lines + [summary.get("status", "not run"), ""]
@@ -54,22 +56,30 @@ def scenario_section(summary: dict) -> list[str]:
     cls = summary.get("latency_class")
     if cls:
         lines += [f"TTFT and TPOT of the `{cls}` requests only.", ""]
+    work = "useful GFLOP/s" + (" (of the GEMM peak)" if peak_gflops else "")
     lines += ["| configuration | status | output tok/s | TTFT p50 ms | TTFT p99 ms | TPOT p50 ms | TPOT p99 ms "
-              "| peak KV MiB |", "|---|---|---:|---:|---:|---:|---:|---:|"]
+              f"| peak KV MiB | {work} |", "|---|---|---:|---:|---:|---:|---:|---:|---:|"]
     for run in summary["runs"]:
         m = run.get("metrics")
         if m is None:
-            lines.append(f"| {run['label']} | {_cell(run['status'])} | | | | | | |")
+            lines.append(f"| {run['label']} | {_cell(run['status'])} | | | | | | | |")
             continue
         lines.append(f"| {run['label']} | ok | {_num(m['tokens_per_s'])} | {_num(m['ttft_p50_s'], scale=1e3)} "
                      f"| {_num(m['ttft_p99_s'], scale=1e3)} | {_num(m['tpot_p50_s'], '{:.2f}', 1e3)} "
-                     f"| {_num(m['tpot_p99_s'], '{:.2f}', 1e3)} | {_num(m['peak_kv_mib'])} |")
+                     f"| {_num(m['tpot_p99_s'], '{:.2f}', 1e3)} | {_num(m['peak_kv_mib'])} "
+                     f"| {_useful(m.get('useful_gflops'), peak_gflops)} |")
     lines.append("")
     if summary.get("prefill_attention"):
         from .prefill_attention import markdown as prefill_markdown
 
         lines += prefill_markdown(summary["prefill_attention"])
     return lines
+
+
+def _useful(gflops: float | None, peak: float | None) -> str:
+    if gflops is None or not peak:
+        return _num(gflops)
+    return f"{gflops:.1f} ({gflops / peak:.0%})"
 
 
 def comparison_section(results: dict) -> list[str]:
@@ -136,9 +146,12 @@ def markdown(results: dict) -> str:
     peers_line = ", ".join(f"{k}={v}" for k, v in results["peers"].items() if k != "kvforge" and v)
     head += [f"Peers: {peers_line}." if peers_line else
              "Peers: none (`--peer NAME=PATH/TO/python` runs one); only kvforge configurations ran.", ""]
-    body = machine_section(results.get("machine"))
+    machine = results.get("machine")
+    # the peak is float32's: other dtypes' runs get no fraction of it
+    peak = machine["gemm_gflops"] if machine and results.get("dtype", "float32") == "float32" else None
+    body = machine_section(machine)
     for summary in results["scenarios"]:
-        body += scenario_section(summary)
+        body += scenario_section(summary, peak)
     return "\n".join(head + body + comparison_section(results))
 
 

@@ -12,7 +12,7 @@ import sys
 import pytest
 import torch
 
-from kvforge.benchmarks import harness, report, scenarios
+from kvforge.benchmarks import harness, report, scenarios, work
 from kvforge.benchmarks.scenarios import Run, Scenario, Target
 from kvforge.core import QUANTIZER, SPECULATIVE_PROPOSER, ConfigError, build_registry
 
@@ -120,6 +120,9 @@ def test_tiny_workload_runs_end_to_end_and_reports(tmp_path, tiny_model):
     assert kvforge["status"] == "ok", kvforge["status"]
     assert kvforge["metrics"]["output_tokens"] == 3 + 4 + 5 and kvforge["metrics"]["tokens_per_s"] > 0
     assert kvforge["metrics"]["peak_kv_mib"] > 0
+    hf_config = json.loads((Path(tiny_model) / "config.json").read_text())
+    flops = sum(work.request_flops(hf_config, 4, 3 + i) for i in range(3))
+    assert kvforge["metrics"]["useful_gflops"] == pytest.approx(flops / kvforge["metrics"]["elapsed_s"] / 1e9)
     assert generate["status"] == "not run: turned off (--peer generate=none)"
     assert vllm["status"] == "not run: no --peer given"
     assert summary["targets"][0]["status"] == "not measured"
@@ -129,6 +132,7 @@ def test_tiny_workload_runs_end_to_end_and_reports(tmp_path, tiny_model):
                "peers": {"kvforge": "py", "generate": None, "generate_batch": None}, "scenarios": [summary]}
     text = report.markdown(results)
     assert "not run: no --peer given" in text and "Peers: none (" in text
+    assert f"| {kvforge['metrics']['useful_gflops']:.1f} |" in text  # no GEMM peak measured: no fraction of it
     assert text.rindex("## Comparison") > text.rindex("## tiny")  # the comparison table comes last
     (png,) = report.plots(results, tmp_path)
     assert png.read_bytes()[:4] == b"\x89PNG"
