@@ -40,16 +40,27 @@ def describe() -> dict:
             "load_average": os.getloadavg() if hasattr(os, "getloadavg") else None}
 
 
-def gemm_gflops(n: int = 2048, repeats: int = 5, kernel: str = "torch") -> float:
-    """Best-of-`repeats` float32 GFLOP/s of an n x n x n matmul: `torch.mm`
-    ("torch") or the oneDNN packed-weight linear the models run ("onednn")."""
+def gemm_kernels() -> list[str]:
+    """The float32 GEMM kernels available here: `torch.mm` ("torch") and, where
+    oneDNN runs, the packed-weight linear the models run ("onednn")."""
+    from kvforge.models.packed_linear import onednn_unavailable
+
+    return ["torch"] + ([] if onednn_unavailable(torch.float32, torch.device("cpu")) else ["onednn"])
+
+
+def gemm_call(n: int, kernel: str = "torch"):
+    """A float32 n x n x n matmul by `kernel` (see gemm_kernels), ready to call."""
     a, b = torch.randn(n, n), torch.randn(n, n)
     if kernel == "onednn":
         from kvforge.models.packed_linear import PackedLinear
 
-        call = functools.partial(PackedLinear(b, None), a)  # a b^T: the same FLOPs
-    else:
-        call = functools.partial(torch.mm, a, b)
+        return functools.partial(PackedLinear(b, None), a)  # a b^T: the same FLOPs
+    return functools.partial(torch.mm, a, b)
+
+
+def gemm_gflops(n: int = 2048, repeats: int = 5, kernel: str = "torch") -> float:
+    """Best-of-`repeats` float32 GFLOP/s of gemm_call(n, kernel)."""
+    call = gemm_call(n, kernel)
     call()  # first-call costs
     best = float("inf")
     for _ in range(repeats):
@@ -61,10 +72,7 @@ def gemm_gflops(n: int = 2048, repeats: int = 5, kernel: str = "torch") -> float
 
 def gemm_peak(sizes) -> dict[str, float]:
     """The best GFLOP/s of each GEMM kernel available here over `sizes`."""
-    from kvforge.models.packed_linear import onednn_unavailable
-
-    kernels = ["torch"] + ([] if onednn_unavailable(torch.float32, torch.device("cpu")) else ["onednn"])
-    return {k: max(gemm_gflops(n, kernel=k) for n in sizes) for k in kernels}
+    return {k: max(gemm_gflops(n, kernel=k) for n in sizes) for k in gemm_kernels()}
 
 
 def decode_flops(hf_config: dict, batch: int, context: int) -> float:

@@ -168,6 +168,11 @@ def test_the_gflops_figure_reports_both_tiles_and_the_gemm_peak():
     entry = result["dtypes"]["float32"]
     assert entry["after"]["gflops"] > 0 and entry["before"]["gflops"] > 0 and result["gemm_gflops"] > 0
     assert entry["fraction_of_gemm"] == entry["after"]["gflops"] / result["gemm_gflops"]
+    from kvforge.benchmarks.machine import gemm_kernels
+
+    # the peak is the best of every GEMM kernel here, as the machine section takes it
+    assert set(result["gemm_kernels"]) == set(gemm_kernels())
+    assert result["gemm_gflops"] == max(result["gemm_kernels"].values())
     assert "KVFORGE_CPP_PREFILL" not in __import__("os").environ  # the switch is put back
     assert "| float32 |" in "\n".join(markdown(result))
 
