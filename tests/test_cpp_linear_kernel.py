@@ -202,6 +202,16 @@ def test_bad_epilogue_and_residual_get_a_clear_error():
         op(x, packed, 8, None, "silu_mul")
 
 
+@pytest.mark.parametrize("dtype", DTYPES, ids=["bfloat16", "float32"])
+def test_no_input_features_give_the_epilogue_of_zero_sums(dtype):
+    """The ops answer an empty input width themselves: the tiles are compiled on
+    the promise that they never see one (linear_tile.h, "k >= 1")."""
+    bias, other = torch.randn(24), torch.randn(5, 24).to(dtype)
+    packed = torch.empty((2, 0, 16) if dtype == torch.float32 else (2, 0, 16, 2), dtype=dtype)
+    y = linear(torch.randn(5, 0).to(dtype), packed, 24, pack_bias(bias, 24), "add", other)
+    assert torch.equal(y, (bias + other.float()).to(dtype))
+
+
 def test_fake_implementation_gives_the_output_shape_and_dtype():
     from torch._subclasses.fake_tensor import FakeTensorMode
 
