@@ -21,10 +21,7 @@ constexpr int kLanes = 16;  // channels per block
 
 // Every tile: acc[m * kMaxBlocks * 16 + b * 16 + j] = sum_d x[m][d] * w(channel 16 b + j of the tile, d),
 // for m < MR, b < NB; `w` is the tile's first block, `k` the input width.
-// k >= 1: the ops answer an empty input width before tiling, and f32_tile and
-// generic_tile tell the compiler so. Without it GCC keeps their sums on the
-// stack for the no-input path, zeroing them there and copying them through it
-// on every call.
+// k >= 1: the ops answer an empty input width before tiling (runs_at_least_once).
 // Unless `ahead` is null, each step over the inputs (one input, or one pair)
 // also prefetches `ahead + step * ahead_step` into L2: the driver spreads the
 // next tile's weights over this tile's steps (run_tiles in linear.cpp).
@@ -41,7 +38,7 @@ inline void generic_tile(const uint16_t* __restrict__ x, int64_t x_stride, const
   const int64_t pairs = (k + 1) / 2;
   vf16 acc[MR][NB] = {};
   const int64_t full = k / 2;
-  if (k < 1) __builtin_unreachable();  // see "k >= 1" above
+  runs_at_least_once(k);
   for (int64_t p = 0; p < pairs; ++p) {
     prefetch_step(ahead, ahead_step, p);
     vf16 lo[NB], hi[NB];
@@ -68,7 +65,7 @@ template <int MR, int NB>
 inline void f32_tile(const float* __restrict__ x, int64_t x_stride, const float* __restrict__ w, int64_t k,
                      float* __restrict__ acc_out, const char* ahead, int64_t ahead_step) {
   vf16 acc[MR][NB] = {};
-  if (k < 1) __builtin_unreachable();  // see "k >= 1" above
+  runs_at_least_once(k);
   for (int64_t d = 0; d < k; ++d) {
     prefetch_step(ahead, ahead_step, d);
     vf16 wv[NB];

@@ -18,6 +18,7 @@ void prefill_scores_bf16(const uint32_t* __restrict__ qt2, int64_t hs, const c10
   for (int j = 0; j < J; ++j) {
     for (int v = 0; v < RV; ++v) s[j][v] = _mm512_setzero_ps();
   }
+  runs_at_least_once(hs / 2);  // prefill_tile_fits
   for (int64_t d = 0; d < hs / 2; ++d) {
     __m512bh q[RV];
     for (int v = 0; v < RV; ++v) q[v] = (__m512bh)_mm512_loadu_si512(qt2 + d * kPairLanes + 16 * v);
@@ -64,6 +65,7 @@ void prefill_values_bf16(float* __restrict__ acct, const uint32_t* __restrict__ 
   for (int d = 0; d < D; ++d) {
     for (int v = 0; v < RV; ++v) a[d][v] = _mm512_loadu_ps(acct + d * kPairLanes + 16 * v);
   }
+  runs_at_least_once(pairs);  // a key tile holds at least one key
   for (int64_t jp = 0; jp < pairs; ++jp) {
     __m512bh w[RV];
     for (int v = 0; v < RV; ++v) w[v] = (__m512bh)_mm512_loadu_si512(pt2 + jp * kPairLanes + 16 * v);

@@ -47,6 +47,7 @@ inline void prefill_scores(const float* __restrict__ qt, int64_t hs, const float
   for (int j = 0; j < J; ++j) {
     for (int v = 0; v < RV; ++v) s[j][v] = _mm512_setzero_ps();
   }
+  runs_at_least_once(hs);  // prefill_tile_fits
   for (int64_t d = 0; d < hs; ++d) {
     __m512 q[RV];
     for (int v = 0; v < RV; ++v) q[v] = _mm512_loadu_ps(qt + d * kLanes + 16 * v);
@@ -68,6 +69,7 @@ inline void prefill_values(float* __restrict__ acct, const float* __restrict__ p
   for (int d = 0; d < D; ++d) {
     for (int v = 0; v < RV; ++v) a[d][v] = _mm512_loadu_ps(acct + d * kLanes + 16 * v);
   }
+  runs_at_least_once(n);  // a key tile holds at least one key
   for (int64_t j = 0; j < n; ++j) {
     __m512 w[RV];
     for (int v = 0; v < RV; ++v) w[v] = _mm512_loadu_ps(pt + j * kLanes + 16 * v);
@@ -463,9 +465,11 @@ void attend_tile_prefill(const Problem& p, const Tile& tile, Scratch& scratch) {
 }
 
 // Whether a tile takes attend_tile_prefill: one KV head, at least kPrefillRows
-// rows (fewer leave most lanes idle; the decode tile serves them), at most kLanes.
+// rows (fewer leave most lanes idle; the decode tile serves them), at most kLanes,
+// and a head size of 16 to 1024 in steps of 16.
 constexpr int64_t kPrefillRows = 16;
 inline bool prefill_tile_fits(const Problem& p, const Tile& tile) {
   const int64_t rows = TileRows(p, tile).head_rows;
-  return tile.kv_heads == 1 && rows >= kPrefillRows && rows <= kLanes && p.head_size % 16 == 0 && p.head_size <= 1024;
+  return tile.kv_heads == 1 && rows >= kPrefillRows && rows <= kLanes && p.head_size % 16 == 0 &&
+         p.head_size >= 16 && p.head_size <= 1024;
 }
