@@ -229,8 +229,8 @@ def run_scenario(scenario: Scenario, model_dir: str, out_dir: Path, *, peers: di
             entry["status"] = outcome["status"]
             if "result" in outcome:
                 records = outcome["result"]["requests"]
-                entry["metrics"] = metrics(outcome["result"], scenario.latency_class,
-                                           work.run_flops(hf_config, prompt_lengths, records))
+                flops = work.run_flops(hf_config, prompt_lengths, records) if work.counts(hf_config) else None
+                entry["metrics"] = metrics(outcome["result"], scenario.latency_class, flops)
                 entry["info"] = outcome["result"].get("info", {})
             log(f"[{scenario.name}] {run.label}: {entry['status']}")
         summary["runs"].append(entry)

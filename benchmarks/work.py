@@ -16,14 +16,27 @@ Counting (useful FLOPs, the convention of benchmarks/prefill_attention.py):
 * norms, rotary, activations, softmax and sampling are not counted (a few FLOPs
   per element, against thousands per row in the matmuls).
 
-A Llama-style decoder is assumed (q, k, v and o projections, a gated MLP of
-three matrices), as every bench model is. Prefix caching skips work counted
+The count describes kvforge's Llama family (q, k, v and o projections, a gated
+MLP of three matrices: every bench model) with full attention; `counts` says
+whether it describes a model, and the bench reports no figure for one it does
+not (GPT-2, a sliding window). Prefix caching skips work counted
 here, so a cached run's figure counts the skipped work as done. Memory time
 (decode reading the KV cache, small batches reading the weights) is not
 counted: the compute bound is a bound, not a prediction.
 """
 
 from __future__ import annotations
+
+
+# The architectures of models/llama.py, whose layers the count below describes.
+COUNTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
+
+
+def counts(hf_config: dict) -> bool:
+    """Whether this module's count describes the model: a Llama-family decoder
+    with full attention on every layer (no `sliding_window` set)."""
+    return (any(name in COUNTED_ARCHITECTURES for name in hf_config.get("architectures") or [])
+            and not hf_config.get("sliding_window"))
 
 
 def layer_weights(hf_config: dict) -> tuple[int, int]:

@@ -11,7 +11,7 @@ import torch
 
 from kvforge.benchmarks import machine, prefill_attention, work
 
-CONFIG = {"hidden_size": 48, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,
+CONFIG = {"architectures": ["LlamaForCausalLM"], "hidden_size": 48, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,
           "intermediate_size": 80, "num_hidden_layers": 3, "vocab_size": 96}
 
 
@@ -89,3 +89,11 @@ def test_the_report_puts_useful_gflops_beside_a_float32_gemm_peak_only():
                      "tpot_p99_s": None, "peak_kv_mib": None, "useful_gflops": 88.0}}]}
     assert "| 88.0 (80%) |" in "\n".join(report.scenario_section(summary, peak_gflops=110.0))
     assert "| 88.0 |" in "\n".join(report.scenario_section(summary))
+
+
+def test_only_the_llama_family_with_full_attention_is_counted():
+    assert work.counts(CONFIG)
+    assert work.counts({**CONFIG, "architectures": ["Qwen3ForCausalLM"], "sliding_window": None})
+    assert not work.counts({"architectures": ["GPT2LMHeadModel"], "n_embd": 48, "n_layer": 2})
+    assert not work.counts({**CONFIG, "architectures": ["MistralForCausalLM"], "sliding_window": 4096})
+    assert not work.counts({**CONFIG, "architectures": []})
