@@ -11,8 +11,9 @@ import torch
 
 from kvforge.benchmarks import machine, prefill_attention, work
 
-CONFIG = {"architectures": ["LlamaForCausalLM"], "hidden_size": 48, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,
-          "intermediate_size": 80, "num_hidden_layers": 3, "vocab_size": 96}
+CONFIG = {"architectures": ["LlamaForCausalLM"], "hidden_size": 48, "num_attention_heads": 4,
+          "num_key_value_heads": 2, "head_dim": 16, "intermediate_size": 80, "num_hidden_layers": 3,
+          "vocab_size": 96}
 
 
 def counted_row_by_row(hf: dict, prompt: int, output: int) -> int:
@@ -34,6 +35,27 @@ def counted_row_by_row(hf: dict, prompt: int, output: int) -> int:
 @pytest.mark.parametrize("prompt,output", [(1, 1), (1, 5), (7, 1), (7, 4), (30, 9)])
 def test_closed_form_matches_the_row_by_row_count(prompt, output):
     assert work.request_flops(CONFIG, prompt, output) == counted_row_by_row(CONFIG, prompt, output)
+
+
+def test_the_row_by_row_check_tells_a_count_that_runs_the_last_layer_on_every_row():
+    """A broken count (every layer on every row, as an engine without the
+    output-rows plan executes) is off by exactly the last layer's skipped work."""
+    prompt, output = 9, 3
+    weights, key_value = work.layer_weights(CONFIG)
+    rows = prompt + output - 1
+    skipped_rows = rows - output
+    skipped = (2 * (weights - key_value) * skipped_rows
+               + work.attention_pair_flops(CONFIG) * skipped_rows * (skipped_rows + 1) // 2)
+    assert work.request_flops(CONFIG, prompt, output) == counted_row_by_row(CONFIG, prompt, output)
+    assert work.request_flops(CONFIG, prompt, output) + skipped != counted_row_by_row(CONFIG, prompt, output)
+    assert work.request_flops(CONFIG, prompt, output) + skipped == full_model_count(CONFIG, prompt, output)
+
+
+def full_model_count(hf: dict, prompt: int, output: int) -> int:
+    """The broken variant: every layer on every row, logits on the sampled rows."""
+    rows = prompt + output - 1
+    layer = 2 * work.layer_weights(hf)[0] * rows + work.attention_pair_flops(hf) * rows * (rows + 1) // 2
+    return hf["num_hidden_layers"] * layer + work.logits_flops(hf) * output
 
 
 def test_every_layer_but_the_last_runs_causal_attention_as_the_prefill_benchmark_counts_it():
