@@ -1,5 +1,6 @@
-// Sixteen-lane float vectors and bfloat16 conversions shared by the bfloat16
-// kernels (linear.cpp, rms_norm_rotary.cpp). GCC vector types: one zmm
+// Sixteen-lane float vectors, their sums and bfloat16 conversions, shared by
+// the bfloat16 kernels (linear.cpp, rms_norm_rotary.cpp) and the int8 ones
+// (int8_linear.cpp). GCC vector types: one zmm
 // register under AVX-512, two ymm under AVX2, four SSE registers on the
 // baseline, from one source. Included once per ISA namespace; it includes
 // nothing but vector_exp.h (as unguarded).
@@ -37,10 +38,42 @@ inline void store_bf16x16(uint16_t* p, vf16 v) {
   *reinterpret_cast<vh16*>(p) = __builtin_convertvector(nan ? vu16{} + 0x7fc0u : rounded, vh16);
 }
 
+// The sum of v's lanes as a tree: four shuffles and additions, where a loop
+// over the lanes is a chain of 16 dependent scalar additions (GCC keeps it).
 inline float sum16(vf16 v) {
-  float s = 0.f;
-  for (int i = 0; i < 16; ++i) s += v[i];
-  return s;
+  v += __builtin_shuffle(v, vi16{8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7});
+  v += __builtin_shuffle(v, vi16{4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11});
+  v += __builtin_shuffle(v, vi16{2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13});
+  v += __builtin_shuffle(v, vi16{1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14});
+  return v[0];
+}
+
+// Sixteen vectors' sums at once: lane i of the result is the sum of v[i]'s
+// lanes. Each level adds two shuffles of a pair of vectors, halving the
+// vectors and doubling how much of a sum each lane holds (15 additions in
+// all, where sum16 per vector takes 64).
+inline vf16 fold16(const vf16 (&v)[16]) {
+  // level 1: lane 2j + p holds v[2i + p]'s lanes 2j, 2j + 1
+  vf16 t[8];
+  for (int i = 0; i < 8; ++i) {
+    t[i] = __builtin_shuffle(v[2 * i], v[2 * i + 1], vi16{0, 16, 2, 18, 4, 20, 6, 22, 8, 24, 10, 26, 12, 28, 14, 30}) +
+           __builtin_shuffle(v[2 * i], v[2 * i + 1], vi16{1, 17, 3, 19, 5, 21, 7, 23, 9, 25, 11, 27, 13, 29, 15, 31});
+  }
+  // level 2: lane 4j + c holds v[4i + c]'s lanes 4j .. 4j + 3
+  vf16 u[4];
+  for (int i = 0; i < 4; ++i) {
+    u[i] = __builtin_shuffle(t[2 * i], t[2 * i + 1], vi16{0, 1, 16, 17, 4, 5, 20, 21, 8, 9, 24, 25, 12, 13, 28, 29}) +
+           __builtin_shuffle(t[2 * i], t[2 * i + 1], vi16{2, 3, 18, 19, 6, 7, 22, 23, 10, 11, 26, 27, 14, 15, 30, 31});
+  }
+  // level 3: lane 8j + c holds v[8i + c]'s lanes 8j .. 8j + 7
+  vf16 w[2];
+  for (int i = 0; i < 2; ++i) {
+    w[i] = __builtin_shuffle(u[2 * i], u[2 * i + 1], vi16{0, 1, 2, 3, 16, 17, 18, 19, 8, 9, 10, 11, 24, 25, 26, 27}) +
+           __builtin_shuffle(u[2 * i], u[2 * i + 1], vi16{4, 5, 6, 7, 20, 21, 22, 23, 12, 13, 14, 15, 28, 29, 30, 31});
+  }
+  // level 4: lane c holds all of v[c]
+  return __builtin_shuffle(w[0], w[1], vi16{0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23}) +
+         __builtin_shuffle(w[0], w[1], vi16{8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31});
 }
 
 #include "vector_exp.h"

@@ -27,9 +27,13 @@
 
 namespace kvforge_cpp {
 
-typedef float vf16 __attribute__((vector_size(64), aligned(4), may_alias));
+// Rows per chunk of the batch tiles (both tile headers): 64 rows of x stay in
+// L2 while every channel of a block passes over them. Over all m rows at
+// once, each four channels' pass read x from L3 again.
+constexpr int64_t kBatchChunkRows = 64;
 
 namespace linear_base {
+#include "bf16_vectors.h"
 inline vf16 widen_w16(const int8_t* p) {
   vf16 v;
   for (int i = 0; i < 16; ++i) v[i] = static_cast<float>(p[i]);
@@ -42,6 +46,7 @@ inline vf16 widen_w16(const int8_t* p) {
 #pragma GCC push_options
 #pragma GCC target("avx2,fma,f16c")
 namespace linear_avx2 {
+#include "bf16_vectors.h"
 inline vf16 widen_w16(const int8_t* p) {
   const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
   const __m256 lo = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(bytes));
@@ -55,6 +60,7 @@ inline vf16 widen_w16(const int8_t* p) {
 #pragma GCC push_options
 #pragma GCC target("avx512f,avx512bw,avx512dq,avx512vl,avx2,fma,f16c")
 namespace linear_avx512 {
+#include "bf16_vectors.h"
 inline vf16 widen_w16(const int8_t* p) {
   return (vf16)_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
 }

@@ -77,15 +77,17 @@ inline void bf16_linear_block(const c10::BFloat16* x, int64_t x_stride, int64_t 
                               const float* scale, const float* bias, float* y, int64_t y_stride, int64_t n0,
                               int64_t n1) {
   const int64_t grouped = m / 4 * 4;
-  int64_t n = n0;
-  for (; grouped > 0 && n + 4 <= n1; n += 4) {
-    for (int64_t r = 0; r < grouped; r += 4) {
-      bf16_tile_4x4(x + r * x_stride, x_stride, w + n * k, k, scale + n, bias != nullptr ? bias + n : nullptr,
-                    y + r * y_stride + n, y_stride);
+  const int64_t n_single = grouped > 0 ? n0 + (n1 - n0) / 4 * 4 : n0;
+  for (int64_t r0 = 0; r0 < grouped; r0 += kBatchChunkRows) {
+    const int64_t r1 = std::min(grouped, r0 + kBatchChunkRows);
+    for (int64_t n = n0; n < n_single; n += 4) {
+      for (int64_t r = r0; r < r1; r += 4) {
+        bf16_tile_4x4(x + r * x_stride, x_stride, w + n * k, k, scale + n, bias != nullptr ? bias + n : nullptr,
+                      y + r * y_stride + n, y_stride);
+      }
     }
   }
-  const int64_t n_single = n;
-  for (n = n0; n < n1; ++n) {
+  for (int64_t n = n0; n < n1; ++n) {
     const int8_t* wn = w + n * k;
     const float s = scale[n], b = bias != nullptr ? bias[n] : 0.f;
     int64_t r = n < n_single ? grouped : 0;

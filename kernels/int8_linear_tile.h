@@ -3,7 +3,8 @@
 // contiguous along the input dimension.
 //
 // Included by int8_linear.cpp once per ISA (baseline, AVX2, AVX-512), each time
-// after defining `widen_w16` (16 int8 weights as floats) for that ISA: GCC 12
+// after bf16_vectors.h (vf16, sum16, fold16) and after defining `widen_w16`
+// (16 int8 weights as floats) for that ISA: GCC 12
 // widens an int8 vector one element at a time, so the x86 paths spell it with
 // intrinsics. It therefore includes nothing itself. The sixteen-lane vectors
 // are GCC vector types: one zmm register under AVX-512, two ymm under AVX2,
@@ -15,11 +16,6 @@
 // sum_k x_k (w_k s) = s sum_k x_k w_k.
 
 inline vf16 load_x16(const float* p) { return *reinterpret_cast<const vf16*>(p); }
-inline float sum16(vf16 v) {
-  float s = 0.f;
-  for (int i = 0; i < 16; ++i) s += v[i];
-  return s;
-}
 
 // y[m * y_stride] = (x_m . w) * scale + bias for m < MR: one output channel
 // `w` (k int8 weights) against MR rows of x, x_stride apart. Four independent
@@ -75,9 +71,11 @@ inline void int8_tile_rc(const float* __restrict__ x, int64_t x_stride, const in
       for (int n = 0; n < NR; ++n) acc[m][n] += xv * wv[n];
     }
   }
+  static_assert(MR * NR == 16, "the sums are folded as sixteen vectors");
+  const vf16 sums = fold16(reinterpret_cast<const vf16(&)[16]>(acc));  // lane m * NR + n
   for (int m = 0; m < MR; ++m) {
     for (int n = 0; n < NR; ++n) {
-      float sum = sum16(acc[m][n]);
+      float sum = sums[m * NR + n];
       for (int64_t t = d; t < k; ++t) sum += x[m * x_stride + t] * static_cast<float>(w[n * k + t]);
       y[m * y_stride + n] = sum * scale[n] + (bias != nullptr ? bias[n] : 0.f);
     }
@@ -90,25 +88,27 @@ constexpr int kTileRows = 4;
 constexpr int kTileChannels = 4;
 
 // Output channels [n0, n1) of all m rows. Rows in groups of four take
-// int8_tile_rc over four channels at a time; the rest (all of a decode of up
-// to 3 rows, where reading the weights is the cost) take int8_tile, one
-// channel at a time. Either way a channel's weights stay in L1 while every
-// row group passes over them.
+// int8_tile_rc over four channels at a time, a chunk of kBatchChunkRows rows (in
+// L2) at a time: every four channels' weights (in L1) pass over the chunk,
+// and the block's weights stay in L2 for the next chunk. The rest (all of a
+// decode of up to 3 rows, where reading the weights is the cost) take
+// int8_tile, one channel at a time.
 inline void int8_linear_block(const float* x, int64_t x_stride, int64_t m, const int8_t* w, int64_t k,
                               const float* scale, const float* bias, float* y, int64_t y_stride, int64_t n0,
                               int64_t n1) {
   const int64_t grouped = m / kTileRows * kTileRows;
-  int64_t n = n0;
-  for (; grouped > 0 && n + kTileChannels <= n1; n += kTileChannels) {
-    const float* bn = bias != nullptr ? bias + n : nullptr;
-    int64_t r = 0;
-    for (; r < grouped; r += kTileRows) {
-      int8_tile_rc<kTileRows, kTileChannels>(x + r * x_stride, x_stride, w + n * k, k, scale + n, bn,
-                                             y + r * y_stride + n, y_stride);
+  const int64_t n_single = grouped > 0 ? n0 + (n1 - n0) / kTileChannels * kTileChannels : n0;  // past the batch tiles
+  for (int64_t r0 = 0; r0 < grouped; r0 += kBatchChunkRows) {
+    const int64_t r1 = std::min(grouped, r0 + kBatchChunkRows);
+    for (int64_t n = n0; n < n_single; n += kTileChannels) {
+      const float* bn = bias != nullptr ? bias + n : nullptr;
+      for (int64_t r = r0; r < r1; r += kTileRows) {
+        int8_tile_rc<kTileRows, kTileChannels>(x + r * x_stride, x_stride, w + n * k, k, scale + n, bn,
+                                               y + r * y_stride + n, y_stride);
+      }
     }
   }
-  const int64_t n_single = n;  // channels the batch tiles left: all of them when m < 4
-  for (n = n0; n < n1; ++n) {
+  for (int64_t n = n0; n < n1; ++n) {
     const int8_t* wn = w + n * k;
     const float s = scale[n], b = bias != nullptr ? bias[n] : 0.f;
     int64_t r = n < n_single ? grouped : 0;

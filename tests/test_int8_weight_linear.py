@@ -1,10 +1,11 @@
 """The weight-only int8 linear kernel (`kvforge_cpp::int8_weight_linear`) against
 float64 `x @ (w_int8 * scale)^T + bias` on fresh random inputs: odd sizes that
 leave tails in every tiling (out not a multiple of the 4- and 8-channel tiles or
-the 64-channel blocks, in not a multiple of the 16- and 32-wide steps), 1 to 64
-rows, with and without bias, float32 and bfloat16, on every instruction-set path
-this CPU runs (capped with KVFORGE_CPP_ISA); a deliberately broken kernel fails
-the same check, and bad input gets a clear error."""
+the 64-channel blocks, in not a multiple of the 16- and 32-wide steps), 1 to 150
+rows (past the batch tiles' 64-row chunks, with rows left over), with and
+without bias, float32 and bfloat16, on every instruction-set path this CPU runs
+(capped with KVFORGE_CPP_ISA); a deliberately broken kernel fails the same
+check, and bad input gets a clear error."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ import torch
 from kvforge.core import dtype_name
 from kvforge.models.quantized_linear import load_weight_only_kernel
 
-SHAPES = [(1, 37, 23), (3, 100, 70), (8, 515, 129), (33, 48, 9), (64, 260, 67)]  # (rows, in, out)
+SHAPES = [(1, 37, 23), (3, 100, 70), (8, 515, 129), (33, 48, 9), (64, 260, 67), (150, 70, 37)]  # (rows, in, out)
 # The levels a cap selects and the path name the op reports for float32 / bfloat16 input.
 LEVELS = {"avx512": ("avx512", "avx512_bf16"), "avx2": ("avx2", "avx2"), "baseline": ("baseline", "baseline")}
 
