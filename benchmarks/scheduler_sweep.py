@@ -70,7 +70,7 @@ def sweep(scenario_names: list[str], setting: str, values: list[int], *, rounds:
 
 def markdown(result: dict) -> list[str]:
     values = result["values"]
-    lines = [f"| scenario | " + " | ".join(f"{result['setting']}={v}" for v in values) + " |",
+    lines = ["| scenario | " + " | ".join(f"{result['setting']}={v}" for v in values) + " |",
              "|---|" + "---:|" * len(values)]
     for name, row in result["scenarios"].items():
         lines.append(f"| {name} | " + " | ".join(f"{row[str(v)]['median']:.1f} ({row[str(v)]['ratio']:.2f}x)"
