@@ -32,6 +32,13 @@ namespace kvforge_cpp {
 // once, each four channels' pass read x from L3 again.
 constexpr int64_t kBatchChunkRows = 64;
 
+// How far ahead of its reads a channel-by-channel tile (a decode's) asks for
+// weights, in bytes: the channels lie one after another, so this is the same
+// stream further on, reaching into the next channels (past the weight's end a
+// prefetch is dropped: it never faults). The hardware prefetcher alone kept a
+// batch-1 decode at half the bandwidth a float32 one reads at (docs/quantization.md).
+constexpr int64_t kWeightsAhead = 8192;
+
 namespace linear_base {
 #include "bf16_vectors.h"
 inline vf16 widen_w16(const int8_t* p) {

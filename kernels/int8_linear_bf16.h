@@ -26,6 +26,8 @@ inline void bf16_tile(const c10::BFloat16* __restrict__ x, int64_t x_stride, con
   }
   int64_t d = 0;
   for (; d + 128 <= k; d += 128) {
+    __builtin_prefetch(w + d + kWeightsAhead, 0, 2);  // these two lines, kWeightsAhead on
+    __builtin_prefetch(w + d + 64 + kWeightsAhead, 0, 2);
     __m512bh wv[4];
     for (int u = 0; u < 4; ++u) wv[u] = widen_w32(w + d + 32 * u);
     for (int m = 0; m < MR; ++m) {

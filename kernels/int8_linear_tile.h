@@ -32,6 +32,7 @@ inline void int8_tile(const float* __restrict__ x, int64_t x_stride, const int8_
   }
   int64_t d = 0;
   for (; d + 64 <= k; d += 64) {
+    __builtin_prefetch(w + d + kWeightsAhead, 0, 2);  // this line, kWeightsAhead on
     vf16 wv[4];
     for (int u = 0; u < 4; ++u) wv[u] = widen_w16(w + d + 16 * u);
     for (int m = 0; m < MR; ++m) {
