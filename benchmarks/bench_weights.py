@@ -1,13 +1,15 @@
 """int8 weights against float32: kernels, model bytes and decode tokens/s.
 
-* kernels: one linear layer at 1, 8, 32 and 128 rows for the ~50M model's
-  weight shapes (in x out: 512x512, 512x1536, 1536x512, and 512x16384, the LM
-  head), median microseconds of each candidate: the float32 oneDNN-packed
-  linear the models run, kvforge's `Int8Linear` weight-only (the C++ kernel,
+* kernels: one linear layer at 1, 8, 32 and 128 rows (`--rows`: prefill sizes
+  too) for the ~50M model's weight shapes (in x out: 512x512, 512x1536,
+  1536x512, and 512x16384, the LM head), median microseconds of each candidate:
+  the float32 linears (oneDNN-packed, and kvforge's C++ `f32_linear`, which
+  float32 models run on AVX-512), kvforge's `Int8Linear` weight-only (the C++ kernel,
   float32 and bfloat16 activations) and W8A8 (per-token int8 activations,
   `torch._int_mm`), torch's weight-only `_weight_int8pack_mm` with float32 and
   with bfloat16 activations, and fbgemm's `quantized.linear_dynamic` (W8A8,
-  one activation scale per tensor).
+  one activation scale per tensor). torch's `_weight_int8pack_mm` with float32
+  activations is left out past 128 rows: at 128 it already took over 40x float32.
 * model: `weight_bytes()` and pure-decode tokens/s of the reference engine at
   batch 1 and 32 on `bench-llama-50m`, float32 against `quantization.weights =
   "int8_weight"` with `quantization.activations` "none" (weight-only) and
@@ -17,7 +19,7 @@
 Everything runs on one thread (`torch.set_num_threads(1)`).
 
     pytest benchmarks/bench_weights.py --benchmark-only
-    python -m kvforge.benchmarks.bench_weights [--quick] [--model NAME] [--kernels-only]
+    python -m kvforge.benchmarks.bench_weights [--quick] [--model NAME] [--kernels-only] [--rows 1 32 2048]
 """
 
 from __future__ import annotations
@@ -38,6 +40,7 @@ from kvforge.benchmarks.model_dirs import model_dir
 MODEL = os.environ.get("BENCH_MODEL", "bench-llama-50m")
 SHAPES = ((512, 512), (512, 1536), (1536, 512), (512, 16384))  # (in, out)
 ROWS = (1, 8, 32, 128)
+SLOW_PAST = 128  # rows past which the float32 `_weight_int8pack_mm` candidate is left out
 # label -> (quantization.weights, quantization.activations)
 WEIGHTS = {"float32": (None, "none"), "int8 weight-only": ("int8_weight", "none"),
            "int8 W8A8": ("int8_weight", "int8")}
@@ -60,6 +63,7 @@ def _median_us(call, budget_s: float = 0.2, most: int = 200) -> float:
 def kernel_candidates(weight: torch.Tensor) -> dict:
     """name -> a function of the float32 input rows, for one `[out, in]` weight."""
     from kvforge.core import QUANTIZER, build_registry
+    from kvforge.models.cpp_linear import CppLinear
     from kvforge.models.packed_linear import PackedLinear
     from kvforge.models.quantized_linear import Int8Linear
 
@@ -69,6 +73,7 @@ def kernel_candidates(weight: torch.Tensor) -> dict:
     packed = PackedLinear(weight, None)
     candidates = {
         "float32 onednn": packed,
+        "float32 kvforge (C++)": CppLinear(weight, None),
         "int8 kvforge weight-only f32 act (C++)": weight_only,
         "int8 kvforge weight-only bf16 act (C++)": lambda x: weight_only(x.bfloat16()),
         "int8 kvforge W8A8 (per-token, _int_mm)": Int8Linear(q.data, q.scale, None, "int8"),
@@ -98,7 +103,8 @@ def kernel_table(shapes=SHAPES, rows=ROWS, budget_s: float = 0.2) -> list[dict]:
         candidates = kernel_candidates(weight)
         for m in rows:
             x = torch.randn(m, k, generator=generator)
-            times = {name: _median_us(functools.partial(fn, x), budget_s) for name, fn in candidates.items()}
+            times = {name: _median_us(functools.partial(fn, x), budget_s) for name, fn in candidates.items()
+                     if not (m > SLOW_PAST and name == "int8pack_mm f32 act")}
             table.append({"in": k, "out": n, "rows": m, "us": times})
     return table
 
@@ -136,7 +142,7 @@ def print_tables(kernels: list[dict] | None, decode: dict | None) -> None:
         print("| in x out | rows | " + " | ".join(names) + " |")
         print("|---|---|" + "---|" * len(names))
         for row in kernels:
-            times = " | ".join(f"{row['us'][n]:.0f}" for n in names)
+            times = " | ".join(f"{row['us'][n]:.0f}" if n in row["us"] else "" for n in names)
             print(f"| {row['in']}x{row['out']} | {row['rows']} | {times} |")
     if decode:
         base = decode["float32"]
@@ -183,10 +189,11 @@ def main() -> None:
     parser.add_argument("--kernels-only", action="store_true")
     parser.add_argument("--decode-only", action="store_true")
     parser.add_argument("--rounds", type=int, default=5, help="decode rounds per engine (the median counts)")
+    parser.add_argument("--rows", type=int, nargs="+", default=list(ROWS), help="rows of the kernel table")
     args = parser.parse_args()
     torch.set_num_threads(1)
     print(machine.describe())
-    kernels = None if args.decode_only else kernel_table(budget_s=0.05 if args.quick else 0.2)
+    kernels = None if args.decode_only else kernel_table(rows=args.rows, budget_s=0.05 if args.quick else 0.2)
     decode = None if args.kernels_only else decode_side_by_side(
         str(model_dir(args.model)), steps=4 if args.quick else 10, rounds=2 if args.quick else args.rounds)
     print_tables(kernels, decode)

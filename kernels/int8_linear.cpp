@@ -5,10 +5,14 @@
 // y = x (weight * scale[:, None])^T + bias, with x float32 or bfloat16 [rows, in],
 // weight int8 [out, in], scale float32 [out] (one per output channel), bias
 // [out] or None; y has x's dtype. Activations stay float (W8A16 in vLLM's
-// words): only the weight is quantized, and it is widened to float inside the
-// register tiles (int8_linear_tile.h), never copied to float in memory, so a
-// decode step reads one byte per weight where float32 reads four. Output
-// channels are split into blocks that run in parallel (at::parallel_for).
+// words): only the weight is quantized. Decodes and small batches widen it to
+// float inside the register tiles (int8_linear_tile.h), never a float copy in
+// memory, so a decode step reads one byte per weight where float32 reads four;
+// output channels are split into blocks that run in parallel (at::parallel_for).
+// From kDequantizeRows rows (a prefill) the arithmetic is the cost, not the
+// reading: groups of about 1 MiB of the weight are widened once, times their
+// scales, into linear.cpp's float32 layout, and its float32 tiles run over
+// every row (f32_packed_rows.h), groups in parallel.
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -18,8 +22,10 @@
 #include <algorithm>
 #include <cstdint>
 #include <optional>
+#include <vector>
 
 #include "cpu_isa.h"
+#include "f32_packed_rows.h"
 
 #ifdef KVFORGE_HAS_X86_PATHS
 #include <immintrin.h>
@@ -87,6 +93,32 @@ namespace {
 // Output channels per parallel task: small enough that a decode of the
 // smallest layers still feeds every thread.
 constexpr int64_t kChannelBlock = 64;
+
+// Rows from which float32 rows take the dequantizing path (see the top). The
+// int8 tiles widen every weight again for each group of four rows (one
+// conversion per four multiply-adds); the widening here is paid once per call,
+// which from 256 rows on measured faster (docs/quantization.md).
+constexpr int64_t kDequantizeRows = 256;
+// Float32 weights widened at a time: each 64-row chunk of x, in L2, passes over
+// all of them before the next chunk (one 64-channel block at a time re-read x
+// from L3 for every block).
+constexpr int64_t kDequantizedBytes = 1 << 20;
+
+// Channels [n0, n1) of `w` times their scales, as f32_packed_rows reads a
+// weight: [blocks][k][16], channel 16 b + c of the range at packed[(b k + d) 16 + c],
+// channels past n1 zero.
+void dequantize_block(const int8_t* w, int64_t k, const float* scale, int64_t n0, int64_t n1, float* packed) {
+  const int64_t blocks = (n1 - n0 + 15) / 16;
+  for (int64_t b = 0; b < blocks; ++b) {
+    float* dst = packed + b * k * 16;
+    for (int64_t c = 0; c < 16; ++c) {
+      const int64_t channel = n0 + 16 * b + c;
+      const int8_t* row = w + channel * k;
+      const float s = channel < n1 ? scale[channel] : 0.f;
+      for (int64_t d = 0; d < k; ++d) dst[d * 16 + c] = channel < n1 ? static_cast<float>(row[d]) * s : 0.f;
+    }
+  }
+}
 
 using FloatBlock = void (*)(const float*, int64_t, int64_t, const int8_t*, int64_t, const float*, const float*,
                             float*, int64_t, int64_t, int64_t);
@@ -159,6 +191,26 @@ at::Tensor int8_weight_linear(const at::Tensor& x_in, const at::Tensor& weight, 
   const bool usable = x_in.scalar_type() == at::kFloat && x_in.stride(1) == 1;
   const at::Tensor x = usable ? x_in : x_in.to(at::kFloat).contiguous();
   const float* x_ptr = x.data_ptr<float>();
+  if (m >= kDequantizeRows) {
+    // Channel groups of about kDequantizedBytes of float32 weights: each 64-row
+    // chunk of x (in L2) passes over a whole group before the next chunk.
+    const int64_t group = std::max<int64_t>(1, kDequantizedBytes / (k * 4 * kChannelBlock)) * kChannelBlock;
+    const int64_t groups = (n + group - 1) / group;
+    at::parallel_for(0, groups, 1, [&](int64_t g0, int64_t g1) {
+      std::vector<float> packed(group * k), group_bias(group);
+      for (int64_t g = g0; g < g1; ++g) {
+        const int64_t n0 = g * group, n1 = std::min(n, n0 + group);
+        dequantize_block(w, k, scale_ptr, n0, n1, packed.data());
+        if (bias_ptr != nullptr) {
+          std::fill(group_bias.begin(), group_bias.end(), 0.f);
+          std::copy(bias_ptr + n0, bias_ptr + n1, group_bias.begin());
+        }
+        f32_packed_rows(x_ptr, x.stride(0), m, k, packed.data(), (n1 - n0 + 15) / 16,
+                        bias_ptr != nullptr ? group_bias.data() : nullptr, y_ptr + n0, n, n1 - n0);
+      }
+    });
+    return x_in.scalar_type() == at::kFloat ? y : y.to(x_in.scalar_type());
+  }
   const FloatBlock block = float_block_for(level);
   at::parallel_for(0, blocks, 1, [&](int64_t b0, int64_t b1) {
     for (int64_t b = b0; b < b1; ++b) {

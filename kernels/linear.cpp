@@ -30,6 +30,7 @@
 #include <string>
 
 #include "cpu_isa.h"
+#include "f32_packed_rows.h"
 
 #ifdef KVFORGE_HAS_X86_PATHS
 #include <immintrin.h>
@@ -311,6 +312,13 @@ at::Tensor f32_linear(const at::Tensor& x, const at::Tensor& packed, int64_t out
   run_tiles(path.f32, path.finish, x.data_ptr<float>(), x.stride(0), m, k, packed.data_ptr<float>(), blocks, k * 16, k,
             epilogue_for(mode, bias, other, y));
   return y;
+}
+
+void f32_packed_rows(const float* x, int64_t x_stride, int64_t m, int64_t k, const float* packed, int64_t blocks,
+                     const float* bias, float* y, int64_t y_stride, int64_t n) {
+  const Path& path = path_here();
+  const Epilogue e{0, bias, nullptr, false, 0, y, true, y_stride, n};
+  run_tiles(path.f32, path.finish, x, x_stride, m, k, packed, blocks, k * 16, k, e);
 }
 
 // Which path the linear ops take here and now ("avx512_bf16", "avx512", "avx2" or "baseline").

@@ -1,8 +1,9 @@
 """The weight-only int8 linear kernel (`kvforge_cpp::int8_weight_linear`) against
 float64 `x @ (w_int8 * scale)^T + bias` on fresh random inputs: odd sizes that
 leave tails in every tiling (out not a multiple of the 4- and 8-channel tiles or
-the 64-channel blocks, in not a multiple of the 16- and 32-wide steps), 1 to 150
-rows (past the batch tiles' 64-row chunks, with rows left over), with and
+the 64-channel blocks, in not a multiple of the 16- and 32-wide steps), 1 to 260
+rows (past the batch tiles' 64-row chunks, with rows left over, and prefill
+sizes, whose weights are widened group by group into the float32 tiles), with and
 without bias, float32 and bfloat16, on every instruction-set path this CPU runs
 (capped with KVFORGE_CPP_ISA); a deliberately broken kernel fails the same
 check, and bad input gets a clear error."""
@@ -15,7 +16,9 @@ import torch
 from kvforge.core import dtype_name
 from kvforge.models.quantized_linear import load_weight_only_kernel
 
-SHAPES = [(1, 37, 23), (3, 100, 70), (8, 515, 129), (33, 48, 9), (64, 260, 67), (150, 70, 37)]  # (rows, in, out)
+# (rows, in, out); 260 x 2100 x 150 takes the dequantizing path (256 rows and up)
+# in three channel groups (64, 64 and 22 channels of 2,100 inputs: about 1 MiB of float32 each).
+SHAPES = [(1, 37, 23), (3, 100, 70), (8, 515, 129), (33, 48, 9), (64, 260, 67), (150, 70, 37), (260, 2100, 150)]
 # The levels a cap selects and the path name the op reports for float32 / bfloat16 input.
 LEVELS = {"avx512": ("avx512", "avx512_bf16"), "avx2": ("avx2", "avx2"), "baseline": ("baseline", "baseline")}
 
