@@ -1,6 +1,6 @@
 """The weight-only int8 linear kernel (`kvforge_cpp::int8_weight_linear`) against
 float64 `x @ (w_int8 * scale)^T + bias` on fresh random inputs: odd sizes that
-leave tails in every tiling (out not a multiple of the 4- and 8-channel tiles or
+leave tails in every tiling (out not a multiple of the 2- and 4-channel tiles or
 the 64-channel blocks, in not a multiple of the 16- and 32-wide steps), 1 to 260
 rows (past the batch tiles' 64-row chunks, with rows left over, and prefill
 sizes, whose weights are widened group by group into the float32 tiles), with and
