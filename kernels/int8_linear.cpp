@@ -10,9 +10,11 @@
 // memory, so a decode step reads one byte per weight where float32 reads four;
 // output channels are split into blocks that run in parallel (at::parallel_for).
 // From kDequantizeRows rows (a prefill) the arithmetic is the cost, not the
-// reading: groups of about 1 MiB of the weight are widened once, times their
-// scales, into linear.cpp's float32 layout, and its float32 tiles run over
-// every row (f32_packed_rows.h), groups in parallel.
+// reading: groups of about 1 MiB of the weight are widened once into the
+// layout of linear.cpp's tiles, which then run over every row
+// (f32_packed_rows.h), groups in parallel: float32 times the scales for float32
+// rows; for bfloat16 rows on AVX-512 BF16, bfloat16 as it is (exact), the
+// scales applied to the sums in the epilogue.
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -21,6 +23,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <cstring>
 #include <optional>
 #include <vector>
 
@@ -103,6 +106,9 @@ constexpr int64_t kDequantizeRows = 256;
 // all of them before the next chunk (one 64-channel block at a time re-read x
 // from L3 for every block).
 constexpr int64_t kDequantizedBytes = 1 << 20;
+// The same for bfloat16 rows on AVX-512 BF16 (the 8 x 2 tiles widen one
+// weight vector per 8 rows; from 256 rows widening once measured faster).
+constexpr int64_t kWidenBf16Rows = 256;
 
 // Channels [n0, n1) of `w` times their scales, as f32_packed_rows reads a
 // weight: [blocks][k][16], channel 16 b + c of the range at packed[(b k + d) 16 + c],
@@ -116,6 +122,32 @@ void dequantize_block(const int8_t* w, int64_t k, const float* scale, int64_t n0
       const int8_t* row = w + channel * k;
       const float s = channel < n1 ? scale[channel] : 0.f;
       for (int64_t d = 0; d < k; ++d) dst[d * 16 + c] = channel < n1 ? static_cast<float>(row[d]) * s : 0.f;
+    }
+  }
+}
+
+// Channels [n0, n1) of `w` as bf16_packed_rows reads a weight, unscaled (every
+// int8 is exactly a bfloat16; the scales go to the epilogue, so the products
+// stay exact): [blocks][(k + 1) / 2][16][2], the two inputs of a pair side by
+// side, channels past n1 and the missing second input of an odd k zero.
+void widen_block_bf16(const int8_t* w, int64_t k, int64_t n0, int64_t n1, uint16_t* packed) {
+  const auto bf16 = [](int8_t v) {
+    const float f = v;
+    uint32_t bits;
+    std::memcpy(&bits, &f, 4);
+    return static_cast<uint16_t>(bits >> 16);  // exact: the low half of a small integer's float is zero
+  };
+  const int64_t blocks = (n1 - n0 + 15) / 16, pairs = (k + 1) / 2;
+  for (int64_t b = 0; b < blocks; ++b) {
+    for (int64_t c = 0; c < 16; ++c) {
+      const int64_t channel = n0 + 16 * b + c;
+      const int8_t* row = w + channel * k;
+      uint16_t* dst = packed + (b * pairs * 16 + c) * 2;
+      for (int64_t p = 0; p < pairs; ++p) {
+        const bool live = channel < n1;
+        dst[p * 32] = live ? bf16(row[2 * p]) : 0;
+        dst[p * 32 + 1] = live && 2 * p + 1 < k ? bf16(row[2 * p + 1]) : 0;
+      }
     }
   }
 }
@@ -178,6 +210,30 @@ at::Tensor int8_weight_linear(const at::Tensor& x_in, const at::Tensor& weight, 
 #ifdef KVFORGE_HAS_X86_PATHS
     const at::Tensor x = x_in.stride(1) == 1 ? x_in : x_in.contiguous();
     const auto* x_ptr = reinterpret_cast<const c10::BFloat16*>(x.data_ptr());
+    if (m >= kWidenBf16Rows) {
+      at::Tensor out = at::empty({m, n}, x_in.options());  // bfloat16, written once by the epilogue
+      auto* out_ptr = reinterpret_cast<uint16_t*>(out.data_ptr());
+      const int64_t pairs = (k + 1) / 2;
+      const int64_t group = std::max<int64_t>(1, kDequantizedBytes / (pairs * 4 * kChannelBlock)) * kChannelBlock;
+      at::parallel_for(0, (n + group - 1) / group, 1, [&](int64_t g0, int64_t g1) {
+        std::vector<uint16_t> packed(group * pairs * 2);
+        std::vector<float> group_scale(group), group_bias(group);
+        for (int64_t g = g0; g < g1; ++g) {
+          const int64_t n0 = g * group, n1 = std::min(n, n0 + group);
+          widen_block_bf16(w, k, n0, n1, packed.data());
+          std::fill(group_scale.begin(), group_scale.end(), 0.f);
+          std::copy(scale_ptr + n0, scale_ptr + n1, group_scale.begin());
+          if (bias_ptr != nullptr) {
+            std::fill(group_bias.begin(), group_bias.end(), 0.f);
+            std::copy(bias_ptr + n0, bias_ptr + n1, group_bias.begin());
+          }
+          bf16_packed_rows(reinterpret_cast<const uint16_t*>(x_ptr), x.stride(0), m, k, packed.data(),
+                           (n1 - n0 + 15) / 16, group_scale.data(), bias_ptr != nullptr ? group_bias.data() : nullptr,
+                           out_ptr + n0, n, n1 - n0);
+        }
+      });
+      return out;
+    }
     at::parallel_for(0, blocks, 1, [&](int64_t b0, int64_t b1) {
       for (int64_t b = b0; b < b1; ++b) {
         linear_avx512_bf16::bf16_linear_block(x_ptr, x.stride(0), m, w, k, scale_ptr, bias_ptr, y_ptr, n,

@@ -49,6 +49,7 @@ struct Epilogue {
   bool y_float;
   int64_t y_stride;
   int64_t n;  // output channels
+  const float* scale = nullptr;  // mode 0: [blocks * 16] in the packed order, multiplying the sums first; or nullptr
 };
 
 // The largest register tile any path runs: rows x blocks of 16 channels (acc
@@ -319,6 +320,14 @@ void f32_packed_rows(const float* x, int64_t x_stride, int64_t m, int64_t k, con
   const Path& path = path_here();
   const Epilogue e{0, bias, nullptr, false, 0, y, true, y_stride, n};
   run_tiles(path.f32, path.finish, x, x_stride, m, k, packed, blocks, k * 16, k, e);
+}
+
+void bf16_packed_rows(const uint16_t* x, int64_t x_stride, int64_t m, int64_t k, const uint16_t* packed,
+                      int64_t blocks, const float* scale, const float* bias, uint16_t* y, int64_t y_stride, int64_t n) {
+  const Path& path = path_here();
+  const Epilogue e{0, bias, nullptr, false, 0, y, false, y_stride, n, scale};
+  const int64_t pairs = (k + 1) / 2;
+  run_tiles(path.bf16, path.finish, x, x_stride, m, k, packed, blocks, pairs * 32, k / 2, e);
 }
 
 // Which path the linear ops take here and now ("avx512_bf16", "avx512", "avx2" or "baseline").

@@ -130,6 +130,7 @@ inline void finish_tile(const float* acc, int mr, int nb, int64_t row0, int64_t 
     for (int b = 0; b < nb; b += e.mode == 2 ? 2 : 1) {
       vf16 v = *reinterpret_cast<const vf16*>(acc + m * kMaxBlocks * kLanes + b * kLanes);
       const int64_t block = block0 + b;
+      if (e.scale != nullptr) v *= *reinterpret_cast<const vf16*>(e.scale + block * kLanes);
       if (e.bias != nullptr) v += *reinterpret_cast<const vf16*>(e.bias + block * kLanes);
       if (e.mode == 2) {
         vf16 up = *reinterpret_cast<const vf16*>(acc + m * kMaxBlocks * kLanes + (b + 1) * kLanes);
