@@ -102,9 +102,9 @@ constexpr int64_t kChannelBlock = 64;
 // conversion per four multiply-adds); the widening here is paid once per call,
 // which from 256 rows on measured faster (docs/quantization.md).
 constexpr int64_t kDequantizeRows = 256;
-// Float32 weights widened at a time: each 64-row chunk of x, in L2, passes over
-// all of them before the next chunk (one 64-channel block at a time re-read x
-// from L3 for every block).
+// Widened weights per channel group: each 64-row chunk of x, in L2, passes over
+// a whole group before the next chunk (one 64-channel block at a time re-read
+// x from L3 for every block).
 constexpr int64_t kDequantizedBytes = 1 << 20;
 // The same for bfloat16 rows on AVX-512 BF16 (the 8 x 2 tiles widen one
 // weight vector per 8 rows; from 256 rows widening once measured faster).
@@ -112,16 +112,20 @@ constexpr int64_t kWidenBf16Rows = 256;
 
 // Channels [n0, n1) of `w` times their scales, as f32_packed_rows reads a
 // weight: [blocks][k][16], channel 16 b + c of the range at packed[(b k + d) 16 + c],
-// channels past n1 zero.
-void dequantize_block(const int8_t* w, int64_t k, const float* scale, int64_t n0, int64_t n1, float* packed) {
+// the rest of the last block zero.
+void dequantize_group(const int8_t* w, int64_t k, const float* scale, int64_t n0, int64_t n1, float* packed) {
   const int64_t blocks = (n1 - n0 + 15) / 16;
   for (int64_t b = 0; b < blocks; ++b) {
-    float* dst = packed + b * k * 16;
     for (int64_t c = 0; c < 16; ++c) {
       const int64_t channel = n0 + 16 * b + c;
+      float* dst = packed + b * k * 16 + c;
+      if (channel >= n1) {
+        for (int64_t d = 0; d < k; ++d) dst[d * 16] = 0.f;
+        continue;
+      }
       const int8_t* row = w + channel * k;
-      const float s = channel < n1 ? scale[channel] : 0.f;
-      for (int64_t d = 0; d < k; ++d) dst[d * 16 + c] = channel < n1 ? static_cast<float>(row[d]) * s : 0.f;
+      const float s = scale[channel];
+      for (int64_t d = 0; d < k; ++d) dst[d * 16] = static_cast<float>(row[d]) * s;
     }
   }
 }
@@ -129,8 +133,8 @@ void dequantize_block(const int8_t* w, int64_t k, const float* scale, int64_t n0
 // Channels [n0, n1) of `w` as bf16_packed_rows reads a weight, unscaled (every
 // int8 is exactly a bfloat16; the scales go to the epilogue, so the products
 // stay exact): [blocks][(k + 1) / 2][16][2], the two inputs of a pair side by
-// side, channels past n1 and the missing second input of an odd k zero.
-void widen_block_bf16(const int8_t* w, int64_t k, int64_t n0, int64_t n1, uint16_t* packed) {
+// side, the rest of the last block and the missing second input of an odd k zero.
+void widen_group_bf16(const int8_t* w, int64_t k, int64_t n0, int64_t n1, uint16_t* packed) {
   const auto bf16 = [](int8_t v) {
     const float f = v;
     uint32_t bits;
@@ -141,15 +145,34 @@ void widen_block_bf16(const int8_t* w, int64_t k, int64_t n0, int64_t n1, uint16
   for (int64_t b = 0; b < blocks; ++b) {
     for (int64_t c = 0; c < 16; ++c) {
       const int64_t channel = n0 + 16 * b + c;
-      const int8_t* row = w + channel * k;
       uint16_t* dst = packed + (b * pairs * 16 + c) * 2;
+      if (channel >= n1) {
+        for (int64_t p = 0; p < pairs; ++p) dst[p * 32] = dst[p * 32 + 1] = 0;
+        continue;
+      }
+      const int8_t* row = w + channel * k;
       for (int64_t p = 0; p < pairs; ++p) {
-        const bool live = channel < n1;
-        dst[p * 32] = live ? bf16(row[2 * p]) : 0;
-        dst[p * 32 + 1] = live && 2 * p + 1 < k ? bf16(row[2 * p + 1]) : 0;
+        dst[p * 32] = bf16(row[2 * p]);
+        dst[p * 32 + 1] = 2 * p + 1 < k ? bf16(row[2 * p + 1]) : 0;
       }
     }
   }
+}
+
+// Calls run(n0, n1, scale, bias) for the output channels in groups of `group`
+// (a multiple of 16), groups in parallel; scale and bias are the group's
+// values padded with zeros to whole blocks of 16 (bias null without one).
+template <typename Run>
+void in_channel_groups(int64_t n, int64_t group, const float* scale, const float* bias, Run&& run) {
+  at::parallel_for(0, (n + group - 1) / group, 1, [&](int64_t g0, int64_t g1) {
+    std::vector<float> group_scale(group), group_bias(group);
+    for (int64_t g = g0; g < g1; ++g) {
+      const int64_t n0 = g * group, n1 = std::min(n, n0 + group);
+      std::fill(std::copy(scale + n0, scale + n1, group_scale.begin()), group_scale.end(), 0.f);
+      if (bias != nullptr) std::fill(std::copy(bias + n0, bias + n1, group_bias.begin()), group_bias.end(), 0.f);
+      run(n0, n1, group_scale.data(), bias != nullptr ? group_bias.data() : nullptr);
+    }
+  });
 }
 
 using FloatBlock = void (*)(const float*, int64_t, int64_t, const int8_t*, int64_t, const float*, const float*,
@@ -215,22 +238,11 @@ at::Tensor int8_weight_linear(const at::Tensor& x_in, const at::Tensor& weight, 
       auto* out_ptr = reinterpret_cast<uint16_t*>(out.data_ptr());
       const int64_t pairs = (k + 1) / 2;
       const int64_t group = std::max<int64_t>(1, kDequantizedBytes / (pairs * 4 * kChannelBlock)) * kChannelBlock;
-      at::parallel_for(0, (n + group - 1) / group, 1, [&](int64_t g0, int64_t g1) {
+      in_channel_groups(n, group, scale_ptr, bias_ptr, [&](int64_t n0, int64_t n1, const float* s, const float* b) {
         std::vector<uint16_t> packed(group * pairs * 2);
-        std::vector<float> group_scale(group), group_bias(group);
-        for (int64_t g = g0; g < g1; ++g) {
-          const int64_t n0 = g * group, n1 = std::min(n, n0 + group);
-          widen_block_bf16(w, k, n0, n1, packed.data());
-          std::fill(group_scale.begin(), group_scale.end(), 0.f);
-          std::copy(scale_ptr + n0, scale_ptr + n1, group_scale.begin());
-          if (bias_ptr != nullptr) {
-            std::fill(group_bias.begin(), group_bias.end(), 0.f);
-            std::copy(bias_ptr + n0, bias_ptr + n1, group_bias.begin());
-          }
-          bf16_packed_rows(reinterpret_cast<const uint16_t*>(x_ptr), x.stride(0), m, k, packed.data(),
-                           (n1 - n0 + 15) / 16, group_scale.data(), bias_ptr != nullptr ? group_bias.data() : nullptr,
-                           out_ptr + n0, n, n1 - n0);
-        }
+        widen_group_bf16(w, k, n0, n1, packed.data());
+        bf16_packed_rows(reinterpret_cast<const uint16_t*>(x_ptr), x.stride(0), m, k, packed.data(),
+                         (n1 - n0 + 15) / 16, s, b, out_ptr + n0, n, n1 - n0);
       });
       return out;
     }
@@ -248,22 +260,11 @@ at::Tensor int8_weight_linear(const at::Tensor& x_in, const at::Tensor& weight, 
   const at::Tensor x = usable ? x_in : x_in.to(at::kFloat).contiguous();
   const float* x_ptr = x.data_ptr<float>();
   if (m >= kDequantizeRows) {
-    // Channel groups of about kDequantizedBytes of float32 weights: each 64-row
-    // chunk of x (in L2) passes over a whole group before the next chunk.
     const int64_t group = std::max<int64_t>(1, kDequantizedBytes / (k * 4 * kChannelBlock)) * kChannelBlock;
-    const int64_t groups = (n + group - 1) / group;
-    at::parallel_for(0, groups, 1, [&](int64_t g0, int64_t g1) {
-      std::vector<float> packed(group * k), group_bias(group);
-      for (int64_t g = g0; g < g1; ++g) {
-        const int64_t n0 = g * group, n1 = std::min(n, n0 + group);
-        dequantize_block(w, k, scale_ptr, n0, n1, packed.data());
-        if (bias_ptr != nullptr) {
-          std::fill(group_bias.begin(), group_bias.end(), 0.f);
-          std::copy(bias_ptr + n0, bias_ptr + n1, group_bias.begin());
-        }
-        f32_packed_rows(x_ptr, x.stride(0), m, k, packed.data(), (n1 - n0 + 15) / 16,
-                        bias_ptr != nullptr ? group_bias.data() : nullptr, y_ptr + n0, n, n1 - n0);
-      }
+    in_channel_groups(n, group, scale_ptr, bias_ptr, [&](int64_t n0, int64_t n1, const float*, const float* b) {
+      std::vector<float> packed(group * k);
+      dequantize_group(w, k, scale_ptr, n0, n1, packed.data());  // the scales go into the weights
+      f32_packed_rows(x_ptr, x.stride(0), m, k, packed.data(), (n1 - n0 + 15) / 16, b, y_ptr + n0, n, n1 - n0);
     });
     return x_in.scalar_type() == at::kFloat ? y : y.to(x_in.scalar_type());
   }
