@@ -66,10 +66,14 @@ def test_kernel_matches_float64_on_every_path(level, dtype, bias, shape, monkeyp
     assert kernel_error(torch.ops.kvforge_cpp.int8_weight_linear, x, w, scale, b) <= 1
 
 
-def test_the_check_catches_a_kernel_that_drops_the_tail_of_the_input():
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("rows", [4, 260], ids=["tiles", "widened"])
+def test_the_check_catches_a_kernel_that_drops_the_tail_of_the_input(rows, dtype):
     """Skipping the last in % 16 inputs (a tiling bug) fails the check above, even
-    though most of every sum is right: the check is not one any output passes."""
-    x, w, scale, b = operands(4, 37, 23, True, seed=1)
+    though most of every sum is right: the check is not one any output passes,
+    on the register tiles' path or the prefill's widened one alike."""
+    x, w, scale, b = operands(rows, 37, 23, True, seed=1)
+    x = x.to(dtype)
 
     def drops_tail(x, w, scale, b):
         return torch.ops.kvforge_cpp.int8_weight_linear(x[:, :32].contiguous(), w[:, :32].contiguous(), scale, b)
@@ -78,8 +82,11 @@ def test_the_check_catches_a_kernel_that_drops_the_tail_of_the_input():
     assert kernel_error(drops_tail, x, w, scale, b) > 100
 
 
-def test_the_check_catches_a_scale_applied_on_the_wrong_channel():
-    x, w, scale, b = operands(2, 48, 40, False, seed=2)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("rows", [2, 260], ids=["tiles", "widened"])
+def test_the_check_catches_a_scale_applied_on_the_wrong_channel(rows, dtype):
+    x, w, scale, b = operands(rows, 48, 40, False, seed=2)
+    x = x.to(dtype)
 
     def rolled_scale(x, w, scale, b):
         return torch.ops.kvforge_cpp.int8_weight_linear(x, w, scale.roll(1), b)
