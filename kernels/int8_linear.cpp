@@ -159,9 +159,19 @@ void widen_group_bf16(const int8_t* w, int64_t k, int64_t n0, int64_t n1, uint16
   }
 }
 
+// Output channels per group when each takes `channel_bytes` widened: about
+// kDequantizedBytes a group, the number of groups a multiple of the threads
+// (each thread then widens and runs as many), a multiple of 16 channels.
+int64_t channel_group(int64_t n, int64_t channel_bytes) {
+  const int64_t threads = std::max<int64_t>(1, at::get_num_threads());
+  int64_t groups = std::max<int64_t>(1, (n * channel_bytes + kDequantizedBytes - 1) / kDequantizedBytes);
+  groups = (groups + threads - 1) / threads * threads;
+  return ((n + groups - 1) / groups + 15) / 16 * 16;
+}
+
 // Calls run(n0, n1, scale, bias) for the output channels in groups of `group`
-// (a multiple of 16), groups in parallel; scale and bias are the group's
-// values padded with zeros to whole blocks of 16 (bias null without one).
+// (a multiple of 16, channel_group), groups in parallel; scale and bias are the
+// group's values padded with zeros to whole blocks of 16 (bias null without one).
 template <typename Run>
 void in_channel_groups(int64_t n, int64_t group, const float* scale, const float* bias, Run&& run) {
   at::parallel_for(0, (n + group - 1) / group, 1, [&](int64_t g0, int64_t g1) {
@@ -237,7 +247,7 @@ at::Tensor int8_weight_linear(const at::Tensor& x_in, const at::Tensor& weight, 
       at::Tensor out = at::empty({m, n}, x_in.options());  // bfloat16, written once by the epilogue
       auto* out_ptr = reinterpret_cast<uint16_t*>(out.data_ptr());
       const int64_t pairs = (k + 1) / 2;
-      const int64_t group = std::max<int64_t>(1, kDequantizedBytes / (pairs * 4 * kChannelBlock)) * kChannelBlock;
+      const int64_t group = channel_group(n, pairs * 4);
       in_channel_groups(n, group, scale_ptr, bias_ptr, [&](int64_t n0, int64_t n1, const float* s, const float* b) {
         std::vector<uint16_t> packed(group * pairs * 2);
         widen_group_bf16(w, k, n0, n1, packed.data());
@@ -260,7 +270,7 @@ at::Tensor int8_weight_linear(const at::Tensor& x_in, const at::Tensor& weight, 
   const at::Tensor x = usable ? x_in : x_in.to(at::kFloat).contiguous();
   const float* x_ptr = x.data_ptr<float>();
   if (m >= kDequantizeRows) {
-    const int64_t group = std::max<int64_t>(1, kDequantizedBytes / (k * 4 * kChannelBlock)) * kChannelBlock;
+    const int64_t group = channel_group(n, k * 4);
     in_channel_groups(n, group, scale_ptr, bias_ptr, [&](int64_t n0, int64_t n1, const float*, const float* b) {
       std::vector<float> packed(group * k);
       dequantize_group(w, k, scale_ptr, n0, n1, packed.data());  // the scales go into the weights
