@@ -110,9 +110,9 @@ constexpr int64_t kDequantizedBytes = 1 << 20;
 // weight vector per 8 rows; from 256 rows widening once measured faster).
 constexpr int64_t kWidenBf16Rows = 256;
 
-// Channels [n0, n1) of `w` times their scales, as f32_packed_rows reads a
-// weight: [blocks][k][16], channel 16 b + c of the range at packed[(b k + d) 16 + c],
-// the rest of the last block zero.
+// Channels [n0, n1) of `w` times their scales (`scale[c]` for channel n0 + c),
+// as f32_packed_rows reads a weight: [blocks][k][16], channel 16 b + c of the
+// range at packed[(b k + d) 16 + c], the rest of the last block zero.
 void dequantize_group(const int8_t* w, int64_t k, const float* scale, int64_t n0, int64_t n1, float* packed) {
   const int64_t blocks = (n1 - n0 + 15) / 16;
   for (int64_t b = 0; b < blocks; ++b) {
@@ -124,7 +124,7 @@ void dequantize_group(const int8_t* w, int64_t k, const float* scale, int64_t n0
         continue;
       }
       const int8_t* row = w + channel * k;
-      const float s = scale[channel];
+      const float s = scale[channel - n0];
       for (int64_t d = 0; d < k; ++d) dst[d * 16] = static_cast<float>(row[d]) * s;
     }
   }
@@ -271,9 +271,9 @@ at::Tensor int8_weight_linear(const at::Tensor& x_in, const at::Tensor& weight, 
   const float* x_ptr = x.data_ptr<float>();
   if (m >= kDequantizeRows) {
     const int64_t group = channel_group(n, k * 4);
-    in_channel_groups(n, group, scale_ptr, bias_ptr, [&](int64_t n0, int64_t n1, const float*, const float* b) {
+    in_channel_groups(n, group, scale_ptr, bias_ptr, [&](int64_t n0, int64_t n1, const float* s, const float* b) {
       std::vector<float> packed(group * k);
-      dequantize_group(w, k, scale_ptr, n0, n1, packed.data());  // the scales go into the weights
+      dequantize_group(w, k, s, n0, n1, packed.data());  // the scales go into the weights
       f32_packed_rows(x_ptr, x.stride(0), m, k, packed.data(), (n1 - n0 + 15) / 16, b, y_ptr + n0, n, n1 - n0);
     });
     return x_in.scalar_type() == at::kFloat ? y : y.to(x_in.scalar_type());

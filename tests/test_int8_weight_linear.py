@@ -17,7 +17,8 @@ from kvforge.core import dtype_name
 from kvforge.models.quantized_linear import load_weight_only_kernel
 
 # (rows, in, out); 260 x 2100 x 150 takes the widening path (256 rows and up) in
-# two channel groups (80 and 70 channels of 2,100 inputs: 1.2 MiB of float32 in all).
+# at least two channel groups (1.2 MiB of float32 in all; two at one or two
+# threads, 80 and 70 channels, more where more threads run).
 SHAPES = [(1, 37, 23), (3, 100, 70), (8, 515, 129), (33, 48, 9), (64, 260, 67), (150, 70, 37), (260, 2100, 150)]
 # The levels a cap selects and the path name the op reports for float32 / bfloat16 input.
 LEVELS = {"avx512": ("avx512", "avx512_bf16"), "avx2": ("avx2", "avx2"), "baseline": ("baseline", "baseline")}
