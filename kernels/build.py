@@ -1,7 +1,8 @@
 """Just-in-time build of the C++ kernels, cached on disk across processes.
 
-The first use compiles `paged_attention.cpp`, `int8_linear.cpp`, `linear.cpp`,
-`rms_norm_rotary.cpp` and `inverse_cdf.cpp` into one
+The first use compiles `paged_attention.cpp`, `int8_linear.cpp`,
+`int8_dynamic_linear.cpp`, `linear.cpp`, `rms_norm_rotary.cpp` and
+`inverse_cdf.cpp` into one
 library with `torch.utils.cpp_extension.load` (about 30 s on two cores) into a build directory keyed by the torch and Python
 versions; later processes find the library there and only load it. Torch's own
 lock file in that directory keeps concurrent first uses from building twice.
@@ -28,13 +29,13 @@ from kvforge.core.errors import KvforgeError
 
 NAME = "kvforge_cpp_attention"
 HERE = Path(__file__).resolve().parent
-SOURCES = [HERE / "paged_attention.cpp", HERE / "int8_linear.cpp", HERE / "linear.cpp",
-           HERE / "rms_norm_rotary.cpp", HERE / "inverse_cdf.cpp"]
+SOURCES = [HERE / "paged_attention.cpp", HERE / "int8_linear.cpp", HERE / "int8_dynamic_linear.cpp",
+           HERE / "linear.cpp", HERE / "rms_norm_rotary.cpp", HERE / "inverse_cdf.cpp"]
 HEADERS = [HERE / "cpu_isa.h", HERE / "vector_kernels.h", HERE / "vector_exp.h", HERE / "attention_tile.h",
            HERE / "decode_tile.h", HERE / "prefill_tile.h", HERE / "prefill_bf16.h", HERE / "quantized_write.h",
            HERE / "int8_linear_tile.h", HERE / "int8_linear_bf16.h", HERE / "bf16_vectors.h",
            HERE / "linear_tile.h", HERE / "bf16_linear_dpbf16.h", HERE / "rms_norm_rotary_rows.h",
-           HERE / "f32_packed_rows.h"]
+           HERE / "f32_packed_rows.h", HERE / "int8_rows.h", HERE / "int8_linear_common.h"]
 CACHE_ENV = "KVFORGE_CACHE_DIR"
 # -O3 vectorises the inner loops; the AVX2+FMA variant is chosen at run time
 # inside the library, so no -march=native (the build must run on any x86-64).

@@ -44,6 +44,17 @@ inline bool has_avx512_bf16() {
 #endif
 }
 
+// AVX-512 VNNI (vpdpbusd: unsigned times signed bytes, four at a time, summed
+// into int32), used by W8A8's few-row path when isa() is kAvx512 and the CPU has it.
+inline bool has_avx512_vnni() {
+#ifdef KVFORGE_HAS_X86_PATHS
+  static const bool vnni = __builtin_cpu_supports("avx512vnni");
+  return vnni;
+#else
+  return false;
+#endif
+}
+
 // Tells the compiler that a register tile's loop runs at least once (its caller
 // guarantees it). Where the loop might run zero times, GCC keeps a copy of the
 // tile's sums on the stack for that path: it zeroes them there and copies them

@@ -1,7 +1,7 @@
 """Fake (meta) implementations of the `kvforge_cpp` ops, for FakeTensor tracing and
 torch.compile. The attention ops only mutate an argument and return nothing, so
 their fake implementations only have to exist; `int8_weight_linear`,
-`bf16_linear` and `f32_linear` return a new `[rows, out]` tensor (of the input's
+`int8_dynamic_linear`, `bf16_linear` and `f32_linear` return a new `[rows, out]` tensor (of the input's
 dtype, or float32 for `bf16_linear(..., float_out=True)`). Imported by `build.load` once the
 library is in."""
 
@@ -29,6 +29,11 @@ def _write_quantized_kv_fake(key, value, kv_data, kv_scales, slot_mapping) -> No
 @torch.library.register_fake("kvforge_cpp::int8_weight_linear")
 def _int8_weight_linear_fake(x, weight, scale, bias=None):
     return x.new_empty((x.shape[0], weight.shape[0]))  # same dtype and device as x
+
+
+@torch.library.register_fake("kvforge_cpp::int8_dynamic_linear")
+def _int8_dynamic_linear_fake(x, weight, scale, bias=None):
+    return x.new_empty((x.shape[0], weight.shape[0]))
 
 
 @torch.library.register_fake("kvforge_cpp::bf16_linear")

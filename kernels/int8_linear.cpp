@@ -29,6 +29,7 @@
 
 #include "cpu_isa.h"
 #include "f32_packed_rows.h"
+#include "int8_linear_common.h"
 
 #ifdef KVFORGE_HAS_X86_PATHS
 #include <immintrin.h>
@@ -40,13 +41,6 @@ namespace kvforge_cpp {
 // L2 while every channel of a block passes over them. Over all m rows at
 // once, each four channels' pass read x from L3 again.
 constexpr int64_t kBatchChunkRows = 64;
-
-// How far ahead of its reads a channel-by-channel tile (a decode's) asks for
-// weights, in bytes: the channels lie one after another, so this is the same
-// stream further on, reaching into the next channels (past the weight's end a
-// prefetch is dropped: it never faults). The hardware prefetcher alone kept a
-// batch-1 decode at half the bandwidth a float32 one reads at (docs/quantization.md).
-constexpr int64_t kWeightsAhead = 8192;
 
 namespace linear_base {
 #include "bf16_vectors.h"
@@ -199,34 +193,11 @@ FloatBlock float_block_for(Isa level) {
   return &linear_base::int8_linear_block;
 }
 
-void check_inputs(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& scale,
-                  const std::optional<at::Tensor>& bias) {
-  TORCH_CHECK(x.device().is_cpu() && weight.device().is_cpu() && scale.device().is_cpu(),
-              "kvforge_cpp.int8_weight_linear: tensors must be on the CPU (move them, or use the widened path of "
-              "Int8Linear on other devices)");
-  TORCH_CHECK(x.dim() == 2 && (x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16),
-              "kvforge_cpp.int8_weight_linear: x must be a 2-D float32 or bfloat16 tensor [rows, in], got ",
-              x.scalar_type(), " ", x.sizes());
-  TORCH_CHECK(weight.dim() == 2 && weight.scalar_type() == at::kChar && weight.is_contiguous(),
-              "kvforge_cpp.int8_weight_linear: weight must be a contiguous int8 [out, in], got ",
-              weight.scalar_type(), " ", weight.sizes(), weight.is_contiguous() ? "" : " (not contiguous)");
-  TORCH_CHECK(weight.size(1) == x.size(1), "kvforge_cpp.int8_weight_linear: x has ", x.size(1),
-              " input features but the weight ", weight.size(1));
-  TORCH_CHECK(scale.scalar_type() == at::kFloat && scale.numel() == weight.size(0),
-              "kvforge_cpp.int8_weight_linear: scale must be float32 with one value per output channel (",
-              weight.size(0), "), got ", scale.scalar_type(), " ", scale.sizes());
-  if (bias.has_value()) {
-    TORCH_CHECK(bias->numel() == weight.size(0) && bias->is_floating_point(),
-                "kvforge_cpp.int8_weight_linear: bias must be a float tensor of ", weight.size(0),
-                " values (one per output channel), got ", bias->scalar_type(), " ", bias->sizes());
-  }
-}
-
 }  // namespace
 
 at::Tensor int8_weight_linear(const at::Tensor& x_in, const at::Tensor& weight, const at::Tensor& scale_in,
                               const std::optional<at::Tensor>& bias_in) {
-  check_inputs(x_in, weight, scale_in, bias_in);
+  check_int8_linear_inputs("kvforge_cpp.int8_weight_linear", x_in, weight, scale_in, bias_in);
   const int64_t m = x_in.size(0), k = x_in.size(1), n = weight.size(0);
   const at::Tensor scale = scale_in.reshape({n}).contiguous();
   const at::Tensor bias = bias_in.has_value() ? bias_in->reshape({n}).to(at::kFloat).contiguous() : at::Tensor();

@@ -22,6 +22,10 @@ chosen by `activations` (`quantization.activations`):
   int8 -> int32 GEMM (`torch._int_mm`, oneDNN), then `acc * x_scale * w_scale +
   bias`. Each row has its own absmax scale, so a row's result never depends on
   the other rows of the batch; it adds the activations' rounding to the weights'.
+  All of it is one call of `torch.ops.kvforge_cpp.int8_dynamic_linear` (kernels/
+  int8_dynamic_linear.cpp) for float32 and bfloat16 rows; without the C++
+  library (or for other dtypes) the same arithmetic runs as torch ops
+  (`quantize_rows`, `int8_gemm_in_torch`), bit for bit the same and slower.
 * Other devices, weight-only: `F.linear(x, w_int8.to(x.dtype)) * w_scale`: the
   weight is widened inside the call, never kept in float. A path that works,
   not a fast one.
@@ -33,6 +37,8 @@ run them as separate in-place ops on this layer's output, with the same math.
 
 from __future__ import annotations
 
+import logging
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -43,6 +49,8 @@ from kvforge.core.errors import UnsupportedConfigurationError
 from .huge_pages import on_huge_pages
 from .packed_linear import linear_weight
 
+log = logging.getLogger(__name__)
+
 # What the int8 layer reads: int8 data with one scale per output channel (row of `[out, in]`).
 INT8_LINEAR_GRANULARITY = PER_CHANNEL
 INT8_LINEAR_STORAGE = torch.int8
@@ -50,8 +58,9 @@ INT8_MAX = 127.0
 TINY = torch.finfo(torch.float32).tiny
 # What `activations` may be: "none" keeps them float (weight-only), "int8" quantizes each row (W8A8, CPU).
 ACTIVATIONS = ("none", "int8")
-# The C++ kernel's input dtypes; float16 rows are widened to float32 around it.
-WEIGHT_ONLY_DTYPES = (torch.float32, torch.bfloat16)
+# The C++ kernels' input dtypes; float16 rows are widened to float32 around the
+# weight-only one and take W8A8's torch path.
+CPP_DTYPES = (torch.float32, torch.bfloat16)
 
 
 def load_weight_only_kernel() -> None:
@@ -67,8 +76,8 @@ def load_weight_only_kernel() -> None:
     except build.CppBuildError as exc:
         raise UnsupportedConfigurationError(
             f"int8 weight-only linear layers on CPU need kvforge's C++ library, which did not build: {exc}; "
-            "fix the toolchain, or set quantization.activations = 'int8' (W8A8 through torch._int_mm, "
-            "nothing to compile)") from exc
+            "fix the toolchain, or set quantization.activations = 'int8' (W8A8, which runs through torch ops "
+            "without the library)") from exc
 
 
 def int8_linear_unsupported(quantizer: type[Quantizer] | Quantizer) -> str | None:
@@ -85,6 +94,19 @@ def int8_linear_unsupported(quantizer: type[Quantizer] | Quantizer) -> str | Non
             f"granularity {INT8_LINEAR_GRANULARITY!r} (one scale per output channel) and int8 storage")
 
 
+def load_w8a8_kernel() -> bool:
+    """Whether `torch.ops.kvforge_cpp.int8_dynamic_linear` is there (building the
+    library once if needed); when the build fails, W8A8 runs as torch ops, slower."""
+    from kvforge.kernels import build
+
+    try:
+        build.load()
+    except build.CppBuildError as exc:
+        log.warning("W8A8 linears run as torch ops (slower): %s", exc)
+        return False
+    return True
+
+
 def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Symmetric int8 of each row of a 2-D `x` with its own absmax scale:
     `(q int8 [M, K], scale float32 [M, 1])`, `x ≈ q * scale`, |error| <= scale / 2."""
@@ -92,6 +114,25 @@ def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     # A zero row keeps a positive scale (and quantizes to zeros), never a division by zero.
     scale = torch.linalg.vector_norm(x, float("inf"), dim=-1, keepdim=True).div_(INT8_MAX).clamp_min_(TINY)
     return torch.div(x, scale).round_().to(torch.int8), scale
+
+
+def int8_matmul(q: torch.Tensor, weight_int8: torch.Tensor) -> torch.Tensor:
+    """`q @ weight_int8^T` as exact int32 sums. `torch._int_mm` on CPU returns wrong
+    sums for one input feature (torch 2.13), so that case is an outer product."""
+    if q.shape[1] == 1:
+        return q.int() * weight_int8.t().int()
+    return torch._int_mm(q, weight_int8.t())
+
+
+def int8_gemm_in_torch(x: torch.Tensor, weight_int8: torch.Tensor, weight_scale: torch.Tensor,
+                       bias: torch.Tensor | None) -> torch.Tensor:
+    """W8A8 as torch ops: `(q_x @ w_int8^T) * s_x * s_w + b` in float32, then x's
+    dtype (one rounding, after the bias), as `int8_dynamic_linear` computes it."""
+    q, x_scale = quantize_rows(x)
+    out = torch.mul(int8_matmul(q, weight_int8), x_scale).mul_(weight_scale)
+    if bias is not None:
+        out.add_(bias)
+    return out if x.dtype == torch.float32 else out.to(x.dtype)
 
 
 class Int8Linear(nn.Module):
@@ -125,6 +166,7 @@ class Int8Linear(nn.Module):
 
         if activations == "none" and weight_int8.is_cpu:
             load_weight_only_kernel()
+        self.fused_w8a8 = activations == "int8" and load_w8a8_kernel()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not x.is_cpu:
@@ -136,18 +178,15 @@ class Int8Linear(nn.Module):
         return gemm(x.reshape(-1, self.in_features)).view(*x.shape[:-1], self.out_features)
 
     def _weight_only_gemm(self, x: torch.Tensor) -> torch.Tensor:
-        if x.dtype in WEIGHT_ONLY_DTYPES:
+        if x.dtype in CPP_DTYPES:
             return torch.ops.kvforge_cpp.int8_weight_linear(x, self.weight_int8, self.weight_scale, self.bias)
         out = torch.ops.kvforge_cpp.int8_weight_linear(x.float(), self.weight_int8, self.weight_scale, self.bias)
         return out.to(x.dtype)
 
     def _int8_gemm(self, x: torch.Tensor) -> torch.Tensor:
-        q, x_scale = quantize_rows(x)
-        acc = torch._int_mm(q, self.weight_int8.t())  # int32, exact
-        out = torch.mul(acc, x_scale).mul_(self.weight_scale)  # float32
-        if x.dtype != torch.float32:
-            out = out.to(x.dtype)
-        return out if self.bias is None else out.add_(self.bias)
+        if self.fused_w8a8 and x.dtype in CPP_DTYPES:
+            return torch.ops.kvforge_cpp.int8_dynamic_linear(x, self.weight_int8, self.weight_scale, self.bias)
+        return int8_gemm_in_torch(x, self.weight_int8, self.weight_scale, self.bias)
 
     def _widened_gemm(self, x: torch.Tensor) -> torch.Tensor:
         out = F.linear(x, self.weight_int8.to(x.dtype)).mul_(self.weight_scale.to(x.dtype))

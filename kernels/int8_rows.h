@@ -1,0 +1,84 @@
+// The row-wise parts of W8A8 (int8_dynamic_linear.cpp): each activation row
+// rounded to int8 with its own absmax scale, and the int32 sums of the int8
+// GEMM turned back into float outputs. The same arithmetic as
+// `quantize_rows` and `_int8_gemm` in models/quantized_linear.py, operation
+// for operation, so both give the same bits.
+//
+// Included once per ISA namespace after bf16_vectors.h (vf16, vi16,
+// load_bf16x16, store_bf16x16, bf16_to_float, float_to_bf16); it includes nothing.
+
+typedef int8_t vb16 __attribute__((vector_size(16), aligned(1), may_alias));
+
+// Adding and then subtracting 1.5 * 2^23 rounds a float below 2^22 in
+// magnitude to the nearest integer, ties to even, as torch.round does (the
+// quantized values lie within [-127, 127]). The build has no -ffast-math,
+// which could fold the two away.
+constexpr float kRoundToEven = 12582912.f;
+constexpr float kInt8Max = 127.f;
+
+inline vf16 load16(const float* p) { return *reinterpret_cast<const vf16*>(p); }
+inline vf16 load16(const uint16_t* p) { return load_bf16x16(p); }
+inline float load1(const float* p) { return *p; }
+inline float load1(const uint16_t* p) { return bf16_to_float(*p); }
+inline void store16(float* p, vf16 v) { *reinterpret_cast<vf16*>(p) = v; }
+inline void store16(uint16_t* p, vf16 v) { store_bf16x16(p, v); }
+inline void store1(float* p, float v) { *p = v; }
+inline void store1(uint16_t* p, float v) { *p = float_to_bf16(v); }
+
+// The largest |x_i| of a row, NaN if any x_i is NaN (a NaN row then gives NaN
+// outputs, as the torch path does, never finite garbage).
+template <typename T>
+inline float row_absmax(const T* x, int64_t k) {
+  vf16 top{};
+  int64_t i = 0;
+  for (; i + 16 <= k; i += 16) {
+    const vf16 v = load16(x + i);
+    const vf16 a = v < 0 ? -v : v;
+    top = (a > top) | (a != a) ? a : top;  // a NaN lane stays NaN: nothing compares greater
+  }
+  float result = 0.f;
+  for (int j = 0; j < 16; ++j) result = (top[j] > result) || top[j] != top[j] ? top[j] : result;
+  for (; i < k; ++i) {
+    const float a = std::fabs(load1(x + i));
+    result = (a > result) || a != a ? a : result;
+  }
+  return result;
+}
+
+// q = round(x / scale) with scale = max(absmax / 127, tiny) (a zero row gives
+// zeros and a positive scale); returns the scale.
+template <typename T>
+inline float quantize_row(const T* x, int64_t k, int8_t* q, float tiny) {
+  const float absmax = row_absmax(x, k) / kInt8Max;
+  const float scale = absmax < tiny ? tiny : absmax;  // NaN stays NaN
+  int64_t i = 0;
+  for (; i + 16 <= k; i += 16) {
+    const vf16 rounded = (load16(x + i) / scale + kRoundToEven) - kRoundToEven;
+    *reinterpret_cast<vb16*>(q + i) = __builtin_convertvector(__builtin_convertvector(rounded, vi16), vb16);
+  }
+  for (; i < k; ++i) q[i] = static_cast<int8_t>(static_cast<int32_t>((load1(x + i) / scale + kRoundToEven) -
+                                                                     kRoundToEven));
+  return scale;
+}
+
+// out = acc * row_scale * scale[n] (+ bias[n]), in float32, then stored as T
+// (bfloat16 rounds once, after the bias). Each operation rounds on its own, as
+// torch's do: no fused multiply-add of the last product and the bias.
+#pragma GCC push_options
+#pragma GCC optimize("fp-contract=off")
+template <typename T>
+inline void rescale_row(const int32_t* acc, int64_t n, float row_scale, const float* scale, const float* bias,
+                        T* out) {
+  int64_t j = 0;
+  for (; j + 16 <= n; j += 16) {
+    vf16 v = __builtin_convertvector(*reinterpret_cast<const vi16*>(acc + j), vf16) * row_scale * load16(scale + j);
+    if (bias != nullptr) v += load16(bias + j);
+    store16(out + j, v);
+  }
+  for (; j < n; ++j) {
+    float v = static_cast<float>(acc[j]) * row_scale * scale[j];
+    if (bias != nullptr) v += bias[j];
+    store1(out + j, v);
+  }
+}
+#pragma GCC pop_options
