@@ -5,8 +5,8 @@
   1536x512, and 512x16384, the LM head), median microseconds of each candidate:
   the float32 linears (oneDNN-packed, and kvforge's C++ `f32_linear`, which
   float32 models run on AVX-512), kvforge's `Int8Linear` weight-only (the C++ kernel,
-  float32 and bfloat16 activations) and W8A8 (per-token int8 activations,
-  `torch._int_mm`), torch's weight-only `_weight_int8pack_mm` with float32 and
+  float32 and bfloat16 activations) and W8A8 (per-token int8 activations, the
+  C++ `int8_dynamic_linear`: VNNI dot products or oneDNN's `_int_mm`), torch's weight-only `_weight_int8pack_mm` with float32 and
   with bfloat16 activations, and fbgemm's `quantized.linear_dynamic` (W8A8,
   one activation scale per tensor). torch's `_weight_int8pack_mm` with float32
   activations is left out past 128 rows: at 128 it already took over 40x float32.
@@ -76,7 +76,7 @@ def kernel_candidates(weight: torch.Tensor) -> dict:
         "float32 kvforge (C++)": CppLinear(weight, None),
         "int8 kvforge weight-only f32 act (C++)": weight_only,
         "int8 kvforge weight-only bf16 act (C++)": lambda x: weight_only(x.bfloat16()),
-        "int8 kvforge W8A8 (per-token, _int_mm)": Int8Linear(q.data, q.scale, None, "int8"),
+        "int8 kvforge W8A8 (per-token, C++)": Int8Linear(q.data, q.scale, None, "int8"),
         "int8pack_mm f32 act": functools.partial(_int8pack, w=q.data, scale=scale, dtype=torch.float32),
         "int8pack_mm bf16 act": functools.partial(_int8pack, w=q.data, scale=scale, dtype=torch.bfloat16),
     }

@@ -94,8 +94,8 @@ class QuantizationConfig(Section):
                           "and an untied LM head hold int8 weights quantized at load time; none: float weights")
     activations: Literal["none", "int8"] = Field(
         "none", description="with quantization.weights: none keeps activations float (weight-only, W8A16: kvforge's "
-                            "C++ kernel on CPU); int8 quantizes each activation row too (W8A8 through torch._int_mm, "
-                            "CPU only, nothing to compile). See docs/quantization.md")
+                            "C++ kernel on CPU); int8 quantizes each activation row too (W8A8, CPU only: kvforge's C++ "
+                            "op, or torch ops where it cannot build). See docs/quantization.md")
 
 
 class SpeculativeConfig(Section):
