@@ -122,3 +122,50 @@ inline void int8_linear_block(const float* x, int64_t x_stride, int64_t m, const
     }
   }
 }
+
+// One step of transpose16: rows r and r + B (r with bit B clear) swap their
+// off-diagonal blocks of B lanes.
+template <int B>
+inline void swap_blocks(vf16 (&t)[16]) {
+  vi16 low, high;  // the new row r and row r + B, picked from (row r, row r + B)
+  for (int c = 0; c < 16; ++c) {
+    low[c] = (c & B) == 0 ? c : 16 + c - B;
+    high[c] = (c & B) == 0 ? c + B : 16 + c;
+  }
+  for (int r = 0; r < 16; ++r) {
+    if ((r & B) != 0) continue;
+    const vf16 a = t[r], b = t[r + B];
+    t[r] = __builtin_shuffle(a, b, low);
+    t[r + B] = __builtin_shuffle(a, b, high);
+  }
+}
+
+// t[r][c] becomes t[c][r]: four rounds of block swaps, 64 two-vector shuffles.
+inline void transpose16(vf16 (&t)[16]) {
+  swap_blocks<8>(t);
+  swap_blocks<4>(t);
+  swap_blocks<2>(t);
+  swap_blocks<1>(t);
+}
+
+// Sixteen channels of int8 weights (channel c at w + c * k) times their
+// scales, as f32_packed_rows reads one block of a weight: packed[d * 16 + c] =
+// w[c * k + d] * scale[c]. Sixteen inputs of the sixteen channels at a time
+// are widened and transposed in registers (a scalar loop with strided
+// stores took about two cycles a weight).
+inline void widen_block16(const int8_t* w, int64_t k, const float* scale, float* packed) {
+  const vf16 s = load_x16(scale);
+  int64_t d = 0;
+  for (; d + 16 <= k; d += 16) {
+    // The next block's 16 k bytes, four lines a step: its sixteen short
+    // streams are ones the hardware prefetcher does not follow.
+    for (int line = 0; line < 4; ++line) __builtin_prefetch(w + 16 * k + (d / 4 + line) * 64, 0, 3);
+    vf16 t[16];
+    for (int c = 0; c < 16; ++c) t[c] = widen_w16(w + c * k + d);
+    transpose16(t);
+    for (int j = 0; j < 16; ++j) *reinterpret_cast<vf16*>(packed + (d + j) * 16) = t[j] * s;
+  }
+  for (; d < k; ++d) {
+    for (int c = 0; c < 16; ++c) packed[d * 16 + c] = static_cast<float>(w[c * k + d]) * scale[c];
+  }
+}
