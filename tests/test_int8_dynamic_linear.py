@@ -8,7 +8,9 @@ both of its products (AVX-512 VNNI dot products up to 24 rows, oneDNN's
 `_int_mm` above), at sizes that leave tails in every step: in not a multiple of
 the 64-byte steps, out not a multiple of the 64-channel blocks, rows not a
 multiple of the VNNI path's four. Equal bits leave no room for a wrong sum,
-scale or rounding; float64 bounds are checked too, for the op itself."""
+scale or rounding; float64 bounds are checked too, for the op itself. Its
+argument checks and fake implementation are tested with the weight-only op's
+(test_int8_weight_linear.py)."""
 
 from __future__ import annotations
 
@@ -130,18 +132,6 @@ def test_strided_rows_and_zero_rows():
     assert op(torch.empty(0, 40), w, scale, b).shape == (0, 24)
 
 
-@pytest.mark.parametrize("bad, message", [
-    (lambda x, w, s: (x.half(), w, s), "int8_dynamic_linear: x must be a 2-D float32 or bfloat16"),
-    (lambda x, w, s: (x, w.float(), s), "contiguous int8"),
-    (lambda x, w, s: (x[:, :10], w, s), "input features"),
-    (lambda x, w, s: (x, w, s[:-1]), "one value per output channel"),
-])
-def test_bad_input_gets_a_clear_error(bad, message):
-    x, w, scale, _ = operands(2, 16, 8, False, seed=5)
-    with pytest.raises(RuntimeError, match=message):
-        torch.ops.kvforge_cpp.int8_dynamic_linear(*bad(x, w, scale))
-
-
 def test_the_layer_takes_the_op_and_without_the_library_the_torch_ops_with_the_same_bits(monkeypatch):
     from kvforge.kernels import build
 
@@ -157,13 +147,3 @@ def test_the_layer_takes_the_op_and_without_the_library_the_torch_ops_with_the_s
     assert not plain.fused_w8a8
     for dtype in (torch.float32, torch.bfloat16, torch.float16):
         assert torch.equal(fused(x.to(dtype)), plain(x.to(dtype)))
-
-
-def test_fake_implementation_gives_the_output_shape_and_dtype():
-    from torch._subclasses.fake_tensor import FakeTensorMode
-
-    with FakeTensorMode():
-        for dtype in (torch.float32, torch.bfloat16):
-            y = torch.ops.kvforge_cpp.int8_dynamic_linear(torch.empty(3, 40, dtype=dtype),
-                                                          torch.empty(7, 40, dtype=torch.int8), torch.empty(7))
-            assert y.shape == (3, 7) and y.dtype == dtype

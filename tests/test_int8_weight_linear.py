@@ -121,24 +121,30 @@ def test_a_rows_result_does_not_depend_on_the_other_rows(rows):
     assert torch.equal(op(x, w, scale, b), first)
 
 
+# Both int8 linear ops (weight-only and W8A8) share these checks and this signature.
+INT8_OPS = ["int8_weight_linear", "int8_dynamic_linear"]
+
+
+@pytest.mark.parametrize("op", INT8_OPS)
 @pytest.mark.parametrize("bad, message", [
     (lambda x, w, s: (x.half(), w, s), "float32 or bfloat16"),
     (lambda x, w, s: (x, w.float(), s), "contiguous int8"),
     (lambda x, w, s: (x[:, :10], w, s), "input features"),
     (lambda x, w, s: (x, w, s[:-1]), "one value per output channel"),
 ])
-def test_bad_input_gets_a_clear_error(bad, message):
+def test_bad_input_gets_a_clear_error(op, bad, message):
     x, w, scale, _ = operands(2, 16, 8, False, seed=5)
-    with pytest.raises(RuntimeError, match=message):
-        torch.ops.kvforge_cpp.int8_weight_linear(*bad(x, w, scale))
+    with pytest.raises(RuntimeError, match=f"kvforge_cpp.{op}: .*{message}"):
+        getattr(torch.ops.kvforge_cpp, op)(*bad(x, w, scale))
 
 
-def test_fake_implementation_gives_the_output_shape_and_dtype():
+@pytest.mark.parametrize("op", INT8_OPS)
+def test_fake_implementation_gives_the_output_shape_and_dtype(op):
     """For FakeTensor tracing (torch.compile): `[rows, out]` in the input's dtype."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     with FakeTensorMode():
         for dtype in (torch.float32, torch.bfloat16):
-            y = torch.ops.kvforge_cpp.int8_weight_linear(torch.empty(3, 40, dtype=dtype),
-                                                         torch.empty(7, 40, dtype=torch.int8), torch.empty(7))
+            y = getattr(torch.ops.kvforge_cpp, op)(torch.empty(3, 40, dtype=dtype),
+                                                   torch.empty(7, 40, dtype=torch.int8), torch.empty(7))
             assert y.shape == (3, 7) and y.dtype == dtype
