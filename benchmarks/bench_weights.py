@@ -41,8 +41,8 @@ MODEL = os.environ.get("BENCH_MODEL", "bench-llama-50m")
 SHAPES = ((512, 512), (512, 1536), (1536, 512), (512, 16384))  # (in, out)
 ROWS = (1, 8, 32, 128)
 SLOW_PAST = 128  # rows past which the float32 `_weight_int8pack_mm` candidate is left out
-# label -> (quantization.weights, quantization.activations)
-WEIGHTS = {"float32": (None, "none"), "int8 weight-only": ("int8_weight", "none"),
+# label -> (quantization.weights, quantization.activations); "float" is the model's dtype
+WEIGHTS = {"float": (None, "none"), "int8 weight-only": ("int8_weight", "none"),
            "int8 W8A8": ("int8_weight", "int8")}
 
 
@@ -109,22 +109,25 @@ def kernel_table(shapes=SHAPES, rows=ROWS, budget_s: float = 0.2) -> list[dict]:
     return table
 
 
-def make_engine(path: str, batch: int, weights: tuple[str | None, str], prompt_len: int = 8):
+def make_engine(path: str, batch: int, weights: tuple[str | None, str], prompt_len: int = 8,
+                dtype: str = "float32"):
     from kvforge import LLMEngine
     from kvforge.core import load_config
 
-    config = load_config(model=path, device="cpu", dtype="float32", cache={"memory_budget": 2**30},
+    config = load_config(model=path, device="cpu", dtype=dtype, cache={"memory_budget": 2**30},
                          quantization={"weights": weights[0], "activations": weights[1]},
                          scheduler={"max_num_seqs": batch,
                                     "max_num_batched_tokens": max(2048, batch * prompt_len)}).config
     return LLMEngine(config)
 
 
-def decode_side_by_side(path: str, batches=(1, 32), steps: int = 10, rounds: int = 5) -> dict:
-    """Model bytes and median-of-`rounds` decode tokens/s per weight format and batch."""
+def decode_side_by_side(path: str, batches=(1, 32), steps: int = 10, rounds: int = 5,
+                        dtype: str = "float32") -> dict:
+    """Model bytes and median-of-`rounds` decode tokens/s per weight format and
+    batch, the activations (and the float model) in `dtype`."""
     result: dict = {}
     for batch in batches:
-        engines = {label: make_engine(path, batch, weights) for label, weights in WEIGHTS.items()}
+        engines = {label: make_engine(path, batch, weights, dtype=dtype) for label, weights in WEIGHTS.items()}
         times: dict = {label: [] for label in engines}
         for _ in range(rounds):  # alternate, so all see the same disturbances
             for label, engine in engines.items():
@@ -136,7 +139,7 @@ def decode_side_by_side(path: str, batches=(1, 32), steps: int = 10, rounds: int
     return result
 
 
-def print_tables(kernels: list[dict] | None, decode: dict | None) -> None:
+def print_tables(kernels: list[dict] | None, decode: dict | None, dtype: str = "float32") -> None:
     if kernels:
         names = list(kernels[0]["us"])
         print("| in x out | rows | " + " | ".join(names) + " |")
@@ -145,11 +148,11 @@ def print_tables(kernels: list[dict] | None, decode: dict | None) -> None:
             times = " | ".join(f"{row['us'][n]:.0f}" if n in row["us"] else "" for n in names)
             print(f"| {row['in']}x{row['out']} | {row['rows']} | {times} |")
     if decode:
-        base = decode["float32"]
+        base = decode["float"]
         print("\n| weights | model MB | batch 1 tok/s | batch 32 tok/s | speed-up b1 | speed-up b32 |")
         print("|---|---|---|---|---|---|")
         for label, entry in decode.items():
-            print(f"| {label} | {entry['weight_bytes'] / 1e6:.1f} | {entry['batch_1_tokens_per_s']:.1f} | "
+            print(f"| {dtype if label == 'float' else label} | {entry['weight_bytes'] / 1e6:.1f} | {entry['batch_1_tokens_per_s']:.1f} | "
                   f"{entry['batch_32_tokens_per_s']:.1f} | "
                   f"{entry['batch_1_tokens_per_s'] / base['batch_1_tokens_per_s']:.2f}x | "
                   f"{entry['batch_32_tokens_per_s'] / base['batch_32_tokens_per_s']:.2f}x |")
@@ -190,13 +193,16 @@ def main() -> None:
     parser.add_argument("--decode-only", action="store_true")
     parser.add_argument("--rounds", type=int, default=5, help="decode rounds per engine (the median counts)")
     parser.add_argument("--rows", type=int, nargs="+", default=list(ROWS), help="rows of the kernel table")
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
+                        help="the decode table's model and activation dtype (the int8 layers' input)")
     args = parser.parse_args()
     torch.set_num_threads(1)
     print(machine.describe())
     kernels = None if args.decode_only else kernel_table(rows=args.rows, budget_s=0.05 if args.quick else 0.2)
     decode = None if args.kernels_only else decode_side_by_side(
-        str(model_dir(args.model)), steps=4 if args.quick else 10, rounds=2 if args.quick else args.rounds)
-    print_tables(kernels, decode)
+        str(model_dir(args.model)), steps=4 if args.quick else 10, rounds=2 if args.quick else args.rounds,
+        dtype=args.dtype)
+    print_tables(kernels, decode, args.dtype)
 
 
 if __name__ == "__main__":

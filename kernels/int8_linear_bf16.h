@@ -60,6 +60,9 @@ inline void bf16_tile_rc(const c10::BFloat16* __restrict__ x, int64_t x_stride, 
   }
   int64_t d = 0;
   for (; d + 32 <= k; d += 32) {
+    if ((d & 63) == 0) {  // as int8_tile_rc: each channel's line kWeightsAhead on
+      for (int n = 0; n < NR; ++n) __builtin_prefetch(w + n * k + d + kWeightsAhead, 0, 2);
+    }
     __m512bh wv[NR];
     for (int n = 0; n < NR; ++n) wv[n] = widen_w32(w + n * k + d);
     for (int m = 0; m < MR; ++m) {

@@ -65,6 +65,9 @@ inline void int8_tile_rc(const float* __restrict__ x, int64_t x_stride, const in
   }
   int64_t d = 0;
   for (; d + 16 <= k; d += 16) {
+    if ((d & 63) == 0) {  // each channel's line kWeightsAhead on: NR interleaved streams the hardware misses
+      for (int n = 0; n < NR; ++n) __builtin_prefetch(w + n * k + d + kWeightsAhead, 0, 2);
+    }
     vf16 wv[NR];
     for (int n = 0; n < NR; ++n) wv[n] = widen_w16(w + n * k + d);
     for (int m = 0; m < MR; ++m) {
