@@ -222,9 +222,7 @@ at::Tensor int8_weight_linear(const at::Tensor& x_in, const at::Tensor& weight, 
   const float* scale_ptr = scale.data_ptr<float>();
   const float* bias_ptr = bias.defined() ? bias.data_ptr<float>() : nullptr;
   const int8_t* w = weight.data_ptr<int8_t>();
-  at::Tensor y = at::empty({m, n}, x_in.options().dtype(at::kFloat));
-  if (m == 0 || n == 0) return y.to(x_in.scalar_type());
-  float* y_ptr = y.data_ptr<float>();
+  if (m == 0 || n == 0) return at::empty({m, n}, x_in.options());
   const int64_t blocks = (n + kChannelBlock - 1) / kChannelBlock;
   const Isa level = isa();
 
@@ -245,15 +243,19 @@ at::Tensor int8_weight_linear(const at::Tensor& x_in, const at::Tensor& weight, 
       });
       return out;
     }
+    at::Tensor out = at::empty({m, n}, x_in.options());  // bfloat16
+    auto* out_ptr = reinterpret_cast<c10::BFloat16*>(out.data_ptr());
     at::parallel_for(0, blocks, 1, [&](int64_t b0, int64_t b1) {
       for (int64_t b = b0; b < b1; ++b) {
-        linear_avx512_bf16::bf16_linear_block(x_ptr, x.stride(0), m, w, k, scale_ptr, bias_ptr, y_ptr, n,
+        linear_avx512_bf16::bf16_linear_block(x_ptr, x.stride(0), m, w, k, scale_ptr, bias_ptr, out_ptr, n,
                                               b * kChannelBlock, std::min(n, (b + 1) * kChannelBlock));
       }
     });
-    return y.to(at::kBFloat16);
+    return out;
 #endif
   }
+  at::Tensor y = at::empty({m, n}, x_in.options().dtype(at::kFloat));
+  float* y_ptr = y.data_ptr<float>();
   // float32 rows as they are; bfloat16 rows widened once (rows x in: small next to the weight).
   const bool usable = x_in.scalar_type() == at::kFloat && x_in.stride(1) == 1;
   const at::Tensor x = usable ? x_in : x_in.to(at::kFloat).contiguous();

@@ -5,7 +5,8 @@
 // The int8 weights are widened to bfloat16 in registers (int8 -> float32 ->
 // bfloat16, exact: bfloat16 holds every integer up to 256). The tiling of
 // int8_linear_tile.h, with 8 x 2 batch tiles (below); included once, under the
-// avx512bf16 target.
+// avx512bf16 target. Outputs are written as bfloat16 (a float32 result
+// converted after the call cost an extra op and pass per layer).
 
 inline __m512bh widen_w32(const int8_t* p) {
   const __m512 lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
@@ -20,7 +21,7 @@ inline __m512bh load_x32(const c10::BFloat16* p) { return (__m512bh)_mm512_loadu
 // int8_linear_tile.h: four sums per row, the channel read front to back.
 template <int MR>
 inline void bf16_tile(const c10::BFloat16* __restrict__ x, int64_t x_stride, const int8_t* __restrict__ w,
-                      int64_t k, float scale, float bias, float* __restrict__ y, int64_t y_stride) {
+                      int64_t k, float scale, float bias, c10::BFloat16* __restrict__ y, int64_t y_stride) {
   __m512 acc[MR][4];
   for (int m = 0; m < MR; ++m) {
     for (int u = 0; u < 4; ++u) acc[m][u] = _mm512_setzero_ps();
@@ -44,7 +45,7 @@ inline void bf16_tile(const c10::BFloat16* __restrict__ x, int64_t x_stride, con
     float sum = _mm512_reduce_add_ps(_mm512_add_ps(_mm512_add_ps(acc[m][0], acc[m][1]),
                                                    _mm512_add_ps(acc[m][2], acc[m][3])));
     for (int64_t t = d; t < k; ++t) sum += static_cast<float>(x[m * x_stride + t]) * static_cast<float>(w[t]);
-    y[m * y_stride] = sum * scale + bias;
+    y[m * y_stride] = c10::BFloat16(sum * scale + bias);  // rounded to nearest even, as torch
   }
 }
 
@@ -53,7 +54,7 @@ inline void bf16_tile(const c10::BFloat16* __restrict__ x, int64_t x_stride, con
 template <int MR, int NR>
 inline void bf16_tile_rc(const c10::BFloat16* __restrict__ x, int64_t x_stride, const int8_t* __restrict__ w,
                          int64_t k, const float* __restrict__ scale, const float* __restrict__ bias,
-                         float* __restrict__ y, int64_t y_stride) {
+                         c10::BFloat16* __restrict__ y, int64_t y_stride) {
   __m512 acc[MR][NR];
   for (int m = 0; m < MR; ++m) {
     for (int n = 0; n < NR; ++n) acc[m][n] = _mm512_setzero_ps();
@@ -74,7 +75,7 @@ inline void bf16_tile_rc(const c10::BFloat16* __restrict__ x, int64_t x_stride, 
     for (int n = 0; n < NR; ++n) {
       float sum = _mm512_reduce_add_ps(acc[m][n]);
       for (int64_t t = d; t < k; ++t) sum += static_cast<float>(x[m * x_stride + t]) * static_cast<float>(w[n * k + t]);
-      y[m * y_stride + n] = sum * scale[n] + (bias != nullptr ? bias[n] : 0.f);
+      y[m * y_stride + n] = c10::BFloat16(sum * scale[n] + (bias != nullptr ? bias[n] : 0.f));
     }
   }
 }
@@ -87,7 +88,7 @@ constexpr int kBf16TileChannels = 2;
 
 // Channels [n0, n1) of all m rows, split as int8_linear_block splits them.
 inline void bf16_linear_block(const c10::BFloat16* x, int64_t x_stride, int64_t m, const int8_t* w, int64_t k,
-                              const float* scale, const float* bias, float* y, int64_t y_stride, int64_t n0,
+                              const float* scale, const float* bias, c10::BFloat16* y, int64_t y_stride, int64_t n0,
                               int64_t n1) {
   const int64_t grouped = m / kBf16TileRows * kBf16TileRows;
   const int64_t n_single = grouped > 0 ? n0 + (n1 - n0) / kBf16TileChannels * kBf16TileChannels : n0;
