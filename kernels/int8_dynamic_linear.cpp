@@ -6,9 +6,10 @@
 // [rows, in], weight int8 [out, in], scale float32 [out] (one per output
 // channel), bias [out] or None; y has x's dtype. Each row of x is rounded to
 // int8 with its own absmax scale s_x (so a row's result never depends on the
-// rest of the batch), the int8 x int8 -> int32 product is one `at::_int_mm`
-// (oneDNN: AVX512-VNNI where the CPU has it), and the int32 sums become floats
-// in one pass (int8_rows.h). One call where the torch ops it replaces were ten
+// rest of the batch), the int8 x int8 -> int32 product is AVX-512 VNNI dot
+// products for up to kVnniRows rows (rows_vnni below) and oneDNN's
+// `at::_int_mm` above, and the int32 sums become floats in one pass
+// (int8_rows.h). One call where the torch ops it replaces were ten
 // (quantize_rows and the rescale in models/quantized_linear.py, which stay the
 // path without this library and the reference the tests hold it to).
 
@@ -33,7 +34,8 @@
 
 namespace kvforge_cpp {
 
-// The row kernels of one instruction set, for float32 and bfloat16 (uint16_t) rows.
+// The row kernels of one instruction set, for float32 and bfloat16 (uint16_t)
+// rows: each ISA namespace's int8_rows.h defines its kRowKernels.
 struct Int8RowKernels {
   float (*quantize_f32)(const float*, int64_t, int8_t*, float);
   float (*quantize_bf16)(const uint16_t*, int64_t, int8_t*, float);
@@ -41,14 +43,9 @@ struct Int8RowKernels {
   void (*rescale_bf16)(const int32_t*, int64_t, float, const float*, const float*, uint16_t*);
 };
 
-#define KVFORGE_INT8_ROW_KERNELS \
-  constexpr Int8RowKernels kRowKernels{&quantize_row<float>, &quantize_row<uint16_t>, &rescale_row<float>, \
-                                       &rescale_row<uint16_t>};
-
 namespace rows_base {
 #include "bf16_vectors.h"
 #include "int8_rows.h"
-KVFORGE_INT8_ROW_KERNELS
 }  // namespace rows_base
 
 #ifdef KVFORGE_HAS_X86_PATHS
@@ -57,7 +54,6 @@ KVFORGE_INT8_ROW_KERNELS
 namespace rows_avx2 {
 #include "bf16_vectors.h"
 #include "int8_rows.h"
-KVFORGE_INT8_ROW_KERNELS
 }  // namespace rows_avx2
 #pragma GCC pop_options
 #pragma GCC push_options
@@ -65,7 +61,6 @@ KVFORGE_INT8_ROW_KERNELS
 namespace rows_avx512 {
 #include "bf16_vectors.h"
 #include "int8_rows.h"
-KVFORGE_INT8_ROW_KERNELS
 }  // namespace rows_avx512
 #pragma GCC pop_options
 #pragma GCC push_options

@@ -5,7 +5,9 @@
 // for operation, so both give the same bits.
 //
 // Included once per ISA namespace after bf16_vectors.h (vf16, vi16,
-// load_bf16x16, store_bf16x16, bf16_to_float, float_to_bf16); it includes nothing.
+// load_bf16x16, store_bf16x16, bf16_to_float, float_to_bf16); it includes
+// nothing, and ends with that namespace's kRowKernels (Int8RowKernels, declared
+// in int8_dynamic_linear.cpp).
 
 typedef int8_t vb16 __attribute__((vector_size(16), aligned(1), may_alias));
 
@@ -82,3 +84,6 @@ inline void rescale_row(const int32_t* acc, int64_t n, float row_scale, const fl
   }
 }
 #pragma GCC pop_options
+
+constexpr Int8RowKernels kRowKernels{&quantize_row<float>, &quantize_row<uint16_t>, &rescale_row<float>,
+                                     &rescale_row<uint16_t>};
