@@ -156,19 +156,52 @@ inline void transpose16(vf16 (&t)[16]) {
 // w[c * k + d] * scale[c]. Sixteen inputs of the sixteen channels at a time
 // are widened and transposed in registers (a scalar loop with strided
 // stores took about two cycles a weight).
+// t[j][c] = w[c * k + d + j]: inputs d .. d + 15 of sixteen channels (channel
+// c at w + c * k), widened and transposed. Also asks for the next block's
+// 16 k bytes, four lines a step: its sixteen short streams are ones the
+// hardware prefetcher does not follow.
+inline void widened_columns16(const int8_t* w, int64_t k, int64_t d, vf16 (&t)[16]) {
+  for (int line = 0; line < 4; ++line) __builtin_prefetch(w + 16 * k + (d / 4 + line) * 64, 0, 3);
+  for (int c = 0; c < 16; ++c) t[c] = widen_w16(w + c * k + d);
+  transpose16(t);
+}
+
 inline void widen_block16(const int8_t* w, int64_t k, const float* scale, float* packed) {
   const vf16 s = load_x16(scale);
   int64_t d = 0;
   for (; d + 16 <= k; d += 16) {
-    // The next block's 16 k bytes, four lines a step: its sixteen short
-    // streams are ones the hardware prefetcher does not follow.
-    for (int line = 0; line < 4; ++line) __builtin_prefetch(w + 16 * k + (d / 4 + line) * 64, 0, 3);
     vf16 t[16];
-    for (int c = 0; c < 16; ++c) t[c] = widen_w16(w + c * k + d);
-    transpose16(t);
+    widened_columns16(w, k, d, t);
     for (int j = 0; j < 16; ++j) *reinterpret_cast<vf16*>(packed + (d + j) * 16) = t[j] * s;
   }
   for (; d < k; ++d) {
     for (int c = 0; c < 16; ++c) packed[d * 16 + c] = static_cast<float>(w[c * k + d]) * scale[c];
+  }
+}
+
+// Sixteen channels as bf16_packed_rows reads one block, unscaled (every int8
+// is exactly a bfloat16; the scales go to the epilogue): packed[(p * 16 + c) *
+// 2 + i] = w[c * k + 2 p + i], the missing second input of an odd k zero.
+// Inputs 2p and 2p + 1 of the sixteen channels are interleaved from two
+// transposed rows.
+inline void widen_block16_bf16(const int8_t* w, int64_t k, uint16_t* packed) {
+  int64_t d = 0;
+  for (; d + 16 <= k; d += 16) {
+    vf16 t[16];
+    widened_columns16(w, k, d, t);
+    for (int i = 0; i < 8; ++i) {  // pair d / 2 + i
+      uint16_t* dst = packed + (d / 2 + i) * 32;
+      store_bf16x16(dst, __builtin_shuffle(t[2 * i], t[2 * i + 1],
+                                           vi16{0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23}));
+      store_bf16x16(dst + 16, __builtin_shuffle(t[2 * i], t[2 * i + 1],
+                                                vi16{8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31}));
+    }
+  }
+  for (; d < k; d += 2) {
+    for (int c = 0; c < 16; ++c) {
+      uint16_t* dst = packed + (d / 2 * 16 + c) * 2;
+      dst[0] = float_to_bf16(static_cast<float>(w[c * k + d]));
+      dst[1] = d + 1 < k ? float_to_bf16(static_cast<float>(w[c * k + d + 1])) : 0;
+    }
   }
 }

@@ -4,7 +4,7 @@ leave tails in every tiling (out not a multiple of the 2- and 4-channel tiles or
 the 64-channel blocks, in not a multiple of the 16- and 32-wide steps), 1 to 260
 rows (from 32 rows, float32 rows take weights widened group by group into the
 float32 tiles, sixteen channels transposed in registers at a time; bfloat16 rows
-from 256; the batch tiles' 64-row chunks with rows left over), with and
+from 64; the batch tiles' 64-row chunks with rows left over), with and
 without bias, float32 and bfloat16, on every instruction-set path this CPU runs
 (capped with KVFORGE_CPP_ISA); a deliberately broken kernel fails the same
 check, and bad input gets a clear error."""
@@ -18,11 +18,12 @@ from kvforge.core import dtype_name
 from kvforge.models.quantized_linear import load_weight_only_kernel
 
 # (rows, in, out); 8 rows take the batch tiles, 33 rows and more the widening path
-# for float32 rows (whole 16-channel blocks and a partial one, in with a tail of
-# the 16-wide steps at 260 and 70); 260 x 2100 x 150 takes it for bfloat16 too, in
+# for float32 rows, 64 and more for bfloat16 rows (whole 16-channel blocks and a
+# partial one, in with a tail of the 16-wide steps at 260 and 70, an odd one at
+# 37, and at 515 in the tiles); 260 x 2100 x 150 widens in
 # at least two channel groups (1.2 MiB of float32 in all; two at one or two
 # threads, 80 and 70 channels, more where more threads run).
-SHAPES = [(1, 37, 23), (3, 100, 70), (8, 515, 129), (33, 48, 9), (64, 260, 67), (150, 70, 37), (260, 2100, 150)]
+SHAPES = [(1, 37, 23), (3, 100, 70), (8, 515, 129), (33, 48, 9), (64, 260, 67), (150, 70, 37), (70, 37, 40), (260, 2100, 150)]
 # The levels a cap selects and the path name the op reports for float32 / bfloat16 input.
 LEVELS = {"avx512": ("avx512", "avx512_bf16"), "avx2": ("avx2", "avx2"), "baseline": ("baseline", "baseline")}
 
