@@ -50,6 +50,7 @@ from .huge_pages import on_huge_pages
 from .packed_linear import linear_weight
 
 log = logging.getLogger(__name__)
+_warned: set[str] = set()  # build failures already logged
 
 # What the int8 layer reads: int8 data with one scale per output channel (row of `[out, in]`).
 INT8_LINEAR_GRANULARITY = PER_CHANNEL
@@ -102,7 +103,9 @@ def load_w8a8_kernel() -> bool:
     try:
         build.load()
     except build.CppBuildError as exc:
-        log.warning("W8A8 linears run as torch ops (slower): %s", exc)
+        if str(exc) not in _warned:  # once, not once per layer
+            _warned.add(str(exc))
+            log.warning("W8A8 linears run as torch ops (slower): %s", exc)
         return False
     return True
 

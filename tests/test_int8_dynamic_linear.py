@@ -14,9 +14,12 @@ argument checks and fake implementation are tested with the weight-only op's
 
 from __future__ import annotations
 
+import logging
+
 import pytest
 import torch
 
+from kvforge.models import quantized_linear
 from kvforge.models.quantized_linear import Int8Linear, int8_gemm_in_torch, load_w8a8_kernel
 
 # (rows, in, out): 1-4 rows one VNNI group; 5, 24 several with a remainder; 25
@@ -132,7 +135,8 @@ def test_strided_rows_and_zero_rows():
     assert op(torch.empty(0, 40), w, scale, b).shape == (0, 24)
 
 
-def test_the_layer_takes_the_op_and_without_the_library_the_torch_ops_with_the_same_bits(monkeypatch):
+def test_the_layer_takes_the_op_and_without_the_library_the_torch_ops_with_the_same_bits(monkeypatch, caplog):
+    """Without the library W8A8 still runs, the same bits, and says so once, not once per layer."""
     from kvforge.kernels import build
 
     x, w, scale, b = operands(6, 40, 24, True, seed=6)
@@ -143,7 +147,11 @@ def test_the_layer_takes_the_op_and_without_the_library_the_torch_ops_with_the_s
         raise build.CppBuildError("no C++ compiler")
 
     monkeypatch.setattr(build, "load", fails)
-    plain = Int8Linear(w, scale, b, "int8")
+    monkeypatch.setattr(quantized_linear, "_warned", set())  # whatever other tests logged before
+    with caplog.at_level(logging.WARNING):
+        plain = Int8Linear(w, scale, b, "int8")
+        Int8Linear(w, scale, b, "int8")
     assert not plain.fused_w8a8
+    assert [r.getMessage() for r in caplog.records] == ["W8A8 linears run as torch ops (slower): no C++ compiler"]
     for dtype in (torch.float32, torch.bfloat16, torch.float16):
         assert torch.equal(fused(x.to(dtype)), plain(x.to(dtype)))
