@@ -177,12 +177,20 @@ def test_fused_post_ops_keep_their_meaning(act, activations):
 
 
 @pytest.mark.parametrize("activations", ["none", "int8"])
-def test_bfloat16_input_gives_bfloat16_output_close_to_float32(activations):
+@pytest.mark.parametrize("seed", range(5))
+def test_bfloat16_input_gives_bfloat16_output_close_to_float32(activations, seed):
+    """bfloat16 rows give the float32 result on the same (bfloat16) values, rounded
+    once to bfloat16 (half an ulp, at most 2^-8 relative) up to float32 summation order.
+    Against the unrounded float32 input W8A8 can differ by far more: rounding x to
+    bfloat16 moves some inputs across a quantization step (measured up to 5% of
+    the largest output over 3,000 random inputs), which is why the comparison is
+    on the same values."""
     layer, _, _ = quantized_layer(bias=False, activations=activations)
-    x = torch.randn(4, 40)
-    out = layer(x.bfloat16())
+    x = torch.randn(4, 40, generator=torch.Generator().manual_seed(seed)).bfloat16()
+    out = layer(x)
+    ref = layer(x.float()).double()
     assert out.dtype == torch.bfloat16
-    assert float((out.float() - layer(x)).abs().max() / layer(x).abs().max()) < 2e-2
+    assert bool(((out.double() - ref).abs() <= 2.0**-8 * ref.abs() + 1e-6 * ref.abs().max()).all())
 
 
 # Loading
