@@ -7,7 +7,7 @@
 // channel), bias [out] or None; y has x's dtype. Each row of x is rounded to
 // int8 with its own absmax scale s_x (so a row's result never depends on the
 // rest of the batch), the int8 x int8 -> int32 product is AVX-512 VNNI dot
-// products for up to kVnniRows rows (rows_vnni below) and oneDNN's
+// products for up to kVnniRows rows (w8a8_vnni below) and oneDNN's
 // `at::_int_mm` above, and the int32 sums become floats in one pass
 // (int8_rows.h). One call where the torch ops it replaces were ten
 // (quantize_rows and the rescale in models/quantized_linear.py, which stay the
@@ -43,29 +43,29 @@ struct Int8RowKernels {
   void (*rescale_bf16)(const int32_t*, int64_t, float, const float*, const float*, uint16_t*);
 };
 
-namespace rows_base {
+namespace w8a8_base {
 #include "bf16_vectors.h"
 #include "int8_rows.h"
-}  // namespace rows_base
+}  // namespace w8a8_base
 
 #ifdef KVFORGE_HAS_X86_PATHS
 #pragma GCC push_options
 #pragma GCC target("avx2,fma,f16c")
-namespace rows_avx2 {
+namespace w8a8_avx2 {
 #include "bf16_vectors.h"
 #include "int8_rows.h"
-}  // namespace rows_avx2
+}  // namespace w8a8_avx2
 #pragma GCC pop_options
 #pragma GCC push_options
 #pragma GCC target("avx512f,avx512bw,avx512dq,avx512vl,avx2,fma,f16c")
-namespace rows_avx512 {
+namespace w8a8_avx512 {
 #include "bf16_vectors.h"
 #include "int8_rows.h"
-}  // namespace rows_avx512
+}  // namespace w8a8_avx512
 #pragma GCC pop_options
 #pragma GCC push_options
 #pragma GCC target("avx512f,avx512bw,avx512dq,avx512vl,avx512vnni,avx2,fma,f16c")
-namespace rows_vnni {
+namespace w8a8_vnni {
 // acc[r * n + c] = sum_d q_r[d] w_c[d] for rows r < MR and channels c in [c0, c1),
 // from the rows as unsigned bytes (xu = q + 128, [MR, k]): vpdpbusd multiplies
 // unsigned by signed bytes, so sum (q + 128) w - 128 sum w, the second sum
@@ -99,7 +99,7 @@ void dot_channels(const uint8_t* xu, int64_t k, const int8_t* w, int64_t n, int6
     for (int r = 0; r < MR; ++r) acc[r * n + c] = _mm512_reduce_add_epi32(sum[r]) - correction;
   }
 }
-}  // namespace rows_vnni
+}  // namespace w8a8_vnni
 #pragma GCC pop_options
 #endif
 
@@ -112,19 +112,19 @@ constexpr int64_t kValuesPerTask = 16384;
 const Int8RowKernels& row_kernels(Isa level) {
 #ifdef KVFORGE_HAS_X86_PATHS
   switch (level) {
-    case Isa::kAvx512: return rows_avx512::kRowKernels;
-    case Isa::kAvx2: return rows_avx2::kRowKernels;
+    case Isa::kAvx512: return w8a8_avx512::kRowKernels;
+    case Isa::kAvx2: return w8a8_avx2::kRowKernels;
     case Isa::kBaseline: break;
   }
 #endif
-  return rows_base::kRowKernels;
+  return w8a8_base::kRowKernels;
 }
 
 int64_t rows_per_task(int64_t values_per_row) {
   return std::max<int64_t>(1, kValuesPerTask / std::max<int64_t>(1, values_per_row));
 }
 
-// Rows up to which W8A8 takes rows_vnni::dot_channels (AVX-512 VNNI), not
+// Rows up to which W8A8 takes w8a8_vnni::dot_channels (AVX-512 VNNI), not
 // oneDNN: with the weight in memory, faster at every count up to 24 and slower
 // from 28 (docs/quantization.md).
 constexpr int64_t kVnniRows = 24;
@@ -151,8 +151,8 @@ at::Tensor int8_matmul(const at::Tensor& q, const at::Tensor& weight) {
     int32_t* acc_ptr = acc.data_ptr<int32_t>();
     const int8_t* w = weight.data_ptr<int8_t>();
     using Dot = void (*)(const uint8_t*, int64_t, const int8_t*, int64_t, int64_t, int64_t, int32_t*);
-    constexpr Dot kDots[] = {&rows_vnni::dot_channels<1>, &rows_vnni::dot_channels<2>, &rows_vnni::dot_channels<3>,
-                             &rows_vnni::dot_channels<4>};
+    constexpr Dot kDots[] = {&w8a8_vnni::dot_channels<1>, &w8a8_vnni::dot_channels<2>, &w8a8_vnni::dot_channels<3>,
+                             &w8a8_vnni::dot_channels<4>};
     at::parallel_for(0, (n + kChannelBlock - 1) / kChannelBlock, 1, [&](int64_t b0, int64_t b1) {
       for (int64_t b = b0; b < b1; ++b) {
         const int64_t c0 = b * kChannelBlock, c1 = std::min(n, c0 + kChannelBlock);

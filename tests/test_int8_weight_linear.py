@@ -24,6 +24,9 @@ from kvforge.models.quantized_linear import load_weight_only_kernel
 # at least two channel groups (1.2 MiB of float32 in all; two at one or two
 # threads, 80 and 70 channels, more where more threads run).
 SHAPES = [(1, 37, 23), (3, 100, 70), (8, 515, 129), (33, 48, 9), (64, 260, 67), (150, 70, 37), (70, 37, 40), (260, 2100, 150)]
+# Both int8 linear ops (weight-only and W8A8) share argument checks, a signature
+# and the promise that a row's result is its own: tested together below.
+INT8_OPS = ["int8_weight_linear", "int8_dynamic_linear"]
 # The levels a cap selects and the path name the op reports for float32 / bfloat16 input.
 LEVELS = {"avx512": ("avx512", "avx512_bf16"), "avx2": ("avx2", "avx2"), "baseline": ("baseline", "baseline")}
 
@@ -109,21 +112,19 @@ def test_strided_rows_and_zero_rows():
     assert op(torch.empty(0, 40), w, scale, b).shape == (0, 24)
 
 
-@pytest.mark.parametrize("rows", [1, 3, 9])
-def test_a_rows_result_does_not_depend_on_the_other_rows(rows):
+@pytest.mark.parametrize("op_name", INT8_OPS)
+@pytest.mark.parametrize("rows", [1, 3, 9, 30])
+def test_a_rows_result_does_not_depend_on_the_other_rows(rows, op_name):
     """Changing every other row leaves row 0's output bit for bit the same (no tile
-    reads a neighbour's inputs), and the output is the same on every call."""
+    reads a neighbour's inputs; W8A8 scales each row by its own absmax), and the
+    output is the same on every call. Both int8 ops, on each of their paths."""
     x, w, scale, b = operands(rows, 100, 33, True, seed=4)
-    op = torch.ops.kvforge_cpp.int8_weight_linear
+    op = getattr(torch.ops.kvforge_cpp, op_name)
     first = op(x, w, scale, b)
     changed = x.clone()
     changed[1:] = torch.randn(rows - 1, 100) * 50
     assert torch.equal(op(changed, w, scale, b)[0], first[0])
     assert torch.equal(op(x, w, scale, b), first)
-
-
-# Both int8 linear ops (weight-only and W8A8) share these checks and this signature.
-INT8_OPS = ["int8_weight_linear", "int8_dynamic_linear"]
 
 
 @pytest.mark.parametrize("op", INT8_OPS)
