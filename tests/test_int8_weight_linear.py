@@ -150,3 +150,19 @@ def test_fake_implementation_gives_the_output_shape_and_dtype(op):
             y = getattr(torch.ops.kvforge_cpp, op)(torch.empty(3, 40, dtype=dtype),
                                                    torch.empty(7, 40, dtype=torch.int8), torch.empty(7))
             assert y.shape == (3, 7) and y.dtype == dtype
+
+
+@pytest.mark.parametrize("op_name", INT8_OPS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("rows", [1, 5, 30, 70, 300])
+def test_two_threads_give_the_bits_of_one(op_name, dtype, rows):
+    """The parallel splits (channel blocks, widened channel groups, whose count
+    follows the threads, and W8A8's row passes) change who computes an output,
+    never how: the same bits at one and at two threads, on every path."""
+    x, w, scale, b = operands(rows, 300, 150, True, seed=rows)
+    x = x.to(dtype)
+    op = getattr(torch.ops.kvforge_cpp, op_name)
+    torch.set_num_threads(1)
+    one = op(x, w, scale, b)
+    torch.set_num_threads(2)  # the autouse fixture restores the count
+    assert torch.equal(op(x, w, scale, b), one)
