@@ -108,8 +108,9 @@ def _ratio(a, b):
 
 
 def ratios(runs: list[dict], subject: str) -> dict[str, dict]:
-    """For every other run that ran: the subject's throughput over it, and the
-    subject's TTFT p50 over it (below 1 is better)."""
+    """For every other run that ran: the subject's throughput over it (the fastest
+    rounds' and, after more than one round, each round's), and the subject's
+    TTFT p50 over it (below 1 is better)."""
     base = next((r for r in runs if r["label"] == subject and r["status"] == "ok"), None)
     if base is None:
         return {}
@@ -122,6 +123,9 @@ def ratios(runs: list[dict], subject: str) -> dict[str, dict]:
                              # per CPU second: steadier than elapsed time where other jobs share the cores
                              "throughput_cpu": _ratio(s.get("tokens_per_cpu_s"), m.get("tokens_per_cpu_s")),
                              "ttft_p50": _ratio(s["ttft_p50_s"], m["ttft_p50_s"])}
+        pairs = list(zip(base.get("rounds_tokens_per_s", []), run.get("rounds_tokens_per_s", [])))
+        if len(pairs) > 1:  # round by round: how far the ratio moved with the machine's load
+            out[run["label"]]["throughput_rounds"] = [_ratio(a, b) for a, b in pairs]
     return out
 
 
@@ -184,24 +188,19 @@ def run_one(python: str, peer: str, workload: Path, config: dict, out: Path, tim
     return {"status": "ok", "result": json.loads(out.read_text())}
 
 
-def best_of(repeats: int, run) -> dict:
-    """`run()` `repeats` times; the outcome with the shortest elapsed time (the
-    least disturbed by other load), or the first failure."""
-    best = None
-    for _ in range(max(1, repeats)):
-        outcome = run()
-        if outcome["status"] != "ok":
-            return outcome
-        if best is None or outcome["result"]["elapsed_s"] < best["result"]["elapsed_s"]:
-            best = outcome
-    return best
+def fastest(outcomes: list[dict]) -> dict:
+    """The outcome with the shortest elapsed time (the least disturbed by other
+    load), or the first failure."""
+    failed = next((o for o in outcomes if o["status"] != "ok"), None)
+    return failed or min(outcomes, key=lambda o: o["result"]["elapsed_s"])
 
 
 def run_scenario(scenario: Scenario, model_dir: str, out_dir: Path, *, peers: dict[str, str], dtype: str = "float32",
                  kv_cache_gib: float = 1.0, timeout: float = 1800, threads: int | None = 1, repeats: int = 1,
                  log=print) -> dict:
-    """Every configuration of `scenario` on one workload, each the best of
-    `repeats` runs; the scenario's results as a dict."""
+    """Every configuration of `scenario` on one workload, `repeats` rounds of
+    them in turn, each configuration's figures from its fastest round; the
+    scenario's results as a dict."""
     summary = {"scenario": scenario.name, "subject": scenario.subject, "latency_class": scenario.latency_class,
                "runs": [], "ratios": {}, "targets": [], "note": scenario.note}
     if scenario.unavailable:
@@ -214,6 +213,7 @@ def run_scenario(scenario: Scenario, model_dir: str, out_dir: Path, *, peers: di
                               kv_cache_gib=kv_cache_gib)
     hf_config = json.loads((Path(model_dir) / "config.json").read_text())
     prompt_lengths = {r["id"]: len(r["prompt_token_ids"]) for r in scenario.requests}
+    started = []  # (index, run, entry, Python) of the configurations that run
     for i, run in enumerate(scenario.runs):
         entry = {"label": run.label, "peer": run.peer, "options": run.options}
         python = peers.get(run.peer)
@@ -222,18 +222,32 @@ def run_scenario(scenario: Scenario, model_dir: str, out_dir: Path, *, peers: di
         elif python is None:
             entry["status"] = f"not run: turned off (--peer {run.peer}={OFF})"
         else:
-            log(f"[{scenario.name}] {run.label} ...")
-            config = {"label": run.label, "options": run.options}
-            outcome = best_of(repeats, lambda: run_one(python, run.peer, workload, config, out_dir / f"run{i}.json",
-                                                       timeout, kv_cache_gib, threads))
-            entry["status"] = outcome["status"]
-            if "result" in outcome:
-                records = outcome["result"]["requests"]
-                flops = work.run_flops(hf_config, prompt_lengths, records) if work.counts(hf_config) else None
-                entry["metrics"] = metrics(outcome["result"], scenario.latency_class, flops)
-                entry["info"] = outcome["result"].get("info", {})
-            log(f"[{scenario.name}] {run.label}: {entry['status']}")
+            started.append((i, run, entry, python))
         summary["runs"].append(entry)
+    # Round by round (A, B, A, B, ...), so a busy machine's drift falls on every
+    # configuration alike; a configuration that fails is not run again.
+    rounds = max(1, repeats)
+    outcomes: dict[int, list[dict]] = {i: [] for i, *_ in started}
+    for round_ in range(rounds):
+        for i, run, entry, python in started:
+            if any(o["status"] != "ok" for o in outcomes[i]):
+                continue
+            which = f" (round {round_ + 1} of {rounds})" if rounds > 1 else ""
+            log(f"[{scenario.name}] {run.label}{which} ...")
+            config = {"label": run.label, "options": run.options}
+            outcome = run_one(python, run.peer, workload, config, out_dir / f"run{i}.json", timeout, kv_cache_gib,
+                              threads)
+            outcomes[i].append(outcome)
+            log(f"[{scenario.name}] {run.label}{which}: {outcome['status']}")
+    for i, run, entry, python in started:
+        outcome = fastest(outcomes[i])
+        entry["status"] = outcome["status"]
+        if "result" in outcome:
+            records = outcome["result"]["requests"]
+            flops = work.run_flops(hf_config, prompt_lengths, records) if work.counts(hf_config) else None
+            entry["metrics"] = metrics(outcome["result"], scenario.latency_class, flops)
+            entry["info"] = outcome["result"].get("info", {})
+            entry["rounds_tokens_per_s"] = [metrics(o["result"])["tokens_per_s"] for o in outcomes[i]]
     summary["ratios"] = ratios(summary["runs"], scenario.subject)
     summary["targets"] = [check_target(t, summary["ratios"]) for t in scenario.targets]
     summary["status"] = "ok"

@@ -84,18 +84,19 @@ def _useful(gflops: float | None, peak: float | None) -> str:
 
 def comparison_section(results: dict) -> list[str]:
     """Every ratio of a scenario's subject against its peers, then every target."""
-    lines = ["## Comparison", "", "| scenario | subject | against | throughput × | per CPU second × | TTFT p50 × |",
-             "|---|---|---|---:|---:|---:|"]
+    lines = ["## Comparison", "", "| scenario | subject | against | throughput × | per CPU second × | TTFT p50 × "
+             "| throughput × round by round |", "|---|---|---|---:|---:|---:|---|"]
     for summary in results["scenarios"]:
         for other, r in summary.get("ratios", {}).items():
+            by_round = ", ".join(_num(x, "{:.2f}") for x in r.get("throughput_rounds", []))
             lines.append(f"| {summary['scenario']} | {summary['subject']} | {other} | {_num(r['throughput'], '{:.2f}')} "
-                         f"| {_num(r.get('throughput_cpu'), '{:.2f}')} | {_num(r['ttft_p50'], '{:.3g}')} |")
+                         f"| {_num(r.get('throughput_cpu'), '{:.2f}')} | {_num(r['ttft_p50'], '{:.3g}')} | {by_round} |")
         for run in summary.get("runs", []):
             if run["status"] != "ok":
                 lines.append(f"| {summary['scenario']} | {summary['subject']} | {run['label']} "
-                             f"| {_cell(run['status'])} | | |")
+                             f"| {_cell(run['status'])} | | | |")
         if summary.get("status") != "ok":
-            lines.append(f"| {summary['scenario']} | | | {summary.get('status')} | | |")
+            lines.append(f"| {summary['scenario']} | | | {summary.get('status')} | | | |")
     lines += ["", "| target | measured | status |", "|---|---:|---|"]
     for row in all_targets(results):
         lines.append(f"| {row['target']} | {_value(row)} | {_status(row)} |")
@@ -138,8 +139,8 @@ def markdown(results: dict) -> str:
     """The whole report; the comparison table comes last."""
     head = ["# kvforge bench", "", f"Command: `{results['command']}`", "",
             f"Model: `{results['model']}` ({results['dtype']}); {'quick' if results['quick'] else 'full'} sizes; "
-            f"{results.get('threads') or 'default'} thread(s) per engine; each configuration the best of "
-            f"{results.get('repeats', 1)} run(s)"
+            f"{results.get('threads') or 'default'} thread(s) per engine; each configuration the fastest of "
+            f"{results.get('repeats', 1)} round(s), the configurations in turn"
             + (f"; only the first {results['max_requests']} requests of each workload." if results.get("max_requests")
                else "."), ""]
     # a peer mapped to None was turned off (--peer NAME=none)

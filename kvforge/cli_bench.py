@@ -50,7 +50,8 @@ def add_parser(commands) -> None:
     parser.add_argument("--threads", type=int, default=1,
                         help="OpenMP/torch threads of every engine and of the machine figures (default: 1; 0 leaves "
                              "each engine its own default)")
-    parser.add_argument("--repeats", type=int, default=1, help="run each configuration N times, keep the fastest (default: 1)")
+    parser.add_argument("--repeats", type=int, default=1, help="N rounds of every configuration in turn; each keeps its fastest round, "
+                        "and the ratios are also given round by round (default: 1)")
     parser.add_argument("--max-requests", type=int, default=None, metavar="N",
                         help="keep the first N requests of each workload (the same N for every engine), for "
                              "peers too slow for the whole workload")

@@ -295,3 +295,48 @@ def test_bench_serve_refuses_a_dtype_it_does_not_run(capsys):
 
     assert main(["bench", "serve", "--quick", "--dtype", "bfloat16"]) != 0
     assert "runs both servers in float32 only" in capsys.readouterr().err
+
+
+def test_repeats_run_the_configurations_in_turn_and_keep_each_ones_fastest_round(tmp_path, tiny_model,
+                                                                                 monkeypatch):
+    # a machine that slows down over the run: in turn, both configurations see the drift alike
+    calls = []
+    elapsed = {"kvforge": [3.0, 2.0, 4.0], "vllm": [6.0, 5.0, 2.5]}
+
+    def fake_run_one(python, peer, workload, config, out, timeout, kv_cache_gib, threads):
+        calls.append(peer)
+        took = elapsed[peer][calls.count(peer) - 1]
+        return {"status": "ok", "result": result(took, [(10, 0.1, 1.0, None), (20, 0.2, 2.0, None)])}
+
+    monkeypatch.setattr(harness, "run_one", fake_run_one)
+    scenario = Scenario("turns", [scenarios.request(0, [3, 4], 10), scenarios.request(1, [5, 6], 20)],
+                        [Run("kvforge", "kvforge"), Run("vLLM CPU", "vllm")], "kvforge")
+    summary = harness.run_scenario(scenario, tiny_model, tmp_path, peers={"kvforge": "py", "vllm": "py"},
+                                   repeats=3, log=lambda line: None)
+    assert calls == ["kvforge", "vllm"] * 3
+    kvforge, vllm = summary["runs"]
+    assert kvforge["metrics"]["elapsed_s"] == 2.0 and vllm["metrics"]["elapsed_s"] == 2.5  # each one's fastest
+    assert kvforge["rounds_tokens_per_s"] == pytest.approx([10.0, 15.0, 7.5])
+    ratio = summary["ratios"]["vLLM CPU"]
+    assert ratio["throughput"] == pytest.approx(1.25)
+    assert ratio["throughput_rounds"] == pytest.approx([2.0, 2.5, 0.625])
+    results = {"command": "test", "model": "m", "dtype": "float32", "quick": True, "peers": {}, "scenarios": [summary]}
+    assert "| vLLM CPU | 1.25 | – | 1 | 2.00, 2.50, 0.62 |" in report.markdown(results)
+
+
+def test_a_configuration_that_fails_is_not_run_again_in_later_rounds(tmp_path, tiny_model, monkeypatch):
+    calls = []
+
+    def fake_run_one(python, peer, workload, config, out, timeout, kv_cache_gib, threads):
+        calls.append(peer)
+        if peer == "vllm":
+            return {"status": "failed (exit 1): boom"}
+        return {"status": "ok", "result": result(1.0, [(4, 0.1, 1.0, None)])}
+
+    monkeypatch.setattr(harness, "run_one", fake_run_one)
+    scenario = Scenario("turns", [scenarios.request(0, [3, 4], 2)],
+                        [Run("kvforge", "kvforge"), Run("vLLM CPU", "vllm")], "kvforge")
+    summary = harness.run_scenario(scenario, tiny_model, tmp_path, peers={"kvforge": "py", "vllm": "py"},
+                                   repeats=3, log=lambda line: None)
+    assert calls == ["kvforge", "vllm", "kvforge", "kvforge"]
+    assert summary["runs"][1]["status"] == "failed (exit 1): boom" and summary["ratios"] == {}
