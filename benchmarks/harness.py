@@ -13,6 +13,7 @@ transformers peers off. vLLM runs only when given its own Python.
 
 from __future__ import annotations
 
+import ctypes.util
 import json
 import math
 import os
@@ -144,6 +145,22 @@ def check_target(target: Target, ratio_table: dict[str, dict]) -> dict:
     return row
 
 
+def tcmalloc() -> str | None:
+    """The system's TCMalloc (its minimal build) by library name, or None where it is not installed."""
+    return ctypes.util.find_library("tcmalloc_minimal")
+
+
+def allocator_note(peers: dict[str, str | None]) -> str | None:
+    """What the vLLM peer allocates with, for the report; None when vLLM does not run."""
+    if not peers.get("vllm"):
+        return None
+    if tcmalloc() is not None:
+        return "vLLM runs with TCMalloc preloaded, as its CPU guide sets it up."
+    return ("vLLM runs on glibc malloc (with kvforge's settings): TCMalloc, which its CPU guide preloads, is not "
+            "installed here (`apt install libtcmalloc-minimal4`), and vLLM is slower without it (docs/benchmarks.md, "
+            "Peers).")
+
+
 def peer_env(peer: str, kv_cache_gib: float, threads: int | None) -> dict:
     """The environment of a peer process. Every peer gets the same OpenMP thread
     count: on a small shared machine, spin-waiting OpenMP threads that outnumber
@@ -156,6 +173,11 @@ def peer_env(peer: str, kv_cache_gib: float, threads: int | None) -> dict:
     if threads:
         env["OMP_NUM_THREADS"] = str(threads)
     if peer == "vllm":
+        # vLLM's CPU guide preloads TCMalloc, and vLLM preloads it into the worker
+        # processes it starts; run in-process, as here, nothing would.
+        library, preload = tcmalloc(), env.get("LD_PRELOAD", "")
+        if library and "tcmalloc" not in preload:
+            env["LD_PRELOAD"] = f"{library}:{preload}" if preload else library
         env.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
         env.setdefault("VLLM_CPU_KVCACHE_SPACE", str(max(1, math.ceil(kv_cache_gib))))
         env.setdefault("HF_HUB_OFFLINE", "1")

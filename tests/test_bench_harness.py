@@ -340,3 +340,27 @@ def test_a_configuration_that_fails_is_not_run_again_in_later_rounds(tmp_path, t
                                    repeats=3, log=lambda line: None)
     assert calls == ["kvforge", "vllm", "kvforge", "kvforge"]
     assert summary["runs"][1]["status"] == "failed (exit 1): boom" and summary["ratios"] == {}
+
+
+def test_the_vllm_peer_gets_tcmalloc_preloaded_where_the_system_has_it(monkeypatch):
+    monkeypatch.setattr(harness, "tcmalloc", lambda: "libtcmalloc_minimal.so.4")
+    monkeypatch.delenv("LD_PRELOAD", raising=False)
+    assert harness.peer_env("vllm", 1.0, 1)["LD_PRELOAD"] == "libtcmalloc_minimal.so.4"
+    assert "LD_PRELOAD" not in harness.peer_env("kvforge", 1.0, 1)  # kvforge runs with its own malloc settings
+    monkeypatch.setenv("LD_PRELOAD", "libfoo.so")
+    assert harness.peer_env("vllm", 1.0, 1)["LD_PRELOAD"] == "libtcmalloc_minimal.so.4:libfoo.so"
+    monkeypatch.setenv("LD_PRELOAD", "/opt/libtcmalloc.so")  # one the user chose stays the only one
+    assert harness.peer_env("vllm", 1.0, 1)["LD_PRELOAD"] == "/opt/libtcmalloc.so"
+    assert "TCMalloc preloaded" in harness.allocator_note({"vllm": "py"})
+    assert harness.allocator_note({"kvforge": "py"}) is None
+
+
+def test_without_tcmalloc_the_vllm_peer_runs_on_glibc_and_the_report_says_so(monkeypatch):
+    monkeypatch.setattr(harness, "tcmalloc", lambda: None)
+    monkeypatch.delenv("LD_PRELOAD", raising=False)
+    assert "LD_PRELOAD" not in harness.peer_env("vllm", 1.0, 1)
+    note = harness.allocator_note({"vllm": "py"})
+    assert "apt install libtcmalloc-minimal4" in note
+    results = {"command": "test", "model": "m", "dtype": "float32", "quick": True, "peers": {"vllm": "py"},
+               "allocators": note, "scenarios": []}
+    assert note in report.markdown(results)
