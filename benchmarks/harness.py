@@ -158,7 +158,7 @@ def allocator_note(peers: dict[str, str | None]) -> str | None:
         return "vLLM runs with TCMalloc preloaded, as its CPU guide sets it up."
     return ("vLLM runs on glibc malloc (with kvforge's settings): TCMalloc, which its CPU guide preloads, is not "
             "installed here (`apt install libtcmalloc-minimal4`), and vLLM is slower without it (docs/benchmarks.md, "
-            "Peers).")
+            "Memory allocator).")
 
 
 def peer_env(peer: str, kv_cache_gib: float, threads: int | None) -> dict:

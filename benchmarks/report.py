@@ -147,8 +147,8 @@ def markdown(results: dict) -> str:
     peers_line = ", ".join(f"{k}={v}" for k, v in results["peers"].items() if k != "kvforge" and v)
     head += [f"Peers: {peers_line}." if peers_line else
              "Peers: none (`--peer NAME=PATH/TO/python` runs one); only kvforge configurations ran.", ""]
-    if results.get("allocators"):
-        head += [results["allocators"], ""]
+    if results.get("allocator_note"):
+        head += [results["allocator_note"], ""]
     machine = results.get("machine")
     # the peak is float32's: other dtypes' runs get no fraction of it
     peak = machine["gemm_gflops"] if machine and results.get("dtype", "float32") == "float32" else None

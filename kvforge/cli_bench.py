@@ -85,7 +85,7 @@ def bench(scenario_names: list[str], *, quick: bool, out: Path, peers: dict[str,
     if off:
         log(f"peers turned off, not run: {', '.join(off)}")
     results = {"command": command, "model": model, "model_dir": str(path), "dtype": dtype, "quick": quick,
-               "peers": peers, "allocators": harness.allocator_note(peers), "threads": threads, "repeats": repeats,
+               "peers": peers, "allocator_note": harness.allocator_note(peers), "threads": threads, "repeats": repeats,
                "max_requests": max_requests,
                "started": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()), "scenarios": []}
     if machine_model:

@@ -362,5 +362,5 @@ def test_without_tcmalloc_the_vllm_peer_runs_on_glibc_and_the_report_says_so(mon
     note = harness.allocator_note({"vllm": "py"})
     assert "apt install libtcmalloc-minimal4" in note
     results = {"command": "test", "model": "m", "dtype": "float32", "quick": True, "peers": {"vllm": "py"},
-               "allocators": note, "scenarios": []}
+               "allocator_note": note, "scenarios": []}
     assert note in report.markdown(results)
