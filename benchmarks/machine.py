@@ -10,7 +10,7 @@
 The engine has no per-step timing hook, so the model's `plan`, `forward` and
 `compute_logits` are wrapped on the instance for the measurement.
 
-    python -m kvforge.benchmarks.machine [--quick]
+    python -m kvforge.benchmarks.machine [--quick] [--threads 1] [--rounds 3]
 """
 
 from __future__ import annotations
@@ -146,20 +146,33 @@ def mfu(profile: dict, peak_gflops: float) -> float:
 
 
 def measure(model_dir: str, quick: bool = False, batches=(1, 32, 128), mfu_batch: int = 64,
-            threads: int | None = None) -> dict:
+            threads: int | None = None, rounds: int = 1) -> dict:
     """The machine section of a bench run, with `threads` torch threads (the
-    engines' count, so MFU compares like with like)."""
+    engines' count, so MFU compares like with like). With `rounds` > 1 the GEMM
+    peak and the decode profiles are measured in turn, round after round, and
+    each keeps its best round: a host whose speed drifts during the run then
+    weighs on both sides of the MFU alike, as `--repeats` does for the engines.
+    `mfu_rounds` is each round's decode against that round's own peak."""
     if threads:
         torch.set_num_threads(threads)
+    if rounds < 1:
+        raise ValueError(f"rounds must be at least 1, got {rounds}")
     steps = 3 if quick else 10
-    kernels = gemm_peak((1024, 2048) if quick else (1024, 2048, 4096))
+    sizes = (1024, 2048) if quick else (1024, 2048, 4096)
+    measured = []  # per round: (kernels, {batch: profile})
+    for _ in range(rounds):
+        kernels = gemm_peak(sizes)
+        measured.append((kernels, {b: decode_profile(model_dir, b, steps) for b in sorted(set(batches) | {mfu_batch})}))
+    kernels = {k: max(r[0][k] for r in measured) for k in measured[0][0]}
+    profiles = {b: min((r[1][b] for r in measured), key=lambda p: p["step_s"]) for b in measured[0][1]}
     peak = max(kernels.values())  # MFU against the fastest GEMM here, whichever the model uses
-    profiles = {b: decode_profile(model_dir, b, steps) for b in sorted(set(batches) | {mfu_batch})}
     at = profiles[mfu_batch]
     return {"machine": describe(), "gemm_gflops": peak, "gemm_kernels": kernels, "model_dir": model_dir,
+            "rounds": rounds,
             "decode": {"batch": mfu_batch, "step_ms": at["step_s"] * 1e3,
                        "achieved_gflops": at["flops_per_step"] / at["step_s"] / 1e9, "mfu": mfu(at, peak),
-                       "mfu_model_only": at["flops_per_step"] / at["model_s"] / (peak * 1e9)},
+                       "mfu_model_only": at["flops_per_step"] / at["model_s"] / (peak * 1e9),
+                       "mfu_rounds": [mfu(r[1][mfu_batch], max(r[0].values())) for r in measured]},
             "overhead": {str(b): {"step_ms": p["step_s"] * 1e3, "model_ms": p["model_s"] * 1e3,
                                   "fraction": p["overhead_fraction"]} for b, p in profiles.items() if b in batches}}
 
@@ -171,5 +184,8 @@ if __name__ == "__main__":
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--model", default="bench-llama-50m")
     parser.add_argument("--threads", type=int, default=None)
+    parser.add_argument("--rounds", type=int, default=1, help="measure the GEMM peak and the decode profiles in "
+                        "turn N times; each keeps its best round")
     args = parser.parse_args()
-    print(json.dumps(measure(str(model_dir(args.model)), args.quick, threads=args.threads), indent=2))
+    print(json.dumps(measure(str(model_dir(args.model)), args.quick, threads=args.threads, rounds=args.rounds),
+                     indent=2))

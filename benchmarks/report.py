@@ -10,6 +10,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
+# Issue #17: decode at batch 64 runs at >= 80% of the measured GEMM peak (model FLOPs per step time).
+DECODE_MFU_TARGET = 0.8
+
 
 def _num(value, fmt: str = "{:.1f}", scale: float = 1.0) -> str:
     return "–" if value is None else fmt.format(value * scale)
@@ -32,11 +35,21 @@ def machine_section(machine: dict | None) -> list[str]:
                 if machine.get("gemm_kernels") else ""),
              f"- decode at batch {machine['decode']['batch']} ({Path(machine['model_dir']).name}): "
              f"{machine['decode']['step_ms']:.1f} ms/step, {machine['decode']['achieved_gflops']:.1f} GFLOP/s, "
-             f"MFU **{machine['decode']['mfu']:.1%}** (model time only: {machine['decode']['mfu_model_only']:.1%})", "",
+             f"MFU **{machine['decode']['mfu']:.1%}** (model time only: {machine['decode']['mfu_model_only']:.1%})"
+             + _mfu_rounds(machine), "",
              "| batch | step ms | model ms | outside the model |", "|---:|---:|---:|---:|"]
     for batch, row in machine["overhead"].items():
         lines.append(f"| {batch} | {row['step_ms']:.1f} | {row['model_ms']:.1f} | {row['fraction']:.1%} |")
     return lines + [""]
+
+
+def _mfu_rounds(machine: dict) -> str:
+    """The MFU of each round against its own round's GEMM peak, when there were several."""
+    by_round = machine["decode"].get("mfu_rounds") or []
+    if len(by_round) < 2:
+        return ""
+    return (f"; {len(by_round)} rounds in turn, the best of each side above; each round against its own GEMM "
+            f"peak: {', '.join(f'{x:.1%}' for x in by_round)}")
 
 
 def _load(load) -> str:
@@ -108,8 +121,8 @@ def all_targets(results: dict) -> list[dict]:
     machine = results.get("machine")
     if machine:
         mfu = machine["decode"]["mfu"]
-        rows.append({"target": "decode MFU >= 50% at batch 64", "metric": "fraction", "value": mfu, "threshold": 0.5,
-                     "status": "met" if mfu >= 0.5 else "missed"})
+        rows.append({"target": f"decode MFU >= {DECODE_MFU_TARGET:.0%} at batch 64", "metric": "fraction", "value": mfu,
+                     "threshold": DECODE_MFU_TARGET, "status": "met" if mfu >= DECODE_MFU_TARGET else "missed"})
         over = machine["overhead"].get("32")
         if over is not None:
             # lower is better: "met" when at or under the threshold

@@ -51,7 +51,8 @@ def add_parser(commands) -> None:
                         help="OpenMP/torch threads of every engine and of the machine figures (default: 1; 0 leaves "
                              "each engine its own default)")
     parser.add_argument("--repeats", type=int, default=1, help="N rounds of every configuration in turn; each keeps its fastest round, "
-                        "and the ratios are also given round by round (default: 1)")
+                        "and the ratios are also given round by round; the machine figures (GEMM peak and decode "
+                        "profiles) take N rounds in turn too (default: 1)")
     parser.add_argument("--max-requests", type=int, default=None, metavar="N",
                         help="keep the first N requests of each workload (the same N for every engine), for "
                              "peers too slow for the whole workload")
@@ -92,7 +93,7 @@ def bench(scenario_names: list[str], *, quick: bool, out: Path, peers: dict[str,
         from kvforge.benchmarks import machine
 
         log("machine: GEMM peak, decode MFU, step overhead ...")
-        results["machine"] = machine.measure(str(model_dir(machine_model)), quick, threads=threads)
+        results["machine"] = machine.measure(str(model_dir(machine_model)), quick, threads=threads, rounds=repeats)
     for name in scenario_names:
         scenario = scenarios.build(name, vocab, quick)
         if max_requests is not None:
