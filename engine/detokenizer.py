@@ -10,14 +10,37 @@ partial character (U+FFFD) and flushed when the request finishes.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import sys
+from collections.abc import Callable, Sequence
 
 REPLACEMENT = "\ufffd"
 
 
+def plain_decode(tokenizer) -> Callable[[Sequence[int]], str]:
+    """`tokenizer.decode`, or the same text with less Python around it: for a
+    transformers tokenizer whose `decode` is only its `tokenizers` backend's
+    decode (neither method overridden, no clean-up of spaces), the backend's own
+    `decode`, without transformers' per-call argument handling (each step makes
+    two calls per request; docs/benchmarks.md has the time saved)."""
+    if "transformers" not in sys.modules:  # then the tokenizer is not one of its own (and none is imported here)
+        return tokenizer.decode
+    try:
+        from transformers.tokenization_utils_base import PreTrainedTokenizerBase
+        from transformers.tokenization_utils_tokenizers import TokenizersBackend
+    except ImportError:  # another transformers layout: its decode as it is
+        return tokenizer.decode
+    kind = type(tokenizer)
+    if (not isinstance(tokenizer, TokenizersBackend) or kind.decode is not PreTrainedTokenizerBase.decode
+            or kind._decode is not TokenizersBackend._decode
+            or getattr(tokenizer, "clean_up_tokenization_spaces", True)):
+        return tokenizer.decode
+    backend = tokenizer.backend_tokenizer
+    return lambda ids: backend.decode(list(ids), skip_special_tokens=False)
+
+
 class IncrementalDetokenizer:
     def __init__(self, tokenizer):
-        self.tokenizer = tokenizer
+        self.decode = plain_decode(tokenizer)
         self.prefix = 0  # start of the context window
         self.read = 0  # tokens before this are settled: their text is final
         self.emitted = 0  # characters emitted past the settled text
@@ -27,8 +50,8 @@ class IncrementalDetokenizer:
         """Bring `text` up to `token_ids` (the output so far); returns the new text."""
         if len(token_ids) <= self.read:
             return ""
-        context = self.tokenizer.decode(token_ids[self.prefix:self.read])
-        fresh = self.tokenizer.decode(token_ids[self.prefix:])[len(context):]
+        context = self.decode(token_ids[self.prefix:self.read])
+        fresh = self.decode(token_ids[self.prefix:])[len(context):]
         partial = fresh.endswith(REPLACEMENT) and not final
         printable = fresh.rstrip(REPLACEMENT) if partial else fresh
         new = printable[self.emitted:]
