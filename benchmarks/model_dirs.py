@@ -27,6 +27,9 @@ SYNTHETIC = {
 # The same models with room for the long-prompt scenario's 4k-token prompts.
 SYNTHETIC["bench-llama-tiny-8k"] = {**SYNTHETIC["bench-llama-tiny"], "max_position_embeddings": 8192}
 SYNTHETIC["bench-llama-50m-8k"] = {**SYNTHETIC["bench-llama-50m"], "max_position_embeddings": 8192}
+# The default bench models: with --quick, and otherwise.
+QUICK_MODEL = "bench-llama-tiny"
+FULL_MODEL = "bench-llama-50m"
 
 
 def cache_root() -> Path:
@@ -56,6 +59,23 @@ def config_digest(arguments: dict) -> str:
 def max_positions(path: Path) -> int | None:
     """The longest sequence the model directory's config admits (None when it does not say)."""
     return json.loads((Path(path) / "config.json").read_text()).get("max_position_embeddings")
+
+
+def scenario_model_dir(scenario, model: str, path: Path) -> Path:
+    """The model directory `scenario` runs: `path` (of `model`) when it holds the
+    longest request of a scenario that names its own model (long-prompt), or
+    for any other scenario; else, for a default bench model, the scenario's own
+    model (the same one with more positions); else a ConfigError."""
+    from kvforge.core import ConfigError
+
+    need, limit = scenario.longest(), max_positions(path)
+    if scenario.model is None or limit is None or need <= limit:  # the others run as they always did
+        return path
+    if model in (QUICK_MODEL, FULL_MODEL):
+        return model_dir(scenario.model)
+    raise ConfigError(f"scenario {scenario.name}: its longest request needs {need} positions but model {model} "
+                      f"admits {limit} (max_position_embeddings); pass --model with at least {need}, e.g. "
+                      f"--model {scenario.model}, or drop the scenario")
 
 
 def build(path: Path, arguments: dict, seed: int = 0) -> None:

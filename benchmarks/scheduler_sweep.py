@@ -29,10 +29,8 @@ def sweep(scenario_names: list[str], setting: str, values: list[int], *, rounds:
     far less than elapsed time."""
     if per_cpu_second and threads != 1:
         raise ValueError(f"per_cpu_second measures one thread's work; got threads={threads}")
-    from kvforge.cli_bench import FULL_MODEL, QUICK_MODEL, scenario_model_dir
-
     from . import harness, scenarios
-    from .model_dirs import model_dir
+    from .model_dirs import FULL_MODEL, QUICK_MODEL, model_dir, scenario_model_dir
     from .scenarios import Run
 
     model = QUICK_MODEL if quick else FULL_MODEL

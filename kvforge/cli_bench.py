@@ -18,8 +18,8 @@ import sys
 import time
 from pathlib import Path
 
-QUICK_MODEL = "bench-llama-tiny"
-FULL_MODEL = "bench-llama-50m"
+from kvforge.benchmarks.model_dirs import FULL_MODEL, QUICK_MODEL, model_dir, scenario_model_dir
+
 BENCH_DTYPES = ("float32", "bfloat16", "float16")
 
 
@@ -74,7 +74,6 @@ def bench(scenario_names: list[str], *, quick: bool, out: Path, peers: dict[str,
     """Run the scenarios and the machine measurements; write results.json,
     report.md and one PNG per scenario under `out`; return the results."""
     from kvforge.benchmarks import harness, report, scenarios
-    from kvforge.benchmarks.model_dirs import model_dir
 
     out.mkdir(parents=True, exist_ok=True)
     path = model_dir(model)
@@ -129,24 +128,6 @@ def prefill_figures(scenario, path: Path, dtype: str, threads: int) -> dict:
                                      dtypes=(dtype,), threads=threads or None)
 
 
-def scenario_model_dir(scenario, model: str, path: Path) -> Path:
-    """The model directory `scenario` runs: `path` (of `model`) when it holds the
-    longest request of a scenario that names its own model (long-prompt), or
-    for any other scenario; else, for a default bench model, the scenario's own
-    model (the same one with more positions); else a ConfigError."""
-    from kvforge.benchmarks.model_dirs import max_positions, model_dir
-    from kvforge.core import ConfigError
-
-    need, limit = scenario.longest(), max_positions(path)
-    if scenario.model is None or limit is None or need <= limit:  # the others run as they always did
-        return path
-    if model in (QUICK_MODEL, FULL_MODEL):
-        return model_dir(scenario.model)
-    raise ConfigError(f"scenario {scenario.name}: its longest request needs {need} positions but model {model} "
-                      f"admits {limit} (max_position_embeddings); pass --model with at least {need}, e.g. "
-                      f"--model {scenario.model}, or drop the scenario")
-
-
 def run(args: argparse.Namespace) -> int:
     from kvforge.benchmarks import harness, report
     from kvforge.benchmarks.scenarios import NAMES
@@ -195,7 +176,6 @@ def run(args: argparse.Namespace) -> int:
 def run_serve(args: argparse.Namespace) -> int:
     """`kvforge bench serve`: every engine's server under Poisson load at each rate."""
     from kvforge.benchmarks import harness, scenarios, serve_load
-    from kvforge.benchmarks.model_dirs import model_dir
     from kvforge.core import ConfigError
 
     if args.scenarios != ["serve"]:

@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from kvforge.benchmarks import model_dirs, scenarios
+from kvforge.benchmarks.model_dirs import FULL_MODEL, QUICK_MODEL, scenario_model_dir
 from kvforge.core import ConfigError
-from kvforge.cli_bench import FULL_MODEL, QUICK_MODEL, scenario_model_dir
 
 transformers = pytest.importorskip("transformers")
 
