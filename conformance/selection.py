@@ -9,6 +9,7 @@ from __future__ import annotations
 import difflib
 import functools
 import os
+from collections.abc import Sequence
 
 from kvforge.core import KINDS, ConfigError, Registration, Registry, build_registry
 from kvforge.core.registry import PLUGINS_ENV
@@ -24,6 +25,27 @@ DEVICES = ("cpu", "cuda")
 
 def quick() -> bool:
     return os.environ.get(QUICK_ENV, "") == "1"
+
+
+class QuickGrid(Sequence):
+    """A check's parameter values: `full` normally, `quick` under --quick. Read when
+    pytest collects (not when the module is imported), so the run's choice holds
+    however early the module was imported; use it as `parametrize`'s argvalues."""
+
+    def __init__(self, full, quick):
+        self.full, self.quick = tuple(full), tuple(quick)
+
+    def _values(self) -> tuple:
+        return self.quick if quick() else self.full
+
+    def __getitem__(self, index):
+        return self._values()[index]
+
+    def __len__(self) -> int:
+        return len(self._values())
+
+    def __repr__(self) -> str:
+        return f"QuickGrid(full={list(self.full)}, quick={list(self.quick)})"
 
 
 def fail_fast() -> bool:

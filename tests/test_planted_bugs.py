@@ -52,7 +52,7 @@ def result(implementation: str, status: str, messages=(), skip_reasons=()) -> di
 
 def test_the_tally_counts_a_bug_caught_only_by_a_failing_check():
     # planted bugs that pass, only skip, are never checked, or fail only at the time limit are missed
-    lcfs, tie, progress, victim, preempts, hang = (cls.name for cls in PLANTED["scheduler_policy"])
+    lcfs, tie, progress, victim, spares, preempts, hang = (cls.name for cls in PLANTED["scheduler_policy"])
     data = {"results": [
         result(lcfs, "fail", ["AssertionError: two distinct requests compare equal"]),
         result(tie, "pass"),
@@ -64,7 +64,7 @@ def test_the_tally_counts_a_bug_caught_only_by_a_failing_check():
     assert tallies["scheduler_policy"].missed == [(tie, "passed every check"),
                                                   (progress, "failed only at the time limit"),
                                                   (victim, "skipped (unavailable: needs CUDA)"),
-                                                  (preempts, "never checked")]
+                                                  (spares, "never checked"), (preempts, "never checked")]
     assert getattr(PLANTED["scheduler_policy"][-1], "hangs", False)
     assert tallies["scheduler_policy"].caught == 2  # lcfs by a check, the planted hang by the limit
     assert tallies["quantizer"] == Tally(planted=len(PLANTED["quantizer"]),

@@ -58,6 +58,16 @@ class RequeuesVictimAsNew(ArrivalFirst):
         return None if victim is None else replace(victim, arrival_index=victim.arrival_index + len(running))
 
 
+class SparesTheLastRequest(ArrivalFirst):
+    """`choose_victim` returns None for a one-request list, as if the last running request
+    could not be preempted: guarantee 3 allows None only for an empty list."""
+
+    name = "spares-the-last-request"
+
+    def choose_victim(self, running):
+        return None if len(running) == 1 else super().choose_victim(running)
+
+
 class AlwaysPreempts(ArrivalFirst):
     """`may_preempt` always says yes: two requests take each other's place forever
     (guarantee 4; the queue check's bounded loop ends the livelock)."""
@@ -79,5 +89,5 @@ class NeverReturns(ArrivalFirst):
             time.sleep(1)  # waits without spinning: the proof must not eat a shared CPU
 
 
-PLANTED = [LastComeFirstServed, PriorityWithoutTieBreak, PlaceFollowsProgress, RequeuesVictimAsNew, AlwaysPreempts,
-           NeverReturns]
+PLANTED = [LastComeFirstServed, PriorityWithoutTieBreak, PlaceFollowsProgress, RequeuesVictimAsNew,
+           SparesTheLastRequest, AlwaysPreempts, NeverReturns]
