@@ -8,6 +8,9 @@ speculation never changes what is generated.
   test over many samples of a small vocabulary (top-k 3) cannot tell them
   apart. `tests/test_speculative_statistics.py` shows this test does catch a
   verifier that accepts drafts without comparing.
+* A request that runs until its context is full ends where it ends without
+  speculation: the engine cuts drafts past the context (the proposer's
+  guarantee 4 only asks it not to fail there).
 * The engine refuses the proposer's output when it holds ids outside the
   vocabulary, with an error naming the proposer.
 
@@ -27,7 +30,7 @@ from kvforge.engine.llm import LLM
 from kvforge.engine.llm_engine import LLMEngine
 from kvforge.engine.sampling_params import SamplingParams
 
-from .selection import registry
+from .selection import QuickGrid, registry
 
 KIND = SPECULATIVE_PROPOSER
 GROUP = "engine"
@@ -64,12 +67,17 @@ def generate(engine: LLMEngine, prompts, params) -> list[list[int]]:
     return [[c.token_ids for c in output.outputs] for output in outputs]
 
 
-@pytest.mark.parametrize("settings", [
-    {},
-    {"cache": {"enable_prefix_caching": False}},
-    {"scheduler": {"max_num_batched_tokens": 16}},  # chunked prefill
-    {"cache": {"num_blocks": 12}},  # preemption and recomputation
-], ids=["prefix-caching", "no-prefix-caching", "chunked-prefill", "preemption"])
+_PREFIX_CACHING = pytest.param({}, id="prefix-caching")
+_PREEMPTION = pytest.param({"cache": {"num_blocks": 12}}, id="preemption")  # and recomputation
+SETTINGS = QuickGrid(full=[
+    _PREFIX_CACHING,
+    pytest.param({"cache": {"enable_prefix_caching": False}}, id="no-prefix-caching"),
+    pytest.param({"scheduler": {"max_num_batched_tokens": 16}}, id="chunked-prefill"),
+    _PREEMPTION,
+], quick=[_PREFIX_CACHING, _PREEMPTION])
+
+
+@pytest.mark.parametrize("settings", SETTINGS)
 def test_greedy_output_is_token_for_token_the_same(proposer_name, settings):
     params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
 
@@ -85,6 +93,24 @@ def test_greedy_output_is_token_for_token_the_same(proposer_name, settings):
         assert figures["prefix_cache_hit_rate"] > 0
     if "num_blocks" in settings.get("cache", {}):
         assert figures["preemptions"] > 0
+
+
+def test_greedy_output_running_into_the_end_of_the_context_is_the_same(proposer_name):
+    """Drafts that would pass the context are the engine's to cut (guarantee 4 of the proposer):
+    a request that runs until the context is full ends where it ends without speculation."""
+    params = SamplingParams(temperature=0, max_tokens=100, ignore_eos=True)
+    prompt = ("the cat sat on the mat. " * 50)[:1000]  # 1000 bytes of a 1024-token context
+
+    def run(engine):
+        [output] = LLM.from_engine(engine).generate([prompt], params)
+        assert not output.error, output.error
+        return output.outputs[0].token_ids, output.outputs[0].finish_reason
+
+    plain = run(engine_for(None))
+    engine = engine_for(proposer_name)
+    assert run(engine) == plain
+    assert plain[1] == "length" and len(plain[0]) < params.max_tokens  # the context, not max_tokens, ended it
+    assert engine.metrics()["spec_draft_tokens"] > 0, f"{proposer_name} proposed nothing for repetitive text"
 
 
 def chi_square_pvalue(counts: torch.Tensor, probs: torch.Tensor) -> float:

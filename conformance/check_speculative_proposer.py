@@ -28,6 +28,8 @@ from kvforge.core import (
     SpeculativeProposer,
 )
 
+from .selection import QuickGrid
+
 KIND = SPECULATIVE_PROPOSER
 GROUP = "proposals"
 
@@ -38,8 +40,8 @@ TARGET = ProposerTarget(model="kvforge-tiny", vocab_size=259, max_model_len=1024
                         dtype=torch.float32)
 """kvforge-tiny's facts as its config.json states them (a test keeps the two in step)."""
 
-NUM_TOKENS = (1, 4)
-SEEDS = range(2)
+NUM_TOKENS = QuickGrid(full=(1, 4), quick=(4,))
+SEEDS = QuickGrid(full=range(2), quick=range(1))
 
 
 def options_for(name: str) -> dict:
@@ -82,12 +84,8 @@ def assert_same(first: list[DraftProposal], second: list[DraftProposal], what: s
             assert torch.allclose(a.probs.float(), b.probs.float(), atol=1e-5), f"{what}: request {i}'s probs differ"
 
 
-@pytest.mark.parametrize("seed", SEEDS)
-@pytest.mark.parametrize("num_tokens", NUM_TOKENS)
-def test_one_proposal_per_request_of_at_most_k_tokens_inside_the_vocabulary(registration, seed, num_tokens):
-    proposer = ready(registration)
-    requests = make_requests(seed)
-    proposals = proposer.propose(requests, num_tokens)
+def assert_valid(requests: list[ProposalRequest], proposals, num_tokens: int) -> None:
+    """Guarantee 1: one DraftProposal per request, in order, each of at most `num_tokens` ids in the vocabulary."""
     assert isinstance(proposals, list), f"propose returned {type(proposals).__name__}, not a list"
     assert len(proposals) == len(requests), f"{len(proposals)} proposals for {len(requests)} requests"
     for request, proposal in zip(requests, proposals):
@@ -96,7 +94,39 @@ def test_one_proposal_per_request_of_at_most_k_tokens_inside_the_vocabulary(regi
         assert len(drafts) <= num_tokens, f"{request.request_id}: {len(drafts)} drafts, more than k = {num_tokens}"
         bad = [t for t in drafts if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < TARGET.vocab_size]
         assert not bad, f"{request.request_id}: draft tokens {bad} are not ids in [0, {TARGET.vocab_size})"
+
+
+@pytest.mark.parametrize("seed", SEEDS)
+@pytest.mark.parametrize("num_tokens", NUM_TOKENS)
+def test_one_proposal_per_request_of_at_most_k_tokens_inside_the_vocabulary(registration, seed, num_tokens):
+    proposer = ready(registration)
+    requests = make_requests(seed)
+    assert_valid(requests, proposer.propose(requests, num_tokens), num_tokens)
     assert proposer.propose([], num_tokens) == []
+
+
+def context_end_requests() -> list[ProposalRequest]:
+    """Requests one, two and three tokens short of the context, whose drafts pass it at
+    k = 4, with a short one beside them, as the engine asks: one call, k the most any
+    request of it may take. Their text repeats, so lookup proposers find drafts."""
+    phrase = [ord(c) for c in "the end of the context. "]
+    lengths = [TARGET.max_model_len - short for short in (1, 2, 3)]
+    requests = [ProposalRequest(f"end-{n}", (phrase * (n // len(phrase) + 1))[:n], 0.0) for n in lengths]
+    return requests + [ProposalRequest("short", phrase[:5], 0.7)]
+
+
+def test_requests_at_the_end_of_the_context_are_served(registration):
+    proposer = ready(registration)
+    requests, num_tokens = context_end_requests(), 4
+    try:
+        proposals = proposer.propose(requests, num_tokens)
+    except Exception as exc:
+        longest = max(len(r.token_ids) for r in requests)
+        raise AssertionError(
+            f"guarantee 4: propose raised {type(exc).__name__}: {exc} for requests of up to {longest} tokens with "
+            f"num_tokens={num_tokens} and a context of {TARGET.max_model_len}; serve them (drafting fewer, or as "
+            "many: the engine cuts drafts past the context)") from exc
+    assert_valid(requests, proposals, num_tokens)
 
 
 @pytest.mark.parametrize("seed", SEEDS)

@@ -53,6 +53,17 @@ class SpeculativeProposer(Implementation):
       3. Proposals are a pure function of the inputs and the proposer's state:
          the engine's rejection sampling keeps greedy output token-for-token equal
          to decoding without speculation, whatever is proposed.
+      4. A request at the end of the target's context is served like any other:
+         `propose` does not fail when `len(token_ids) + num_tokens` passes
+         `ProposerTarget.max_model_len` (it may draft fewer tokens, or as many).
+
+    Keeping drafts inside the context is the engine's duty, not the proposer's:
+    it asks for the most drafts any request of the call may take, then cuts each
+    request's drafts to what its context and `max_tokens` leave (draft `i` takes
+    position `len(token_ids) + i`), so a draft past the end is never verified.
+    Token-for-token equality (guarantee 3's promise) is the engine's duty too;
+    the conformance group `engine` runs each proposer through the reference
+    engine to show the two together keep it.
     """
 
     kind: ClassVar[str] = SPECULATIVE_PROPOSER

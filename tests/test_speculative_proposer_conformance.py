@@ -13,6 +13,7 @@ from kvforge.conformance import check_speculative_proposer as check
 from kvforge.core import SPECULATIVE_PROPOSER, ConfigError, Registry, hookimpl
 from tests.planted.speculative_proposers import (
     DraftOutsideItsProbs,
+    FailsPastTheContext,
     ForgetsNothingOnRelease,
     OutOfVocabulary,
     RepeatLast,
@@ -44,7 +45,8 @@ class NeedsAnOption(RepeatLast):
 
 
 BROKEN = [OutOfVocabulary, TooMany, TensorIds, SkipsEmptyDrafts, SortedById, Unseeded, UnnormalizedProbs,
-          DraftOutsideItsProbs, TransposedProbs, ForgetsNothingOnRelease, RefusesTheTarget, NeedsAnOption]
+          DraftOutsideItsProbs, TransposedProbs, ForgetsNothingOnRelease, FailsPastTheContext, RefusesTheTarget,
+          NeedsAnOption]
 
 
 class _Plugin:
@@ -71,6 +73,7 @@ def run_all_checks(registration) -> None:
         check.test_proposals_follow_the_order_of_the_requests(registration, seed)
         check.test_same_state_and_inputs_give_the_same_proposals(registration, seed)
         check.test_probs_are_probability_rows_with_mass_on_each_draft(registration, seed)
+    check.test_requests_at_the_end_of_the_context_are_served(registration)
     check.test_release_of_an_unknown_request_is_harmless(registration)
 
 
@@ -116,6 +119,19 @@ def test_bad_probs_are_caught(registry, cls, message):
         check.test_probs_are_probability_rows_with_mass_on_each_draft(registration(registry, cls), 0)
 
 
+def test_the_context_end_requests_pass_the_context_beside_a_short_one():
+    requests = check.context_end_requests()
+    assert all(len(r.token_ids) + 4 > check.TARGET.max_model_len for r in requests[:-1])
+    assert all(len(r.token_ids) < check.TARGET.max_model_len for r in requests)  # the engine asks no full request
+    assert len(requests[-1].token_ids) + 4 <= check.TARGET.max_model_len
+
+
+def test_a_proposer_that_fails_past_the_context_is_caught_naming_guarantee_4(registry):
+    with pytest.raises(AssertionError, match=r"^guarantee 4: propose raised IndexError: .* for requests of up to 1023 "
+                                             r"tokens with num_tokens=4 and a context of 1024"):
+        check.test_requests_at_the_end_of_the_context_are_served(registration(registry, FailsPastTheContext))
+
+
 def test_release_of_an_unknown_id_that_raises_is_caught(registry):
     with pytest.raises(KeyError):
         check.test_release_of_an_unknown_request_is_harmless(registration(registry, ForgetsNothingOnRelease))
@@ -138,3 +154,13 @@ def test_options_from_the_environment_reach_the_proposer(registry, monkeypatch):
 def test_every_broken_proposer_fails_or_is_skipped_by_the_group_as_a_whole(registry, cls):
     with pytest.raises((AssertionError, KeyError, pytest.skip.Exception)):
         run_all_checks(registration(registry, cls))
+
+
+def test_the_quick_grid_is_a_subset_of_the_full_one(monkeypatch):
+    from kvforge.conformance.selection import QUICK_ENV
+
+    monkeypatch.delenv(QUICK_ENV, raising=False)
+    full = (list(check.SEEDS), list(check.NUM_TOKENS))
+    monkeypatch.setenv(QUICK_ENV, "1")
+    quick = (list(check.SEEDS), list(check.NUM_TOKENS))
+    assert all(set(q) < set(f) for q, f in zip(quick, full)) and all(quick)

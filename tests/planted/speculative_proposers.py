@@ -139,7 +139,23 @@ class ForgetsNothingOnRelease(RepeatLast):
         self.seen.remove(request_id)
 
 
+class FailsPastTheContext(RepeatLast):
+    """Looks its drafts' positions up in a table as long as the target's context, and
+    raises IndexError for a request whose drafts would pass it (guarantee 4: the engine
+    cuts such drafts itself, so a proposer must serve the request, not fail)."""
+
+    name = "fails-past-the-context"
+
+    def setup(self, target):
+        self.positions = torch.arange(target.max_model_len)
+
+    def draft(self, request, num_tokens):
+        length = len(request.token_ids)
+        self.positions[length + num_tokens - 1].item()  # IndexError past the context
+        return super().draft(request, num_tokens)
+
+
 PLANTED = [
     OutOfVocabulary, TooMany, TensorIds, SkipsEmptyDrafts, SortedById, Unseeded, UnnormalizedProbs,
-    DraftOutsideItsProbs, TransposedProbs, ForgetsNothingOnRelease,
+    DraftOutsideItsProbs, TransposedProbs, ForgetsNothingOnRelease, FailsPastTheContext,
 ]
