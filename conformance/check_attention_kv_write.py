@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from kvforge.core import ATTENTION_BACKEND, NHD, KVCacheSpec
+from kvforge.conformance.applicability import not_applicable
 from kvforge.conformance.attention_cases import DTYPES, fresh_seed, make_layer, scatter, target
 from kvforge.conformance.attention_cases import one_thread  # noqa: F401 (a fixture, used below)
 
@@ -46,9 +47,9 @@ def write_once(tgt, dtype: torch.dtype, block_size: int, head_size: int, seed: i
 def test_write_puts_each_token_exactly_at_its_slot_and_nowhere_else(registration, dtype):
     tgt = target(registration)
     if tgt.cls.kv_layout != NHD:
-        pytest.skip(f"{tgt.name} uses layout {tgt.cls.kv_layout}; this check reads the NHD layout")
+        not_applicable(f"{tgt.name} uses layout {tgt.cls.kv_layout}; this check reads the NHD layout")
     if dtype not in tgt.cls.dtypes:
-        pytest.skip(f"{tgt.name} does not declare {dtype}")
+        not_applicable(f"{tgt.name} does not declare {dtype}")
     seed = fresh_seed()
     problems = [write_once(tgt, dtype, block_size, head_size, seed + i, skipped=0)
                 for i, (block_size, head_size) in enumerate(zip(tgt.block_sizes(), tgt.head_sizes() * 4))]
@@ -59,7 +60,7 @@ def test_write_puts_each_token_exactly_at_its_slot_and_nowhere_else(registration
 def test_write_skips_slots_marked_minus_one(registration, skipped):
     tgt = target(registration)
     if tgt.cls.kv_layout != NHD:
-        pytest.skip(f"{tgt.name} uses layout {tgt.cls.kv_layout}; this check reads the NHD layout")
+        not_applicable(f"{tgt.name} uses layout {tgt.cls.kv_layout}; this check reads the NHD layout")
     dtype = tgt.dtypes()[0]
     seed = fresh_seed()
     problems = [write_once(tgt, dtype, block_size, tgt.head_sizes()[0], seed + i, skipped=skipped)

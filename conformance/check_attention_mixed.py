@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from kvforge.core import ATTENTION_BACKEND
+from kvforge.conformance.applicability import not_applicable
 from kvforge.conformance.attention_cases import (
     DTYPES, QUERIES_PER_KV, another_layer, batch_to, check_case, fresh_seed, grid, make_case, make_layer, mismatch,
     oracle, relative_error, report, run_step, skip_if_reduced, target, TOLERANCES,
@@ -41,7 +42,7 @@ def test_every_head_size_with_every_head_ratio(registration):
 def test_one_plan_serves_every_layer_of_a_step(registration, dtype):
     tgt = target(registration)
     if dtype not in tgt.cls.dtypes:
-        pytest.skip(f"{tgt.name} does not declare {dtype}")
+        not_applicable(f"{tgt.name} does not declare {dtype}")
     seed = fresh_seed()
     case = make_case("mixed", make_layer(tgt.head_sizes()[0], 4), tgt.block_sizes()[0], dtype, seed, tgt.reduced)
     if tgt.reasons(case.layer, case.block_size, dtype):

@@ -49,6 +49,7 @@ import torch
 from kvforge.core import (
     ATTENTION_BACKEND, PER_TENSOR, PER_TOKEN, QUANTIZER, KVCacheSpec, Quantizer, quantized_kv_views,
 )
+from kvforge.conformance.applicability import not_applicable
 from kvforge.conformance.attention_cases import (
     DTYPES, TOLERANCES, Case, Target, check_case, fresh_seed, make_case, make_layer, mismatch, oracle, prepared_cache,
     relative_error, report, run_step, target,
@@ -69,7 +70,7 @@ def kv_quantizers(tgt: Target) -> list[Quantizer]:
     backend declares, or a pytest skip saying why there is none."""
     declared = tgt.cls.quantized_kv_dtypes
     if not declared:
-        pytest.skip(f"{tgt.name} declares no quantized KV dtypes (quantized_kv_dtypes is empty): "
+        not_applicable(f"{tgt.name} declares no quantized KV dtypes (quantized_kv_dtypes is empty): "
                     "it reads float KV caches only")
     granularities = tgt.cls.kv_scale_granularities
     found = [r.cls() for r in registry().implementations(QUANTIZER)
@@ -111,7 +112,7 @@ def layer_kv_scales(quantizer: Quantizer) -> tuple[float, float] | None:
 
 def declared_dtype(tgt: Target, dtype: torch.dtype) -> None:
     if dtype not in tgt.cls.dtypes:
-        pytest.skip(f"{tgt.name} does not declare {dtype}")
+        not_applicable(f"{tgt.name} does not declare {dtype}")
 
 
 def attend_over_stored(tgt: Target, case: Case) -> tuple[torch.Tensor, torch.Tensor]:

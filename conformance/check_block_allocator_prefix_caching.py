@@ -6,6 +6,7 @@ before any cached one is evicted)."""
 
 import pytest
 
+from kvforge.conformance.applicability import not_applicable
 from kvforge.conformance.pool_snapshot import BLOCK_SIZE, NUM_BLOCKS
 from kvforge.core import BLOCK_ALLOCATOR
 
@@ -16,7 +17,7 @@ GROUP = "prefix caching"
 @pytest.fixture
 def make_pool(registration):
     if not registration.cls.supports_prefix_caching:
-        pytest.skip(f"{registration.name} does not declare prefix caching")
+        not_applicable(f"{registration.name} does not declare prefix caching")
     return lambda num_blocks=NUM_BLOCKS, **options: registration.cls(num_blocks, BLOCK_SIZE, **options)
 
 

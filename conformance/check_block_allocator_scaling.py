@@ -15,6 +15,7 @@ import time
 
 import pytest
 
+from kvforge.conformance.applicability import not_applicable
 from kvforge.conformance.selection import quick
 from kvforge.core import BLOCK_ALLOCATOR
 
@@ -86,7 +87,7 @@ def best_time(pool, operation, argument) -> float:
 ], ids=["mostly free", "mostly held", "mostly cached"])
 def test_cost_per_block_does_not_grow_with_the_pool(registration, layout, operation):
     if layout is mostly_cached and not registration.cls.supports_prefix_caching:
-        pytest.skip(f"{registration.name} does not declare prefix caching")
+        not_applicable(f"{registration.name} does not declare prefix caching")
     small, small_arg = layout(registration.cls, SMALL)
     large, large_arg = layout(registration.cls, LARGE)
     times = {"small": [], "large": []}

@@ -16,6 +16,7 @@ import re
 import pytest
 import torch
 
+from kvforge.conformance.applicability import not_applicable
 from kvforge.conformance.attention_cases import fresh_seed
 from kvforge.conformance.quantizer_cases import (
     INPUT_DTYPES,
@@ -152,7 +153,7 @@ def test_each_group_quantizes_the_same_whatever_else_is_in_the_call(quantizer, d
     """One scale per row means rows do not affect each other: a token's cached
     keys must not depend on which other tokens were written in the same step."""
     if quantizer.granularity == PER_TENSOR and not quantizer.static_scale:
-        pytest.skip("per_tensor: one scale covers the whole tensor by design")
+        not_applicable("per_tensor: one scale covers the whole tensor by design")
     seed = fresh_seed()
     gen = torch.Generator().manual_seed(seed)
     for shape in shapes(quantizer):
@@ -179,7 +180,7 @@ def test_kv_capable_quantizers_round_trip_through_the_kv_cache_block_layout(quan
     static-scale quantizer gets a key and a value scale of its own for the layer
     (`KVCacheSpec.kv_scales`), each slot's being its tensor's."""
     if not kv_capable(quantizer):
-        pytest.skip(f"{quantizer.granularity}: not KV-capable, checked as a weight/tensor quantizer")
+        not_applicable(f"{quantizer.granularity}: not KV-capable, checked as a weight/tensor quantizer")
     seed = fresh_seed()
     gen = torch.Generator().manual_seed(seed)
     spec = KVCacheSpec(block_size=4, num_kv_heads=2, head_size=16, dtype=dtype, quantizer=quantizer)

@@ -18,6 +18,7 @@ import pytest
 
 from kvforge.core import RequestView, SCHEDULER_POLICY
 
+from .applicability import not_applicable
 from .selection import QuickGrid
 
 KIND = SCHEDULER_POLICY
@@ -98,7 +99,7 @@ def test_every_request_finishes_and_victims_come_from_the_running(policy, seed):
     unfinished = sorted(set(f"r{i}" for i in range(60)) - set(out.finished), key=lambda r: int(r[1:]))
     assert not unfinished, (
         f"{len(unfinished)} of 60 requests never finished ({', '.join(unfinished[:5])}): preemption by "
-        f"may_preempt/choose_victim kept them from running to the end (guarantees 3 and 4; seed {seed})")
+        f"may_preempt/choose_victim kept them from running to the end (guarantees 3 and 4)")
 
 
 @pytest.mark.parametrize("seed", SEEDS)
@@ -115,15 +116,15 @@ def test_equal_requests_start_in_arrival_order(policy, seed):
     assert late is None, (
         f"guarantee 1 (ties break by arrival): requests of equal priority started out of arrival order: "
         f"{order[late]} (arrival {order[late][1:]}) started at step {out.started[order[late]]}, ahead of r{late} "
-        f"(arrival {late}), which started at step {out.started.get(f'r{late}', 'never')} (seed {seed})")
+        f"(arrival {late}), which started at step {out.started.get(f'r{late}', 'never')}")
     assert out.preempted == [], (
         f"guarantee 4: equal requests preempted each other ({', '.join(out.preempted[:5])} preempted); a request "
-        f"may only preempt one that sorts after it (seed {seed})")
+        f"may only preempt one that sorts after it")
 
 
 def test_fcfs_never_starves_a_request_under_a_steady_stream(policy, registration):
     if registration.name != "fcfs":
-        pytest.skip("no-starvation is the promise of fcfs")
+        not_applicable("no-starvation is the promise of fcfs")
     # A new request of higher priority arrives every step, forever; r0 must still start promptly.
     arrivals = {0: [view(0, priority=9)]} | {s: [view(s, priority=0)] for s in range(1, 400)}
     arrivals[0].insert(0, view(1000, priority=0))
@@ -133,7 +134,7 @@ def test_fcfs_never_starves_a_request_under_a_steady_stream(policy, registration
 
 def test_priority_request_into_a_full_engine_starts_first_and_preempts(policy, registration):
     if registration.name != "priority":
-        pytest.skip("preemption on submission is the promise of priority")
+        not_applicable("preemption on submission is the promise of priority")
     arrivals = {0: [view(i, priority=5) for i in range(4)], 1: [view(10, priority=0)]}
     out = simulate(policy, arrivals, slots=2, service=5)
     assert out.started["r10"] == 1  # at once, though both slots were busy

@@ -10,6 +10,7 @@ from pathlib import Path
 
 from kvforge.core import API_VERSION
 
+from .applicability import NOT_APPLICABLE, is_not_applicable
 from .runner import ConformanceRun
 
 SCHEMA = 1
@@ -38,7 +39,8 @@ def report_data(run: ConformanceRun, exit_code: int, problems: list[str]) -> dic
         "summary": summary(run),
         "results": [{
             "kind": r.kind, "implementation": r.implementation, "group": r.group, "status": r.status,
-            "passed": r.passed, "failed": r.failed, "skipped": r.skipped, "duration_s": round(r.duration_s, 3),
+            "passed": r.passed, "failed": r.failed, "skipped": r.skipped, "not_applicable": r.not_applicable,
+            "duration_s": round(r.duration_s, 3),
             "skip_reasons": r.skip_reasons,
             "failures": [{"check": f.check, "case": f.case, "message": f.message} for f in r.failures],
         } for r in run.results],
@@ -46,13 +48,16 @@ def report_data(run: ConformanceRun, exit_code: int, problems: list[str]) -> dic
 
 
 def summary(run: ConformanceRun) -> list[dict]:
-    """Per kind, how many implementations passed (every group passed), passed in part
-    (none failed, some were only skipped: a backend unavailable here still passes its
-    refusal checks), failed (a group failed) or were only skipped. Run on planted bugs,
-    `failed` is caught/planted."""
+    """Per kind, how many implementations passed (every group that applies passed),
+    passed in part (none failed, some were only skipped: a backend unavailable here
+    still passes its refusal checks), failed (a group failed) or were only skipped.
+    A group that does not apply ("n/a") counts for nothing either way. Run on planted
+    bugs, `failed` is caught/planted."""
     status: dict[tuple[str, str], set[str]] = {}
     for r in run.results:
-        status.setdefault((r.kind, r.implementation), set()).add(r.status)
+        applies = status.setdefault((r.kind, r.implementation), set())
+        if r.status != "n/a":
+            applies.add(r.status)
     counts: dict[str, dict] = {}
     for (kind, _), statuses in status.items():
         verdict = ("fail" if "fail" in statuses else "skipped" if "pass" not in statuses
@@ -62,6 +67,14 @@ def summary(run: ConformanceRun) -> list[dict]:
         row["implementations"] += 1
         row[verdict] += 1
     return list(counts.values())
+
+
+def cell_reason(status: str, reasons: list[str]) -> str:
+    """The reason a matrix cell of `status` shows: for "n/a", why the group does not
+    apply; for "skipped", the first reason that is not a "does not apply"."""
+    if status == "n/a":
+        return reasons[0].removeprefix(f"{NOT_APPLICABLE}: ")
+    return next((r for r in reasons if not is_not_applicable(r)), reasons[0])
 
 
 def write_report(path: str | Path, run: ConformanceRun, exit_code: int, problems: list[str]) -> Path:
@@ -94,7 +107,8 @@ def markdown(data: dict) -> str:
         cells = {(r["implementation"], r["group"]): r for r in of_kind}
         row = counts[kind]
         lines += ["", f"## {kind}", "", f"{row['implementations']} implementation(s): {row['pass']} pass, "
-                  f"{row['partial']} pass with groups skipped, {row['fail']} fail, {row['skipped']} only skipped.",
+                  f"{row['partial']} pass with groups skipped, {row['fail']} fail, {row['skipped']} only skipped "
+                  "(n/a: the group does not apply to the implementation).",
                   "", "| implementation | from | " + " | ".join(groups) + " |", "|---|---|" + "---|" * len(groups)]
         for name in dict.fromkeys(r["implementation"] for r in of_kind):
             row = []
@@ -102,8 +116,8 @@ def markdown(data: dict) -> str:
                 r = cells.get((name, group))
                 if r is None:
                     row.append("-")
-                elif r["status"] == "skipped" and r["skip_reasons"]:
-                    row.append(f"skipped ({r['skip_reasons'][0]})")
+                elif r["status"] in ("skipped", "n/a") and r["skip_reasons"]:
+                    row.append(f"{r['status']} ({cell_reason(r['status'], r['skip_reasons'])})")
                 else:
                     row.append(f"{r['status']} ({r['duration_s']:.1f} s)")
             lines.append(f"| {name} | {versions[(kind, name)]} | " + " | ".join(c.replace("|", "\\|") for c in row) + " |")

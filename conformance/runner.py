@@ -18,10 +18,22 @@ import pytest
 from kvforge.core import KINDS, Registration
 
 from . import selection
+from .applicability import is_not_applicable
 
 NOTHING_CHECKED = int(pytest.ExitCode.NO_TESTS_COLLECTED)  # 5: a CI step that certified nothing must not pass
 # pytest's own verbosity flags: when the caller passes one, the runner's default `-q` steps aside
 _VERBOSITY_FLAGS = ("-v", "-q", "--verbose", "--quiet", "--verbosity")
+
+
+def traceback_style(pytest_args: list[str]) -> list[str]:
+    """How much of each failure pytest prints: the caller's `--tb` when given; full
+    tracebacks under `-v`; otherwise pytest's short ones (the failing line and its
+    message), because the run ends with one summary line per failure anyway."""
+    if any(a.startswith("--tb") for a in pytest_args):
+        return []
+    verbose = any(a.startswith(("-v", "--verbose")) or (a.startswith("--verbosity") and not a.endswith("=0"))
+                  for a in pytest_args)
+    return ["--tb=long" if verbose else "--tb=short"]
 
 
 @dataclass(frozen=True)
@@ -45,16 +57,22 @@ class GroupResult:
     passed: int = 0
     failed: int = 0
     skipped: int = 0
+    not_applicable: int = 0
     duration_s: float = 0.0
     failures: list[Failure] = field(default_factory=list)
-    skip_reasons: list[str] = field(default_factory=list)
+    skip_reasons: list[str] = field(default_factory=list)  # distinct, the "not applicable: ..." ones among them
 
     @property
     def status(self) -> str:
+        """"fail" (a check failed), "pass" (one passed, none failed), "skipped" (none ran, and
+        something kept a check from running: the implementation is unavailable here, ...), or
+        "n/a" (none ran because none applies, as a static-scale group to a dynamic quantizer)."""
         if self.failed:
             return "fail"
         if self.passed:
             return "pass"
+        if self.not_applicable and not self.skipped:
+            return "n/a"
         return "skipped"
 
 
@@ -132,9 +150,12 @@ class Collector:
         if report.when == "call" and report.passed:
             result.passed += 1
         elif report.skipped:
-            result.skipped += 1
             reason = report.longrepr[2] if isinstance(report.longrepr, tuple) else str(report.longrepr)
             reason = reason.removeprefix("Skipped: ")
+            if is_not_applicable(reason):
+                result.not_applicable += 1
+            else:
+                result.skipped += 1
             if reason not in result.skip_reasons:
                 result.skip_reasons.append(reason)
         elif report.failed:
@@ -266,7 +287,8 @@ def _run_pytest(modules: list[tuple[str, str, str]], pytest_args: list[str] | No
     extra = list(pytest_args or [])
     verbosity = [] if any(a.startswith(_VERBOSITY_FLAGS) for a in extra) else ["-q"]
     # rootdir = this package, so node ids (failures, --collect-only) name the module wherever the run starts
-    args = ["--pyargs", *targets, *verbosity, "-p", "no:cacheprovider", "--no-header", "-rN",
+    args = ["--pyargs", *targets, *verbosity, *traceback_style(extra), "-p", "no:cacheprovider", "--no-header", "-rN",
+            "-W", "ignore::pytest.PytestAssertRewriteWarning",  # the suite's own package, imported to find the groups
             "--rootdir", str(Path(__file__).parent), *extra]
     code = pytest.main(args, plugins=[collector])
     return int(code), collector.sorted_results()

@@ -21,7 +21,12 @@ def add_parser(commands) -> None:
                     "nothing, or every check skipped); 2 a bad option (--device cuda where torch sees no GPU).")
     parser.add_argument("--kind", action="append", choices=KINDS, help="only this kind (repeatable)")
     parser.add_argument("--plugin", action="append", help="only this implementation or plugin name (repeatable)")
-    parser.add_argument("--quick", action="store_true", help="the reduced grid")
+    parser.add_argument("--quick", action="store_true",
+                        help="each kind's reduced grid: the same checks on fewer cases (attention: fixed batch shapes at one "
+                             "block size; allocators: fewer random operation sequences, a smaller pool; quantizers: one "
+                             "input shape per granularity, two fixed scales; policies: 2 seeds of 5 (ordering), 1 of 3 "
+                             "(queueing); proposers: 1 seed of 2, k = 4 only, the engine under prefix caching and "
+                             "preemption only)")
     parser.add_argument("--seed", type=int, help="the seed every check draws from (default: a fresh one, printed; "
                                                  "or KVFORGE_CONFORMANCE_SEED)")
     parser.add_argument("--time-limit", type=float, metavar="SECONDS",
@@ -33,6 +38,9 @@ def add_parser(commands) -> None:
                         help="where attention backends run (default: cuda where a GPU is present and the backend "
                              "declares it, else cpu); cuda without a GPU is an error")
     parser.add_argument("--report", metavar="FILE", help="also write the matrix to FILE.json or FILE.md")
+    parser.add_argument("-v", "--verbose", action="store_true",
+                        help="full tracebacks and one line per check (pytest -v); by default each failure gets a "
+                             "short traceback, and the run ends with one summary line per failure")
     parser.add_argument("pytest_args", nargs="*", help="extra pytest arguments, after --, e.g. -- -v -x")
     parser.set_defaults(run=run)
 
@@ -65,12 +73,18 @@ def run(args: argparse.Namespace) -> int:
     seed = runner.run_seed(args.seed)
     console.print(f"kvforge conformance: seed {seed}, per-check time limit "
                   f"{args.time_limit if args.time_limit is not None else selection.time_limit():g} s")
-    result = runner.run_conformance(args.kind, args.plugin, args.quick, args.pytest_args, seed, args.time_limit,
+    pytest_args = (["-v"] if args.verbose else []) + list(args.pytest_args)
+    result = runner.run_conformance(args.kind, args.plugin, args.quick, pytest_args, seed, args.time_limit,
                                     args.device, args.fail_fast)
     if {"--collect-only", "--co"} & set(args.pytest_args):
         return result.code
     print_matrix(console, result.results)
-    for line in runner.failure_lines(result.results, result.seed):
+    lines = runner.failure_lines(result.results, result.seed)
+    if lines:
+        full = "" if args.verbose or "-v" in pytest_args else "; full tracebacks with -v"
+        console.print(f"[bold]{len(lines)} failing check(s)[/bold], one line each "
+                      + escape(f"(implementation, check[case], seed: what broke){full}:"))
+    for line in lines:
         console.print(f"[red]FAIL[/red] {escape(line)}")
     problems = runner.unchecked(result.results, args.plugin)
     for problem in problems:
@@ -84,7 +98,10 @@ def run(args: argparse.Namespace) -> int:
 
 
 def print_matrix(console: Console, results) -> None:
-    style = {"pass": "[green]pass[/green]", "fail": "[red]FAIL[/red]", "skipped": "[yellow]skipped[/yellow]"}
+    from kvforge.conformance.report import cell_reason
+
+    style = {"pass": "[green]pass[/green]", "fail": "[red]FAIL[/red]", "skipped": "[yellow]skipped[/yellow]",
+             "n/a": "[dim]n/a[/dim]"}
     for kind in dict.fromkeys(r.kind for r in results):
         of_kind = [r for r in results if r.kind == kind]
         groups = sorted({r.group for r in of_kind})
@@ -103,8 +120,8 @@ def print_matrix(console: Console, results) -> None:
                     row.append("-")
                     continue
                 cell = style[result.status]
-                if result.status == "skipped" and result.skip_reasons:
-                    cell += f" ({escape(result.skip_reasons[0])})"
+                if result.status in ("skipped", "n/a") and result.skip_reasons:
+                    cell += f" ({escape(cell_reason(result.status, result.skip_reasons))})"
                 row.append(cell)
             table.add_row(name, *row)
         console.print(table)

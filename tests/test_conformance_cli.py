@@ -174,6 +174,51 @@ def test_the_allocator_state_machine_follows_the_run_seed(monkeypatch):
     assert operations(2) != first  # another seed explores others
 
 
+def test_failures_get_short_tracebacks_then_one_summary_line_each_and_full_tracebacks_with_verbose(broken_site,
+                                                                                                   tmp_path):
+    args = ("conformance", "--kind", "scheduler_policy", "--plugin", "spares-the-last-request", "--", "-k", "victim")
+    short = kvforge(*args, env=broken_site, cwd=tmp_path).stdout.splitlines()
+    header = next(i for i, line in enumerate(short) if "failing check(s), one line each" in line)
+    fails = [line for line in short[header + 1:] if line.startswith("FAIL spares-the-last-request ")]
+    assert len(fails) == 5 and "full tracebacks with -v" in short[header]
+    assert all("seed=" in line and "guarantee 3: choose_victim returned None for 1 running request(s)" in line
+               for line in fails)
+    assert max(i for i, line in enumerate(short) if line.startswith("E ")) < header  # the summary comes last
+    assert not any(line.lstrip().startswith("def test_") for line in short)  # short: no source listing
+    verbose = kvforge(*args[:-3], "-v", *args[-3:], env=broken_site, cwd=tmp_path).stdout
+    assert "def test_victim_is_one_of_the_running_requests" in verbose and " FAILED " in verbose  # pytest -v
+    assert "full tracebacks with -v" not in verbose and verbose.count("FAIL spares-the-last-request ") == 5
+
+
+def test_a_group_that_does_not_apply_is_na_not_skipped_and_the_implementation_a_full_pass(tmp_path):
+    report = tmp_path / "report.json"
+    result = kvforge("conformance", "--kind", "quantizer", "--plugin", "int8", "--quick", "--report", str(report),
+                     cwd=tmp_path)
+    assert result.returncode == 0, result.stdout + result.stderr
+    data = json.loads(report.read_text())
+    static = next(r for r in data["results"] if r["group"] == "static scale")
+    assert (static["status"], static["skipped"]) == ("n/a", 0) and static["not_applicable"] > 0
+    assert data["summary"] == [{"kind": "quantizer", "implementations": 1, "pass": 1, "partial": 0, "fail": 0,
+                                "skipped": 0}]
+    matrix = result.stdout.split("kvforge conformance: quantizer", 1)[1]
+    assert "n/a (dynamic" in matrix and "skipped" not in matrix
+
+
+def test_markdown_cells_say_na_with_why_and_skipped_with_the_reason_that_is_not_na():
+    from kvforge.conformance.report import markdown, report_data
+    from kvforge.conformance.runner import ConformanceRun, GroupResult
+
+    na = GroupResult("quantizer", "int8", "static scale", not_applicable=4,
+                     skip_reasons=["not applicable: dynamic (absmax) scales"])
+    mixed = GroupResult("quantizer", "int8", "roundtrip", skipped=1, not_applicable=1,
+                        skip_reasons=["not applicable: x", "unavailable: needs CUDA"])
+    run = ConformanceRun(0, [na, mixed], seed=1, time_limit_s=120, quick=False, started=0.0, duration_s=1.0)
+    text = markdown(report_data(run, 0, []))
+    assert "| n/a (dynamic (absmax) scales) |" in text.replace("| skipped (unavailable: needs CUDA) ", "")
+    assert "skipped (unavailable: needs CUDA)" in text
+    assert [r["status"] for r in report_data(run, 0, [])["results"]] == ["n/a", "skipped"]
+
+
 def test_report_summary_tells_a_partly_skipped_implementation_from_a_full_pass():
     from kvforge.conformance.report import summary
     from kvforge.conformance.runner import ConformanceRun, GroupResult
@@ -183,7 +228,9 @@ def test_report_summary_tells_a_partly_skipped_implementation_from_a_full_pass()
 
     results = [group("full", "decode", passed=3), group("full", "refusal", passed=1),
                group("unavailable", "decode", skipped=3), group("unavailable", "refusal", passed=1),
-               group("broken", "decode", passed=2, failed=1), group("absent", "decode", skipped=3)]
+               group("broken", "decode", passed=2, failed=1), group("absent", "decode", skipped=3),
+               group("narrow", "decode", passed=3), GroupResult("attention_backend", "narrow", "fp8", not_applicable=2)]
     run = ConformanceRun(1, results, seed=1, time_limit_s=120, quick=True, started=0.0, duration_s=1.0)
-    assert summary(run) == [{"kind": "attention_backend", "implementations": 4, "pass": 1, "partial": 1, "fail": 1,
+    # "narrow" passes all that applies to it: its n/a group does not make it partial
+    assert summary(run) == [{"kind": "attention_backend", "implementations": 5, "pass": 2, "partial": 1, "fail": 1,
                              "skipped": 1}]
