@@ -18,7 +18,7 @@ from typing import Any
 
 from pydantic import BaseModel, ValidationError
 
-from .config import EngineConfig, implementation_names
+from .config import FLOAT_KV_DTYPES, EngineConfig, implementation_names
 from .errors import ConfigError
 
 ENV_PREFIX = "KVFORGE_"
@@ -168,8 +168,32 @@ def check_implementation_names(config: EngineConfig, registry: Any) -> None:
         if name not in valid:
             problems.append(f"{path}: {unknown_name_message(kind, name, valid)}")
     problems += _prefix_caching_problems(config, registry)
+    problems += _kv_quantizer_problems(config, registry)
     if problems:
         raise ConfigError("invalid configuration:\n  " + "\n  ".join(problems))
+
+
+def _kv_quantizer_problems(config: EngineConfig, registry: Any) -> list[str]:
+    """`cache.kv_cache_dtype` naming a registered quantizer that cannot quantize a KV
+    cache (a weight-only `per_channel` one, a dynamic `per_tensor` one) would only fail
+    when the engine builds the cache; say so here, with the names that would do."""
+    from .api import QUANTIZER
+    from .errors import KvforgeError
+
+    name = config.cache.kv_cache_dtype
+    if name in FLOAT_KV_DTYPES or name not in registry.names(QUANTIZER):
+        return []
+    try:
+        cls = registry.get(QUANTIZER, name).cls
+    except KvforgeError:  # a duplicate name: the engine's selection reports it, naming both plugins
+        return []
+    if cls.kv_capable():
+        return []
+    capable = [r.name for r in registry.implementations(QUANTIZER) if r.cls.kv_capable()]
+    floats = [d for d in FLOAT_KV_DTYPES if d != "auto"]
+    return [f"cache.kv_cache_dtype: quantizer {name!r} ({cls.granularity}) cannot quantize a KV cache, whose layout "
+            f"keeps one scale per token and KV head; valid choices: auto, {', '.join(floats)}, or a KV-capable "
+            f"quantizer: {', '.join(capable) or 'none registered'}"]
 
 
 def _prefix_caching_problems(config: EngineConfig, registry: Any) -> list[str]:

@@ -6,6 +6,7 @@ import argparse
 import json
 
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
 from kvforge.core import check_implementation_names
@@ -30,6 +31,6 @@ def run_show(args: argparse.Namespace) -> int:
         return 0
     table = Table("setting", "value", "source", title="kvforge configuration")
     for key, value, source in loaded.rows():
-        table.add_row(key, json.dumps(value), source)
+        table.add_row(escape(key), escape(json.dumps(value)), escape(source))  # a value may hold [brackets]
     Console().print(table)
     return 0

@@ -14,7 +14,7 @@ import time
 
 from kvforge.benchmarks.harness import percentile
 
-from .cli_options import add_config_options, add_parallel_options, parallel_overrides
+from .cli_options import add_config_options, add_parallel_options, parallel_overrides, registry_from_config
 
 
 def add_parser(commands) -> None:
@@ -122,11 +122,22 @@ def run(args: argparse.Namespace) -> int:
 
         torch.set_num_threads(args.threads)
     sections = {"model": args.model} if args.model else {}
+    check_config(args, sections)
     llm = LLM(config_file=args.config, overrides=parallel_overrides(args), **sections)
     try:
         return generate(llm, prompts, args)
     finally:
         llm.engine.shutdown()
+
+
+def check_config(args: argparse.Namespace, sections: dict) -> None:
+    """Refuse, before any model loads, what `kvforge config show` refuses for the same
+    settings: implementation names the registry lacks, a KV cache dtype no quantizer
+    can keep, prefix caching asked of an allocator without it."""
+    from kvforge.core import check_implementation_names, load_config
+
+    loaded = load_config(config_file=args.config, overrides=parallel_overrides(args), **sections)
+    check_implementation_names(loaded.config, registry_from_config(loaded, log_errors=False))
 
 
 def generate(llm, prompts: list[str], args: argparse.Namespace) -> int:

@@ -85,9 +85,9 @@ def quantizer_table(quantizers: list[dict]) -> Table:
     for item in quantizers:
         capabilities = item["capabilities"]  # a plugin may override capabilities(): show what is there
         bound = capabilities.get("error_bound")
-        table.add_row(item["name"], str(capabilities.get("storage_dtype", "?")),
-                      str(capabilities.get("granularity", "?")),
-                      f"{bound:.3g}" if isinstance(bound, float) else str(bound),
+        table.add_row(*map(escape, (item["name"], str(capabilities.get("storage_dtype", "?")),
+                                    str(capabilities.get("granularity", "?")),
+                                    f"{bound:.3g}" if isinstance(bound, float) else str(bound))),
                       "yes" if capabilities.get("kv_capable", capabilities.get("granularity") == PER_TOKEN) else "no")
     return table
 
@@ -107,7 +107,9 @@ def run(args: argparse.Namespace) -> int:
 
 def print_report(data: dict, console: Console) -> None:
     """The report as tables: one per kind, so no column has to fit the longest kind
-    name, and every name stays whole at 80 columns (long cells wrap, never get cut)."""
+    name, and every name stays whole at 80 columns (long cells wrap, never get cut).
+    Every text a plugin supplies goes through `escape`: rich would take `kvforge[triton]`
+    in a reason for a markup tag and print `kvforge`."""
     console.print(f"[bold]kvforge plugins[/bold] (API {data['api_version'][0]}.{data['api_version'][1]})")
     for kind in KINDS:
         items = [item for item in data["implementations"] if item["kind"] == kind]
@@ -138,12 +140,12 @@ def print_report(data: dict, console: Console) -> None:
                                          error["stage"], error["message"])))
         console.print(errors)
     if data["skipped_plugins"]:
-        console.print(f"skipped by allow/deny: {', '.join(data['skipped_plugins'])}")
+        console.print(f"skipped by allow/deny: {escape(', '.join(data['skipped_plugins']))}")
     for kind, verdict in data.get("explain", {}).items():
         if not verdict["candidates"]:
             console.print(f"[bold]{kind}[/bold]: none registered")
             continue
-        console.print(f"[bold]{kind}[/bold]: auto picks {verdict['chosen'] or 'nothing usable'}")
+        console.print(f"[bold]{kind}[/bold]: auto picks {escape(verdict['chosen'] or 'nothing usable')}")
         for candidate in verdict["candidates"]:
             if candidate["name"] != verdict["chosen"]:
-                console.print(f"  skipped {candidate['name']}: {candidate['why_not'] or 'lower priority'}")
+                console.print(escape(f"  skipped {candidate['name']}: {candidate['why_not'] or 'lower priority'}"))

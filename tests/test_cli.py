@@ -113,6 +113,33 @@ def test_config_show_rejects_invalid_values_with_the_message(tmp_path):
     assert result.returncode != 0 and "cache.block_size" in result.stderr
 
 
+def test_config_show_and_generate_both_refuse_a_weight_only_quantizer_as_kv_cache_dtype(tmp_path):
+    show = kvforge("config", "show", "--set", "cache.kv_cache_dtype=int8_weight", cwd=tmp_path)
+    generate = kvforge("generate", "--set", "cache.kv_cache_dtype=int8_weight", "--max-tokens", "1", "hi", cwd=tmp_path)
+    for result in (show, generate):
+        assert result.returncode == 2, result.stdout + result.stderr
+        assert "cache.kv_cache_dtype: quantizer 'int8_weight' (per_channel) cannot quantize a KV cache" in result.stderr
+        assert "valid choices: auto, float32, float16, bfloat16, or a KV-capable quantizer: " in result.stderr
+        assert "int8," in result.stderr and "fp8_e4m3_per_tensor" in result.stderr
+        assert "int8_weight," not in result.stderr.split("valid choices")[1]
+    assert kvforge("config", "show", "--set", "cache.kv_cache_dtype=int8", cwd=tmp_path).returncode == 0
+
+
+def test_plugins_explain_and_tables_print_brackets_in_plugin_text_as_written():
+    data = {"api_version": [1, 2], "errors": [], "skipped_plugins": ["extra[x]"], "implementations": [
+        {"kind": "attention_backend", "name": "fast", "distribution": "fast-attn[cuda]", "version": "1.0",
+         "api_version": [1, 2], "available": False, "reason": "pip install kvforge[triton]", "capabilities": {}}],
+        "explain": {"attention_backend": {"chosen": "sdpa", "candidates": [
+            {"name": "sdpa", "usable": True, "why_not": ""},
+            {"name": "fast", "usable": False, "why_not": "unavailable: pip install kvforge[triton]"}]}}}
+    out = io.StringIO()
+    print_report(data, Console(file=out, width=200))
+    text = out.getvalue()
+    assert "skipped fast: unavailable: pip install kvforge[triton]" in text
+    assert "no: pip install kvforge[triton]" in text and "fast-attn[cuda]" in text
+    assert "skipped by allow/deny: extra[x]" in text
+
+
 def test_conformance_runner_reports_a_failing_third_party_plugin(fake_site, tmp_path):
     # the fake policy orders last-in-first-out, which breaks "earlier arrival goes first"
     fake_site.add("fakeplug-lifo", "1.0", {"fakeplug_lifo": policy_plugin("lifo")}, {"lifo": "fakeplug_lifo"})

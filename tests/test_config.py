@@ -113,6 +113,18 @@ def test_kv_cache_dtype_other_than_a_float_must_name_a_quantizer():
     check_implementation_names(load_config(environ={}, cache={"kv_cache_dtype": "bfloat16"}).config, _Names({}))
 
 
+def test_kv_cache_dtype_naming_a_quantizer_that_cannot_keep_a_kv_cache_is_refused_at_resolution():
+    from kvforge.core import build_registry
+
+    registry = build_registry()
+    config = load_config(environ={}, cache={"kv_cache_dtype": "int8_weight"}).config
+    with pytest.raises(ConfigError, match=r"cache.kv_cache_dtype: quantizer 'int8_weight' \(per_channel\) cannot "
+                                          r"quantize a KV cache.*valid choices: auto, float32, .*quantizer: .*int8"):
+        check_implementation_names(config, registry)
+    for kv_capable in ("int8", "fp8_e4m3_per_tensor", "auto"):
+        check_implementation_names(load_config(environ={}, cache={"kv_cache_dtype": kv_capable}).config, registry)
+
+
 def test_a_dict_valued_setting_is_one_setting_from_every_source(tmp_path):
     # speculative.options is a dict the proposer reads, not a config section: its keys are the proposer's.
     toml = tmp_path / "kvforge.toml"
