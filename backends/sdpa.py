@@ -157,7 +157,8 @@ class SdpaAttentionBackend(AttentionBackend):
 
     def _gather(self, flat: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
         """`flat[rows]` into a scratch buffer kept across calls: a fresh multi-megabyte
-        tensor per layer costs page faults that were measured to rival the copy itself."""
+        tensor per layer pays page faults that cost more than the copy itself
+        (docs/attention.md)."""
         need = rows.numel() * flat.shape[1] * flat.shape[2]
         scratch = self.scratch
         if scratch is None or scratch.numel() < need or scratch.dtype != flat.dtype or scratch.device != flat.device:
@@ -174,12 +175,12 @@ class SdpaAttentionBackend(AttentionBackend):
         blocks, within = rows.flatten() // per_block, rows.flatten() % per_block
         block_start = blocks * spec.layer_block_bytes()  # in bytes; the layout is `quantized_kv_views`'
         # A view in which every byte offset starts a row, so one index_select fetches rows
-        # wherever they sit in a block's bytes (measured ~2x faster than indexing the 5-D view).
+        # wherever they sit in a block's bytes: one flat gather instead of indexing the 5-D view.
         data = _rows_at(kv_cache.view(-1), block_start + within * row_bytes, row_bytes)
         scale_start = (block_start + spec.scale_offset()) // SCALE_DTYPE.itemsize + within * kv_heads
         scales = _rows_at(kv_cache.view(-1).view(SCALE_DTYPE), scale_start, kv_heads)
         decode = _byte_table(spec.storage_dtype, kv_cache.device)
-        if decode is not None:  # a 256-entry table: torch's fp8 -> float32 cast is ~4x slower on CPU
+        if decode is not None:  # a 256-entry table: faster on CPU than torch's fp8 -> float32 cast
             values = decode.index_select(0, data.flatten().int()).view(-1, kv_heads, head_size)
         else:
             values = data.view(spec.storage_dtype).to(torch.float32).view(-1, kv_heads, head_size)

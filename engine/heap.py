@@ -4,9 +4,8 @@ reused instead of page-faulted in anew.
 glibc returns large freed blocks to the OS (blocks above its mmap threshold are
 unmapped; free space at the top of the heap is trimmed), so a CPU engine that
 allocates the same multi-megabyte activations every step pays for fresh pages
-every step: 558k minor page faults on a 64-request mixed run of a 50M model
-here, 35k with this setting (end-to-end, the A/B runs moved by 0–8%, within
-this machine's noise). `keep_freed_memory()` raises both
+every step (page-fault counts with and without this setting: docs/benchmarks.md,
+"Memory allocator"). `keep_freed_memory()` raises both
 thresholds with `mallopt` (the in-process form of `MALLOC_MMAP_THRESHOLD_` and
 `MALLOC_TRIM_THRESHOLD_`). It is process-wide, so the engine config can turn it
 off (`keep_freed_memory = false`); elsewhere than glibc it does nothing.

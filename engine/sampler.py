@@ -281,10 +281,10 @@ def row_argmax(x: torch.Tensor, block: int = 256, direct_below: int = 1 << 15) -
     """`x.argmax(dim=-1)` for a 2-D tensor, the same indices (first maximum,
     NaN counting as the maximum), in two levels: the maximum of each run of
     `block` entries, then the argmax inside the winning run. On a CPU torch's
-    argmax does not vectorise and its `amax` does: 0.25 ms against 1.8 ms for
-    128 rows of 16,384 here. Below `direct_below` entries the two levels' half
-    dozen ops cost more than they save (a small model's vocabulary), so
-    `argmax` runs as it is."""
+    argmax does not vectorise and its `amax` does, so over a large vocabulary the
+    two levels are several times faster (docs/benchmarks.md, "Sampling"). Below
+    `direct_below` entries their half dozen ops cost more than they save (a small
+    model's vocabulary), so `argmax` runs as it is."""
     rows, width = x.shape
     if width <= block or rows == 0 or x.numel() < direct_below:
         return x.argmax(dim=-1)

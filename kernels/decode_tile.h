@@ -53,10 +53,10 @@ constexpr bool fetches_slice(int c) {
 // memory: its kernels interleave one such request with each load of the
 // current group of keys, for the same place in the next group (on another
 // block, at a random place, where the hardware prefetcher loses the stream).
-// Measured out of DRAM, 128 sequences x 290 keys: 8.8 -> 4.4-5.0 ms (8.6 ->
-// 15-17 GB/s). Fetching the next group all at once gained a third of that,
-// into L1 or two groups ahead less. Tiles of many rows per KV head compute
-// enough per key to hide the memory, and skip the requests.
+// Out of DRAM this roughly halves a decode's time; spreading the requests over
+// the loads beat fetching the next group all at once, into L1, or two groups
+// ahead (figures: docs/cpp_backend.md, "Fetching ahead"). Tiles of many rows per
+// KV head compute enough per key to hide the memory, and skip the requests.
 template <bool Fetch, typename T>
 inline void fetch_ahead(const T* p) {
   if constexpr (Fetch) _mm_prefetch(reinterpret_cast<const char*>(p), _MM_HINT_T1);

@@ -2,9 +2,8 @@
 
 `torch.nn.functional.linear` on a CPU re-reads the weight in its stored
 row-major layout at every call. oneDNN can reorder the weight once into the
-blocked layout its GEMM kernels stream, and then run each call on that copy.
-Measured here (one AMD EPYC core, float32): 105–115 GFLOP/s against 75–100 for
-`F.linear` at 97–1,024 rows, and about 2× at 7 rows. `pack_linears(model)`
+blocked layout its GEMM kernels stream, and then run each call on that copy,
+faster than `F.linear` from a few rows up (figures: docs/models.md). `pack_linears(model)`
 swaps every `nn.Linear` (and GPT-2's transposed `Conv1D`) of a loaded model
 for a `PackedLinear`; the language-model head is packed too.
 
@@ -26,12 +25,9 @@ from kvforge.core import dtype_name
 from .layers import activation
 
 LINEAR_KERNELS = ("auto", "torch", "onednn", "cpp")
-# "auto" packs a weight of at least this many elements. A packed call costs about
-# 13 us more than `F.linear` before any work (measured here, one core), so small
-# weights run faster unpacked: a 128 x 384 layer takes 5 us unpacked against
-# 19 us packed at one row, and the quick `mixed` bench on the 3.6M-parameter
-# model ran 1.4x as fast with `torch` as with every layer packed. At 512 x 512,
-# packing loses 9 us at one row and wins from 8 rows up (58 against 72 us).
+# "auto" packs a weight of at least this many elements: a packed call has a fixed
+# cost before any work, which a small weight's GEMM does not earn back; from
+# 512 x 512 packing wins from a few rows up (figures: docs/models.md).
 AUTO_MIN_WEIGHT = 512 * 512
 # Activations (Hugging Face names) that oneDNN applies inside the GEMM: its post-op and algorithm.
 POST_OPS = {

@@ -2,37 +2,18 @@
 
 `quantize_linears(model, quantizer)` quantizes every linear weight of a loaded
 model once, through a `Quantizer` reached by name in the registry (built-in:
-`int8_weight`), keeps the int8 data and one float32 scale per output channel,
-and drops the float weight. An untied language-model head is quantized too:
-vLLM usually keeps it in float, but on a small-hidden, large-vocabulary model it
-is the largest weight a decode step reads (`lm_head=False` keeps it in float).
-A tied head and the embeddings stay in float: an embedding lookup reads one row
-per token, so an int8 embedding saves memory but no time, and a tied head is
-that embedding. `linear_kernel` then applies to the layers left in float.
+`int8_weight`): int8 data and one float32 scale per output channel, the float
+weight dropped. An untied language-model head is quantized too, since on a
+small-hidden, large-vocabulary model it is the largest weight a decode step
+reads; embeddings (and so a tied head) stay float, since a lookup reads one row.
 
-The kernels (why these, with measurements: docs/models.md, "Quantized weights"),
-chosen by `activations` (`quantization.activations`):
-* "none" (weight-only, W8A16 in vLLM's words; the default), CPU: kvforge's
-  C++ kernel `torch.ops.kvforge_cpp.int8_weight_linear` (kernels/
-  int8_linear.cpp, built with the cpp attention kernel into one library):
-  float32 or bfloat16 activations as they are, the int8 weight widened to float
-  inside its register tiles, never copied to float. A decode step reads one
-  byte per weight where float32 reads four.
-* "int8" (W8A8), CPU only: per-token dynamic int8 activations and one int8 x
-  int8 -> int32 GEMM (`torch._int_mm`, oneDNN), then `acc * x_scale * w_scale +
-  bias`. Each row has its own absmax scale, so a row's result never depends on
-  the other rows of the batch; it adds the activations' rounding to the weights'.
-  All of it is one call of `torch.ops.kvforge_cpp.int8_dynamic_linear` (kernels/
-  int8_dynamic_linear.cpp) for float32 and bfloat16 rows; without the C++
-  library (or for other dtypes) the same arithmetic runs as torch ops
-  (`quantize_rows`, `int8_gemm_in_torch`), bit for bit the same and slower.
-* Other devices, weight-only: `F.linear(x, w_int8.to(x.dtype)) * w_scale`: the
-  weight is widened inside the call, never kept in float. A path that works,
-  not a fast one.
-
-oneDNN's fused post-ops (activation, gate x up, residual add) are not applied
-inside the int8 GEMM; `packed_linear.linear_act`, `linear_mul` and `linear_add`
-run them as separate in-place ops on this layer's output, with the same math.
+`activations` picks the kernel: "none" (weight-only, the default) widens the
+int8 weight inside the C++ kernel's register tiles; "int8" (W8A8, CPU only)
+rounds each row to int8 with its own scale, so a row never depends on the rest
+of the batch. Without the C++ library W8A8 runs the same arithmetic as torch
+ops; on other devices weight-only widens the weight inside `F.linear`. The
+fused post-ops of `packed_linear` run as separate in-place ops here. Which
+kernel wins where, and why: docs/models.md, "Quantized weights".
 """
 
 from __future__ import annotations
