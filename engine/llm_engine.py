@@ -1,17 +1,16 @@
 """`LLMEngine`: add requests, call `step()` until done, read the outputs.
 
 One step: schedule, run the model over one ragged batch, sample, and hand the
-result to `Scheduler.update_from_output`, which applies it (positions, cached
-blocks, forks, appended tokens, stops); then report outputs and figures. For
-embedding in a custom serving loop; `LLM` wraps it for batch use.
+result to `Scheduler.update_from_output`, which applies it (requests with
+non-finite logits ended, positions, cached blocks, forks, appended tokens,
+stops); then report outputs and figures. For embedding in a custom serving
+loop; `LLM` wraps it for batch use.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import itertools
 import logging
-import math
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -30,7 +29,7 @@ from .outputs import RequestOutput, completion_of, timings_of
 from .request import FinishReason, Request
 from .drafting import Drafter
 from .sampling_params import SamplingParams
-from .scheduler import Scheduler, SchedulerOutput
+from .scheduler import Scheduler
 from .step_sampling import StepSampler
 from .warmup import warm_up
 
@@ -252,11 +251,9 @@ class LLMEngine:
             self.stats.num_prompt_tokens += sum(
                 max(0, min(e.request.num_prompt_tokens, e.start + e.num_tokens) - e.start) for e in plan.scheduled)
             logits = self.runner.execute(plan.scheduled)
-            plan, logits, failed = self._end_non_finite(plan, logits)
-            touched.update(dict.fromkeys(r.group_id for r in failed))
-            finished += failed
             update = self.scheduler.update_from_output(plan, self.step_sampler.sample(plan, logits))
             self.stats.num_generated_tokens += update.num_generated_tokens
+            touched.update(dict.fromkeys(r.group_id for r in update.failed))
             touched.update(dict.fromkeys(r.group_id for r in update.progressed))
             finished += update.finished
         if self.drafter is not None:
@@ -268,13 +265,7 @@ class LLMEngine:
             if group is None:
                 continue
             samples = group.samples
-            if len(samples) == 1:  # n == 1, the common case: nothing waits for a parent
-                done = samples[0].finished
-            else:
-                for sample in samples:  # samples never forked end with their parent
-                    if sample.waits_for_parent and samples[0].finished and not sample.finished:
-                        sample.finish(samples[0].finish_reason, error=samples[0].error)
-                done = all(s.finished for s in samples)
+            done = samples[0].finished if len(samples) == 1 else all(s.finished for s in samples)
             if done or not final_only:
                 outputs.append(self._output(group_id, group))
             if done:
@@ -284,36 +275,6 @@ class LLMEngine:
         if not self.groups:
             self._check_no_blocks_held()
         return outputs
-
-    def _end_non_finite(self, plan: SchedulerOutput,
-                        logits: torch.Tensor) -> tuple[SchedulerOutput, torch.Tensor, list[Request]]:
-        """End, with finish_reason "error", every request whose logits hold a NaN or an
-        infinity (sampling them would emit garbage tokens); the others go on. Returns
-        the plan and logits without them, and the requests ended."""
-        # One reduction per step: any NaN or infinity makes the sum non-finite (a finite
-        # sum that overflows only sends the step to the exact per-row check below).
-        if logits.numel() == 0 or math.isfinite(float(logits.sum())):
-            return plan, logits, []
-        finite = torch.isfinite(logits).all(dim=-1)
-        if bool(finite.all()):
-            return plan, logits, []
-        finite = finite.tolist()
-        kept, rows, failed, row = [], [], [], 0
-        for entry in plan.scheduled:
-            span = range(row, row + entry.num_logit_rows)
-            row = span.stop
-            if all(finite[r] for r in span):
-                kept.append(entry)
-                rows.extend(span)
-                continue
-            request = entry.request
-            self.scheduler.finish(request, FinishReason.ERROR, error=(
-                f"the model produced non-finite logits (NaN or infinity) for output token "
-                f"{len(request.output_token_ids)} of this request, so no token can be sampled; the checkpoint may hold non-finite weights "
-                f"(loading warns, naming the tensor) or the dtype overflows (try dtype = 'float32')"))
-            failed.append(request)
-        plan = dataclasses.replace(plan, scheduled=kept)
-        return plan, logits[torch.tensor(rows, dtype=torch.long, device=logits.device)], failed
 
     def _check_no_blocks_held(self) -> None:
         """With no request left, every KV block must be back in the pool; a block still

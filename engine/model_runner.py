@@ -18,7 +18,7 @@ import torch
 from kvforge.core import AttentionBatch
 
 from .request import token_slice
-from .scheduler import ScheduledRequest
+from .scheduler_output import ScheduledRequest
 
 
 class ModelRunner:

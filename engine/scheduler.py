@@ -3,9 +3,10 @@ each; and, after the step, what its result does to every request.
 
 Each step brings every scheduled request's computed tokens up toward its known
 tokens (prompt + output + draft tokens, when speculating) under a token budget
-(`max_num_batched_tokens`) and a cap on running requests (`max_num_seqs`). Running requests go first, then
-waiting ones, both in the policy's order. A prompt longer than what is left of
-the budget is prefilled in chunks, mixed with the decodes of other requests.
+(`max_num_batched_tokens`) and a cap on running requests (`max_num_seqs`), in
+two phases: the running requests first, then the admission of waiting ones,
+both in the policy's order. A prompt longer than what is left of the budget is
+prefilled in chunks, mixed with the decodes of other requests.
 
 When the KV cache runs out of blocks, the policy's victim is preempted: its
 blocks are freed, it returns to the waiting queue at its original place, and its
@@ -16,8 +17,11 @@ pluggable part; everything else is here.
 
 The scheduler owns each request's position (`num_computed_tokens`) and the KV
 cache manager: `update_from_output` is the one place a step's result is applied
-(positions advanced, rejected drafts rolled back, full blocks cached, samples
-forked, tokens appended, stop checks, finished requests freed).
+(requests with non-finite logits ended, positions advanced, rejected drafts
+rolled back, full blocks cached, samples forked, tokens appended, stop checks,
+finished requests freed). Whatever ends a request also ends the samples still
+waiting to fork from it. The data passed between the step's parts is in
+`scheduler_output.py`.
 """
 
 from __future__ import annotations
@@ -28,66 +32,36 @@ import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
-import torch
-
 from kvforge.core import DraftProposal, SchedulerPolicy
 
 from .request import FinishReason, Request, RequestStatus
+from .scheduler_output import SampledTokens, SamplerOutput, ScheduledRequest, SchedulerOutput, StepUpdate
 from .stopping import check_stop
 
-
-@dataclass
-class ScheduledRequest:
-    """`num_tokens` new tokens of `request`, starting at position `start`; the last
-    `len(draft_token_ids)` of them are draft tokens to verify (a decode only)."""
-
-    request: Request
-    start: int
-    num_tokens: int
-    draft_token_ids: list[int] = field(default_factory=list)
-    draft_probs: torch.Tensor | None = None  # [len(draft_token_ids), vocab], None: one-hot
-    forks: list[Request] = field(default_factory=list)  # samples > 0 forked from it after this step
-
-    @property
-    def samples(self) -> bool:
-        """Whether this step reaches the end of the known tokens, so a token is sampled."""
-        return self.start + self.num_tokens == self.request.num_tokens + len(self.draft_token_ids)
-
-    @property
-    def num_logit_rows(self) -> int:
-        """Positions whose logits the step needs: the last token and each draft when sampling."""
-        return 1 + len(self.draft_token_ids) if self.samples else 0
+NON_FINITE_LOGITS = (
+    "the model produced non-finite logits (NaN or infinity) for output token {index} of this request, so no token "
+    "can be sampled; the checkpoint may hold non-finite weights (loading warns, naming the tensor) or the dtype "
+    "overflows (try dtype = 'float32')")
 
 
 @dataclass
-class SchedulerOutput:
-    scheduled: list[ScheduledRequest] = field(default_factory=list)
-    preempted: list[Request] = field(default_factory=list)
-    finished: list[Request] = field(default_factory=list)  # ended by the scheduler (cannot fit)
+class _PlanInProgress:
+    """The step `schedule` is planning: its entries by request id, the token
+    budget they leave, and the requests preempted or ended on the way."""
 
-    @property
-    def num_batched_tokens(self) -> int:
-        return sum(s.num_tokens for s in self.scheduled)
+    budget: int
+    entries: dict[str, ScheduledRequest] = field(default_factory=dict)
+    out: SchedulerOutput = field(default_factory=SchedulerOutput)
 
+    def add(self, entry: ScheduledRequest) -> None:
+        self.entries[entry.request.request_id] = entry
+        self.budget -= entry.num_tokens
 
-@dataclass
-class SampledTokens:
-    """What sampling (and verification) emitted for one request in one step: the
-    accepted drafts then the target's own token, with one logprob record each
-    (`{token id: logprob}`, the emitted token included) when the request asks."""
-
-    token_ids: list[int]
-    logprobs: list[dict[int, float]] | None = None
-
-
-@dataclass
-class StepUpdate:
-    """What `update_from_output` did: requests that gained tokens, requests that
-    ended, and how many tokens were appended in all."""
-
-    progressed: list[Request] = field(default_factory=list)
-    finished: list[Request] = field(default_factory=list)
-    num_generated_tokens: int = 0
+    def drop(self, request: Request) -> None:
+        """Take a preempted request out of the plan, its tokens back into the budget."""
+        entry = self.entries.pop(request.request_id, None)
+        if entry is not None:
+            self.budget += entry.num_tokens
 
 
 class Scheduler:
@@ -126,13 +100,17 @@ class Scheduler:
         return bool(self.waiting or self.running)
 
     def finish(self, request: Request, reason: FinishReason, stop_reason=None, error: str | None = None) -> None:
-        """End a request wherever it is; its blocks are freed at once."""
+        """End a request wherever it is; its blocks are freed at once. The samples
+        still waiting to fork from it (n > 1, its prompt never computed) end with it."""
         if request in self.running:
             self.running.remove(request)
             self.kv.free(request.request_id)
         elif request in self.waiting:
             self.waiting.remove(request)
         request.finish(reason, stop_reason, error)
+        if request.forks:
+            _end_unforked(request.forks, request)
+            request.forks = []
 
     def grow(self, request: Request, num_total_tokens: int) -> bool:
         """`allocate_slots`, skipped when the request's blocks already have room and
@@ -143,144 +121,177 @@ class Scheduler:
         return self.kv.allocate_slots(request.request_id, num_total_tokens)
 
     def schedule(self, drafts: Mapping[str, DraftProposal] | None = None) -> SchedulerOutput:
-        """This step's plan. `drafts` (request id to proposal) are scheduled as extra
-        query tokens of those requests' decodes, as far as budget and blocks allow:
-        drafts are dropped before anyone is preempted for them."""
-        drafts = drafts or {}
-        out = SchedulerOutput()
-        scheduled: dict[str, ScheduledRequest] = {}
-        budget = self.max_num_batched_tokens
-
-        def preempt(victim: Request) -> None:
-            nonlocal budget
-            entry = scheduled.pop(victim.request_id, None)
-            if entry is not None:
-                budget += entry.num_tokens
-            self.running.remove(victim)
-            self.kv.free(victim.request_id)
-            victim.status = RequestStatus.PREEMPTED
-            victim.num_computed_tokens = 0
-            victim.num_preemptions += 1
-            self.num_preemptions += 1
-            self.add(victim)
-            out.preempted.append(victim)
-
-        def victim_among(candidates: list[Request]) -> Request | None:
-            view = self.policy.choose_victim([r.view() for r in candidates])
-            return None if view is None else next(r for r in candidates if r.request_id == view.request_id)
-
-        for request in sorted(self.running, key=self.key):
-            if budget == 0:
-                break
-            if request.status is not RequestStatus.RUNNING:
-                continue  # preempted earlier in this loop
-            draft = drafts.get(request.request_id)
-            num_drafts = len(draft.token_ids) if draft is not None else 0
-            num_new = min(request.num_tokens + num_drafts - request.num_computed_tokens, budget)
-            if num_new <= 0:
-                continue
-            while not self.grow(request, request.num_computed_tokens + num_new):
-                if num_drafts:  # speculation is never worth a preemption
-                    num_drafts = 0
-                    num_new = min(request.num_tokens - request.num_computed_tokens, budget)
-                    continue
-                if len(self.running) == 1:
-                    # Alone and still short of blocks: it can never fit, so stop it here.
-                    self.finish(request, FinishReason.LENGTH, error=None)
-                    out.finished.append(request)
-                    break
-                victim = victim_among(self.running)
-                preempt(victim)
-                if victim is request:
-                    break
-            else:
-                entry = ScheduledRequest(request, request.num_computed_tokens, num_new)
-                # The budget may have cut the drafts short: keep those that fit.
-                num_drafts = max(0, min(num_drafts, request.num_computed_tokens + num_new - request.num_tokens))
-                if num_drafts:
-                    entry.draft_token_ids = list(draft.token_ids[:num_drafts])
-                    entry.draft_probs = None if draft.probs is None else draft.probs[:num_drafts]
-                scheduled[request.request_id] = entry
-                budget -= num_new
-
-        # Full blocks this step computes. A waiting request whose next block is among
-        # them waits one step and then takes it from the prefix cache, instead of
-        # computing the same shared prompt again beside the request computing it now.
-        computing = set()
-        if self.kv.enable_prefix_caching and self.waiting:  # (pure decode steps skip this)
-            for entry in scheduled.values():
-                computing.update(self.kv.block_hashes(entry.request.request_id, entry.start,
-                                                      entry.start + entry.num_tokens))
-        while self.waiting and budget > 0 and not out.preempted:
-            request = self.waiting[0]
-            needs_slot = len(self.running) >= self.max_num_seqs
-            if needs_slot:
-                view = request.view()
-                victim = victim_among([r for r in self.running if self.policy.may_preempt(view, r.view())])
-                if victim is None:
-                    break
-                preempt(victim)
-            salt = () if request.cache_salt is None else (("cache_salt", request.cache_salt),)
-            computed = self.kv.admit(request.request_id, request.all_token_ids, salt)
-            if computing and not needs_slot and self.kv.next_block_hash(request.request_id, computed) in computing:
-                self.kv.free(request.request_id)
-                break  # strict order: what waits behind it waits too
-            num_new = min(request.num_tokens - computed, budget)
-            admitted = self.grow(request, computed + num_new)
-            while not admitted:
-                view = request.view()
-                candidates = [r for r in self.running if self.policy.may_preempt(view, r.view())]
-                victim = victim_among(candidates)
-                if victim is None:
-                    break
-                preempt(victim)
-                admitted = self.grow(request, computed + num_new)
-            if not admitted:
-                self.kv.free(request.request_id)
-                if not self.running:
-                    # Even an empty cache cannot hold it: a preempted request that grew too
-                    # long ends like a running one would ("length"); a new one is an error.
-                    self.waiting.remove(request)
-                    if request.output_token_ids:
-                        request.finish(FinishReason.LENGTH)
-                    else:
-                        request.finish(FinishReason.ERROR, error=(
-                            f"request {request.group_id!r} needs room for {computed + num_new} tokens, more than "
-                            "the whole KV cache holds; raise cache.num_blocks or cache.memory_budget, or shorten it"))
-                    out.finished.append(request)
-                    continue
-                break  # strict order: nothing behind it may jump ahead (no starvation)
-            self.waiting.remove(request)
-            request.status = RequestStatus.RUNNING
-            request.num_computed_tokens = computed
-            request.admitted_index = next(self._admissions)
-            self.running.append(request)
-            scheduled[request.request_id] = ScheduledRequest(request, computed, num_new)
-            budget -= num_new
-            if self.kv.enable_prefix_caching:
-                computing.update(self.kv.block_hashes(request.request_id, computed, computed + num_new))
-
-        out.scheduled = list(scheduled.values())
+        """This step's plan: the running requests first (`_schedule_running`), then
+        waiting ones admitted with what is left (`_schedule_waiting`). `drafts`
+        (request id to proposal) are scheduled as extra query tokens of those
+        requests' decodes, as far as budget and blocks allow: drafts are dropped
+        before anyone is preempted for them."""
+        plan = _PlanInProgress(self.max_num_batched_tokens)
+        self._schedule_running(plan, drafts or {})
+        self._schedule_waiting(plan)
+        out = plan.out
+        out.scheduled = list(plan.entries.values())
         for entry in out.scheduled:
             if entry.request.forks and entry.samples:
                 entry.forks = [child for child in entry.request.forks if not child.finished]
                 entry.request.forks = []
         return out
 
-    def update_from_output(self, plan: SchedulerOutput, sampled: Mapping[str, SampledTokens]) -> StepUpdate:
-        """Apply one step's result. `sampled` maps the id of every request that sampled
-        (each sampling entry and each of its forks) to the tokens it emitted.
+    # The running phase
 
-        Per scheduled request: its computed position advances past the tokens the
-        step wrote, less its rejected drafts, whose blocks (those wholly past the
-        accepted tokens) go back to the pool; emitted tokens are appended one by one
-        with the stop checks, so a stop inside an accepted run cuts the output there;
-        blocks that are now full of accepted tokens are offered to the prefix cache;
-        samples waiting for this prompt are forked from its blocks; a request that
-        stopped ends and frees its blocks."""
+    def _schedule_running(self, plan: _PlanInProgress, drafts: Mapping[str, DraftProposal]) -> None:
+        """Every running request, in the policy's order, gets its next tokens while
+        the budget lasts; one short of blocks preempts the policy's victims."""
+        for request in sorted(self.running, key=self.key):
+            if plan.budget == 0:
+                break
+            if request.status is RequestStatus.RUNNING:  # else preempted earlier in this loop
+                self._schedule_running_request(request, drafts.get(request.request_id), plan)
+
+    def _schedule_running_request(self, request: Request, draft: DraftProposal | None, plan: _PlanInProgress) -> None:
+        """Its next tokens and drafts. Short of blocks, it drops its drafts first, then
+        preempts the policy's victim (itself, maybe); alone, it ends ("length")."""
+        num_drafts = len(draft.token_ids) if draft is not None else 0
+        num_new = min(request.num_tokens + num_drafts - request.num_computed_tokens, plan.budget)
+        if num_new <= 0:
+            return
+        while not self.grow(request, request.num_computed_tokens + num_new):
+            if num_drafts:  # speculation is never worth a preemption
+                num_drafts = 0
+                num_new = min(request.num_tokens - request.num_computed_tokens, plan.budget)
+                continue
+            if len(self.running) == 1:
+                # Alone and still short of blocks: it can never fit, so stop it here.
+                self.finish(request, FinishReason.LENGTH)
+                plan.out.finished.append(request)
+                return
+            victim = self._victim_among(self.running)
+            self._preempt(victim, plan)
+            if victim is request:
+                return
+        entry = ScheduledRequest(request, request.num_computed_tokens, num_new)
+        # The budget may have cut the drafts short: keep those that fit.
+        num_drafts = max(0, min(num_drafts, request.num_computed_tokens + num_new - request.num_tokens))
+        if num_drafts:
+            entry.draft_token_ids = list(draft.token_ids[:num_drafts])
+            entry.draft_probs = None if draft.probs is None else draft.probs[:num_drafts]
+        plan.add(entry)
+
+    # The admission phase
+
+    def _schedule_waiting(self, plan: _PlanInProgress) -> None:
+        """Waiting requests start in the policy's order, strictly: the first that
+        cannot start now holds back every one behind it (no starvation). Admission
+        stops once this step has preempted anyone."""
+        computing = self._blocks_computed_by(plan)
+        while self.waiting and plan.budget > 0 and not plan.out.preempted:
+            if not self._admit_first_waiting(plan, computing):
+                break
+
+    def _blocks_computed_by(self, plan: _PlanInProgress) -> set:
+        """Full blocks the plan computes. A waiting request whose next block is among
+        them waits one step and then takes it from the prefix cache, instead of
+        computing the same shared prompt again beside the request computing it now."""
+        computing = set()
+        if self.kv.enable_prefix_caching and self.waiting:  # (pure decode steps skip this)
+            for entry in plan.entries.values():
+                computing.update(self.kv.block_hashes(entry.request.request_id, entry.start,
+                                                      entry.start + entry.num_tokens))
+        return computing
+
+    def _admit_first_waiting(self, plan: _PlanInProgress, computing: set) -> bool:
+        """Start the first waiting request with its prefix-cache hits, preempting
+        what the policy's `may_preempt` allows for a slot or for blocks. False
+        when it must wait, and everything behind it with it."""
+        request = self.waiting[0]
+        needs_slot = len(self.running) >= self.max_num_seqs
+        if needs_slot:
+            victim = self._victim_among(self._preemptible_by(request))
+            if victim is None:
+                return False
+            self._preempt(victim, plan)
+        salt = () if request.cache_salt is None else (("cache_salt", request.cache_salt),)
+        computed = self.kv.admit(request.request_id, request.all_token_ids, salt)
+        if computing and not needs_slot and self.kv.next_block_hash(request.request_id, computed) in computing:
+            self.kv.free(request.request_id)
+            return False
+        num_new = min(request.num_tokens - computed, plan.budget)
+        admitted = self.grow(request, computed + num_new)
+        while not admitted:
+            victim = self._victim_among(self._preemptible_by(request))
+            if victim is None:
+                break
+            self._preempt(victim, plan)
+            admitted = self.grow(request, computed + num_new)
+        if not admitted:
+            self.kv.free(request.request_id)
+            if self.running:
+                return False
+            # Even an empty cache cannot hold it: a preempted request that grew too
+            # long ends like a running one would ("length"); a new one is an error.
+            if request.output_token_ids:
+                self.finish(request, FinishReason.LENGTH)
+            else:
+                self.finish(request, FinishReason.ERROR, error=(
+                    f"request {request.group_id!r} needs room for {computed + num_new} tokens, more than "
+                    "the whole KV cache holds; raise cache.num_blocks or cache.memory_budget, or shorten it"))
+            plan.out.finished.append(request)
+            return True
+        self.waiting.remove(request)
+        request.status = RequestStatus.RUNNING
+        request.num_computed_tokens = computed
+        request.admitted_index = next(self._admissions)
+        self.running.append(request)
+        plan.add(ScheduledRequest(request, computed, num_new))
+        if self.kv.enable_prefix_caching:
+            computing.update(self.kv.block_hashes(request.request_id, computed, computed + num_new))
+        return True
+
+    # Preemption
+
+    def _preemptible_by(self, request: Request) -> list[Request]:
+        view = request.view()
+        return [r for r in self.running if self.policy.may_preempt(view, r.view())]
+
+    def _victim_among(self, candidates: list[Request]) -> Request | None:
+        view = self.policy.choose_victim([r.view() for r in candidates])
+        return None if view is None else next(r for r in candidates if r.request_id == view.request_id)
+
+    def _preempt(self, victim: Request, plan: _PlanInProgress) -> None:
+        """Free the victim's blocks and queue it again at its place; it is recomputed when admitted."""
+        plan.drop(victim)
+        self.running.remove(victim)
+        self.kv.free(victim.request_id)
+        victim.status = RequestStatus.PREEMPTED
+        victim.num_computed_tokens = 0
+        victim.num_preemptions += 1
+        self.num_preemptions += 1
+        self.add(victim)
+        plan.out.preempted.append(victim)
+
+    # The step's result
+
+    def update_from_output(self, plan: SchedulerOutput, output: SamplerOutput) -> StepUpdate:
+        """Apply one step's result: `output.tokens` maps the id of every request that
+        sampled (each sampling entry and each of its forks) to the tokens it emitted.
+
+        First, each request in `output.non_finite` ends with finish reason "error"
+        and frees its blocks (its samples waiting to fork end with it); the step
+        changes nothing else of it. Then per scheduled request: its computed
+        position advances past the tokens the step wrote, less its rejected drafts,
+        whose blocks (those wholly past the accepted tokens) go back to the pool;
+        emitted tokens are appended one by one with the stop checks, so a stop
+        inside an accepted run cuts the output there; blocks that are now full of
+        accepted tokens are offered to the prefix cache; samples waiting for this
+        prompt are forked from its blocks; a request that stopped ends and frees
+        its blocks."""
         update = StepUpdate()
+        entries = plan.scheduled
+        if output.non_finite:
+            entries = self._end_non_finite(entries, set(output.non_finite), update)
+        sampled = output.tokens
         now = time.monotonic()
-        for entry in plan.scheduled:
+        for entry in entries:
             request = entry.request
             emitted = sampled.get(request.request_id)
             computed = entry.start + entry.num_tokens
@@ -305,6 +316,23 @@ class Scheduler:
                 update.finished.append(request)
         return update
 
+    def _end_non_finite(self, entries: list[ScheduledRequest], ids: set[str],
+                        update: StepUpdate) -> list[ScheduledRequest]:
+        """End the entries whose request is in `ids` (sampling them would emit garbage
+        tokens); returns the others."""
+        kept = []
+        for entry in entries:
+            request = entry.request
+            if request.request_id not in ids:
+                kept.append(entry)
+                continue
+            self.finish(request, FinishReason.ERROR,
+                        error=NON_FINITE_LOGITS.format(index=len(request.output_token_ids)))
+            _end_unforked(entry.forks, request)  # taken from request.forks when it was scheduled
+            update.failed.append(request)
+            update.finished.append(request)
+        return kept
+
     def _append(self, request: Request, emitted: SampledTokens, now: float,
                 update: StepUpdate) -> tuple[FinishReason, int | str | None] | None:
         """Append emitted tokens until one ends the request; `(reason, stop_reason)` then."""
@@ -321,3 +349,10 @@ class Scheduler:
             if reason is not None:
                 return reason, stop_reason
         return None
+
+
+def _end_unforked(samples: list[Request], parent: Request) -> None:
+    """End the samples that never forked from `parent` as `parent` ended."""
+    for sample in samples:
+        if not sample.finished:
+            sample.finish(parent.finish_reason, error=parent.error)

@@ -1,8 +1,10 @@
 """One step's logits to each request's tokens.
 
-`StepSampler.sample` picks each request's logit row (a sample forked this step
-draws from its parent's row; a prompt chunk short of the end has none), samples
-them in one batch, verifies every speculating request's drafts in another
+`StepSampler.sample` sets aside the requests whose logits hold a NaN or an
+infinity (sampling them would emit garbage tokens; the scheduler ends them),
+picks each other request's logit row (a sample forked this step draws from its
+parent's row; a prompt chunk short of the end has none), samples them in one
+batch, verifies every speculating request's drafts in another
 (`RejectionSampler`), and records the log-probabilities a request asked for.
 The engine hands the result to `Scheduler.update_from_output`.
 """
@@ -10,6 +12,7 @@ The engine hands the result to `Scheduler.update_from_output`.
 from __future__ import annotations
 
 import itertools
+import math
 
 import torch
 
@@ -17,7 +20,7 @@ from .metrics import EngineMetrics
 from .rejection_sampler import RejectionSampler
 from .request import Request
 from .sampler import Sampler, logprob_record, raw_logprobs
-from .scheduler import SampledTokens, ScheduledRequest, SchedulerOutput
+from .scheduler_output import SampledTokens, SamplerOutput, ScheduledRequest, SchedulerOutput
 
 
 class StepSampler:
@@ -29,13 +32,18 @@ class StepSampler:
         self.verifier = RejectionSampler(self.sampler)
         self.stats = stats
 
-    def sample(self, plan: SchedulerOutput, logits: torch.Tensor) -> dict[str, SampledTokens]:
-        """The tokens every sampling request (and every sample forked this step) emits."""
+    def sample(self, plan: SchedulerOutput, logits: torch.Tensor) -> SamplerOutput:
+        """The tokens every sampling request (and every sample forked this step)
+        emits, and the requests whose logits are not finite."""
+        entries, logits, non_finite = split_non_finite(plan.scheduled, logits)
+        return SamplerOutput(self._sample(entries, logits), non_finite)
+
+    def _sample(self, entries: list[ScheduledRequest], logits: torch.Tensor) -> dict[str, SampledTokens]:
         rows: list[int] = []
         requests: list[Request] = []
         speculated: list[tuple[ScheduledRequest, int]] = []
         row = 0
-        for entry in plan.scheduled:
+        for entry in entries:
             if not entry.samples:
                 continue  # a prompt chunk short of the end: no logit rows
             if entry.draft_token_ids:
@@ -95,3 +103,27 @@ class StepSampler:
             sampled[entry.request.request_id] = SampledTokens(tokens, records)
             at += len(tokens)
         return sampled
+
+
+def split_non_finite(entries: list[ScheduledRequest],
+                     logits: torch.Tensor) -> tuple[list[ScheduledRequest], torch.Tensor, list[str]]:
+    """The entries whose logit rows are all finite, their rows, and the request
+    ids of the others, in plan order."""
+    # One reduction per step: any NaN or infinity makes the sum non-finite (a finite
+    # sum that overflows only sends the step to the exact per-row check below).
+    if logits.numel() == 0 or math.isfinite(float(logits.sum())):
+        return entries, logits, []
+    finite = torch.isfinite(logits).all(dim=-1)
+    if bool(finite.all()):
+        return entries, logits, []
+    finite = finite.tolist()
+    kept, rows, non_finite, row = [], [], [], 0
+    for entry in entries:
+        span = range(row, row + entry.num_logit_rows)
+        row = span.stop
+        if all(finite[r] for r in span):
+            kept.append(entry)
+            rows.extend(span)
+        else:
+            non_finite.append(entry.request.request_id)
+    return kept, logits[torch.tensor(rows, dtype=torch.long, device=logits.device)], non_finite

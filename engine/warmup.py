@@ -14,7 +14,7 @@ from kvforge.core import cdiv
 
 from .request import Request
 from .sampling_params import SamplingParams
-from .scheduler import ScheduledRequest
+from .scheduler_output import ScheduledRequest
 
 PROMPT_LEN = 128
 """Tokens per warm-up sequence: prompt-sized, so the attention of the step stays

@@ -10,7 +10,8 @@ from kvforge import SamplingParams
 from kvforge.core import BLOCK_ALLOCATOR, SCHEDULER_POLICY, build_registry
 from kvforge.engine.kv_cache_manager import KVCacheManager
 from kvforge.engine.request import FinishReason, Request, RequestStatus
-from kvforge.engine.scheduler import SampledTokens, Scheduler, SchedulerOutput
+from kvforge.engine.scheduler import Scheduler
+from kvforge.engine.scheduler_output import SampledTokens, SamplerOutput, SchedulerOutput
 
 REGISTRY = build_registry()
 
@@ -25,15 +26,24 @@ def make(num_blocks=8, block_size=4, policy="fcfs", max_num_seqs=8, budget=64, p
 _arrivals = iter(range(10**9))
 
 
-def request(name, prompt_len, priority=0, max_tokens=100) -> Request:
-    return Request(name, list(range(1, prompt_len + 1)), SamplingParams(max_tokens=max_tokens), priority=priority,
-                   arrival_index=next(_arrivals))
+def request(name, prompt_len, priority=0, max_tokens=100, temperature=1.0) -> Request:
+    return Request(name, list(range(1, prompt_len + 1)), SamplingParams(max_tokens=max_tokens, temperature=temperature),
+                   priority=priority, arrival_index=next(_arrivals))
+
+
+def samples_of(name, prompt_len, n) -> list[Request]:
+    """The n samples of one prompt as the engine queues them: sample 0, with the others to fork from it."""
+    params, arrival = SamplingParams(max_tokens=5, n=n), next(_arrivals)
+    samples = [Request(name if i == 0 else f"{name}#{i}", list(range(1, prompt_len + 1)), params,
+                       arrival_index=arrival, group_id=name, sample_index=i) for i in range(n)]
+    samples[0].forks = samples[1:]
+    return samples
 
 
 def step(s: Scheduler) -> dict[str, int]:
     """Schedule once and apply the result like the engine: {request id: new tokens}."""
     out = s.schedule()
-    s.update_from_output(out, {e.request.request_id: SampledTokens([7]) for e in out.scheduled if e.samples})
+    s.update_from_output(out, SamplerOutput({e.request.request_id: SampledTokens([7]) for e in out.scheduled if e.samples}))
     return {e.request.request_id: e.num_tokens for e in out.scheduled}
 
 
@@ -176,5 +186,95 @@ def test_drafts_cut_by_the_token_budget_keep_their_leading_tokens():
     [entry] = s.schedule({"a": DraftProposal([5, 6, 7, 8])}).scheduled
     assert entry.num_tokens == 3 and entry.draft_token_ids == [5, 6] and entry.samples
     # Verification accepted one draft: computed moves to 4 (last known + 1 draft), two tokens appended.
-    s.update_from_output(SchedulerOutput(scheduled=[entry]), {"a": SampledTokens([5, 9])})
+    s.update_from_output(SchedulerOutput(scheduled=[entry]), SamplerOutput({"a": SampledTokens([5, 9])}))
     assert a.output_token_ids == [7, 5, 9] and a.num_computed_tokens == 4 and s.kv.num_tokens("a") == 4
+
+
+# The step's result: what the scheduler does with requests that sampled nothing
+
+
+def test_non_finite_logits_end_only_that_request_and_change_nothing_else_of_it():
+    s = make(num_blocks=8)
+    s.add(a := request("a", 6))
+    s.add(b := request("b", 3))
+    step(s)  # both prefilled, one token out each
+    update = s.update_from_output(s.schedule(), SamplerOutput({"b": SampledTokens([9])}, non_finite=["a"]))
+    assert a.finish_reason is FinishReason.ERROR and a not in s.running and "a" not in s.kv
+    assert "non-finite logits (NaN or infinity) for output token 1 of this request" in a.error
+    assert "dtype = 'float32'" in a.error  # says what to try
+    assert a.output_token_ids == [7] and a.num_computed_tokens == 6  # as before the step
+    assert b.output_token_ids == [7, 9] and b.num_computed_tokens == 4
+    assert update.failed == [a] and update.finished == [a] and update.progressed == [b]
+    assert update.num_generated_tokens == 1
+
+
+def test_a_nan_in_a_draft_row_sets_that_request_aside_and_the_others_are_sampled():
+    from kvforge.core import DraftProposal
+    from kvforge.engine.metrics import EngineMetrics
+    from kvforge.engine.step_sampling import StepSampler
+
+    s = make(num_blocks=8)
+    s.add(a := request("a", 3, temperature=0))
+    s.add(b := request("b", 3, temperature=0))
+    step(s)
+    plan = s.schedule({"b": DraftProposal([4, 5])})
+    assert [e.num_logit_rows for e in plan.scheduled] == [1, 3]
+    logits = torch.zeros(4, 16)
+    logits[0, 11] = 5.0  # a's row
+    logits[3, 2] = float("nan")  # b's last draft row
+    output = StepSampler(0, EngineMetrics()).sample(plan, logits)
+    assert output.non_finite == ["b"] and output.tokens == {"a": SampledTokens([11])}
+    update = s.update_from_output(plan, output)
+    assert a.output_token_ids == [7, 11] and b.output_token_ids == [7] and update.failed == [b]
+    assert b.finish_reason is FinishReason.ERROR and s.running == [a]
+
+
+def test_finite_logits_whose_sum_overflows_set_nothing_aside():
+    from kvforge.engine.metrics import EngineMetrics
+    from kvforge.engine.step_sampling import StepSampler
+
+    s = make(num_blocks=8)
+    s.add(request("a", 3, temperature=0))
+    logits = torch.zeros(1, 16)
+    logits[0, :4] = 3e38  # finite, but their float32 sum is infinite
+    assert StepSampler(0, EngineMetrics()).sample(s.schedule(), logits).non_finite == []
+
+
+def test_samples_waiting_to_fork_end_with_a_parent_whose_logits_are_non_finite():
+    s = make(num_blocks=8)
+    parent, *children = samples_of("p", 5, n=3)
+    s.add(parent)
+    plan = s.schedule()
+    assert plan.scheduled[0].forks == children  # its prompt completes this step
+    update = s.update_from_output(plan, SamplerOutput(non_finite=["p"]))
+    assert parent.finish_reason is FinishReason.ERROR and update.finished == [parent]
+    assert [(c.finish_reason, c.error) for c in children] == [(FinishReason.ERROR, parent.error)] * 2
+    assert not any(c.forked or c.request_id in s.kv for c in children)
+    assert not s.has_unfinished() and s.kv.usage().in_use == 0
+
+
+@pytest.mark.parametrize("ending", ["larger than the cache", "outgrows the cache alone", "aborted"])
+def test_samples_waiting_to_fork_end_as_their_parent_ends(ending):
+    if ending == "larger than the cache":
+        s = make(num_blocks=2, block_size=4)
+        parent, child = samples_of("p", 12, n=2)
+        s.add(parent)
+        assert s.schedule().finished == [parent]
+        expected = FinishReason.ERROR
+    elif ending == "outgrows the cache alone":
+        s = make(num_blocks=2, block_size=4, budget=4)  # prefilled in chunks of 4; the third needs a third block
+        parent, child = samples_of("p", 12, n=2)
+        s.add(parent)
+        step(s)
+        step(s)
+        assert s.schedule().finished == [parent]
+        expected = FinishReason.LENGTH
+    else:
+        s = make(num_blocks=8)
+        parent, child = samples_of("p", 12, n=2)
+        s.add(parent)
+        s.finish(parent, FinishReason.ABORT)
+        expected = FinishReason.ABORT
+    assert parent.finish_reason is expected and parent.forks == []
+    assert child.finished and (child.finish_reason, child.error) == (expected, parent.error)
+    assert not child.forked and child not in s.running and child not in s.waiting
