@@ -137,12 +137,6 @@ class Request:
     def finished(self) -> bool:
         return self.status is RequestStatus.FINISHED
 
-    @property
-    def waits_for_parent(self) -> bool:
-        """Sample > 0 of an n > 1 prompt before its parent's prefill has finished:
-        it is forked from the parent's blocks instead of prefilling on its own."""
-        return self.sample_index > 0 and not self.forked
-
     def view(self) -> RequestView:
         return RequestView(
             request_id=self.request_id, priority=self.priority, arrival_time=self.arrival_time,
