@@ -18,11 +18,12 @@ from collections.abc import AsyncIterator, Sequence
 
 from kvforge.core import RequestError
 from kvforge.engine.outputs import RequestOutput
+from kvforge.engine.process_exit import describe_exit
 from kvforge.engine.sampling_params import SamplingParams
 
 from .engine_loop import EngineDeadError, stream_outputs
 from .metrics import ServerMetrics
-from .replica_pool import ReplicaPool, exit_description
+from .replica_pool import ReplicaPool
 from .replica_process import AddRequest
 from .router import NoReplicaError, Router, outstanding_tokens
 
@@ -168,8 +169,7 @@ class DataParallelLoop:
 
     def _on_death(self, index: int, exitcode: int | None) -> None:
         if not self._stopping and self.router.alive[index]:
-            pid = self.pool.replicas[index].pid
-            self._replica_died(index, f"(pid {pid}) {exit_description(exitcode)}")
+            self._replica_died(index, describe_exit(self.pool.replicas[index].pid, exitcode))
 
     def _replica_died(self, index: int, reason: str) -> None:
         error = EngineDeadError(f"data-parallel replica {index} {reason}; its requests failed, the other replicas "

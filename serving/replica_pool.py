@@ -16,6 +16,8 @@ import queue
 import threading
 from collections.abc import Callable
 
+from kvforge.engine.process_exit import describe_exit
+
 from .replica_process import ReplicaInfo, ReplicaSpec, replica_main
 
 log = logging.getLogger(__name__)
@@ -25,14 +27,6 @@ STOP_TIMEOUT_S = 30.0  # a replica told to stop ends its current step first
 
 class ReplicaStartError(RuntimeError):
     """A replica could not build its engine (its own error is in the message)."""
-
-
-def exit_description(exitcode: int | None) -> str:
-    if exitcode is None:
-        return "stopped answering"
-    if exitcode < 0:
-        return f"was killed by signal {-exitcode}"
-    return f"exited with status {exitcode}"
 
 
 class ReplicaHandle:
@@ -62,14 +56,15 @@ class ReplicaHandle:
         while not self._results.poll(1.0):
             if not self.process.is_alive() and not self._results.poll(0):
                 self.process.join()
-                raise ReplicaStartError(f"data-parallel replica {self.index} {exit_description(self.process.exitcode)} "
-                                        "while starting; see its output above")
+                raise ReplicaStartError(f"data-parallel replica {self.index} "
+                                        f"{describe_exit(self.pid, self.process.exitcode)} while starting; see its "
+                                        "output above")
         try:
             message = self._results.recv()
         except EOFError:
             self.process.join()
             raise ReplicaStartError(f"data-parallel replica {self.index} "
-                                    f"{exit_description(self.process.exitcode)} while starting") from None
+                                    f"{describe_exit(self.pid, self.process.exitcode)} while starting") from None
         if message[0] == "error":
             raise ReplicaStartError(f"data-parallel replica {self.index} could not start: {message[1]}")
         self.info = message[1]
