@@ -120,7 +120,7 @@ class ParallelConfig(Section):
     executor: str = Field(
         "auto", min_length=1,
         description="how ranks 1.. run, by the name of a `kvforge.executors` entry point: mp (processes on this "
-                    "host, torch.multiprocessing), ray (Ray actors, on any node of a Ray cluster; kvforge[ray]), "
+                    "host), ray (Ray actors, on any node of a Ray cluster; kvforge[ray]), "
                     "torchrun or external (processes torchrun started, on one or more hosts); auto: torchrun under "
                     "torchrun, else mp. The engine's own process is always rank 0")
     collective_timeout_s: float = Field(

@@ -1,30 +1,30 @@
 """The multiprocessing executor (`parallel.executor = "mp"`): workers as processes on this host.
 
-`MultiprocExecutor` starts ranks 1..size-1 as processes (torch.multiprocessing,
-spawn) and meets them on a TCP store on 127.0.0.1; the driver's part is
-`DriverExecutor`'s. Workers are daemon processes, stopped by `shutdown()`, on
-garbage collection and at exit.
+`MultiprocExecutor` starts ranks 1..size-1 as fresh interpreters
+(`worker_process`: no main script imported again, so a script without an
+`if __name__ == "__main__":` guard works; no forked threads or CUDA state) and
+meets them on a TCP store on 127.0.0.1; the driver's part is `DriverExecutor`'s.
+Workers are stopped by `shutdown()`, on garbage collection and at exit.
 """
 
 from __future__ import annotations
 
-import signal
 import weakref
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from kvforge.core import UnsupportedConfigurationError
+from kvforge.engine.process_exit import describe_exit
 
 from .driver import DriverExecutor, DriverRunner
 from .group import HOST, driver_store
 from .shard_loading import WorkerSpec, rank_device
-from .worker import run_worker
+from .worker_process import WorkerProcess
 
 TERMINATE_WAIT_S = 2.0  # how long a terminated worker gets to exit before it is killed
 
-__all__ = ["DriverRunner", "MultiprocExecutor", "check_devices", "exit_reason"]
+__all__ = ["DriverRunner", "MultiprocExecutor", "check_devices"]
 
 
 class MultiprocExecutor(DriverExecutor):
@@ -47,15 +47,11 @@ class MultiprocExecutor(DriverExecutor):
         return rank_device(device, 0)
 
     def _start_workers(self, spec: WorkerSpec) -> None:
-        context = mp.get_context("spawn")
-        self.workers = [context.Process(target=run_worker, args=(spec, rank), name=f"kvforge-rank{rank}",
-                                        daemon=True) for rank in range(1, self.size)]
-        for worker in self.workers:
-            worker.start()
+        self.workers = [WorkerProcess(spec, rank) for rank in range(1, self.size)]
         self._finalizer = weakref.finalize(self, _terminate, list(self.workers))
 
     def _dead_workers(self) -> list[tuple[int, str]]:
-        return [(rank, f"(pid {w.pid}) {exit_reason(w.exitcode)}")
+        return [(rank, describe_exit(w.pid, w.exitcode))
                 for rank, w in enumerate(self.workers, start=1) if w.exitcode is not None]
 
     def _stop_workers(self, wait_s: float) -> None:
@@ -72,14 +68,6 @@ def _terminate(workers) -> None:
         if worker.is_alive():  # stopped (SIGSTOP) or ignoring SIGTERM
             worker.kill()
             worker.join(TERMINATE_WAIT_S)
-
-
-def exit_reason(exitcode: int | None) -> str:
-    if exitcode is None:
-        return "is running"
-    if exitcode < 0:
-        return f"was killed by signal {signal.Signals(-exitcode).name}"
-    return f"exited with code {exitcode}"
 
 
 def check_devices(device: torch.device, size: int) -> None:

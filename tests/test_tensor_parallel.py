@@ -162,10 +162,10 @@ def test_a_split_the_model_cannot_take_is_refused_before_any_process_starts(tmp_
 
     from kvforge.distributed import executor
 
-    def no_processes(method):
+    def no_processes(spec, rank):
         raise AssertionError("a worker process was about to start")
 
-    monkeypatch.setattr(executor.mp, "get_context", no_processes)
+    monkeypatch.setattr(executor, "WorkerProcess", no_processes)
     config = transformers.LlamaConfig(vocab_size=64, hidden_size=48, intermediate_size=64, num_hidden_layers=2,
                                       num_attention_heads=3, num_key_value_heads=3)
     transformers.LlamaForCausalLM(config).save_pretrained(tmp_path)
