@@ -1,11 +1,14 @@
 """Just-in-time build of the C++ kernels, cached on disk across processes.
 
-The first use compiles `paged_attention.cpp`, `int8_linear.cpp`,
-`int8_dynamic_linear.cpp`, `linear.cpp`, `rms_norm_rotary.cpp` and
-`inverse_cdf.cpp` into one
-library with `torch.utils.cpp_extension.load` (about 30 s on two cores) into a build directory keyed by the torch and Python
-versions; later processes find the library there and only load it. Torch's own
-lock file in that directory keeps concurrent first uses from building twice.
+`scripts/bootstrap.sh` (or `kvforge build-kernels`) compiles `paged_attention.cpp`,
+`int8_linear.cpp`, `int8_dynamic_linear.cpp`, `linear.cpp`, `rms_norm_rotary.cpp`
+and `inverse_cdf.cpp` into one library with `torch.utils.cpp_extension.load`,
+into a build directory keyed by the torch and Python versions and the sources'
+digest; every later process finds the library there and only loads it (about
+2 s). A process that must build it (no set-up build, or changed sources) says on
+stderr what it builds, where, how long it takes, and shows that it is still
+running (`build_messages`). Torch's own lock file in that directory keeps
+concurrent first uses from building twice.
 
 `KVFORGE_CACHE_DIR` moves the cache (default `~/.cache/kvforge`); the build
 lives in its `torch_extensions/` subfolder.
@@ -27,6 +30,8 @@ import torch
 
 from kvforge.core.errors import KvforgeError
 
+from .build_messages import ESTIMATE, BuildProgress, failure_summary
+
 NAME = "kvforge_cpp_attention"
 HERE = Path(__file__).resolve().parent
 SOURCES = [HERE / "paged_attention.cpp", HERE / "int8_linear.cpp", HERE / "int8_dynamic_linear.cpp",
@@ -41,7 +46,7 @@ CACHE_ENV = "KVFORGE_CACHE_DIR"
 # inside the library, so no -march=native (the build must run on any x86-64).
 CFLAGS = ["-O3", "-fopenmp", "-std=c++17"]
 
-# A build takes about a minute; torch's lock file older than this belongs to a
+# A build takes a minute or two; torch's lock file older than this belongs to a
 # build that was killed (its process gone), and would make every later load wait forever.
 STALE_LOCK_S = 900.0
 
@@ -51,8 +56,13 @@ _loaded: str | None = None  # path of the loaded library
 _failure: str | None = None  # why the build failed in this process
 
 
+# What runs without the library: said once in every build failure, where the reader needs it.
+WITHOUT_LIBRARY = ("Without these kernels the 'cpp' attention backend cannot run (choose another, e.g. --set "
+                   "attention.backend=sdpa), and linear layers, RMSNorm, rotary and W8A8 run as torch ops")
+
+
 class CppBuildError(KvforgeError, RuntimeError):
-    """The C++ attention kernel could not be compiled or loaded."""
+    """kvforge's C++ kernel library could not be compiled or loaded."""
 
 
 def source_digest() -> str:
@@ -121,8 +131,10 @@ def is_loaded() -> bool:
 def load() -> str:
     """Build (if needed) and load the kernel library; registers `torch.ops.kvforge_cpp`.
 
-    Returns the library path. Raises `CppBuildError` with the compiler's message
-    when the build fails; later calls in the same process fail fast with it.
+    Returns the library path. A build says on stderr what it compiles and shows
+    its progress. Raises `CppBuildError` naming the compiler, the failed command
+    and its first error lines, and what runs without the library; later calls in
+    the same process fail fast with it.
     """
     global _loaded, _failure
     with _lock:
@@ -130,8 +142,6 @@ def load() -> str:
             return _loaded
         if _failure is not None:
             raise CppBuildError(_failure)
-        from torch.utils import cpp_extension
-
         directory = build_dir()
         directory.mkdir(parents=True, exist_ok=True)
         clear_stale_lock(directory)
@@ -141,10 +151,35 @@ def load() -> str:
             # directly, which needs neither ninja nor a compiler.
             torch.ops.load_library(str(built))
             _loaded = str(built)
-            from . import fake  # noqa: F401  (registers the fake implementations)
+        else:
+            _loaded = _build(directory)
+        from . import fake  # noqa: F401  (registers the fake implementations)
 
-            return _loaded
-        try:
+        return _loaded
+
+
+def _build(directory: Path) -> str:
+    """Compile (or wait for another process compiling) the library into `directory`, with
+    progress on stderr; sets `_failure` and raises `CppBuildError` when it fails."""
+    global _failure
+    compiler = find_compiler() or os.environ.get("CXX", "c++")
+    if os.environ.get("CXX"):
+        compiler += " (from CXX)"
+    if (directory / "lock").exists():  # waiting needs no toolchain: the other process compiles
+        announcement = (f"waiting for another process that is building kvforge's C++ kernels in {directory} "
+                        f"({ESTIMATE} in all)")
+    else:
+        missing = missing_tools()
+        if missing is not None:
+            _failure = f"kvforge's C++ kernels cannot be built here: {missing}. {WITHOUT_LIBRARY}"
+            raise CppBuildError(_failure)
+        announcement = (f"building kvforge's C++ kernels ({', '.join(s.name for s in SOURCES)}) with {compiler} "
+                        f"into {directory}; this happens once per kvforge, torch and Python version and takes "
+                        f"{ESTIMATE} (`kvforge build-kernels` does it ahead of time)")
+    from torch.utils import cpp_extension
+
+    try:
+        with BuildProgress(announcement):
             path = cpp_extension.load(
                 name=NAME,
                 sources=[str(s) for s in SOURCES],
@@ -155,11 +190,9 @@ def load() -> str:
                 is_python_module=False,
                 verbose=False,
             )
-        except Exception as exc:  # compiler errors arrive as RuntimeError / CalledProcessError
-            _failure = (f"building the kvforge C++ attention kernel in {directory} failed: "
-                        f"{type(exc).__name__}: {exc}; fix the toolchain or delete that directory and retry")
-            raise CppBuildError(_failure) from exc
-        _loaded = str(path or cached_library() or directory)
-        from . import fake  # noqa: F401  (registers the fake implementations)
-
-        return _loaded
+    except Exception as exc:  # compiler errors arrive as RuntimeError / CalledProcessError
+        _failure = (f"building kvforge's C++ kernels with {compiler} in {directory} failed: "
+                    f"{failure_summary(exc)}\n{WITHOUT_LIBRARY}. Fix the toolchain (CXX names the "
+                    "compiler), then retry with `kvforge build-kernels`")
+        raise CppBuildError(_failure) from exc
+    return str(path or cached_library() or directory)
