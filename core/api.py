@@ -18,6 +18,7 @@ BLOCK_ALLOCATOR = "block_allocator"
 SCHEDULER_POLICY = "scheduler_policy"
 QUANTIZER = "quantizer"
 SPECULATIVE_PROPOSER = "speculative_proposer"
+STRUCTURED_OUTPUT = "structured_output"
 
 KINDS: tuple[str, ...] = (
     ATTENTION_BACKEND,

@@ -45,6 +45,10 @@ class RequestError(KvforgeError, ValueError):
     """A request is invalid; only that request is affected."""
 
 
+class StructuredOutputError(KvforgeError, ValueError):
+    """A structured-output spec is invalid or cannot be compiled; only its request is affected."""
+
+
 class QuantizationError(KvforgeError, ValueError):
     """A quantizer was given input it cannot represent (NaN or infinity)."""
 
