@@ -57,6 +57,13 @@ DESCRIPTIONS = {
     "spec_draft_tokens": "speculative draft tokens verified so far",
     "spec_accepted_tokens": "speculative draft tokens accepted so far",
     "spec_mean_accepted_tokens": "mean draft tokens accepted per verification (one request in one step)",
+    "structured_waiting_for_grammar": "requests waiting for their structured-output grammar to compile",
+    "structured_compiles": "structured-output grammar compile jobs finished (one per request, all its samples)",
+    "structured_compile_seconds_sum": "seconds spent compiling structured-output grammars, in all",
+    "structured_compile_failures": "structured-output specs that failed to compile",
+    "structured_mask_seconds_sum": "seconds spent filling and applying grammar bitmasks, in all",
+    "structured_mask_steps": "sampling calls that masked logits with grammar bitmasks",
+    "structured_draft_tokens_cut": "speculative draft tokens dropped before verification because the grammar rejects them",
 }
 
 

@@ -106,6 +106,11 @@ class Request:
     sort_key: tuple | None = None  # the policy's waiting key, computed once
     forked: bool = False  # sample > 0 that already shares its parent's blocks
     forks: list["Request"] = field(default_factory=list)  # samples > 0 to fork from this one's prompt
+    # structured outputs: its grammar (advanced over every output token), the backend that
+    # compiled it, and while compiling the job (a `structured_outputs.CompileJob`)
+    grammar: Any = None
+    grammar_backend: Any = None
+    grammar_job: Any = None
 
     def __post_init__(self) -> None:
         self.group_id = self.group_id or self.request_id

@@ -10,6 +10,8 @@ from dataclasses import dataclass, field
 
 from kvforge.core import RequestError
 
+from .structured_outputs_params import StructuredOutputsParams
+
 
 @dataclass
 class SamplingParams:
@@ -35,6 +37,11 @@ class SamplingParams:
       the per-token decoding; `stop` strings need the text, so they need it on.
     * `speculative=False` opts this request out of speculative decoding (when
       the engine has a `speculative.proposer`); its output is the same either way.
+    * `structured_outputs` (a `StructuredOutputsParams`, or a dict of its fields)
+      constrains the output to a JSON schema, regex, choice or grammar; the
+      output ends (EOS) exactly when it is complete, so `ignore_eos` and
+      `min_tokens` do not combine with it. `max_tokens` may still cut it short
+      (finish reason "length").
     """
 
     n: int = 1
@@ -54,8 +61,11 @@ class SamplingParams:
     logprobs: int | None = None
     detokenize: bool = True
     speculative: bool = True
+    structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self) -> None:
+        if isinstance(self.structured_outputs, dict):
+            self.structured_outputs = StructuredOutputsParams.from_dict(self.structured_outputs)
         if isinstance(self.stop, str):
             self.stop = [self.stop]
         self.stop = list(self.stop or [])
@@ -98,6 +108,14 @@ class SamplingParams:
         check(self.logprobs is None or (_is_int(self.logprobs) and self.logprobs >= 0),
               f"logprobs must be None or an integer >= 0 (how many top tokens), got {self.logprobs!r}")
         check(isinstance(self.speculative, bool), f"speculative must be True or False, got {self.speculative!r}")
+        structured = self.structured_outputs
+        check(structured is None or isinstance(structured, StructuredOutputsParams),
+              f"structured_outputs must be a StructuredOutputsParams, a dict of its fields or None, got {structured!r}")
+        if structured is not None:
+            check(not self.ignore_eos, "ignore_eos cannot be combined with structured_outputs: the output ends "
+                  "(EOS) exactly when it is complete; drop ignore_eos")
+            check(self.min_tokens == 0, f"min_tokens ({self.min_tokens}) cannot be combined with structured_outputs: "
+                  "the grammar decides where the output ends; set min_tokens=0")
         check(self.detokenize or not self.stop,
               f"stop strings {self.stop!r} need the output text: set detokenize=True or use stop_token_ids")
         return found

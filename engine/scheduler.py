@@ -22,6 +22,12 @@ rolled back, full blocks cached, samples forked, tokens appended, stop checks,
 finished requests freed). Whatever ends a request also ends the samples still
 waiting to fork from it. The data passed between the step's parts is in
 `scheduler_output.py`.
+
+A request with structured outputs also owns a grammar beside its position: it
+waits in `waiting_for_grammar` (out of the policy's order, so it holds back no
+one) until its grammars compile, and every token appended to its output is
+accepted by its grammar. Preemption keeps the grammar as it is: the output
+tokens it accepted stay, and recomputing them accepts nothing again.
 """
 
 from __future__ import annotations
@@ -68,14 +74,16 @@ class Scheduler:
     """Continuous batching over a `KVCacheManager` (see contracts) and a policy."""
 
     def __init__(self, policy: SchedulerPolicy, kv, *, max_num_seqs: int, max_num_batched_tokens: int,
-                 max_model_len: int | None = None):
+                 max_model_len: int | None = None, structured_outputs=None):
         self.policy = policy
+        self.structured_outputs = structured_outputs  # a StructuredOutputs when requests may carry grammars
         self.kv = kv
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_model_len = max_model_len if max_model_len is not None else 2**62  # None: no context limit
         self.waiting: list[Request] = []  # sorted by the policy's waiting key
         self.running: list[Request] = []  # in admission order
+        self.waiting_for_grammar: list[Request] = []  # new structured requests whose grammars compile
         self.num_preemptions = 0
         self._admissions = itertools.count()
 
@@ -87,7 +95,11 @@ class Scheduler:
 
     def add(self, request: Request) -> None:
         """Queue a new or preempted request at its place in the policy's order.
-        Its `forks` (samples > 0 of an n > 1 prompt) join when its prompt is computed."""
+        Its `forks` (samples > 0 of an n > 1 prompt) join when its prompt is computed.
+        A request whose grammars are compiling (`grammar_job`) waits for them first."""
+        if request.grammar_job is not None:
+            self.waiting_for_grammar.append(request)
+            return
         bisect.insort(self.waiting, request, key=self.key)
 
     def add_running(self, request: Request) -> None:
@@ -97,7 +109,7 @@ class Scheduler:
         self.running.append(request)
 
     def has_unfinished(self) -> bool:
-        return bool(self.waiting or self.running)
+        return bool(self.waiting or self.running or self.waiting_for_grammar)
 
     def finish(self, request: Request, reason: FinishReason, stop_reason=None, error: str | None = None) -> None:
         """End a request wherever it is; its blocks are freed at once. The samples
@@ -107,6 +119,9 @@ class Scheduler:
             self.kv.free(request.request_id)
         elif request in self.waiting:
             self.waiting.remove(request)
+        elif request in self.waiting_for_grammar:
+            self.waiting_for_grammar.remove(request)
+        request.grammar = request.grammar_job = None
         request.finish(reason, stop_reason, error)
         if request.forks:
             _end_unforked(request.forks, request)
@@ -127,6 +142,8 @@ class Scheduler:
         requests' decodes, as far as budget and blocks allow: drafts are dropped
         before anyone is preempted for them."""
         plan = _PlanInProgress(self.max_num_batched_tokens)
+        if self.waiting_for_grammar:
+            self._queue_compiled(plan)
         self._schedule_running(plan, drafts or {})
         self._schedule_waiting(plan)
         out = plan.out
@@ -136,6 +153,24 @@ class Scheduler:
                 entry.forks = [child for child in entry.request.forks if not child.finished]
                 entry.request.forks = []
         return out
+
+    def _queue_compiled(self, plan: _PlanInProgress) -> None:
+        """Requests whose grammars are ready join the waiting queue, each sample with
+        its own grammar; one whose compile failed or timed out ends ("error")."""
+        for request in list(self.waiting_for_grammar):
+            job = request.grammar_job
+            outcome = self.structured_outputs.poll(job)
+            if outcome is None:
+                continue
+            self.waiting_for_grammar.remove(request)
+            request.grammar_job = None
+            if isinstance(outcome, str):
+                self.finish(request, FinishReason.ERROR, error=outcome)
+                plan.out.finished.append(request)
+                continue
+            for sample, grammar in zip([request, *request.forks], outcome):
+                sample.grammar, sample.grammar_backend = grammar, job.backend
+            self.add(request)
 
     # The running phase
 
@@ -334,8 +369,9 @@ class Scheduler:
         return kept
 
     def _append(self, request: Request, emitted: SampledTokens, now: float,
-                update: StepUpdate) -> tuple[FinishReason, int | str | None] | None:
-        """Append emitted tokens until one ends the request; `(reason, stop_reason)` then."""
+                update: StepUpdate) -> tuple | None:
+        """Append emitted tokens until one ends the request; `(reason, stop_reason)` then
+        (`(reason, None, error)` when its grammar refuses a token)."""
         request.first_token_time = request.first_token_time or now
         update.progressed.append(request)
         for i, token in enumerate(emitted.token_ids):
@@ -345,6 +381,10 @@ class Scheduler:
                 request.logprobs.append(record)
                 request.cumulative_logprob += record[token]
             update.num_generated_tokens += 1
+            if request.grammar is not None and not request.grammar.accept_tokens([token]):
+                return FinishReason.ERROR, None, (
+                    f"structured output backend {request.grammar_backend.name!r} refused token {token} that its own "
+                    "mask allowed; this is a bug in the backend (run `kvforge conformance` on it)")
             reason, stop_reason = check_stop(request, self.max_model_len)
             if reason is not None:
                 return reason, stop_reason

@@ -6,6 +6,8 @@ picks each other request's logit row (a sample forked this step draws from its
 parent's row; a prompt chunk short of the end has none), samples them in one
 batch, verifies every speculating request's drafts in another
 (`RejectionSampler`), and records the log-probabilities a request asked for.
+Rows of requests with structured outputs are masked by their grammars first,
+one row per sampling position (`StructuredOutputs.mask`).
 The engine hands the result to `Scheduler.update_from_output`.
 """
 
@@ -25,12 +27,13 @@ from .scheduler_output import SampledTokens, SamplerOutput, ScheduledRequest, Sc
 
 class StepSampler:
     """The engine's sampler (seeded by `seed`) and draft verifier; the draft
-    counts go to `stats`."""
+    counts go to `stats`; `structured_outputs` masks the rows of requests with grammars."""
 
-    def __init__(self, seed: int | None, stats: EngineMetrics):
+    def __init__(self, seed: int | None, stats: EngineMetrics, structured_outputs=None):
         self.sampler = Sampler(seed)
         self.verifier = RejectionSampler(self.sampler)
         self.stats = stats
+        self.structured_outputs = structured_outputs
 
     def sample(self, plan: SchedulerOutput, logits: torch.Tensor) -> SamplerOutput:
         """The tokens every sampling request (and every sample forked this step)
@@ -62,6 +65,8 @@ class StepSampler:
         # rows never decrease: as many as logits, with none shared, means every row in order
         if len(rows) != logits.shape[0] or speculated or (rows and rows[-1] != len(rows) - 1):
             logits = logits[torch.tensor(rows, device=logits.device)]
+        if self.structured_outputs is not None:
+            self.structured_outputs.mask(logits, requests)
         result = self.sampler(logits, requests)
         token_ids = result.token_ids.tolist()
         if result.sampled_logprobs is None:
@@ -81,6 +86,8 @@ class StepSampler:
         flat = [r for entry, first in speculated for r in range(first, first + entry.num_logit_rows)]
         logits = logits[torch.tensor(flat, device=logits.device)]
         entries = [entry for entry, _ in speculated]
+        if self.structured_outputs is not None:
+            self.structured_outputs.mask(logits, [e.request for e in entries], [e.draft_token_ids for e in entries])
         verified = self.verifier(logits, [e.request for e in entries], [e.draft_token_ids for e in entries],
                                  [e.draft_probs for e in entries])
         self.stats.num_draft_tokens += len(flat) - len(entries)
