@@ -12,6 +12,9 @@ from kvforge.core import RequestError
 
 from .structured_outputs_params import StructuredOutputsParams
 
+# torch.Generator takes a 64-bit seed; sample i of n adds 1_000_003 * i, which stays in range.
+MIN_SEED, MAX_SEED = -(2**63), 2**63 - 1
+
 
 @dataclass
 class SamplingParams:
@@ -95,7 +98,8 @@ class SamplingParams:
               f"presence_penalty must be in [-2, 2], got {self.presence_penalty!r}")
         check(_is_num(self.frequency_penalty) and -2 <= self.frequency_penalty <= 2,
               f"frequency_penalty must be in [-2, 2], got {self.frequency_penalty!r}")
-        check(self.seed is None or _is_int(self.seed), f"seed must be an integer or None, got {self.seed!r}")
+        check(self.seed is None or _is_int(self.seed) and MIN_SEED <= self.seed <= MAX_SEED,
+              f"seed must be None or an integer in [{MIN_SEED}, {MAX_SEED}] (a 64-bit seed), got {self.seed!r}")
         check(_is_int(self.max_tokens) and self.max_tokens >= 1, f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
         check(_is_int(self.min_tokens) and self.min_tokens >= 0,
               f"min_tokens must be an integer >= 0, got {self.min_tokens!r}")

@@ -9,7 +9,7 @@ import time
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException
 
@@ -17,6 +17,7 @@ from kvforge.engine.llm_engine import LLMEngine
 
 from .errors import APIError, api_error_handler, http_error_handler, validation_error_handler
 from .openai_api import OpenAIServer, ServeSettings
+from .openapi_schema import HEALTH_RESPONSES, METRICS_RESPONSES, error_responses, generation_responses, install
 from .protocol import ChatCompletionRequest, CompletionRequest
 from .replica_pool import ReplicaPool
 
@@ -61,29 +62,32 @@ def build_app(engine: LLMEngine | None, settings: ServeSettings, *, replicas: Re
     app.add_exception_handler(APIError, api_error_handler)
     app.add_exception_handler(RequestValidationError, validation_error_handler)
     app.add_exception_handler(HTTPException, http_error_handler)
-    if settings.api_key:
+    keyed = bool(settings.api_key)
+    if keyed:
         app.add_middleware(ApiKeyMiddleware, api_key=settings.api_key)
+    install(app, server.model, api_key=keyed)
+    generation = generation_responses(keyed)
 
-    @app.get("/health")
-    async def health() -> Response:
+    @app.get("/health", responses=HEALTH_RESPONSES)
+    async def health() -> JSONResponse:
         status, body = server.loop.health()
-        return Response(status_code=status) if body is None else JSONResponse(body, status_code=status)
+        return JSONResponse(body, status_code=status)
 
-    @app.get("/metrics")
+    @app.get("/metrics", response_class=PlainTextResponse, responses=METRICS_RESPONSES)
     async def metrics() -> Response:
         return Response(server.metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
-    @app.get("/v1/models")
+    @app.get("/v1/models", responses=error_responses(401) if keyed else None)
     async def models() -> JSONResponse:
         return JSONResponse({"object": "list", "data": [{
             "id": settings.model_name, "object": "model", "created": started, "owned_by": "kvforge",
             "root": server.model.root, "max_model_len": server.model.max_model_len}]})
 
-    @app.post("/v1/completions")
+    @app.post("/v1/completions", responses=generation)
     async def completions(request: Request, body: CompletionRequest) -> Response:
         return await server.completions(request, body)
 
-    @app.post("/v1/chat/completions")
+    @app.post("/v1/chat/completions", responses=generation)
     async def chat(request: Request, body: ChatCompletionRequest) -> Response:
         return await server.chat(request, body)
 

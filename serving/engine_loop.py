@@ -136,9 +136,14 @@ class EngineLoop:
         disconnected) is aborted."""
         return stream_outputs(queue, request_ids, self.abort)
 
-    def health(self) -> tuple[int, None]:
-        """200 while the loop runs, 503 after it failed or stopped; no body."""
-        return (200 if self.alive else 503), None
+    def health(self) -> tuple[int, dict]:
+        """200 and `{"status": "ok"}` while the loop runs; 503 and `"dead"` (with
+        the step's error) after it failed, `"stopping"` once it is stopped."""
+        if self.alive:
+            return 200, {"status": "ok"}
+        if self.error is not None:
+            return 503, {"status": "dead", "error": f"{type(self.error).__name__}: {self.error}"}
+        return 503, {"status": "stopping"}
 
     # The loop
 
@@ -184,7 +189,9 @@ class EngineLoop:
                 self.engine.add_request(add.request_id, prompt_token_ids=add.token_ids, params=add.params,
                                         priority=add.priority, arrival_time=add.arrival_time,
                                         cache_salt=add.cache_salt)
-            except RequestError as exc:
+            except Exception as exc:  # RequestError: refused; anything else is a bug, failing this request only
+                if not isinstance(exc, RequestError):
+                    log.exception("the engine could not add request %s; the other requests go on", add.request_id)
                 self._queues.pop(add.request_id, None)
                 add.accepted.set_exception(exc)
                 continue

@@ -9,6 +9,7 @@ from __future__ import annotations
 from fastapi import Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
+from pydantic import BaseModel
 from starlette.exceptions import HTTPException
 
 ERROR_TYPES = {
@@ -18,6 +19,19 @@ ERROR_TYPES = {
     500: "internal_server_error",
     503: "service_unavailable_error",
 }
+
+
+class ErrorDetail(BaseModel):
+    message: str
+    type: str
+    param: str | None
+    code: str | None
+
+
+class ErrorResponse(BaseModel):
+    """Every refusal's body, as OpenAI sends it (documented in /openapi.json)."""
+
+    error: ErrorDetail
 
 
 class APIError(Exception):
@@ -59,15 +73,25 @@ async def http_error_handler(request: Request, exc: HTTPException) -> JSONRespon
 
 async def validation_error_handler(request: Request, exc: RequestValidationError) -> JSONResponse:
     """Pydantic's findings as one 400 that names the first bad field (OpenAI
-    returns 400, not FastAPI's default 422)."""
+    and vLLM return 400, not FastAPI's default 422)."""
     problems, param = [], None
     for error in exc.errors():
         if error.get("type") == "json_invalid":
             detail = error.get("ctx", {}).get("error", "")
             return bad_request(f"the request body is not valid JSON ({detail}); send a JSON object",
                                code="invalid_json").response()
-        loc = [str(part) for part in error.get("loc", ()) if part != "body"]
-        field = ".".join(loc) or None
+        loc = error.get("loc", ())
+        field = _field_name(loc)
+        union = _union_field(loc)
+        if union is not None:  # one line for the field, not one per form it might have taken
+            param = param or union
+            line = f"{union}: {UNION_FORMS.get(union, 'matches none of the accepted forms (see /openapi.json)')}"
+            if line not in problems:
+                problems.append(line)
+            continue
+        if field is None and error.get("type") == "missing":
+            return bad_request("the request body is missing; send a JSON object (Content-Type: application/json) "
+                               "with the fields in docs/serving.md", code="missing_body").response()
         param = param or field
         message = error.get("msg", "invalid value")
         if error.get("type") == "extra_forbidden":
@@ -76,3 +100,25 @@ async def validation_error_handler(request: Request, exc: RequestValidationError
             message = "this field is required"
         problems.append(f"{field or 'body'}: {message}")
     return bad_request("invalid request: " + "; ".join(problems), param=param).response()
+
+
+UNION_FORMS = {"prompt": "give a non-empty string, a non-empty list of non-empty strings, a non-empty list of token "
+                         "ids (integers from 0 to the vocabulary size less one), or a non-empty list of such lists"}
+_TYPE_TAGS = ("str", "int", "float", "bool", "list", "dict")
+
+
+def _union_field(loc) -> str | None:
+    """The field whose union pydantic tried (the location up to the first member's
+    tag, such as `str` or `list[constrained-int]`), or None outside unions."""
+    for i, part in enumerate(loc):
+        if isinstance(part, str) and (not part.isidentifier() or part in _TYPE_TAGS):
+            return _field_name(loc[:i]) or "body"
+    return None
+
+
+def _field_name(loc) -> str | None:
+    """`messages.0.role` from pydantic's location, without "body" and the tags it
+    gives the members of a union (`str`, `list[constrained-int]`, ...)."""
+    loc = loc[1:] if loc[:1] == ("body",) else loc
+    parts = [str(part) for part in loc if isinstance(part, int) or part.isidentifier() and part not in _TYPE_TAGS]
+    return ".".join(parts) or None

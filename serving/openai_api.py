@@ -3,8 +3,8 @@ prompts to the engine loop, and answer with one JSON body or a stream of
 server-sent events, in OpenAI's shapes.
 
 Everything that can be refused is refused before the engine sees the request
-(400 naming the field, 503 when the queue is full), so a bad request never
-disturbs the others.
+(400 naming the field, 404 for a model not served here, 503 when the queue is
+full), so a bad request never disturbs the others.
 """
 
 from __future__ import annotations
@@ -140,8 +140,9 @@ class OpenAIServer:
 
     def _check_model(self, model: str | None) -> None:
         if model is not None and model != self.settings.model_name:
-            raise bad_request(f"model {model!r} is not served here; this server serves {self.settings.model_name!r} "
-                              "(see GET /v1/models)", param="model", code="model_not_found")
+            raise APIError(404, f"model {model!r} is not served here; this server serves "
+                           f"{self.settings.model_name!r} (see GET /v1/models)", param="model",
+                           code="model_not_found")
 
     def _tokenize(self, prompt: str | list[int], param: str) -> list[int]:
         if isinstance(prompt, list):
@@ -172,6 +173,10 @@ class OpenAIServer:
                 raise bad_request(f"{max_tokens_param} is {wanted}, but the prompt's {len(token_ids)} tokens leave "
                                   f"room for {room} of this model's {context}-token context; lower {max_tokens_param} "
                                   "or shorten the prompt", param=max_tokens_param, code="context_length_exceeded")
+            if body.min_tokens > wanted:
+                raise bad_request(f"min_tokens is {body.min_tokens}, more than the {wanted} tokens this request may "
+                                  f"generate ({max_tokens_param}, or the room the context leaves); lower min_tokens",
+                                  param="min_tokens", code="min_tokens_exceed_max_tokens")
             try:
                 params = body.sampling_params(wanted, logprobs)
             except RequestError as exc:
@@ -199,6 +204,11 @@ class OpenAIServer:
             raise bad_request(str(exc)) from None
         except EngineDeadError as exc:
             raise APIError(503, str(exc), code="engine_dead") from None
+        except Exception as exc:  # the engine failed to take a request it should have taken or refused
+            for request_id in submitted:
+                self.loop.abort(request_id)
+            raise APIError(500, f"the engine could not take the request ({type(exc).__name__}: {exc}); the server "
+                           "goes on serving, and the server's log has the traceback", code="generation_failed") from None
         return queue
 
     def _aborter(self, prepared: _Prepared):

@@ -3,23 +3,65 @@
 Field names and meanings follow OpenAI's API with vLLM's extensions (`top_k`,
 `min_p`, `ignore_eos`, `priority`, `cache_salt`, ...). An unknown field is
 refused (400 naming it) rather than ignored, so a misspelt setting never
-silently has no effect.
+silently has no effect. Types are strict (`true` is not a token id, `"5"` is not
+a count), so what the schema at /openapi.json allows is exactly what is accepted;
+rules between fields are stated there too (`dependentSchemas`).
 """
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, WithJsonSchema, model_validator
 
 from kvforge.engine.sampling_params import SamplingParams
 
 MAX_N = 128  # OpenAI's bound on samples per prompt
 MAX_LOGPROBS = 20  # vLLM's default max_logprobs
+# JSON's exactly representable integers: many clients and schema validators read numbers as doubles,
+# so a seed past 2**53 would not be the seed they meant (the engine takes any 64-bit seed).
+SEED_BOUND = 2**53
+
+
+def _integral_float(value):
+    """JSON Schema's integer includes 1.0; strict pydantic alone would refuse it."""
+    return int(value) if isinstance(value, float) and value.is_integer() else value
+
+
+def integer(**bounds):
+    """An integer field as JSON Schema has it: 1.0 is one, true and "1" are not.
+    The bounds come before the validator, or pydantic leaves them out of the schema."""
+    return Annotated[int, Field(**bounds), BeforeValidator(_integral_float)]
+
+
+NonEmptyStr = Annotated[str, Field(min_length=1)]
+TokenId = integer(ge=0)
+TokenIds = Annotated[list[TokenId], Field(min_length=1)]
+REQUEST_CONFIG = ConfigDict(extra="forbid", strict=True)
+
+
+def needs(field: str, flag: str) -> dict:
+    """JSON Schema's `dependentSchemas` entry for "a non-null `field` needs
+    `flag: true`": a model validator's rule, stated where clients read the schema."""
+    return {field: {"anyOf": [{"properties": {field: {"type": "null"}}},
+                              {"properties": {flag: {"const": True}}, "required": [flag]}]}}
+
+
+def _no_echo(echo: bool) -> bool:
+    if echo:
+        raise ValueError("echo is not supported; leave it out or send false")
+    return echo
+
+
+# Literal[False] would also take 0 (0 == False), which the schema's `const: false` refuses.
+NoEcho = Annotated[bool, AfterValidator(_no_echo), WithJsonSchema({"type": "boolean", "const": False})]
+
+STREAM_OPTIONS_NEED_STREAM = needs("stream_options", "stream")
+TOP_LOGPROBS_NEED_LOGPROBS = needs("top_logprobs", "logprobs")
 
 
 class StreamOptions(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = REQUEST_CONFIG
 
     include_usage: bool = False
     continuous_usage_stats: bool = False  # vLLM: usage in every chunk
@@ -28,25 +70,25 @@ class StreamOptions(BaseModel):
 class SamplingFields(BaseModel):
     """What completions and chat share."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(**REQUEST_CONFIG, json_schema_extra={"dependentSchemas": STREAM_OPTIONS_NEED_STREAM})
 
     model: str | None = None
-    n: int = Field(1, ge=1, le=MAX_N)
+    n: integer(ge=1, le=MAX_N) = 1
     temperature: float | None = Field(None, ge=0, le=2)
     top_p: float | None = Field(None, gt=0, le=1)
-    top_k: int | None = Field(None, ge=-1)
+    top_k: integer(ge=-1) | None = None
     min_p: float | None = Field(None, ge=0, le=1)
     presence_penalty: float | None = Field(None, ge=-2, le=2)
     frequency_penalty: float | None = Field(None, ge=-2, le=2)
     repetition_penalty: float | None = Field(None, gt=0)
-    seed: int | None = None
-    stop: str | list[str] | None = None
-    stop_token_ids: list[int] | None = None
-    min_tokens: int = Field(0, ge=0)
+    seed: integer(ge=-SEED_BOUND, le=SEED_BOUND) | None = None
+    stop: NonEmptyStr | list[NonEmptyStr] | None = None
+    stop_token_ids: list[TokenId] | None = None
+    min_tokens: integer(ge=0) = 0
     ignore_eos: bool = False
     stream: bool = False
     stream_options: StreamOptions | None = None
-    priority: int = 0
+    priority: integer() = 0
     cache_salt: str | None = Field(None, min_length=1)
     user: str | None = None
 
@@ -78,10 +120,11 @@ class CompletionRequest(SamplingFields):
     """`POST /v1/completions`. `prompt` is a string, a list of strings, a list of
     token ids, or a list of token-id lists; each prompt gets `n` choices."""
 
-    prompt: str | list[str] | list[int] | list[list[int]]
-    max_tokens: int | None = Field(16, ge=1)
-    logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
-    echo: Literal[False] = False
+    prompt: NonEmptyStr | Annotated[list[NonEmptyStr], Field(min_length=1)] | TokenIds | \
+        Annotated[list[TokenIds], Field(min_length=1)]
+    max_tokens: integer(ge=1) | None = 16
+    logprobs: integer(ge=0, le=MAX_LOGPROBS) | None = None
+    echo: NoEcho = False
 
     def prompts(self) -> list[str | list[int]]:
         prompt = self.prompt
@@ -93,14 +136,14 @@ class CompletionRequest(SamplingFields):
 
 
 class TextPart(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = REQUEST_CONFIG
 
     type: Literal["text"]
     text: str
 
 
 class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = REQUEST_CONFIG
 
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
@@ -119,11 +162,14 @@ class ChatCompletionRequest(SamplingFields):
     name for `max_tokens`; give one of them, or neither for all the room the
     context leaves."""
 
+    model_config = ConfigDict(json_schema_extra={"dependentSchemas": {**STREAM_OPTIONS_NEED_STREAM,
+                                                                      **TOP_LOGPROBS_NEED_LOGPROBS}})
+
     messages: list[ChatMessage] = Field(min_length=1)
-    max_tokens: int | None = Field(None, ge=1)
-    max_completion_tokens: int | None = Field(None, ge=1)
+    max_tokens: integer(ge=1) | None = None
+    max_completion_tokens: integer(ge=1) | None = None
     logprobs: bool = False
-    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    top_logprobs: integer(ge=0, le=MAX_LOGPROBS) | None = None
 
     @model_validator(mode="after")
     def _top_logprobs_need_logprobs(self):

@@ -77,7 +77,6 @@ def server():
 
 
 BAD_REQUESTS = [
-    ("/v1/completions", {"model": "gpt-4", "prompt": "x"}, "model"),
     ("/v1/completions", {"prompt": "x", "n": 0}, "n"),
     ("/v1/completions", {"prompt": "x", "n": 129}, "n"),
     ("/v1/completions", {"prompt": "x", "max_tokens": 0}, "max_tokens"),
@@ -95,7 +94,10 @@ BAD_REQUESTS = [
     ("/v1/chat/completions", {"messages": [{"role": "wizard", "content": "x"}]}, "messages.0.role"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "max_completion_tokens": 5000},
      "max_completion_tokens"),
-    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "model": "other"}, "model"),
+]
+UNSERVED_MODELS = [  # 404, as OpenAI and vLLM answer it
+    ("/v1/completions", {"model": "gpt-4", "prompt": "x"}),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "model": "other"}),
 ]
 
 
@@ -110,6 +112,9 @@ def test_bad_inputs_get_400_naming_the_field_while_a_long_stream_finishes_intact
         error = body["error"]
         assert error["param"] == param, (payload, error)
         assert error["type"] == "invalid_request_error" and error["message"]
+    for path, payload in UNSERVED_MODELS:
+        status, _, body = server.post_json(path, payload)
+        assert status == 404 and body["error"]["param"] == "model" and body["error"]["code"] == "model_not_found"
     for raw in (b"{not json", b"[1, 2]", b""):
         status, _, body = server.post_json("/v1/completions", raw)
         assert status == 400 and body["error"]["message"], raw
@@ -128,11 +133,11 @@ def test_unknown_routes_answer_in_the_openai_error_shape(server):
     assert status == 405 and json.loads(raw)["error"]["message"].startswith("GET /v1/completions")
 
 
-def test_openai_client_raises_bad_request_with_the_param(server):
+def test_openai_client_raises_not_found_with_the_param_for_a_model_not_served(server):
     client = openai_client(server)
-    with pytest.raises(openai.BadRequestError) as info:
+    with pytest.raises(openai.NotFoundError) as info:
         client.completions.create(model="missing-model", prompt="x", max_tokens=3)
-    assert info.value.status_code == 400 and info.value.body["param"] == "model"
+    assert info.value.status_code == 404 and info.value.body["param"] == "model"
     assert info.value.body["code"] == "model_not_found"
 
 

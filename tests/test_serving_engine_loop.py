@@ -124,3 +124,23 @@ def test_a_failing_step_fails_every_waiting_handler_and_later_submits():
             await collect(loop, "later", PROMPTS[1], 4)
 
     run(scenario, engine)
+
+
+def test_an_add_that_fails_unexpectedly_fails_its_handler_only_and_the_loop_goes_on():
+    engine = fake_engine(FakeCausalLM())
+    add_request = engine.add_request
+
+    def add_or_fail(request_id, *args, **kwargs):
+        if request_id == "bad":
+            raise ValueError("Overflow when unpacking long long")  # what torch says of a seed past 64 bits
+        return add_request(request_id, *args, **kwargs)
+
+    engine.add_request = add_or_fail
+
+    async def scenario(loop):
+        with pytest.raises(ValueError, match="Overflow"):  # bounded: a dead loop would leave it waiting forever
+            await asyncio.wait_for(collect(loop, "bad", PROMPTS[1], 4), timeout=60)
+        assert loop.alive and loop.health() == (200, {"status": "ok"})
+        return await collect(loop, "good", PROMPTS[0], 4)
+
+    assert run(scenario, engine) == reference_greedy(engine.model, PROMPTS[0], 4)
