@@ -207,8 +207,8 @@ class OpenAIServer:
         except Exception as exc:  # the engine failed to take a request it should have taken or refused
             for request_id in submitted:
                 self.loop.abort(request_id)
-            raise APIError(500, f"the engine could not take the request ({type(exc).__name__}: {exc}); the server "
-                           "goes on serving, and the server's log has the traceback", code="generation_failed") from None
+            raise APIError(500, f"the engine could not take the request ({type(exc).__name__}: {exc}); the "
+                           "server goes on serving, and its log has the traceback", code="generation_failed") from None
         return queue
 
     def _aborter(self, prepared: _Prepared):
