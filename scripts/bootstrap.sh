@@ -9,14 +9,14 @@
 #   KVFORGE_TORCH_INDEX extra pip arguments for torch alone, e.g.
 #                       "--index-url https://download.pytorch.org/whl/cpu" on a machine
 #                       without a GPU and without a local CPU wheel
-#   KVFORGE_EXTRAS      pip extras to install (default: test,triton,docs,serve,ray)
+#   KVFORGE_EXTRAS      pip extras to install (default: test,triton,docs,serve,ray,structured)
 #   KVFORGE_BUILD_KERNELS=0  skip the kernel build (the first process that needs them builds them)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
 venv="${KVFORGE_VENV:-.venv}"
 torch_req="${KVFORGE_TORCH:-torch==2.13.0}"
-extras="${KVFORGE_EXTRAS:-test,triton,docs,serve,ray}"
+extras="${KVFORGE_EXTRAS:-test,triton,docs,serve,ray,structured}"
 
 if [ ! -x "$venv/bin/python" ]; then
     python3 -m venv "$venv"
@@ -38,7 +38,7 @@ if [ "${KVFORGE_BUILD_KERNELS:-1}" != 0 ]; then
     # A failed build leaves a working environment (torch ops and the sdpa backend), so it is
     # reported, not fatal: the error above says which command failed and what runs without them.
     if "$venv/bin/kvforge" build-kernels; then
-        kernels="built"
+        kernels="ready"
     else
         kernels="FAILED to build (see the error above; kvforge runs without them)"
     fi
