@@ -67,9 +67,10 @@ class RejectionSampler:
         self.sampler = sampler
 
     def __call__(self, logits: torch.Tensor, requests: Sequence[Request], drafts: Sequence[list[int]],
-                 draft_probs: Sequence[torch.Tensor | None]) -> Verified:
+                 draft_probs: Sequence[torch.Tensor | None], mask=None) -> Verified:
         """`logits` float32 `[sum(len(d) + 1), vocab]`: request after request, its
-        rows for positions 0..d. Every request has at least one draft."""
+        rows for positions 0..d. Every request has at least one draft. `mask`, if
+        given, edits the processed logits in place (the grammars' bitmasks)."""
         device, vocab = logits.device, logits.shape[-1]
         counts = torch.tensor([len(d) + 1 for d in drafts], dtype=torch.int64)
         num_drafts = (counts - 1).to(device)
@@ -79,7 +80,7 @@ class RejectionSampler:
             positions.append(request)
             positions += [_Position(request.params, request.prompt_token_ids, request.output_token_ids + draft[:j],
                                     request.eos_token_id) for j in range(1, len(draft) + 1)]
-        processed = processed_logits(logits, positions)
+        processed = processed_logits(logits, positions, mask)
         # index[i, j]: the flat row of request i at position j (padding repeats its last row).
         steps = torch.arange(k + 1)
         index = ((torch.cumsum(counts, 0) - counts).unsqueeze(1) + torch.minimum(steps, counts.unsqueeze(1) - 1))

@@ -1,7 +1,8 @@
 """Pick the next token of every sampled row at once.
 
 Order of operations (vLLM's): EOS/stop-token masking for `min_tokens`,
-penalties, then greedy rows take the argmax; the others are divided by their
+penalties, the structured-output grammar mask (`mask`, last, so no penalty can
+bring back a token the grammar forbids), then greedy rows take the argmax; the others are divided by their
 temperature, cut by top-k, top-p and min-p, and sampled. Log-probabilities are
 those of the model's raw distribution (before any processing).
 
@@ -60,13 +61,14 @@ class Sampler:
             self._cdf = torch.empty(rows, vocab, dtype=torch.float64)
         return self._cdf[:rows]
 
-    def __call__(self, logits: torch.Tensor, requests: Sequence[Request]) -> SamplerOutput:
-        return self.sample(logits, requests)
+    def __call__(self, logits: torch.Tensor, requests: Sequence[Request], mask=None) -> SamplerOutput:
+        return self.sample(logits, requests, mask)
 
-    def sample(self, logits: torch.Tensor, requests: Sequence[Request]) -> SamplerOutput:
-        """`logits` float32 `[N, vocab]`, row `i` belonging to `requests[i]`."""
+    def sample(self, logits: torch.Tensor, requests: Sequence[Request], mask=None) -> SamplerOutput:
+        """`logits` float32 `[N, vocab]`, row `i` belonging to `requests[i]`; `mask`, if
+        given, edits the processed logits in place (the grammars' bitmasks)."""
         raw = logits
-        logits = processed_logits(logits, requests)
+        logits = processed_logits(logits, requests, mask)
         params = [r.params for r in requests]
         device = logits.device
         greedy_rows = [p.greedy for p in params]
@@ -88,18 +90,21 @@ class Sampler:
         return output
 
 
-def processed_logits(logits: torch.Tensor, requests: Sequence[Request]) -> torch.Tensor:
+def processed_logits(logits: torch.Tensor, requests: Sequence[Request], mask=None) -> torch.Tensor:
     """float32 logits after `min_tokens` masking and penalties, which depend on each
-    row's output so far (a copy only when something edits them). Greedy rows take
+    row's output so far (a copy only when something edits them), then `mask` (a
+    callable editing them in place: the grammars' bitmasks). Greedy rows take
     the argmax of these."""
     logits = logits.float()
     banned = stop_token_entries(requests, logits.shape[-1])
     uses_penalties = any(r.params.uses_penalties for r in requests)
-    if banned[0] or uses_penalties:  # copy only when something edits the logits in place
+    if banned[0] or uses_penalties or mask is not None:  # copy only when something edits the logits in place
         logits = logits.clone()
         if banned[0]:
             logits[banned] = NEG_INF
         apply_penalties(logits, requests)
+        if mask is not None:
+            mask(logits)
     return logits
 
 

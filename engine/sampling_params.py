@@ -12,6 +12,8 @@ from kvforge.core import RequestError
 
 from .structured_outputs_params import StructuredOutputsParams
 
+GREEDY_BELOW = 1e-5  # vLLM's _SAMPLING_EPS
+
 # torch.Generator takes a 64-bit seed; sample i of n adds 1_000_003 * i, which stays in range.
 MIN_SEED, MAX_SEED = -(2**63), 2**63 - 1
 
@@ -21,6 +23,8 @@ class SamplingParams:
     """Sampling and stopping settings of one request; checked on construction.
 
     * `temperature` 0 means greedy (argmax); otherwise logits are divided by it.
+      Below `GREEDY_BELOW` it is greedy too, as in vLLM: dividing by so small a
+      number overflows float32 logits to infinities.
     * `top_k` keeps the k most likely tokens (0 or -1: all); `top_p` keeps the
       smallest set whose probability reaches p; `min_p` drops tokens less likely
       than `min_p` times the most likely one.
@@ -126,7 +130,7 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0
+        return self.temperature < GREEDY_BELOW
 
     @property
     def uses_penalties(self) -> bool:

@@ -6,8 +6,8 @@ picks each other request's logit row (a sample forked this step draws from its
 parent's row; a prompt chunk short of the end has none), samples them in one
 batch, verifies every speculating request's drafts in another
 (`RejectionSampler`), and records the log-probabilities a request asked for.
-Rows of requests with structured outputs are masked by their grammars first,
-one row per sampling position (`StructuredOutputs.mask`).
+Rows of requests with structured outputs are masked by their grammars after
+the penalties, one row per sampling position (`StructuredOutputs.mask`).
 The engine hands the result to `Scheduler.update_from_output`.
 """
 
@@ -65,9 +65,7 @@ class StepSampler:
         # rows never decrease: as many as logits, with none shared, means every row in order
         if len(rows) != logits.shape[0] or speculated or (rows and rows[-1] != len(rows) - 1):
             logits = logits[torch.tensor(rows, device=logits.device)]
-        if self.structured_outputs is not None:
-            self.structured_outputs.mask(logits, requests)
-        result = self.sampler(logits, requests)
+        result = self.sampler(logits, requests, self._mask(requests))
         token_ids = result.token_ids.tolist()
         if result.sampled_logprobs is None:
             for request, token in zip(requests, token_ids):
@@ -86,10 +84,9 @@ class StepSampler:
         flat = [r for entry, first in speculated for r in range(first, first + entry.num_logit_rows)]
         logits = logits[torch.tensor(flat, device=logits.device)]
         entries = [entry for entry, _ in speculated]
-        if self.structured_outputs is not None:
-            self.structured_outputs.mask(logits, [e.request for e in entries], [e.draft_token_ids for e in entries])
-        verified = self.verifier(logits, [e.request for e in entries], [e.draft_token_ids for e in entries],
-                                 [e.draft_probs for e in entries])
+        requests, drafts = [e.request for e in entries], [e.draft_token_ids for e in entries]
+        verified = self.verifier(logits, requests, drafts, [e.draft_probs for e in entries],
+                                 self._mask(requests, drafts))
         self.stats.num_draft_tokens += len(flat) - len(entries)
         self.stats.num_accepted_tokens += sum(verified.num_accepted)
         self.stats.num_verifications += len(entries)
@@ -110,6 +107,14 @@ class StepSampler:
             sampled[entry.request.request_id] = SampledTokens(tokens, records)
             at += len(tokens)
         return sampled
+
+
+    def _mask(self, requests: list[Request], drafts: list[list[int]] | None = None):
+        """What masks these requests' processed logits by their grammars (one row per
+        sampling position, see `StructuredOutputs.mask`); None when none has a grammar."""
+        if self.structured_outputs is None or all(r.grammar is None for r in requests):
+            return None
+        return lambda logits: self.structured_outputs.mask(logits, requests, drafts)
 
 
 def split_non_finite(entries: list[ScheduledRequest],

@@ -27,6 +27,9 @@ import torch
 from kvforge.core import DraftProposal, RequestError
 from kvforge.core.structured_output import Grammar, StructuredOutputBackend, StructuredOutputSpec, Vocabulary
 
+SPEC_ERROR = "structured_outputs ({spec}) "
+"""How every error of a request's spec (refused, failed or too slow to compile) begins."""
+
 COMPILE_SECONDS_BUCKETS = (0.001, 0.005, 0.01, 0.05, 0.1, 0.5, 1.0, 5.0, 10.0, 30.0)
 
 
@@ -65,7 +68,8 @@ class StructuredOutputs:
 
     def __init__(self, select: Callable[[StructuredOutputSpec], type[StructuredOutputBackend]],
                  vocabulary: Callable[[], Vocabulary], *, options: Mapping | None = None,
-                 compile_timeout_s: float | None = None, max_cached_grammars: int = 256, max_workers: int | None = None):
+                 compile_timeout_s: float | None = None, max_cached_grammars: int = 256,
+                 max_workers: int | None = None):
         self.select = select
         self._vocabulary_factory = vocabulary
         self._vocabulary: Vocabulary | None = None
@@ -91,7 +95,7 @@ class StructuredOutputs:
         except RequestError:
             raise
         except Exception as exc:  # noqa: BLE001 - a SelectionError or a config error, both the request's answer
-            raise RequestError(f"structured_outputs ({spec.describe()}): {exc}") from exc
+            raise RequestError(SPEC_ERROR.format(spec=spec.describe()) + f"has no backend: {exc}") from exc
         if cls not in self.backends:
             self.backends[cls] = cls(self.vocabulary, **self.options)
         return self.backends[cls]
@@ -126,8 +130,8 @@ class StructuredOutputs:
         it failed or ran past `compile_timeout_s`; None while it is still compiling."""
         if not job.future.done():
             if job.deadline is not None and time.monotonic() > job.deadline:
-                error = (f"structured_outputs ({job.spec.describe()}): compiling with {job.backend.name!r} took longer "
-                         f"than structured_outputs.compile_timeout_s = {self.compile_timeout_s} s; simplify the "
+                error = (SPEC_ERROR.format(spec=job.spec.describe()) + f"compiling with {job.backend.name!r} took "
+                         f"longer than structured_outputs.compile_timeout_s = {self.compile_timeout_s} s; simplify the "
                          "schema or raise the limit")
                 self._remember(job.spec, error)
                 job.future.cancel()
@@ -139,7 +143,7 @@ class StructuredOutputs:
             return job.future.result()
         if isinstance(exc, _KnownFailure):
             return str(exc)
-        error = (f"structured_outputs ({job.spec.describe()}) could not be compiled by {job.backend.name!r}: "
+        error = (SPEC_ERROR.format(spec=job.spec.describe()) + f"could not be compiled by {job.backend.name!r}: "
                  f"{type(exc).__name__}: {exc}")
         self.stats.compile_failures += 1
         self._remember(job.spec, error)
@@ -244,6 +248,12 @@ def _fill_rows(grammar: Grammar, draft: Sequence[int], bitmask: torch.Tensor, at
     if advanced:
         grammar.rollback(advanced)
     return at + 1 + len(draft)
+
+
+def is_spec_error(error: str | None) -> bool:
+    """Whether a failed request's error is about its structured-output spec (the
+    client's to fix, a 400 when served) rather than the engine's."""
+    return error is not None and error.startswith(SPEC_ERROR.partition("{")[0])
 
 
 class _KnownFailure(Exception):

@@ -43,7 +43,8 @@ class StructuredOutputsParams:
                                f"{', '.join(given) if given else 'none'}")
         if self.choice is not None:
             if isinstance(self.choice, str) or not all(isinstance(c, str) for c in self.choice) or not self.choice:
-                raise RequestError(f"structured_outputs.choice must be a non-empty list of strings, got {self.choice!r}")
+                raise RequestError(
+                    f"structured_outputs.choice must be a non-empty list of strings, got {self.choice!r}")
             object.__setattr__(self, "choice", tuple(self.choice))
         for name in ("regex", "grammar"):
             value = getattr(self, name)

@@ -22,6 +22,7 @@ from kvforge.core import RequestError
 from kvforge.engine.llm_engine import LLMEngine
 from kvforge.engine.outputs import RequestOutput
 from kvforge.engine.sampling_params import SamplingParams
+from kvforge.engine.structured_outputs import is_spec_error
 
 from .chat_template import chat_prompt_token_ids
 from .data_parallel_loop import DataParallelLoop
@@ -33,6 +34,7 @@ from .replica_pool import ReplicaPool
 from .responses import SSE_DONE, TokenText, chat_logprobs, choice_index, completion_logprobs, failed, sse, usage
 from .router import Router
 from .served_model import ServedModel
+from .structured_protocol import INVALID_STRUCTURED_OUTPUT, STRUCTURED_OUTPUTS
 
 
 @dataclass
@@ -180,7 +182,7 @@ class OpenAIServer:
             try:
                 params = body.sampling_params(wanted, logprobs)
             except RequestError as exc:
-                raise bad_request(str(exc)) from None
+                raise _request_error(exc) from None
             requests.append((f"{response_id}-{i}", token_ids, params))
         return _Prepared(response_id, int(time.time()), requests, body.n, logprobs)
 
@@ -201,7 +203,7 @@ class OpenAIServer:
         except RequestError as exc:
             for request_id in submitted:
                 self.loop.abort(request_id)
-            raise bad_request(str(exc)) from None
+            raise _request_error(exc) from None
         except EngineDeadError as exc:
             raise APIError(503, str(exc), code="engine_dead") from None
         except Exception as exc:  # the engine failed to take a request it should have taken or refused
@@ -272,8 +274,17 @@ class OpenAIServer:
             yield sse({**head, "choices": [], "usage": usage(prepared.num_prompt_tokens, sum(tokens.values()))})
 
 
+def _request_error(exc: RequestError) -> APIError:
+    """A 400 for a refused request; one about its structured-outputs spec says so in its code."""
+    if STRUCTURED_OUTPUTS in str(exc):
+        return bad_request(str(exc), param=STRUCTURED_OUTPUTS, code=INVALID_STRUCTURED_OUTPUT)
+    return bad_request(str(exc))
+
+
 def _raise_if_failed(output: RequestOutput) -> None:
     error = failed(output)
+    if is_spec_error(error):  # the request's schema, regex or grammar: the client's to fix
+        raise bad_request(error, param=STRUCTURED_OUTPUTS, code=INVALID_STRUCTURED_OUTPUT)
     if error is not None:
         raise APIError(500, f"generation failed: {error}", code="generation_failed")
 

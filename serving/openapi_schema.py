@@ -22,15 +22,19 @@ from .served_model import ServedModel
 
 # A request the schema allows is still refused (400) when the prompt and
 # max_tokens do not fit the context, or min_tokens exceeds max_tokens: rules
-# between a prompt's tokenization and other fields that JSON Schema cannot state.
+# between a prompt's tokenization and other fields that JSON Schema cannot state;
+# or when its structured-outputs spec is not one the server can follow (an invalid
+# schema, regex or grammar, more than one constraint, one the backend cannot compile).
 # No other schema-valid request is refused with 400.
-CODES_BEYOND_THE_SCHEMA = ("context_length_exceeded", "min_tokens_exceed_max_tokens")
+CODES_BEYOND_THE_SCHEMA = ("context_length_exceeded", "min_tokens_exceed_max_tokens", "invalid_structured_output")
 
 ERROR_DESCRIPTIONS = {
     400: "Invalid request: the body is missing or not JSON, a field has the wrong type or is out of range, or a "
          "field is unknown (`param` names it). Also, for rules the schema cannot state: the prompt and max_tokens "
          "do not fit the model's context (`code: context_length_exceeded`), or min_tokens exceeds max_tokens "
-         "(`code: min_tokens_exceed_max_tokens`).",
+         "(`code: min_tokens_exceed_max_tokens`), or the `response_format` / `structured_outputs` spec cannot be "
+         "followed: an invalid JSON schema, regex or grammar, more than one constraint, or one the server's "
+         "backend cannot compile (`code: invalid_structured_output`).",
     401: "The server requires an API key (`--api-key`) and `Authorization: Bearer KEY` is missing or wrong "
          "(`code: invalid_api_key`).",
     404: "`model` is not the served model (`code: model_not_found`); GET /v1/models lists it.",

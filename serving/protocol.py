@@ -16,6 +16,8 @@ from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Fie
 
 from kvforge.engine.sampling_params import SamplingParams
 
+from .structured_protocol import ResponseFormat, StructuredOutputsBody, structured_params
+
 MAX_N = 128  # OpenAI's bound on samples per prompt
 MAX_LOGPROBS = 20  # vLLM's default max_logprobs
 # JSON's exactly representable integers: many clients and schema validators read numbers as doubles,
@@ -91,6 +93,8 @@ class SamplingFields(BaseModel):
     priority: integer() = 0
     cache_salt: str | None = Field(None, min_length=1)
     user: str | None = None
+    response_format: ResponseFormat | None = None  # OpenAI: json_schema or json_object
+    structured_outputs: StructuredOutputsBody | None = None  # vLLM's extra_body: json, regex, choice, grammar
 
     @model_validator(mode="after")
     def _stream_options_need_stream(self):
@@ -105,7 +109,9 @@ class SamplingFields(BaseModel):
             "repetition_penalty") if getattr(self, name) is not None}
         return SamplingParams(n=self.n, seed=self.seed, stop=self.stop, stop_token_ids=self.stop_token_ids or [],
                               max_tokens=max_tokens, min_tokens=self.min_tokens, ignore_eos=self.ignore_eos,
-                              logprobs=logprobs, **given)
+                              logprobs=logprobs,
+                              structured_outputs=structured_params(self.response_format, self.structured_outputs),
+                              **given)
 
     @property
     def include_usage(self) -> bool:
