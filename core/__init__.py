@@ -1,10 +1,10 @@
 """kvforge.core: the contract every implementation and every host agrees on.
 
 Read in this order: `api` (versions and kinds), `implementation` (what all
-implementations share), the paged KV cache's layout (`kv_cache`), the five
+implementations share), the paged KV cache's layout (`kv_cache`), the six
 interfaces (`attention`, `block_allocator`, `scheduler_policy`, `quantizer`,
-`speculative`), `hookspecs` (how a plugin registers), `registry` (discovery and
-selection), `config` and `config_sources`.
+`speculative`, `structured_output`), `hookspecs` (how a plugin registers),
+`registry` (discovery and selection), `config` and `config_sources`.
 """
 
 from .api import (
@@ -16,6 +16,7 @@ from .api import (
     QUANTIZER,
     SCHEDULER_POLICY,
     SPECULATIVE_PROPOSER,
+    STRUCTURED_OUTPUT,
 )
 from .attention import (
     ALIBI,
@@ -43,6 +44,7 @@ from .errors import (
     QuantizationError,
     RequestError,
     SelectionError,
+    StructuredOutputError,
     UnsupportedConfigurationError,
 )
 from .hookspecs import hookimpl, hookspec
@@ -71,6 +73,14 @@ from .quantizer import (
 from .registry import AUTO, Candidate, LoadError, PluginFilter, Registration, Registry, build_registry
 from .scheduler_policy import RequestView, SchedulerPolicy
 from .speculative import DraftProposal, ProposalRequest, ProposerTarget, SpeculativeProposer
+from .structured_output import (
+    SPEC_KINDS,
+    Grammar,
+    StructuredOutputBackend,
+    StructuredOutputSpec,
+    Vocabulary,
+    apply_token_bitmask,
+)
 
 INTERFACES: dict[str, type[Implementation]] = {
     ATTENTION_BACKEND: AttentionBackend,
@@ -78,6 +88,7 @@ INTERFACES: dict[str, type[Implementation]] = {
     SCHEDULER_POLICY: SchedulerPolicy,
     QUANTIZER: Quantizer,
     SPECULATIVE_PROPOSER: SpeculativeProposer,
+    STRUCTURED_OUTPUT: StructuredOutputBackend,
 }
 
 __all__ = [name for name in dir() if not name.startswith("_")]

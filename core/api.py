@@ -1,6 +1,6 @@
-"""The version of the contract and the canonical names of the five kinds."""
+"""The version of the contract and the canonical names of the six kinds."""
 
-API_VERSION: tuple[int, int] = (1, 2)
+API_VERSION: tuple[int, int] = (1, 3)
 """(major, minor). A plugin written for another major is refused; one that needs a
 newer minor than this host offers is refused too.
 
@@ -9,7 +9,10 @@ newer minor than this host offers is refused too.
 1.2: static-scale quantizers for the KV cache (`StaticScaleQuantizer`, `Quantizer.static_scale`
 and `kv_capable`, `KVCacheSpec.kv_scales`, `AttentionBackend.kv_scale_granularities` and
 `with_kv_scales`, `SelectionRequest.kv_scale_granularity`). Everything written for 1.1
-works unchanged: the new attributes have defaults that mean what 1.1 meant."""
+works unchanged: the new attributes have defaults that mean what 1.1 meant.
+1.3: the `structured_output` kind (`StructuredOutputBackend`, `Grammar`, `StructuredOutputSpec`,
+`Vocabulary`, `SelectionRequest.structured_output_spec`); additions defaulted so 1.2 plugins
+keep working."""
 
 ENTRY_POINT_GROUP = "kvforge.plugins"
 
@@ -26,4 +29,5 @@ KINDS: tuple[str, ...] = (
     SCHEDULER_POLICY,
     QUANTIZER,
     SPECULATIVE_PROPOSER,
+    STRUCTURED_OUTPUT,
 )

@@ -14,7 +14,14 @@ from typing import Any, Literal
 import torch
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from .api import ATTENTION_BACKEND, BLOCK_ALLOCATOR, QUANTIZER, SCHEDULER_POLICY, SPECULATIVE_PROPOSER
+from .api import (
+    ATTENTION_BACKEND,
+    BLOCK_ALLOCATOR,
+    QUANTIZER,
+    SCHEDULER_POLICY,
+    SPECULATIVE_PROPOSER,
+    STRUCTURED_OUTPUT,
+)
 
 FLOAT_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 """The float dtypes models and KV caches run in, by the name configs use: the one name -> dtype table."""
@@ -111,6 +118,22 @@ class SpeculativeConfig(Section):
         None, ge=1, description="no drafts while more requests than this run (decode is compute-bound there)")
 
 
+class StructuredOutputsConfig(Section):
+    backend: str = Field(
+        "auto", description="structured_output name (xgrammar, llguidance, outlines, or a third-party one), or auto: "
+                            "per request, the available one with the highest priority that compiles its spec "
+                            "(`kvforge plugins --explain` says why not the others)")
+    options: dict[str, Any] = Field(
+        default_factory=dict, description="the named backend's own options, passed as cls(vocabulary, **options); "
+                                          "unknown ones are refused (see docs/structured_outputs.md)")
+    compile_timeout_s: float = Field(
+        30.0, gt=0, description="seconds a grammar may take to compile; past it only that request ends, with an "
+                                "error naming its spec")
+    max_cached_grammars: int = Field(
+        256, ge=0, description="specs whose compile outcome (a grammar or its error) is remembered, least recently "
+                               "used dropped first; 0: none")
+
+
 class ParallelConfig(Section):
     tensor_parallel_size: int = Field(
         1, ge=1, description="ranks that split every layer's heads and MLP (Megatron-style); 1: no tensor parallelism")
@@ -167,6 +190,7 @@ class EngineConfig(Section):
     scheduler: SchedulerConfig = Field(default_factory=SchedulerConfig)
     quantization: QuantizationConfig = Field(default_factory=QuantizationConfig)
     speculative: SpeculativeConfig = Field(default_factory=SpeculativeConfig)
+    structured_outputs: StructuredOutputsConfig = Field(default_factory=StructuredOutputsConfig)
     parallel: ParallelConfig = Field(default_factory=ParallelConfig)
     plugins: PluginsConfig = Field(default_factory=PluginsConfig)
 
@@ -177,6 +201,7 @@ IMPLEMENTATION_FIELDS: dict[str, str] = {
     "scheduler.policy": SCHEDULER_POLICY,
     "quantization.weights": QUANTIZER,
     "speculative.proposer": SPECULATIVE_PROPOSER,
+    "structured_outputs.backend": STRUCTURED_OUTPUT,
 }
 """Config fields that name an implementation, and the kind each names."""
 

@@ -9,9 +9,12 @@ from __future__ import annotations
 
 from abc import ABC
 from dataclasses import dataclass, field
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 from .api import API_VERSION
+
+if TYPE_CHECKING:  # structured_output imports this module
+    from .structured_output import StructuredOutputSpec
 
 
 @dataclass(frozen=True)
@@ -49,10 +52,11 @@ class SelectionRequest:
     prefix_caching: bool | None = None
     kv_storage_dtype: Any = None  # torch.dtype of a quantized KV cache; None for a float one
     kv_scale_granularity: str | None = None  # a quantized KV cache's scales: per_token (also when None) or per_tensor
+    structured_output_spec: StructuredOutputSpec | None = None  # a structured_output backend must compile it
 
 
 class Implementation(ABC):
-    """Base of the five interfaces.
+    """Base of the six interfaces.
 
     Class attributes every implementation sets:
 

@@ -31,7 +31,8 @@ def test_plugins_json_lists_builtins_third_party_and_errors(fake_site, tmp_path)
     assert (third["distribution"], third["version"], third["plugin"], third["available"]) == ("fakeplug-cli", "3.1", "cli", True)
     (error,) = data["errors"]
     assert error["plugin"] == "bad" and error["stage"] == "import" and "not_a_module_anywhere" in error["message"]
-    assert set(data["explain"]) == {"attention_backend", "block_allocator", "scheduler_policy", "quantizer", "speculative_proposer"}
+    assert set(data["explain"]) == {"attention_backend", "block_allocator", "scheduler_policy", "quantizer", "speculative_proposer",
+                                   "structured_output"}
     assert data["explain"]["scheduler_policy"]["chosen"] == "fcfs"
 
 

@@ -42,7 +42,10 @@ def test_pip_installed_example_is_discovered_and_selectable(installed_example, m
 
 
 NAMES = {"attention_backend": "plain-torch", "block_allocator": "free-stack", "scheduler_policy": "shortest-prompt",
-         "quantizer": "int4_unpacked", "speculative_proposer": "last-follower"}
+         "quantizer": "int4_unpacked", "speculative_proposer": "last-follower", "structured_output": "choices"}
+PER_ENGINE = [kind for kind in NAMES if kind not in ("quantizer", "structured_output")]
+"""Kinds the engine selects once, by a config section (a quantizer is named as a KV cache dtype, a
+structured_output backend per request)."""
 
 
 def test_example_has_one_implementation_of_every_kind(installed_example, monkeypatch):
@@ -105,7 +108,7 @@ def test_generates_with_each_example_implementation_selected_by_name(generate_wi
     got, selected, metrics = generate_with(
         attention={"backend": "plain-torch"}, cache={**cache, "allocator": "free-stack", "enable_prefix_caching": False},
         scheduler={"policy": "shortest-prompt"}, speculative={"proposer": "last-follower", "num_tokens": 3})
-    assert {k: selected[k] for k in NAMES if k != "quantizer"} == {k: n for k, n in NAMES.items() if k != "quantizer"}
+    assert {k: selected[k] for k in PER_ENGINE} == {k: NAMES[k] for k in PER_ENGINE}
     # Exact attention, any allocator and policy, and verified drafts leave greedy output unchanged.
     assert got == expected and all(len(tokens) == GREEDY.max_tokens for tokens in got)
     assert metrics["spec_accepted_tokens"] > 0  # the repetitive prompts let last-follower guess right
@@ -147,3 +150,31 @@ def test_the_example_and_the_plugin_guides_use_the_current_api_version(installed
         assert f"**{current}**" in (docs / page).read_text(), f"{page} does not state the current API version"
     guide = (docs / "writing_plugins.md").read_text()
     assert guide.count("api_version = (") == guide.count(f"api_version = {API_VERSION}")
+
+
+def test_choices_allows_exactly_the_bytes_that_continue_a_choice(installed_example, monkeypatch):
+    # Conformance walks prove the guarantees; this proves the masks are the documented ones.
+    monkeypatch.syspath_prepend(str(installed_example))
+    import torch
+
+    from kvforge.core import STRUCTURED_OUTPUT, StructuredOutputError, StructuredOutputSpec, Vocabulary
+
+    vocabulary = Vocabulary(tuple(bytes([i]) for i in range(256)) + (b"", b"ab"), (256,), 300)
+    backend = build_registry(environ={}).select(STRUCTURED_OUTPUT, "choices").cls(vocabulary)
+    grammar = backend.compile(StructuredOutputSpec("choice", ("ab", "abc", "b")))
+    bitmask = backend.allocate_bitmask(1)
+
+    def allowed():
+        grammar.fill_bitmask(bitmask, 0)
+        bits = (bitmask[0].unsqueeze(-1) >> torch.arange(32, dtype=torch.int32)) & 1
+        return torch.nonzero(bits.flatten()).flatten().tolist()
+
+    assert allowed() == [ord("a"), ord("b"), 257]  # "a", "b" and the two-byte token "ab"
+    assert grammar.accept_tokens([257]) and allowed() == [ord("c"), 256]  # "ab" is a choice: EOS, or "c"
+    assert not grammar.accept_tokens([ord("c"), ord("c")]) and allowed() == [ord("c"), 256]
+    assert grammar.validate_tokens([ord("c"), 256, ord("x")]) == 2
+    assert grammar.accept_tokens([256]) and grammar.is_terminated() and allowed() == []
+    grammar.rollback(2)
+    assert allowed() == [ord("a"), ord("b"), 257] and not grammar.is_terminated()
+    with pytest.raises(StructuredOutputError, match="does not compile 'json'"):
+        backend.compile(StructuredOutputSpec("json", "{}"))

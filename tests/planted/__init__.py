@@ -3,7 +3,8 @@ bug in the class's docstring. They prove the conformance suite can fail, twice o
 
 * the tests of each kind (tests/test_attention_conformance.py, test_block_allocators.py,
   test_block_allocator_planted_bugs.py, test_quantizer_conformance.py,
-  test_speculative_proposer_conformance.py, test_conformance_cli.py) call the one check
+  test_speculative_proposer_conformance.py, test_structured_output_conformance.py,
+  test_conformance_cli.py) call the one check
   written for a bug and match its message;
 * `python -m tests.planted` runs the whole suite, as `kvforge conformance --quick`, on
   every planted bug at once, registered as the plugin `planted` (this module's
@@ -24,10 +25,18 @@ from kvforge.core import (
     QUANTIZER,
     SCHEDULER_POLICY,
     SPECULATIVE_PROPOSER,
+    STRUCTURED_OUTPUT,
     hookimpl,
 )
 
-from . import attention_backends, block_allocators, quantizers, scheduler_policies, speculative_proposers
+from . import (
+    attention_backends,
+    block_allocators,
+    quantizers,
+    scheduler_policies,
+    speculative_proposers,
+    structured_outputs,
+)
 
 PLUGIN = "planted"
 DISTRIBUTION = "kvforge-planted-bugs"
@@ -39,6 +48,7 @@ PLANTED: dict[str, list[type]] = {
     SCHEDULER_POLICY: scheduler_policies.PLANTED,
     QUANTIZER: quantizers.PLANTED,
     SPECULATIVE_PROPOSER: speculative_proposers.PLANTED,
+    STRUCTURED_OUTPUT: structured_outputs.PLANTED,
 }
 
 

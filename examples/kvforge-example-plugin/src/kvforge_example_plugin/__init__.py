@@ -6,6 +6,7 @@ against `kvforge.core` alone:
 * `shortest-prompt` (scheduler_policy): short prompts first.
 * `int4_unpacked` (quantizer): 4-bit codes in int8 bytes, for the KV cache.
 * `last-follower` (speculative_proposer): drafts what followed the last token before.
+* `choices` (structured_output): the output is one of a request's choices.
 """
 
 from kvforge.core import hookimpl
@@ -15,9 +16,10 @@ from .attention import PlainTorchAttentionBackend
 from .policy import ShortestPromptPolicy
 from .proposer import LastFollowerProposer
 from .quantizer import Int4UnpackedQuantizer
+from .structured import ChoiceBackend
 
 IMPLEMENTATIONS = [PlainTorchAttentionBackend, FreeStackAllocator, ShortestPromptPolicy,
-                   Int4UnpackedQuantizer, LastFollowerProposer]
+                   Int4UnpackedQuantizer, LastFollowerProposer, ChoiceBackend]
 
 
 @hookimpl

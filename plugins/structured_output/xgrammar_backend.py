@@ -1,0 +1,118 @@
+"""`xgrammar`: the default structured_output backend, through xgrammar's public API
+(`TokenizerInfo`, a thread-safe `GrammarCompiler` with its own cache,
+`GrammarMatcher`, and its CPU kernel for applying the bitmask)."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+
+import torch
+
+from kvforge.core import (
+    Grammar,
+    StructuredOutputBackend,
+    StructuredOutputError,
+    StructuredOutputSpec,
+    Vocabulary,
+    apply_token_bitmask,
+    hookimpl,
+)
+from kvforge.core.structured_output import CHOICE, GRAMMAR, JSON, JSON_OBJECT, REGEX, STRUCTURAL_TAG
+
+from .tracked_grammar import TrackedGrammar, choice_regex, json_schema_text, library_availability
+
+KERNEL_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+# xgrammar writes the characters of a length-bounded JSON string as this class, which
+# lets raw control characters through (JSON forbids them, json.loads refuses them);
+# its unbounded strings use the second, right one
+_LOOSE_STRING_CHAR = r'[^\"\\\r\n]'
+_JSON_STRING_CHAR = r'[^\0-\x1f\"\\\r\n]'
+
+
+class XgrammarGrammar(TrackedGrammar):
+    def __init__(self, vocabulary: Vocabulary, matcher):
+        super().__init__(vocabulary)
+        self.matcher = matcher
+
+    def _advance(self, token_id: int) -> bool:
+        return self.matcher.accept_token(token_id)  # False leaves the matcher as it was
+
+    def _undo(self, num_tokens: int) -> None:
+        self.matcher.rollback(num_tokens)
+
+    def _complete(self) -> bool:
+        return self.matcher.is_completed()
+
+    def _fill_library(self, bitmask: torch.Tensor, row: int) -> None:
+        self.matcher.fill_next_token_bitmask(bitmask, row)
+
+
+class XgrammarBackend(StructuredOutputBackend):
+    """JSON schemas, any JSON object, regexes, choices, EBNF grammars (xgrammar's
+    GBNF dialect) and xgrammar's structural tags."""
+
+    name = "xgrammar"
+    priority = 30
+    spec_kinds = frozenset({JSON, JSON_OBJECT, REGEX, CHOICE, GRAMMAR, STRUCTURAL_TAG})
+    grammar_syntaxes = frozenset({"ebnf"})
+
+    @classmethod
+    def availability(cls):
+        return library_availability("xgrammar")
+
+    def __init__(self, vocabulary: Vocabulary, **options):
+        super().__init__(vocabulary, **options)
+        import xgrammar
+
+        self._xgr = xgrammar
+        info = xgrammar.TokenizerInfo(list(vocabulary.token_bytes), xgrammar.VocabType.RAW,
+                                      vocab_size=vocabulary.vocab_size,
+                                      stop_token_ids=list(vocabulary.eos_token_ids) or None)
+        self.compiler = xgrammar.GrammarCompiler(info)
+
+    def compile(self, spec: StructuredOutputSpec) -> Grammar:
+        reasons = self.spec_unsupported_reasons(spec)
+        if reasons:
+            raise StructuredOutputError("; ".join(reasons))
+        try:
+            compiled = self._compile(spec)
+        except (RuntimeError, ValueError, TypeError) as exc:  # xgrammar reports a bad spec as one of these
+            first_line = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+            raise StructuredOutputError(f"invalid {spec.describe()} spec for xgrammar: {first_line}") from exc
+        return XgrammarGrammar(self.vocabulary, self._xgr.GrammarMatcher(compiled, terminate_without_stop_token=False))
+
+    def _compile(self, spec: StructuredOutputSpec):
+        if spec.kind in (JSON, JSON_OBJECT):
+            grammar = str(self._xgr.Grammar.from_json_schema(json_schema_text(spec)))
+            return self.compiler.compile_grammar(grammar.replace(_LOOSE_STRING_CHAR, _JSON_STRING_CHAR))
+        if spec.kind == REGEX:
+            return self.compiler.compile_regex(spec.value)
+        if spec.kind == CHOICE:
+            return self.compiler.compile_regex(choice_regex(spec.value))
+        if spec.kind == GRAMMAR:
+            return self.compiler.compile_grammar(spec.value)
+        return self.compiler.compile_structural_tag(json.loads(spec.value) if isinstance(spec.value, str)
+                                                    else spec.value)
+
+    def apply_bitmask(self, logits: torch.Tensor, bitmask: torch.Tensor, rows: Sequence[int] | None = None) -> None:
+        """xgrammar's kernel for CPU logits of a float dtype it has one for; the
+        reference otherwise. Its kernel indexes bitmask and logits by the same rows,
+        so a subset of rows is spread out to the logits' rows first."""
+        vocab = logits.shape[-1]
+        if logits.device.type != "cpu" or logits.dtype not in KERNEL_DTYPES or logits.dim() != 2 \
+                or vocab > bitmask.shape[-1] * 32 or not logits.is_contiguous():
+            apply_token_bitmask(logits, bitmask, rows)
+            return
+        if rows is not None:
+            rows = list(rows)
+            spread = torch.full((logits.shape[0], bitmask.shape[-1]), -1, dtype=torch.int32)
+            spread[rows] = bitmask
+            bitmask = spread
+        self._xgr.apply_token_bitmask_inplace(logits, bitmask.contiguous(), vocab_size=vocab, indices=rows,
+                                              backend="cpu")
+
+
+@hookimpl
+def kvforge_implementations():
+    return [XgrammarBackend]
