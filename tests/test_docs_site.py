@@ -60,7 +60,8 @@ def site(tmp_path_factory):
 def test_api_reference_renders_each_interface_with_its_numbered_guarantees(site):
     for module, cls in (("attention", "AttentionBackend"), ("block_allocator", "BlockAllocator"),
                         ("scheduler_policy", "SchedulerPolicy"), ("quantizer", "Quantizer"),
-                        ("speculative", "SpeculativeProposer")):
+                        ("speculative", "SpeculativeProposer"), ("structured_output", "StructuredOutputBackend"),
+                        ("structured_output", "Grammar")):
         page = (site / "api" / module / "index.html").read_text()
         assert f'id="kvforge.core.{module}.{cls}"' in page, f"{cls} is missing from its API page"
         assert "Guarantees every implementation keeps" in page
