@@ -126,7 +126,7 @@ def target(registration: Registration) -> Target:
 def one_thread():
     """Run a check with one intra-op thread and restore the setting after. The grid's
     tensors are tiny: on a shared CPU, waking a thread pool per op costs far more
-    (measured 30x here) than the arithmetic."""
+    than the arithmetic."""
     before = torch.get_num_threads()
     torch.set_num_threads(1)
     yield

@@ -81,8 +81,8 @@ inline void bf16_tile_rc(const c10::BFloat16* __restrict__ x, int64_t x_stride, 
 }
 // The batch tile: 8 rows x 2 channels. Widening 32 weights to bfloat16 pairs
 // takes five instructions, against one vdpbf16ps per row: over 8 rows it costs
-// 5 per 16 vdpbf16ps where 4 x 4 cost 20 per 16 (measured 1.3-1.5x faster;
-// 12 x 2, 8 x 3 and 16 x 1 were slower than 8 x 2).
+// 5 per 16 vdpbf16ps where 4 x 4 cost 20 per 16, so the widening hides behind
+// the dot products (12 x 2, 8 x 3 and 16 x 1 timed slower; docs/quantization.md).
 constexpr int kBf16TileRows = 8;
 constexpr int kBf16TileChannels = 2;
 
