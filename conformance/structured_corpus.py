@@ -18,7 +18,7 @@ import re
 from dataclasses import dataclass
 
 from kvforge.core import StructuredOutputSpec, Vocabulary
-from kvforge.core.structured_output import CHOICE, JSON, JSON_OBJECT, REGEX
+from kvforge.core.structured_output import CHOICE, GRAMMAR, JSON, JSON_OBJECT, REGEX
 
 TINY = Vocabulary(token_bytes=tuple(bytes([i]) for i in range(256)) + (b"", b"", b""), eos_token_ids=(257,),
                   vocab_size=259, special_token_ids=frozenset({256, 257, 258}))
@@ -47,6 +47,7 @@ class Case:
     name: str
     spec: StructuredOutputSpec
     basic: bool = False
+    judge: str | None = None  # a grammar's language as a Python regex
 
     def accepts(self, text: str) -> bool:
         """Whether `text` is a right output for the spec (jsonschema judges JSON)."""
@@ -59,8 +60,8 @@ class Case:
                 return False
             schema = json.loads(self.spec.value) if self.spec.value else {"type": "object"}
             return jsonschema.Draft202012Validator(schema).is_valid(document)
-        if self.spec.kind == REGEX:
-            return re.fullmatch(self.spec.value, text) is not None
+        if self.spec.kind in (REGEX, GRAMMAR):
+            return re.fullmatch(self.judge or self.spec.value, text) is not None
         return text in self.spec.value
 
 
@@ -191,11 +192,25 @@ CHOICES = [("yes", "no"), ("positive", "negative", "neutral"), ("a", "ab", "abc"
            ("é", "日本語", "😀"), ("the cat", "the dog", "a bird"), ("x",)]
 
 
+GRAMMARS = [  # (syntax, grammar, the same language as a regex)
+    ("ebnf", 'root ::= "(" [a-z]+ ")"', r"\([a-z]+\)"),
+    ("ebnf", 'root ::= item ("," item)*\nitem ::= [0-9] | "x"', r"([0-9]|x)(,([0-9]|x))*"),
+    ("ebnf", 'root ::= "yes" | "no" | "maybe"', r"yes|no|maybe"),
+    ("ebnf", 'root ::= "[" (pair (", " pair)*)? "]"\npair ::= [a-c] "=" [0-9]', r"\[([a-c]=[0-9](, [a-c]=[0-9])*)?\]"),
+    ("lark", 'start: "(" /[a-z]+/ ")"', r"\([a-z]+\)"),
+    ("lark", 'start: item ("," item)*\nitem: /[0-9]/ | "x"', r"([0-9]|x)(,([0-9]|x))*"),
+    ("lark", 'start: "yes" | "no" | "maybe"', r"yes|no|maybe"),
+    ("lark", 'start: "[" (pair (", " pair)*)? "]"\npair: /[a-c]/ "=" /[0-9]/', r"\[([a-c]=[0-9](, [a-c]=[0-9])*)?\]"),
+]
+
+
 def corpus() -> list[Case]:
     """Every case, JSON schemas first."""
     return [*_HAND_WRITTEN, *_families(),
             *(Case(f"regex {r}", StructuredOutputSpec(REGEX, r)) for r in REGEXES),
-            *(Case(f"choice {'|'.join(c)}", StructuredOutputSpec(CHOICE, c)) for c in CHOICES)]
+            *(Case(f"choice {'|'.join(c)}", StructuredOutputSpec(CHOICE, c)) for c in CHOICES),
+            *(Case(f"{syntax} {text.splitlines()[0]}", StructuredOutputSpec(GRAMMAR, text, syntax), judge=judge)
+              for syntax, text, judge in GRAMMARS)]
 
 
 INVALID_SPECS = [

@@ -4,7 +4,7 @@
 
 from __future__ import annotations
 
-import json
+import re
 from collections.abc import Sequence
 
 import torch
@@ -28,6 +28,15 @@ KERNEL_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 # its unbounded strings use the second, right one
 _LOOSE_STRING_CHAR = r'[^\"\\\r\n]'
 _JSON_STRING_CHAR = r'[^\0-\x1f\"\\\r\n]'
+
+
+_LOG_PREFIX = re.compile(r"^\[[\d:]+\] \S+:\d+: (Check failed: .*? is false: )?")
+
+
+def library_message(exc: Exception) -> str:
+    """xgrammar's error without its C++ log prefix (time, source file, failed check), first line only."""
+    text = str(exc).strip()
+    return _LOG_PREFIX.sub("", text.splitlines()[0]) if text else type(exc).__name__
 
 
 class XgrammarGrammar(TrackedGrammar):
@@ -78,8 +87,7 @@ class XgrammarBackend(StructuredOutputBackend):
         try:
             compiled = self._compile(spec)
         except (RuntimeError, ValueError, TypeError) as exc:  # xgrammar reports a bad spec as one of these
-            first_line = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-            raise StructuredOutputError(f"invalid {spec.describe()} spec for xgrammar: {first_line}") from exc
+            raise StructuredOutputError(f"invalid {spec.describe()} spec for xgrammar: {library_message(exc)}") from exc
         return XgrammarGrammar(self.vocabulary, self._xgr.GrammarMatcher(compiled, terminate_without_stop_token=False))
 
     def _compile(self, spec: StructuredOutputSpec):
@@ -92,8 +100,7 @@ class XgrammarBackend(StructuredOutputBackend):
             return self.compiler.compile_regex(choice_regex(spec.value))
         if spec.kind == GRAMMAR:
             return self.compiler.compile_grammar(spec.value)
-        return self.compiler.compile_structural_tag(json.loads(spec.value) if isinstance(spec.value, str)
-                                                    else spec.value)
+        return self.compiler.compile_structural_tag(spec.value)
 
     def apply_bitmask(self, logits: torch.Tensor, bitmask: torch.Tensor, rows: Sequence[int] | None = None) -> None:
         """xgrammar's kernel for CPU logits of a float dtype it has one for; the
