@@ -14,6 +14,7 @@ from kvforge.core import (
     QUANTIZER,
     SCHEDULER_POLICY,
     SPECULATIVE_PROPOSER,
+    STRUCTURED_OUTPUT,
     AttentionLayerSpec,
     EngineConfig,
     ProposerTarget,
@@ -190,3 +191,26 @@ def selected_names(model, allocator, policy, kv_quantizer: Quantizer | None, wei
 def describe_selection(selected: dict[str, str]) -> str:
     """One line naming what `selected_names` found, as vLLM's "Using ... backend" line."""
     return "kvforge engine: " + ", ".join(f"{part.replace('_', ' ')} {name}" for part, name in selected.items())
+
+
+def build_structured_outputs(registry: Registry, config: EngineConfig, vocabulary):
+    """The engine's `StructuredOutputs`: per spec, the backend `structured_outputs.backend`
+    names (or, for auto, the registry's first that compiles the spec); `vocabulary`
+    builds the model's `Vocabulary` when the first structured request arrives."""
+    from .structured_outputs import StructuredOutputs
+
+    settings = config.structured_outputs
+
+    def select(spec):
+        request = SelectionRequest(structured_output_spec=spec)
+        try:
+            return registry.select(STRUCTURED_OUTPUT, settings.backend, request).cls
+        except SelectionError as exc:
+            able = [r.name for r in registry.implementations(STRUCTURED_OUTPUT) if r.name != settings.backend
+                    and r.cls.availability().ok and not r.cls.spec_unsupported_reasons(spec)]
+            hint = f"; backends that can: {', '.join(able)}" if able else ""
+            raise SelectionError(f"structured_outputs.backend = {settings.backend!r}: {exc}{hint}") from exc
+
+    return StructuredOutputs(select, vocabulary, options=settings.options,
+                             compile_timeout_s=settings.compile_timeout_s,
+                             max_cached_grammars=settings.max_cached_grammars)

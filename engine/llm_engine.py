@@ -31,6 +31,7 @@ from .drafting import Drafter
 from .sampling_params import SamplingParams
 from .scheduler import Scheduler
 from .step_sampling import StepSampler
+from .vocabulary import vocabulary_of
 from .warmup import warm_up
 
 log = logging.getLogger(__name__)
@@ -104,10 +105,15 @@ class LLMEngine:
         allocator = components.build_allocator(self.registry, config, self.num_blocks)
         self.kv = KVCacheManager(allocator, block_size, config.cache.enable_prefix_caching)
         policy = components.build_policy(self.registry, config)
+        self.eos_token_id = getattr(model, "eos_token_id", None)
+        if self.eos_token_id is None and tokenizer is not None:
+            self.eos_token_id = getattr(tokenizer, "eos_token_id", None)
+        self.structured_outputs = components.build_structured_outputs(
+            self.registry, config, lambda: vocabulary_of(self.tokenizer, int(model.vocab_size), self.eos_token_id))
         self.scheduler = Scheduler(policy, self.kv,
                                    max_num_seqs=config.scheduler.max_num_seqs,
                                    max_num_batched_tokens=config.scheduler.max_num_batched_tokens,
-                                   max_model_len=int(model.max_model_len))
+                                   max_model_len=int(model.max_model_len), structured_outputs=self.structured_outputs)
         kv_caches = model.allocate_kv_cache(self.num_blocks, block_size)
         if self.executor is None:
             self.runner = ModelRunner(model, self.kv, kv_caches, block_size, self.device)
@@ -117,7 +123,7 @@ class LLMEngine:
             warm_up(self.runner, self.kv, max_num_batched_tokens=config.scheduler.max_num_batched_tokens,
                     max_num_seqs=config.scheduler.max_num_seqs, max_model_len=int(model.max_model_len))
         self.stats = EngineMetrics()
-        self.step_sampler = StepSampler(config.seed, self.stats)
+        self.step_sampler = StepSampler(config.seed, self.stats, self.structured_outputs)
         self.max_model_len = int(model.max_model_len)
         self.vocab_size = int(model.vocab_size)
         self.drafter = None
@@ -130,9 +136,6 @@ class LLMEngine:
                                    vocab_size=self.vocab_size, max_model_len=self.max_model_len)
         self.selected = components.selected_names(model, allocator, policy, kv_quantizer, weight_quantizer, proposer)
         log.info("%s", components.describe_selection(self.selected))
-        self.eos_token_id = getattr(model, "eos_token_id", None)
-        if self.eos_token_id is None and tokenizer is not None:
-            self.eos_token_id = getattr(tokenizer, "eos_token_id", None)
         self.groups: dict[str, _Group] = {}
         self._arrivals = itertools.count()
 
@@ -154,6 +157,7 @@ class LLMEngine:
         if cache_salt is not None and (not isinstance(cache_salt, str) or not cache_salt):
             raise RequestError(f"request {request_id!r}: cache_salt must be a non-empty string or None, "
                                f"got {cache_salt!r}")
+        spec = self._structured_spec(request_id, params)
         arrival_index = next(self._arrivals)
         arrival_time = time.monotonic() if arrival_time is None else arrival_time
         samples = [
@@ -164,10 +168,28 @@ class LLMEngine:
                     if self.tokenizer is not None and params.detokenize else None)
             for i in range(params.n)
         ]
+        if spec is not None:  # compiles off the step loop; the request waits for it
+            samples[0].grammar_job = self.structured_outputs.start(spec, params.n)
         self.groups[request_id] = _Group(samples, [0] * params.n, [0] * params.n)
         samples[0].forks = samples[1:]  # they fork from it once its prompt is in the cache
         self.scheduler.add(samples[0])
         self.stats.num_requests += 1
+
+    def _structured_spec(self, request_id: str, params: SamplingParams):
+        """The request's structured-output spec, its backend chosen (`RequestError` naming
+        why none can compile it); None without structured outputs."""
+        if params.structured_outputs is None:
+            return None
+        if self.tokenizer is None or self.eos_token_id is None:
+            lacks = "a tokenizer" if self.tokenizer is None else "an EOS token"
+            raise RequestError(f"request {request_id!r}: structured_outputs needs the model's tokenizer and EOS token, "
+                               f"and model {self.config.model!r} lacks {lacks}")
+        spec = params.structured_outputs.spec()
+        try:
+            self.structured_outputs.backend_for(spec)
+        except RequestError as exc:
+            raise RequestError(f"request {request_id!r}: {exc}") from exc
+        return spec
 
     def _prompt_tokens(self, request_id, prompt, prompt_token_ids) -> tuple[str | None, list[int]]:
         if prompt is not None and prompt_token_ids is not None:
@@ -225,7 +247,8 @@ class LLMEngine:
 
     def shutdown(self) -> None:
         """Stop the worker processes of a tensor- or pipeline-parallel engine (also done
-        at exit); it cannot step afterwards. A single-process engine has nothing to stop."""
+        at exit) and the grammar compile threads; it cannot step afterwards."""
+        self.structured_outputs.shutdown()
         if self.executor is not None:
             self.executor.shutdown()
 
@@ -244,7 +267,12 @@ class LLMEngine:
         """Run one scheduler step; the outputs of every request that progressed
         (with `final_only`, of every request that finished)."""
         drafts = self.drafter.propose(self.scheduler.running) if self.drafter is not None else None
+        if drafts:
+            drafts = self.structured_outputs.cut_drafts(drafts, self.scheduler.running)
         plan = self.scheduler.schedule(drafts)
+        if not plan.scheduled and not plan.finished and self.scheduler.waiting_for_grammar:
+            # only grammars compiling: sleep until one is ready rather than spin
+            self.structured_outputs.wait([r.grammar_job for r in self.scheduler.waiting_for_grammar], 0.05)
         touched = dict.fromkeys(r.group_id for r in plan.finished)  # ordered, unlike a set
         finished = list(plan.finished)
         if plan.scheduled:
@@ -306,9 +334,11 @@ class LLMEngine:
     def metrics(self) -> dict[str, float]:
         """Running, waiting, KV usage, preemptions, prefix-cache hit rate, ... as a dict."""
         usage = self.kv.usage()
-        return self.stats.snapshot(running=len(self.scheduler.running), waiting=len(self.scheduler.waiting),
-                                   kv_usage=usage.usage, preemptions=self.scheduler.num_preemptions,
-                                   prefix_cache_hit_rate=usage.hit_rate)
+        figures = self.stats.snapshot(running=len(self.scheduler.running), waiting=len(self.scheduler.waiting),
+                                      kv_usage=usage.usage, preemptions=self.scheduler.num_preemptions,
+                                      prefix_cache_hit_rate=usage.hit_rate)
+        figures.update(self.structured_outputs.figures(len(self.scheduler.waiting_for_grammar)))
+        return figures
 
     def metrics_prometheus(self) -> str:
         """`metrics()` in Prometheus text format (needs prometheus_client)."""

@@ -97,7 +97,11 @@ class StructuredOutputs:
         except Exception as exc:  # noqa: BLE001 - a SelectionError or a config error, both the request's answer
             raise RequestError(SPEC_ERROR.format(spec=spec.describe()) + f"has no backend: {exc}") from exc
         if cls not in self.backends:
-            self.backends[cls] = cls(self.vocabulary, **self.options)
+            try:
+                self.backends[cls] = cls(self.vocabulary, **self.options)
+            except Exception as exc:  # noqa: BLE001 - bad structured_outputs.options, or the library failed
+                raise RequestError(SPEC_ERROR.format(spec=spec.describe()) + f"needs backend {cls.name!r}, which "
+                                   f"could not start: {type(exc).__name__}: {exc}") from exc
         return self.backends[cls]
 
     # Compilation
@@ -119,11 +123,13 @@ class StructuredOutputs:
             self._pool = concurrent.futures.ThreadPoolExecutor(self.max_workers, thread_name_prefix="kvforge-grammar")
         return self._pool
 
-    def _compile(self, backend: StructuredOutputBackend, spec: StructuredOutputSpec, count: int) -> list[Grammar]:
+    @staticmethod
+    def _compile(backend: StructuredOutputBackend, spec: StructuredOutputSpec,
+                 count: int) -> tuple[list[Grammar], float]:
+        """(On a pool thread.) The grammars, and the seconds they took."""
         began = time.perf_counter()
         grammars = [backend.compile(spec) for _ in range(count)]
-        self.stats.record_compile(time.perf_counter() - began)
-        return grammars
+        return grammars, time.perf_counter() - began
 
     def poll(self, job: CompileJob) -> list[Grammar] | str | None:
         """The job's grammars once compiled; the error (text naming the problem) if
@@ -140,7 +146,9 @@ class StructuredOutputs:
         exc = job.future.exception()
         if exc is None:
             self._remember(job.spec, None)
-            return job.future.result()
+            grammars, seconds = job.future.result()
+            self.stats.record_compile(seconds)  # here, on the step loop's thread: no lock needed
+            return grammars
         if isinstance(exc, _KnownFailure):
             return str(exc)
         error = (SPEC_ERROR.format(spec=job.spec.describe()) + f"could not be compiled by {job.backend.name!r}: "
