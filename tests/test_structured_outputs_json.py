@@ -1,6 +1,6 @@
 """kvforge-tiny, which alone writes code-like noise, writes JSON that parses and
 validates against the schema it is given (the built-in backend `auto` picks),
-greedy and sampled, n > 1, with n-gram speculation equal to without, and a regex
+greedy and sampled, n > 1, with n-gram and draft-model speculation equal to without, and a regex
 fully matched."""
 
 from __future__ import annotations
@@ -50,9 +50,12 @@ def test_every_output_parses_and_validates(llm, params):
             jsonschema.validate(json.loads(sample.text), SCHEMA)
 
 
-def test_speculation_gives_the_same_greedy_json():
-    spec = LLM("kvforge-tiny", speculative={"proposer": "ngram", "num_tokens": 4}, **COMMON)
-    plain = LLM("kvforge-tiny", **COMMON)
+@pytest.mark.parametrize("speculative", [
+    {"proposer": "ngram", "num_tokens": 4},
+    {"proposer": "draft_model", "num_tokens": 4, "options": {"model": "kvforge-tiny-draft", "num_blocks": 64}},
+], ids=["ngram", "draft_model"])
+def test_speculation_gives_the_same_greedy_json(llm, speculative):
+    spec, plain = LLM("kvforge-tiny", speculative=speculative, **COMMON), llm
     prompts = ['{"name": "ab", "age": 1} {"name": "ab", "age": 1} {"name": "ab", "age": 1} ', *PROMPTS]
     expected = [o.outputs[0].token_ids for o in plain.generate(prompts, json_params(temperature=0))]
     assert [o.outputs[0].token_ids for o in spec.generate(prompts, json_params(temperature=0))] == expected
