@@ -51,14 +51,20 @@ class EngineSnapshot:
     drafts: int
     draft_tokens: int
     accepted_tokens: int
+    waiting_for_grammar: int = 0  # structured outputs: requests whose grammar compiles, and running totals
+    grammar_compiles: int = 0
+    grammar_compile_seconds: float = 0.0
+    grammar_mask_seconds: float = 0.0
 
     @classmethod
     def of(cls, engine) -> "EngineSnapshot":
         usage, stats = engine.kv.usage(), engine.stats
+        grammars = engine.structured_outputs.stats
         return cls(len(engine.scheduler.running), len(engine.scheduler.waiting), usage.usage, usage.lookups,
                    usage.hits, engine.scheduler.num_preemptions, stats.num_prompt_tokens,
                    stats.num_generated_tokens, stats.num_verifications, stats.num_draft_tokens,
-                   stats.num_accepted_tokens)
+                   stats.num_accepted_tokens, len(engine.scheduler.waiting_for_grammar), grammars.compile_count,
+                   grammars.compile_seconds_sum, grammars.mask_seconds_sum)
 
 
 class ServerMetrics:
@@ -97,6 +103,14 @@ class ServerMetrics:
         self.spec_drafts = counter("vllm:spec_decode_num_drafts", "Number of spec decoding drafts.")
         self.spec_draft_tokens = counter("vllm:spec_decode_num_draft_tokens", "Number of draft tokens.")
         self.spec_accepted_tokens = counter("vllm:spec_decode_num_accepted_tokens", "Number of accepted tokens.")
+        self.waiting_for_grammar = gauge("kvforge:structured_output_requests_waiting_for_grammar",
+                                         "Requests whose structured-output grammar is compiling.")
+        self.grammar_compiles = counter("kvforge:structured_output_grammar_compiles",
+                                        "Structured-output grammar compiles finished (one per request).")
+        self.grammar_compile_seconds = counter("kvforge:structured_output_compile_seconds",
+                                               "Seconds spent compiling structured-output grammars.")
+        self.grammar_mask_seconds = counter("kvforge:structured_output_mask_seconds",
+                                            "Seconds spent filling and applying grammar bitmasks.")
         success = Counter("vllm:request_success", "Count of successfully processed requests.",
                           [*names, "finished_reason"], registry=self.registry)
         self.success = {reason: [success.labels(**labels, finished_reason=reason) for labels in engines]
@@ -123,7 +137,7 @@ class ServerMetrics:
             self.replica_alive = gauge("kvforge:replica_alive", "1 while the replica's process serves, 0 once dead.")
             for i in range(num_engines):
                 self.replica_alive[i].set(1)
-        self._totals: dict[tuple[int, str], int] = {}
+        self._totals: dict[tuple[int, str], float] = {}
         self._last_token_time: dict[str, float] = {}  # per engine request: when its latest token came
 
     def render(self) -> bytes:
@@ -138,6 +152,7 @@ class ServerMetrics:
         self.running[index].set(snapshot.running)
         self.waiting[index].set(snapshot.waiting)
         self.kv_usage[index].set(snapshot.kv_usage)
+        self.waiting_for_grammar[index].set(snapshot.waiting_for_grammar)
         advance = [(self.prefix_queries, "queries", snapshot.prefix_lookups * self.block_size),
                    (self.prefix_hits, "hits", snapshot.prefix_hits * self.block_size),
                    (self.preemptions, "preemptions", snapshot.preemptions),
@@ -145,7 +160,10 @@ class ServerMetrics:
                    (self.generation_tokens, "generation", snapshot.generated_tokens),
                    (self.spec_drafts, "drafts", snapshot.drafts),
                    (self.spec_draft_tokens, "draft_tokens", snapshot.draft_tokens),
-                   (self.spec_accepted_tokens, "accepted", snapshot.accepted_tokens)]
+                   (self.spec_accepted_tokens, "accepted", snapshot.accepted_tokens),
+                   (self.grammar_compiles, "grammar_compiles", snapshot.grammar_compiles),
+                   (self.grammar_compile_seconds, "grammar_compile_seconds", snapshot.grammar_compile_seconds),
+                   (self.grammar_mask_seconds, "grammar_mask_seconds", snapshot.grammar_mask_seconds)]
         for counter, key, total in advance:
             delta = total - self._totals.get((index, key), 0)
             if delta > 0:

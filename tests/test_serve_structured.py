@@ -93,3 +93,14 @@ def test_a_spec_that_fails_to_compile_fails_only_its_request(client):
     good = client.post("/v1/completions", json={"model": MODEL, "prompt": "x", "max_tokens": 20, "temperature": 0,
                                                 "structured_outputs": {"choice": CHOICES}})
     assert good.status_code == 200 and good.json()["choices"][0]["text"] in CHOICES
+
+
+def test_metrics_count_grammar_compiles_and_mask_time(client):
+    client.post("/v1/completions", json={"model": MODEL, "prompt": "x", "max_tokens": 20, "temperature": 0,
+                                         "structured_outputs": {"choice": ["cyan", "magenta"]}})
+    text = client.get("/metrics").text
+    figures = {line.split("{")[0]: float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+               if line.startswith("kvforge:structured_output")}
+    assert figures["kvforge:structured_output_grammar_compiles_total"] >= 1
+    assert figures["kvforge:structured_output_mask_seconds_total"] > 0
+    assert figures["kvforge:structured_output_requests_waiting_for_grammar"] == 0
