@@ -10,6 +10,8 @@ The `--json` schema (version 1) is stable:
      "explain": {kind: {"chosen": name or null,
                         "candidates": [{"name", "usable", "why_not"}]}}   # only with --explain
     }
+structured_output's entry also has "by_spec": {spec label: name or null}, what `auto`
+picks for a request of each spec kind (and grammar syntax) the registered backends name.
 """
 
 from __future__ import annotations
@@ -23,7 +25,17 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
-from kvforge.core import API_VERSION, FLOAT_DTYPES, KINDS, PER_TOKEN, QUANTIZER, SelectionRequest
+from kvforge.core import (
+    API_VERSION,
+    FLOAT_DTYPES,
+    KINDS,
+    PER_TOKEN,
+    QUANTIZER,
+    SPEC_KINDS,
+    STRUCTURED_OUTPUT,
+    SelectionRequest,
+    StructuredOutputSpec,
+)
 
 from .cli_options import add_config_options, config_from_args, registry_from_config
 
@@ -74,7 +86,22 @@ def report(registry, request: SelectionRequest | None, explain: bool) -> dict:
             chosen = next((c.registration.name for c in candidates if c.usable), None)
             data["explain"][kind] = {"chosen": chosen, "candidates": [
                 {"name": c.registration.name, "usable": c.usable, "why_not": c.why_not()} for c in candidates]}
+        data["explain"][STRUCTURED_OUTPUT]["by_spec"] = structured_choices(registry, request)
     return data
+
+
+def structured_choices(registry, request: SelectionRequest | None) -> dict[str, str | None]:
+    """What `auto` picks for a request of each spec kind (a grammar per syntax some
+    backend reads): structured_output backends are chosen per request, by its spec."""
+    syntaxes = sorted({s for r in registry.implementations(STRUCTURED_OUTPUT) for s in r.cls.grammar_syntaxes})
+    specs = [StructuredOutputSpec(kind) for kind in SPEC_KINDS if kind != "grammar"]
+    specs += [StructuredOutputSpec("grammar", grammar_syntax=syntax) for syntax in syntaxes]
+    choices = {}
+    for spec in specs:
+        asked = dataclasses.replace(request or SelectionRequest(), structured_output_spec=spec)
+        choices[spec.describe()] = next((c.registration.name for c in registry.candidates(STRUCTURED_OUTPUT, asked)
+                                         if c.usable), None)
+    return choices
 
 
 def quantizer_table(quantizers: list[dict]) -> Table:
@@ -146,6 +173,9 @@ def print_report(data: dict, console: Console) -> None:
             console.print(f"[bold]{kind}[/bold]: none registered")
             continue
         console.print(f"[bold]{kind}[/bold]: auto picks {escape(verdict['chosen'] or 'nothing usable')}")
+        if "by_spec" in verdict:
+            console.print(escape("  per request, by its spec: " + ", ".join(
+                f"{spec} -> {name or 'nothing usable'}" for spec, name in verdict["by_spec"].items())))
         for candidate in verdict["candidates"]:
             if candidate["name"] != verdict["chosen"]:
                 console.print(escape(f"  skipped {candidate['name']}: {candidate['why_not'] or 'lower priority'}"))

@@ -34,6 +34,8 @@ def test_plugins_json_lists_builtins_third_party_and_errors(fake_site, tmp_path)
     assert set(data["explain"]) == {"attention_backend", "block_allocator", "scheduler_policy", "quantizer", "speculative_proposer",
                                    "structured_output"}
     assert data["explain"]["scheduler_policy"]["chosen"] == "fcfs"
+    by_spec = data["explain"]["structured_output"]["by_spec"]
+    assert by_spec["json"] == "xgrammar" and by_spec["grammar (lark)"] == "llguidance"
 
 
 def test_plugins_table_shows_load_errors(fake_site, tmp_path):
