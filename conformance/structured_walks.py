@@ -156,6 +156,8 @@ class Walker:
         any_token = min(self.ranks)[1]
         assert grammar.validate_tokens([any_token]) == 0 and not grammar.accept_tokens([any_token]), \
             f"a terminated grammar accepted another token at {self.where(tokens)} (guarantee 5)"
+        assert not allowed_ids(self.mask(grammar)), \
+            f"a terminated grammar's mask allows tokens at {self.where(tokens)} (guarantee 5)"
 
     def check_rollback(self, grammar: Grammar, masks: list[torch.Tensor], tokens: list[int], terminated: bool) -> None:
         for k in sorted({1, 2, len(tokens) // 2, len(tokens)} - {0}):

@@ -94,7 +94,8 @@ class Grammar(ABC):
       4. `rollback(n)` undoes the last `n` accepted tokens (an accepted EOS
          included): masks and termination are as they were before them.
       5. `is_terminated()` is True once an EOS token was accepted (and stays so
-         until rolled back); a terminated grammar accepts no further token.
+         until rolled back); a terminated grammar accepts no further token, and
+         its mask row allows none (all zeros).
       6. The same state gives the same mask: masks depend only on the tokens
          accepted so far.
     """
