@@ -99,3 +99,26 @@ def test_a_backend_takes_no_options(cls):
 
     with pytest.raises(ConfigError, match="takes no options"):
         cls(TINY, any_whitespace=False)
+
+
+@pytest.mark.parametrize("cls, build", [(XgrammarBackend, "_compile"), (LlguidanceBackend, "_matcher"),
+                                        (OutlinesBackend, "_index")], ids=lambda value: getattr(value, "name", ""))
+def test_a_spec_compiles_once_and_each_compile_gives_a_fresh_grammar(cls, build, monkeypatch):
+    backend = cls(TINY)
+    calls = []
+    real = getattr(backend, build)
+    monkeypatch.setattr(backend, build, lambda spec: calls.append(spec) or real(spec))
+    spec = StructuredOutputSpec("regex", "ab")
+    first, second = backend.compile(spec), backend.compile(spec)
+    assert len(calls) == 1
+    assert first.accept_tokens([ord("a")]) and allowed(second, TINY) == [ord("a")]  # independent states
+
+
+def test_the_spec_cache_drops_the_least_recently_used_spec():
+    from kvforge.plugins.structured_output.tracked_grammar import SpecCache
+
+    cache, built = SpecCache(size=2), []
+    specs = [StructuredOutputSpec("regex", r) for r in ("a", "b", "c")]
+    for spec in [specs[0], specs[1], specs[0], specs[2], specs[0], specs[1]]:
+        cache.get(spec, lambda s: built.append(s.value) or s.value)
+    assert built == ["a", "b", "c", "b"]  # "b" was the least recently used when "c" came

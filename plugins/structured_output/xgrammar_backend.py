@@ -1,6 +1,6 @@
 """`xgrammar`: the default structured_output backend, through xgrammar's public API
-(`TokenizerInfo`, a thread-safe `GrammarCompiler` with its own cache,
-`GrammarMatcher`, and its CPU kernel for applying the bitmask)."""
+(`TokenizerInfo`, a thread-safe `GrammarCompiler`, `GrammarMatcher`, and its
+CPU kernel for applying the bitmask)."""
 
 from __future__ import annotations
 
@@ -20,7 +20,7 @@ from kvforge.core import (
 )
 from kvforge.core.structured_output import CHOICE, GRAMMAR, JSON, JSON_OBJECT, REGEX, STRUCTURAL_TAG
 
-from .tracked_grammar import TrackedGrammar, choice_regex, json_schema_text, library_availability
+from .tracked_grammar import SpecCache, TrackedGrammar, choice_regex, json_schema_text, library_availability
 
 KERNEL_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 # xgrammar writes the characters of a length-bounded JSON string as this class, which
@@ -78,17 +78,22 @@ class XgrammarBackend(StructuredOutputBackend):
         info = xgrammar.TokenizerInfo(list(vocabulary.token_bytes), xgrammar.VocabType.RAW,
                                       vocab_size=vocabulary.vocab_size,
                                       stop_token_ids=list(vocabulary.eos_token_ids) or None)
-        self.compiler = xgrammar.GrammarCompiler(info)
+        # one bounded cache by spec here, rather than xgrammar's own, which grows without limit
+        self.compiler = xgrammar.GrammarCompiler(info, cache_enabled=False)
+        self._compiled = SpecCache()
 
     def compile(self, spec: StructuredOutputSpec) -> Grammar:
         reasons = self.spec_unsupported_reasons(spec)
         if reasons:
             raise StructuredOutputError("; ".join(reasons))
+        compiled = self._compiled.get(spec, self._compile_checked)
+        return XgrammarGrammar(self.vocabulary, self._xgr.GrammarMatcher(compiled, terminate_without_stop_token=False))
+
+    def _compile_checked(self, spec: StructuredOutputSpec):
         try:
-            compiled = self._compile(spec)
+            return self._compile(spec)
         except (RuntimeError, ValueError, TypeError) as exc:  # xgrammar reports a bad spec as one of these
             raise StructuredOutputError(f"invalid {spec.describe()} spec for xgrammar: {library_message(exc)}") from exc
-        return XgrammarGrammar(self.vocabulary, self._xgr.GrammarMatcher(compiled, terminate_without_stop_token=False))
 
     def _compile(self, spec: StructuredOutputSpec):
         if spec.kind in (JSON, JSON_OBJECT):
