@@ -35,6 +35,7 @@ from .responses import SSE_DONE, TokenText, chat_logprobs, choice_index, complet
 from .router import Router
 from .served_model import ServedModel
 from .structured_protocol import INVALID_STRUCTURED_OUTPUT, STRUCTURED_OUTPUTS
+from .tool_calls import INVALID_TOOL_CHOICE, tool_calls_of
 
 
 @dataclass
@@ -130,10 +131,12 @@ class OpenAIServer:
             return Response(status_code=499)
         output = finals[prepared.requests[0][0]]
         _raise_if_failed(output)
-        choices = [{"index": c.index, "message": {"role": "assistant", "content": c.text},
-                    "logprobs": chat_logprobs(c, prepared.logprobs or 0, self.token_text, False),
-                    "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}
-                   for c in sorted(output.outputs, key=lambda c: c.index)]
+        choices = []
+        for c in sorted(output.outputs, key=lambda c: c.index):
+            message, finish_reason = _chat_message(c, body)
+            choices.append({"index": c.index, "message": message,
+                            "logprobs": chat_logprobs(c, prepared.logprobs or 0, self.token_text, False),
+                            "finish_reason": finish_reason, "stop_reason": c.stop_reason})
         return JSONResponse({"id": prepared.response_id, "object": "chat.completion", "created": prepared.created,
                              "model": self.settings.model_name, "choices": choices,
                              "usage": usage(prepared.num_prompt_tokens, sum(len(c.token_ids) for c in output.outputs))})
@@ -261,10 +264,17 @@ class OpenAIServer:
                 if c.index in done or not (c.new_text or c.new_token_ids or c.finished):
                     continue
                 tokens[c.index] = len(c.token_ids)
+                delta, finish_reason = {"content": c.new_text} if c.new_text or not c.finished else {}, c.finish_reason
+                if body.forces_tool_call:  # the calls go out whole once the output is complete
+                    if not c.finished:
+                        continue
+                    message, finish_reason = _chat_message(c, body)
+                    delta = {"tool_calls": [{"index": i, **call} for i, call in enumerate(message["tool_calls"])]} \
+                        if "tool_calls" in message else {"content": c.text}
                 chunk = {**head, "choices": [{
-                    "index": c.index, "delta": {"content": c.new_text} if c.new_text or not c.finished else {},
+                    "index": c.index, "delta": delta,
                     "logprobs": chat_logprobs(c, prepared.logprobs or 0, self.token_text, True),
-                    "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}]}
+                    "finish_reason": finish_reason, "stop_reason": c.stop_reason}]}
                 if body.continuous_usage:
                     chunk["usage"] = usage(prepared.num_prompt_tokens, sum(tokens.values()))
                 if c.finished:
@@ -274,8 +284,20 @@ class OpenAIServer:
             yield sse({**head, "choices": [], "usage": usage(prepared.num_prompt_tokens, sum(tokens.values()))})
 
 
+def _chat_message(completion, body: ChatCompletionRequest) -> tuple[dict, str | None]:
+    """The assistant message of a finished choice and its finish reason: tool calls
+    when `tool_choice` forced them and the output is complete, content otherwise."""
+    calls = tool_calls_of(completion.text, body.tool_choice) if completion.finish_reason == "stop" else None
+    if calls is None:
+        return {"role": "assistant", "content": completion.text}, completion.finish_reason
+    return {"role": "assistant", "content": None, "tool_calls": calls}, "tool_calls"
+
+
 def _request_error(exc: RequestError) -> APIError:
-    """A 400 for a refused request; one about its structured-outputs spec says so in its code."""
+    """A 400 for a refused request; one about its structured-outputs spec or its
+    tool_choice says so in its code."""
+    if str(exc).startswith("tool_choice"):
+        return bad_request(str(exc), param="tool_choice", code=INVALID_TOOL_CHOICE)
     if STRUCTURED_OUTPUTS in str(exc):
         return bad_request(str(exc), param=STRUCTURED_OUTPUTS, code=INVALID_STRUCTURED_OUTPUT)
     return bad_request(str(exc))

@@ -24,9 +24,11 @@ from .served_model import ServedModel
 # max_tokens do not fit the context, or min_tokens exceeds max_tokens: rules
 # between a prompt's tokenization and other fields that JSON Schema cannot state;
 # or when its structured-outputs spec is not one the server can follow (an invalid
-# schema, regex or grammar, more than one constraint, one the backend cannot compile).
+# schema, regex or grammar, more than one constraint, one the backend cannot compile),
+# or its tool_choice forces a call to a function tools lack.
 # No other schema-valid request is refused with 400.
-CODES_BEYOND_THE_SCHEMA = ("context_length_exceeded", "min_tokens_exceed_max_tokens", "invalid_structured_output")
+CODES_BEYOND_THE_SCHEMA = ("context_length_exceeded", "min_tokens_exceed_max_tokens", "invalid_structured_output",
+                           "invalid_tool_choice")
 
 ERROR_DESCRIPTIONS = {
     400: "Invalid request: the body is missing or not JSON, a field has the wrong type or is out of range, or a "
@@ -34,7 +36,8 @@ ERROR_DESCRIPTIONS = {
          "do not fit the model's context (`code: context_length_exceeded`), or min_tokens exceeds max_tokens "
          "(`code: min_tokens_exceed_max_tokens`), or the `response_format` / `structured_outputs` spec cannot be "
          "followed: an invalid JSON schema, regex or grammar, more than one constraint, or one the server's "
-         "backend cannot compile (`code: invalid_structured_output`).",
+         "backend cannot compile (`code: invalid_structured_output`), or tool_choice forces a call without tools "
+         "or to a function they lack (`code: invalid_tool_choice`).",
     401: "The server requires an API key (`--api-key`) and `Authorization: Bearer KEY` is missing or wrong "
          "(`code: invalid_api_key`).",
     404: "`model` is not the served model (`code: model_not_found`); GET /v1/models lists it.",

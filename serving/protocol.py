@@ -10,13 +10,17 @@ rules between fields are stated there too (`dependentSchemas`).
 
 from __future__ import annotations
 
+import dataclasses
+import json
 from typing import Annotated, Literal
 
 from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, WithJsonSchema, model_validator
 
+from kvforge.core import RequestError
 from kvforge.engine.sampling_params import SamplingParams
 
 from .structured_protocol import ResponseFormat, StructuredOutputsBody, structured_params
+from .tool_calls import ToolCall, ToolChoice, ToolDefinition, tool_constraint
 
 MAX_N = 128  # OpenAI's bound on samples per prompt
 MAX_LOGPROBS = 20  # vLLM's default max_logprobs
@@ -154,13 +158,21 @@ class ChatMessage(BaseModel):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
     name: str | None = None
+    tool_calls: list[ToolCall] | None = None  # an assistant's calls, sent back with the conversation
+    tool_call_id: str | None = None  # a tool message: the call it answers
 
     def text(self) -> str:
+        """The message as the prompt shows it (an assistant's tool calls as their JSON)."""
         if self.content is None:
-            return ""
-        if isinstance(self.content, str):
-            return self.content
-        return "".join(part.text for part in self.content)
+            text = ""
+        elif isinstance(self.content, str):
+            text = self.content
+        else:
+            text = "".join(part.text for part in self.content)
+        if self.tool_calls:
+            calls = [{"name": c.function.name, "parameters": c.function.arguments} for c in self.tool_calls]
+            text += json.dumps(calls)
+        return text
 
 
 class ChatCompletionRequest(SamplingFields):
@@ -176,6 +188,25 @@ class ChatCompletionRequest(SamplingFields):
     max_completion_tokens: integer(ge=1) | None = None
     logprobs: bool = False
     top_logprobs: integer(ge=0, le=MAX_LOGPROBS) | None = None
+    tools: list[ToolDefinition] | None = None
+    tool_choice: ToolChoice | None = None  # None: "auto" with tools, "none" without (OpenAI's defaults)
+    parallel_tool_calls: bool = True
+
+    def sampling_params(self, max_tokens: int, logprobs: int | None) -> SamplingParams:
+        """As for completions, with the output constrained to tool calls when
+        `tool_choice` is "required" or names a function (see `tool_calls`)."""
+        params = super().sampling_params(max_tokens, logprobs)
+        calls = tool_constraint(self.tools, self.tool_choice, self.parallel_tool_calls)
+        if calls is None:
+            return params
+        if params.structured_outputs is not None:
+            raise RequestError("tool_choice forces a tool call, which fixes the output's form; drop response_format "
+                               "or structured_outputs (not both)")
+        return dataclasses.replace(params, structured_outputs=calls)
+
+    @property
+    def forces_tool_call(self) -> bool:
+        return self.tool_choice not in (None, "none", "auto")
 
     @model_validator(mode="after")
     def _top_logprobs_need_logprobs(self):
