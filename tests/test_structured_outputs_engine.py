@@ -114,6 +114,7 @@ def test_a_spec_that_fails_to_compile_ends_only_its_request(llm):
 
 def test_a_compile_past_the_time_limit_ends_only_its_request():
     llm = structured_llm(structured_outputs={"backend": HangingChoiceBackend.name, "compile_timeout_s": 0.2})
+    HangingChoiceBackend.release.clear()
     try:
         outputs = llm.generate(PROMPTS[:2], [choice("hang", "x", temperature=0), choice(temperature=0, max_tokens=40)])
     finally:
