@@ -170,3 +170,19 @@ def test_a_temperature_too_small_for_float32_samples_greedily_inside_the_grammar
     tiny = llm.generate(PROMPTS, choice(temperature=1e-75, max_tokens=40))
     greedy = llm.generate(PROMPTS, choice(temperature=0, max_tokens=40))
     assert [o.outputs[0].text for o in tiny] == [o.outputs[0].text for o in greedy]
+
+
+def test_a_request_aborted_while_its_grammar_compiles_ends_at_once():
+    llm = structured_llm(structured_outputs={"backend": HangingChoiceBackend.name})
+    HangingChoiceBackend.release.clear()
+    engine = llm.engine
+    try:
+        engine.add_request("waits", "x", choice("hang", "x"))
+        engine.step()
+        assert engine.metrics()["structured_waiting_for_grammar"] == 1
+        output = engine.abort_request("waits")
+        assert output.finished and output.outputs[0].finish_reason == "abort"
+        assert not engine.has_unfinished_requests() and not engine.scheduler.has_unfinished()
+    finally:
+        HangingChoiceBackend.release.set()
+        engine.shutdown()
