@@ -18,7 +18,7 @@ from __future__ import annotations
 import concurrent.futures
 import os
 import time
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
@@ -52,8 +52,18 @@ class StructuredOutputStats:
     mask_seconds_sum: float = 0.0
     mask_steps: int = 0
     draft_tokens_cut: int = 0  # draft tokens dropped because the grammar rejects them (or one before them)
+    # each compile's seconds until a metrics reader takes them (`take_compile_seconds`); bounded
+    # so an engine nobody scrapes keeps only the latest
+    recent_compile_seconds: deque = field(default_factory=lambda: deque(maxlen=4096))
+
+    def take_compile_seconds(self) -> tuple[float, ...]:
+        """The compile times recorded since the last call (for a histogram)."""
+        taken = tuple(self.recent_compile_seconds)
+        self.recent_compile_seconds.clear()
+        return taken
 
     def record_compile(self, seconds: float) -> None:
+        self.recent_compile_seconds.append(seconds)
         self.compile_count += 1
         self.compile_seconds_sum += seconds
         for i, bound in enumerate(COMPILE_SECONDS_BUCKETS):

@@ -13,6 +13,8 @@ from dataclasses import dataclass
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
+from kvforge.engine.structured_outputs import COMPILE_SECONDS_BUCKETS
+
 # vLLM's buckets (vllm/v1/metrics/loggers.py), so histogram quantiles compare across servers.
 TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
                 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
@@ -51,9 +53,8 @@ class EngineSnapshot:
     drafts: int
     draft_tokens: int
     accepted_tokens: int
-    waiting_for_grammar: int = 0  # structured outputs: requests whose grammar compiles, and running totals
-    grammar_compiles: int = 0
-    grammar_compile_seconds: float = 0.0
+    waiting_for_grammar: int = 0  # structured outputs: requests whose grammar compiles, the compile
+    grammar_compile_seconds: tuple[float, ...] = ()  # times since the last snapshot, and a running total
     grammar_mask_seconds: float = 0.0
 
     @classmethod
@@ -63,8 +64,8 @@ class EngineSnapshot:
         return cls(len(engine.scheduler.running), len(engine.scheduler.waiting), usage.usage, usage.lookups,
                    usage.hits, engine.scheduler.num_preemptions, stats.num_prompt_tokens,
                    stats.num_generated_tokens, stats.num_verifications, stats.num_draft_tokens,
-                   stats.num_accepted_tokens, len(engine.scheduler.waiting_for_grammar), grammars.compile_count,
-                   grammars.compile_seconds_sum, grammars.mask_seconds_sum)
+                   stats.num_accepted_tokens, len(engine.scheduler.waiting_for_grammar),
+                   grammars.take_compile_seconds(), grammars.mask_seconds_sum)
 
 
 class ServerMetrics:
@@ -105,10 +106,9 @@ class ServerMetrics:
         self.spec_accepted_tokens = counter("vllm:spec_decode_num_accepted_tokens", "Number of accepted tokens.")
         self.waiting_for_grammar = gauge("kvforge:structured_output_requests_waiting_for_grammar",
                                          "Requests whose structured-output grammar is compiling.")
-        self.grammar_compiles = counter("kvforge:structured_output_grammar_compiles",
-                                        "Structured-output grammar compiles finished (one per request).")
-        self.grammar_compile_seconds = counter("kvforge:structured_output_compile_seconds",
-                                               "Seconds spent compiling structured-output grammars.")
+        self.grammar_compile_seconds = histogram("kvforge:structured_output_compile_seconds",
+                                                 "Seconds each structured-output compile took (one per request, "
+                                                 "all its samples).", COMPILE_SECONDS_BUCKETS)
         self.grammar_mask_seconds = counter("kvforge:structured_output_mask_seconds",
                                             "Seconds spent filling and applying grammar bitmasks.")
         success = Counter("vllm:request_success", "Count of successfully processed requests.",
@@ -161,14 +161,14 @@ class ServerMetrics:
                    (self.spec_drafts, "drafts", snapshot.drafts),
                    (self.spec_draft_tokens, "draft_tokens", snapshot.draft_tokens),
                    (self.spec_accepted_tokens, "accepted", snapshot.accepted_tokens),
-                   (self.grammar_compiles, "grammar_compiles", snapshot.grammar_compiles),
-                   (self.grammar_compile_seconds, "grammar_compile_seconds", snapshot.grammar_compile_seconds),
                    (self.grammar_mask_seconds, "grammar_mask_seconds", snapshot.grammar_mask_seconds)]
         for counter, key, total in advance:
             delta = total - self._totals.get((index, key), 0)
             if delta > 0:
                 counter[index].inc(delta)
             self._totals[(index, key)] = total
+        for seconds in snapshot.grammar_compile_seconds:
+            self.grammar_compile_seconds[index].observe(seconds)
         for output in outputs:
             self._observe(index, output, now)
 

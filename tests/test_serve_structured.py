@@ -101,6 +101,6 @@ def test_metrics_count_grammar_compiles_and_mask_time(client):
     text = client.get("/metrics").text
     figures = {line.split("{")[0]: float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
                if line.startswith("kvforge:structured_output")}
-    assert figures["kvforge:structured_output_grammar_compiles_total"] >= 1
+    assert figures["kvforge:structured_output_compile_seconds_count"] >= 1
     assert figures["kvforge:structured_output_mask_seconds_total"] > 0
     assert figures["kvforge:structured_output_requests_waiting_for_grammar"] == 0
