@@ -77,3 +77,14 @@ def test_a_schema_the_backend_cannot_compile_ends_only_its_request(llm):
     assert outputs[0].outputs[0].finish_reason == "error"
     assert "could not be compiled by 'xgrammar'" in outputs[0].error and "$defs" in outputs[0].error
     jsonschema.validate(json.loads(outputs[1].outputs[0].text), SCHEMA)
+
+
+@pytest.mark.parametrize("backend", ["xgrammar", "llguidance"])
+def test_llm_takes_the_backend_by_name(backend):
+    pytest.importorskip(backend)
+    llm = LLM("kvforge-tiny", structured_outputs={"backend": backend}, **COMMON)
+    assert llm.engine.config.structured_outputs.backend == backend
+    params = SamplingParams(temperature=0, max_tokens=20,
+                            structured_outputs=StructuredOutputsParams(choice=["up", "down"]))
+    assert llm.generate(PROMPTS[:1], params)[0].text in ("up", "down")
+    assert [b.name for b in llm.engine.structured_outputs.backends.values()] == [backend]
