@@ -11,8 +11,9 @@ and `kv_capable`, `KVCacheSpec.kv_scales`, `AttentionBackend.kv_scale_granularit
 `with_kv_scales`, `SelectionRequest.kv_scale_granularity`). Everything written for 1.1
 works unchanged: the new attributes have defaults that mean what 1.1 meant.
 1.3: the `structured_output` kind (`StructuredOutputBackend`, `Grammar`, `StructuredOutputSpec`,
-`Vocabulary`, `SelectionRequest.structured_output_spec`); additions defaulted so 1.2 plugins
-keep working."""
+`Vocabulary`, `SelectionRequest.structured_output_spec`) and `Implementation.prepare` (one-time
+set-up such as compiling kernels; under `auto` a failure moves on to the next implementation);
+additions defaulted so 1.2 plugins keep working."""
 
 ENTRY_POINT_GROUP = "kvforge.plugins"
 

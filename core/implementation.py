@@ -78,6 +78,14 @@ class Implementation(ABC):
         return Availability.yes()
 
     @classmethod
+    def prepare(cls) -> None:
+        """One-time set-up the host runs on the implementation it selected, before
+        instantiating it: compiling kernels, loading a library. May be slow; never
+        called just to list or explain. Raises a `KvforgeError` that says what failed;
+        under `auto` the host then takes the next usable implementation (and
+        `availability()` should say no from then on). Default: nothing to set up."""
+
+    @classmethod
     def unsupported_reasons(cls, request: SelectionRequest) -> list[str]:
         """Reasons this implementation cannot serve `request`; empty when it can."""
         return []

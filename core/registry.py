@@ -241,24 +241,40 @@ class Registry:
             judged.append(Candidate(registration, registration.availability(), reasons))
         return judged
 
-    def select(self, kind: str, name: str, request: SelectionRequest | None = None) -> Registration:
-        """Resolve `name` (or `auto`) for `request`; never a silent fallback."""
+    def select(self, kind: str, name: str, request: SelectionRequest | None = None, *,
+               prepare: bool = False) -> Registration:
+        """Resolve `name` (or `auto`) for `request`; never a silent fallback.
+
+        With `prepare`, the chosen implementation's `prepare()` runs before it is
+        returned: a named one's failure is raised; under `auto` it is logged as a
+        warning with its reason and the next usable implementation is tried."""
         request = request or SelectionRequest()
         if name != AUTO:
             registration = self.get(kind, name)
             candidate = next(c for c in self.candidates(kind, request) if c.registration is registration)
             if not candidate.usable:
                 raise SelectionError(f"{kind} {name!r} cannot serve this configuration: {candidate.why_not()}")
+            if prepare:
+                registration.cls.prepare()
             return registration
         candidates = self.candidates(kind, request)
-        chosen = next((c for c in candidates if c.usable), None)
-        if chosen is None:
-            details = "; ".join(f"{c.registration.name}: {c.why_not()}" for c in candidates) or "none registered"
-            raise SelectionError(f"no {kind} can serve this configuration ({details})")
-        skipped = ", ".join(f"{c.registration.name} ({c.why_not() or 'lower priority'})"
-                            for c in candidates if c is not chosen)
-        log.info("auto chose %s %r%s", kind, chosen.registration.name, f"; skipped {skipped}" if skipped else "")
-        return chosen.registration
+        failed: dict[str, str] = {}  # name -> why its prepare() failed
+        for chosen in (c for c in candidates if c.usable):
+            if prepare:
+                try:
+                    chosen.registration.cls.prepare()
+                except Exception as exc:  # a plugin's set-up must not take the host down under auto
+                    failed[chosen.registration.name] = f"prepare() failed: {type(exc).__name__}: {exc}"
+                    log.warning("auto skipped %s %r: %s; trying the next one", kind, chosen.registration.name,
+                                failed[chosen.registration.name])
+                    continue
+            skipped = ", ".join(f"{c.registration.name} ({failed.get(c.registration.name) or c.why_not() or 'lower priority'})"
+                                for c in candidates if c is not chosen)
+            log.info("auto chose %s %r%s", kind, chosen.registration.name, f"; skipped {skipped}" if skipped else "")
+            return chosen.registration
+        details = "; ".join(f"{c.registration.name}: {failed.get(c.registration.name) or c.why_not()}"
+                            for c in candidates) or "none registered"
+        raise SelectionError(f"no {kind} can serve this configuration ({details})")
 
 
 def describe_load_error(error: LoadError) -> str:

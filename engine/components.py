@@ -104,7 +104,9 @@ def select_backend(registry: Registry, config: EngineConfig, layers: list[Attent
     request = backend_request(layers, device.type, dtype, block_size=config.cache.block_size,
                               kv_quantizer=kv_quantizer)
     request = dataclasses.replace(request, kv_cache_dtype=config.cache.kv_cache_dtype)
-    return registry.select(ATTENTION_BACKEND, config.attention.backend, request).cls
+    # prepare=True: the C++ backend builds its kernels here, so a failed build under
+    # `auto` moves on to the next backend instead of failing the first layer.
+    return registry.select(ATTENTION_BACKEND, config.attention.backend, request, prepare=True).cls
 
 
 def build_allocator(registry: Registry, config: EngineConfig, num_blocks: int):

@@ -57,7 +57,8 @@ _failure: str | None = None  # why the build failed in this process
 
 
 # What runs without the library: said once in every build failure, where the reader needs it.
-WITHOUT_LIBRARY = ("Without these kernels the 'cpp' attention backend cannot run (choose another, e.g. --set "
+WITHOUT_LIBRARY = ("Without these kernels the 'cpp' attention backend cannot run (attention.backend = auto moves "
+                   "on to the next backend, e.g. sdpa; a config naming cpp must choose another, e.g. --set "
                    "attention.backend=sdpa), and linear layers, RMSNorm, rotary and W8A8 run as torch ops")
 
 

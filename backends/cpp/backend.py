@@ -90,6 +90,10 @@ class CppAttentionBackend(AttentionBackend):
         self.quantized_views = QuantizedViews(cache) if cache.quantized else None
 
     @classmethod
+    def prepare(cls) -> None:
+        build.load()  # raises CppBuildError naming the compiler, the command and what runs without it
+
+    @classmethod
     def availability(cls) -> Availability:
         # Never builds just to answer: a missing toolchain is found by looking on PATH.
         if build.is_loaded() or build.cached_library() is not None:
