@@ -118,7 +118,8 @@ class OpenAIServer:
     async def chat(self, request: Request, body: ChatCompletionRequest) -> Response:
         self._check_model(body.model)
         messages = [{"role": m.role, "content": m.text()} for m in body.messages]
-        prompt = chat_prompt_token_ids(self.model.tokenizer, messages)
+        tools = [tool.model_dump(exclude_none=True) for tool in body.tools or []]
+        prompt = chat_prompt_token_ids(self.model.tokenizer, messages, tools)
         prepared = self._prepare("chatcmpl", body, [prompt], body.requested_max_tokens, body.num_logprobs, "messages",
                                  max_tokens_param="max_completion_tokens" if body.max_completion_tokens is not None
                                  else "max_tokens")

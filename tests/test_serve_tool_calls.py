@@ -111,3 +111,21 @@ def test_a_conversation_with_a_call_and_its_result_is_accepted(client):
                 {"role": "tool", "tool_call_id": "call_1", "content": "12:00"}]
     response = client.post("/v1/chat/completions", json={**BODY, "messages": messages, "max_tokens": 4})
     assert response.status_code == 200, response.text
+
+
+def test_a_chat_template_that_takes_tools_is_given_them():
+    transformers = pytest.importorskip("transformers")
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    from kvforge.serving.chat_template import chat_prompt_token_ids
+
+    backend = Tokenizer(models.WordLevel({"<unk>": 0}, unk_token="<unk>"))
+    backend.pre_tokenizer = pre_tokenizers.Whitespace()
+    tokenizer = transformers.PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="<unk>")
+    tokenizer.chat_template = ("{% for t in tools or [] %}[{{ t.function.name }}]{% endfor %}"
+                               "{% for m in messages %}<{{ m.role }}>{{ m.content }}{% endfor %}<assistant>")
+    seen = []
+    tokenizer.encode = lambda text, add_special_tokens=True: seen.append(text) or [0]
+    chat_prompt_token_ids(tokenizer, [{"role": "user", "content": "hi"}], TOOLS)
+    chat_prompt_token_ids(tokenizer, [{"role": "user", "content": "hi"}])
+    assert seen == ["[get_weather][get_time]<user>hi<assistant>", "<user>hi<assistant>"]
