@@ -1,7 +1,8 @@
 """`StructuredOutputs`: the engine's one owner of grammar backends, compilation
 and masks.
 
-Compilation runs on a thread pool, never on the step loop: a request waits
+Compilation runs on a pool of daemon threads, never on the step loop (and a
+compile that never returns cannot keep the process from exiting): a request waits
 (outside the scheduler's waiting queue) until its grammars are ready, while
 others run. One job compiles the grammars of all `n` samples of a request.
 Outcomes are remembered per spec (LRU): a spec that failed or timed out ends
@@ -17,6 +18,8 @@ from __future__ import annotations
 
 import concurrent.futures
 import os
+import queue
+import threading
 import time
 from collections import OrderedDict, deque
 from collections.abc import Callable, Mapping, Sequence
@@ -31,6 +34,7 @@ SPEC_ERROR = "structured_outputs ({spec}) "
 """How every error of a request's spec (refused, failed or too slow to compile) begins."""
 
 COMPILE_SECONDS_BUCKETS = (0.001, 0.005, 0.01, 0.05, 0.1, 0.5, 1.0, 5.0, 10.0, 30.0)
+"""Buckets of the compile-time histogram `kvforge serve` exports."""
 
 
 @dataclass
@@ -47,7 +51,6 @@ class CompileJob:
 class StructuredOutputStats:
     compile_count: int = 0
     compile_seconds_sum: float = 0.0
-    compile_buckets: list[int] = field(default_factory=lambda: [0] * len(COMPILE_SECONDS_BUCKETS))
     compile_failures: int = 0
     mask_seconds_sum: float = 0.0
     mask_steps: int = 0
@@ -66,9 +69,6 @@ class StructuredOutputStats:
         self.recent_compile_seconds.append(seconds)
         self.compile_count += 1
         self.compile_seconds_sum += seconds
-        for i, bound in enumerate(COMPILE_SECONDS_BUCKETS):
-            if seconds <= bound:
-                self.compile_buckets[i] += 1
 
 
 class StructuredOutputs:
@@ -90,7 +90,7 @@ class StructuredOutputs:
         self.backends: dict[type, StructuredOutputBackend] = {}
         self.outcomes: OrderedDict[StructuredOutputSpec, str | None] = OrderedDict()  # spec -> error, None: compiled
         self.stats = StructuredOutputStats()
-        self._pool: concurrent.futures.ThreadPoolExecutor | None = None
+        self._pool: DaemonPool | None = None
 
     @property
     def vocabulary(self) -> Vocabulary:
@@ -128,9 +128,9 @@ class StructuredOutputs:
             future = self._executor().submit(self._compile, backend, spec, num_grammars)
         return CompileJob(spec, backend, future, deadline)
 
-    def _executor(self) -> concurrent.futures.ThreadPoolExecutor:
+    def _executor(self) -> "DaemonPool":
         if self._pool is None:
-            self._pool = concurrent.futures.ThreadPoolExecutor(self.max_workers, thread_name_prefix="kvforge-grammar")
+            self._pool = DaemonPool(self.max_workers)
         return self._pool
 
     @staticmethod
@@ -196,7 +196,7 @@ class StructuredOutputs:
 
     def shutdown(self) -> None:
         if self._pool is not None:
-            self._pool.shutdown(wait=False, cancel_futures=True)
+            self._pool.shutdown()
             self._pool = None
 
     # Speculation
@@ -272,6 +272,43 @@ def is_spec_error(error: str | None) -> bool:
     """Whether a failed request's error is about its structured-output spec (the
     client's to fix, a 400 when served) rather than the engine's."""
     return error is not None and error.startswith(SPEC_ERROR.partition("{")[0])
+
+
+class DaemonPool:
+    """`max_workers` daemon threads running submitted calls in order. Unlike
+    `ThreadPoolExecutor`, whose threads the interpreter joins at exit, a call
+    that never returns (a grammar library stuck on a schema) leaves the process
+    free to exit; it only keeps its thread."""
+
+    def __init__(self, max_workers: int):
+        self._jobs: queue.SimpleQueue = queue.SimpleQueue()
+        self._threads = [threading.Thread(target=self._work, name=f"kvforge-grammar-{i}", daemon=True)
+                         for i in range(max_workers)]
+        for thread in self._threads:
+            thread.start()
+
+    def submit(self, fn, *args) -> concurrent.futures.Future:
+        future: concurrent.futures.Future = concurrent.futures.Future()
+        self._jobs.put((future, fn, args))
+        return future
+
+    def _work(self) -> None:
+        while True:
+            job = self._jobs.get()
+            if job is None:
+                return
+            future, fn, args = job
+            if not future.set_running_or_notify_cancel():
+                continue  # cancelled while queued
+            try:
+                future.set_result(fn(*args))
+            except BaseException as exc:  # noqa: BLE001 - handed to whoever polls the future
+                future.set_exception(exc)
+
+    def shutdown(self) -> None:
+        """Stop each idle thread after the calls queued before; a busy one stops when its call returns."""
+        for _ in self._threads:
+            self._jobs.put(None)
 
 
 class _KnownFailure(Exception):

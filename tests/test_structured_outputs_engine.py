@@ -186,3 +186,36 @@ def test_a_request_aborted_while_its_grammar_compiles_ends_at_once():
     finally:
         HangingChoiceBackend.release.set()
         engine.shutdown()
+
+
+NEVER_RETURNS = """
+import sys, threading
+sys.path.insert(0, {tests!r})
+import structured_backends
+from kvforge import LLM, SamplingParams
+from kvforge.core import build_registry, load_config
+from kvforge.engine.llm_engine import LLMEngine
+
+class Stuck(structured_backends.ChoiceTrieBackend):
+    name = "test-stuck"
+    def compile(self, spec):
+        threading.Event().wait()  # never returns, as a grammar library stuck on a schema
+
+registry = build_registry()
+registry.register_plugin(structured_backends.plugin(Stuck), "test-stuck")
+config = load_config(None, model="kvforge-tiny", device="cpu", dtype="float32",
+                     structured_outputs={{"backend": "test-stuck", "compile_timeout_s": 0.1}}).config
+llm = LLM.from_engine(LLMEngine(config, registry=registry))
+params = SamplingParams(structured_outputs={{"choice": ["a"]}})
+print(llm.generate(["x"], params)[0].outputs[0].finish_reason)
+"""
+
+
+def test_a_compile_that_never_returns_ends_its_request_and_the_process_still_exits():
+    import subprocess
+
+    script = NEVER_RETURNS.format(tests=str(Path(__file__).parent))
+    # (a pool whose threads the interpreter joins at exit would hang here until the timeout)
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.strip().splitlines()[-1] == "error"
