@@ -25,6 +25,7 @@ import torch
 from .api import STRUCTURED_OUTPUT
 from .errors import StructuredOutputError  # noqa: F401  (raised by implementations; documented here)
 from .implementation import Implementation
+from .kv_cache import cdiv
 
 JSON = "json"
 JSON_OBJECT = "json_object"
@@ -75,7 +76,7 @@ class Vocabulary:
 
     @property
     def bitmask_words(self) -> int:
-        return -(-self.vocab_size // 32)
+        return cdiv(self.vocab_size, 32)
 
 
 class Grammar(ABC):

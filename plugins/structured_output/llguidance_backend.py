@@ -15,6 +15,7 @@ from kvforge.core import (
     StructuredOutputError,
     StructuredOutputSpec,
     Vocabulary,
+    cdiv,
     hookimpl,
 )
 from kvforge.core.structured_output import CHOICE, GRAMMAR, JSON, JSON_OBJECT, REGEX
@@ -88,7 +89,7 @@ class LlguidanceBackend(StructuredOutputBackend):
 
         self._llg = llguidance
         self.tokenizer = llguidance.LLTokenizer(llguidance.TokenizerWrapper(_RawTokens(vocabulary)))
-        self._words = -(-len(vocabulary.token_bytes) // 32)
+        self._words = cdiv(len(vocabulary.token_bytes), 32)
         self._templates = SpecCache()
 
     def compile(self, spec: StructuredOutputSpec) -> Grammar:
