@@ -12,6 +12,7 @@ Rust's regexes, so the judge and a library could disagree on what it allows.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import json
 import re
@@ -63,6 +64,12 @@ class Case:
         if self.spec.kind in (REGEX, GRAMMAR):
             return re.fullmatch(self.judge or self.spec.value, text) is not None
         return text in self.spec.value
+
+
+def with_any_whitespace(case: Case) -> Case:
+    """The same JSON case with whitespace allowed between JSON tokens (the corpus's are compact)."""
+    return dataclasses.replace(case, name=f"{case.name} (any whitespace)",
+                               spec=dataclasses.replace(case.spec, any_whitespace=True))
 
 
 def _json(name: str, schema: dict, basic: bool = False) -> Case:

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from kvforge.core import Grammar, StructuredOutputBackend, Vocabulary
+from kvforge.core.structured_output import JSON, JSON_OBJECT
 
 from .structured_corpus import Case
 
@@ -45,6 +46,20 @@ def finisher_ranks(vocabulary: Vocabulary) -> list[tuple[int, int]]:
             rank = 4
         ranks.append((rank, i))
     return ranks
+
+
+def whitespace_outside_strings(text: str) -> int | None:
+    """The index of the first JSON whitespace character outside a string of `text`
+    (a JSON document or a prefix of one), or None."""
+    in_string = escaped = False
+    for i, char in enumerate(text):
+        if in_string:
+            escaped, in_string = (False, True) if escaped else (char == "\\", char != '"')
+        elif char == '"':
+            in_string = True
+        elif char in " \t\n\r":
+            return i
+    return None
 
 
 @dataclass
@@ -108,11 +123,23 @@ class Walker:
                 break
             assert not grammar.is_terminated(), f"is_terminated() is True without an EOS at {self.where(tokens)}"
         walk = Walk(tokens, grammar.is_terminated(), self.text([t for t in tokens if t not in self.eos]))
+        self.check_compact(walk)
         if walk.terminated:
             self.check_terminated(grammar, tokens)
         self.check_rollback(grammar, masks, tokens, walk.terminated)
         self.check_validate(grammar, masks, tokens)
         return walk
+
+    def check_compact(self, walk: Walk) -> None:
+        """A JSON spec without `any_whitespace` allows no whitespace outside strings
+        (guarantee 2 of the backend), in a finished document or a prefix of one."""
+        spec = self.case.spec
+        if spec.kind not in (JSON, JSON_OBJECT) or spec.any_whitespace or walk.text is None:
+            return
+        at = whitespace_outside_strings(walk.text)
+        assert at is None, (
+            f"{self.case.name!r} is compact (any_whitespace=False) but the walk wrote whitespace outside a string "
+            f"at character {at} of {walk.text[max(0, at - 40):at + 1]!r} (guarantee 2 of the backend)")
 
     def check_layout(self, allowed: list[int], tokens: list[int]) -> None:
         assert allowed, f"the mask is empty before termination at {self.where(tokens)} (guarantee 1)"

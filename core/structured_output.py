@@ -46,11 +46,17 @@ class StructuredOutputSpec:
     object), `regex` the pattern, `choice` a tuple of the allowed strings,
     `grammar` the grammar text in `grammar_syntax` (e.g. "ebnf", "lark"),
     `structural_tag` the backend's own structural-tag JSON text.
+
+    `any_whitespace` (read by `json` and `json_object` specs only): False, the
+    default, allows no whitespace outside strings (separators "," and ":"), so a
+    small model cannot loop on spaces between tokens until `max_tokens`; True
+    allows the whitespace the backend's library allows (pretty-printed JSON).
     """
 
     kind: str
     value: str | tuple[str, ...] | None = None
     grammar_syntax: str | None = None
+    any_whitespace: bool = False
 
     def describe(self) -> str:
         """A short label for messages and metrics (never the whole schema)."""
@@ -134,7 +140,8 @@ class StructuredOutputBackend(Implementation):
       2. Every complete output of a compiled grammar (tokens up to an accepted
          EOS) decodes to text the spec allows: for `json`, a document the schema
          validates (the `jsonschema` package judges); for `choice`, one of the
-         choices; for `regex`, a full match.
+         choices; for `regex`, a full match. A `json` or `json_object` spec with
+         `any_whitespace` False allows no whitespace outside JSON strings.
       3. `compile` is safe to call from several threads at once (the host compiles
          off its step loop); grammars are used from one thread at a time.
 

@@ -10,9 +10,18 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvforge.core import RequestError
-from kvforge.core.structured_output import CHOICE, GRAMMAR, JSON, JSON_OBJECT, REGEX, StructuredOutputSpec
+from kvforge.core.structured_output import (
+    CHOICE,
+    GRAMMAR,
+    JSON,
+    JSON_OBJECT,
+    REGEX,
+    STRUCTURAL_TAG,
+    StructuredOutputSpec,
+)
 
-FIELDS = ("json", "regex", "choice", "grammar", "json_object")
+FIELDS = ("json", "regex", "choice", "grammar", "json_object", "structural_tag")
+OPTIONS = ("grammar_syntax", "any_whitespace")
 
 
 @dataclass(frozen=True)
@@ -27,6 +36,13 @@ class StructuredOutputsParams:
       `grammar_syntax` (default "ebnf", xgrammar's and vLLM's GBNF dialect;
       "lark" for llguidance).
     * `json_object=True`: the output is any JSON object.
+    * `structural_tag`: xgrammar's structural tag (JSON text), e.g. free text
+      in which tagged tool calls follow their arguments' schemas.
+
+    `any_whitespace` (JSON only): False, the default, makes compact JSON with no
+    whitespace outside strings; True allows whitespace between JSON tokens, as
+    the backend's library does (vLLM's default; its `disable_any_whitespace`
+    inverted, since a small model given free whitespace may write nothing else).
     """
 
     json: dict | str | None = None
@@ -35,6 +51,8 @@ class StructuredOutputsParams:
     grammar: str | None = None
     json_object: bool = False
     grammar_syntax: str = "ebnf"
+    any_whitespace: bool = False
+    structural_tag: str | None = None
 
     def __post_init__(self) -> None:
         given = [name for name in FIELDS if getattr(self, name) not in (None, False)]
@@ -46,12 +64,16 @@ class StructuredOutputsParams:
                 raise RequestError(
                     f"structured_outputs.choice must be a non-empty list of strings, got {self.choice!r}")
             object.__setattr__(self, "choice", tuple(self.choice))
-        for name in ("regex", "grammar"):
+        for name in ("regex", "grammar", "structural_tag"):
             value = getattr(self, name)
             if value is not None and (not isinstance(value, str) or not value):
                 raise RequestError(f"structured_outputs.{name} must be a non-empty string, got {value!r}")
-        if self.json_object is not True and self.json_object is not False:
-            raise RequestError(f"structured_outputs.json_object must be True or False, got {self.json_object!r}")
+        for name in ("json_object", "any_whitespace"):
+            if getattr(self, name) is not True and getattr(self, name) is not False:
+                raise RequestError(f"structured_outputs.{name} must be True or False, got {getattr(self, name)!r}")
+        if self.any_whitespace and self.json is None and not self.json_object:
+            raise RequestError("structured_outputs.any_whitespace applies to json and json_object only; "
+                               "remove it or give a json schema")
         if self.json is not None:
             object.__setattr__(self, "json", schema_text(self.json))
         if self.regex is not None:
@@ -61,23 +83,25 @@ class StructuredOutputsParams:
     def from_dict(cls, values: dict[str, Any]) -> "StructuredOutputsParams":
         """From the request body's `structured_outputs` object (vLLM's field names);
         unknown keys are refused with the valid ones."""
-        unknown = sorted(set(values) - set(FIELDS) - {"grammar_syntax"})
+        unknown = sorted(set(values) - set(FIELDS) - set(OPTIONS))
         if unknown:
             raise RequestError(f"structured_outputs has unknown fields {unknown}; valid: "
-                               f"{', '.join(FIELDS)}, grammar_syntax")
+                               f"{', '.join(FIELDS + OPTIONS)}")
         return cls(**values)
 
     def spec(self) -> StructuredOutputSpec:
         """Core's hashable spec: equal params give equal specs, so they share a compiled grammar."""
         if self.json is not None:
-            return StructuredOutputSpec(JSON, self.json)
+            return StructuredOutputSpec(JSON, self.json, any_whitespace=self.any_whitespace)
         if self.regex is not None:
             return StructuredOutputSpec(REGEX, self.regex)
         if self.choice is not None:
             return StructuredOutputSpec(CHOICE, tuple(self.choice))
         if self.grammar is not None:
             return StructuredOutputSpec(GRAMMAR, self.grammar, self.grammar_syntax)
-        return StructuredOutputSpec(JSON_OBJECT)
+        if self.structural_tag is not None:
+            return StructuredOutputSpec(STRUCTURAL_TAG, self.structural_tag)
+        return StructuredOutputSpec(JSON_OBJECT, any_whitespace=self.any_whitespace)
 
 
 def schema_text(schema: dict | str) -> str:

@@ -63,6 +63,7 @@ class StructuredOutputsBody(BaseModel):
     grammar: str | None = None
     json_object: bool | None = None
     grammar_syntax: Literal["ebnf", "lark"] | None = None
+    any_whitespace: bool | None = None
 
 
 def structured_params(response_format: ResponseFormat | None,

@@ -122,3 +122,17 @@ def test_the_spec_cache_drops_the_least_recently_used_spec():
     for spec in [specs[0], specs[1], specs[0], specs[2], specs[0], specs[1]]:
         cache.get(spec, lambda s: built.append(s.value) or s.value)
     assert built == ["a", "b", "c", "b"]  # "b" was the least recently used when "c" came
+
+
+@pytest.mark.parametrize("cls", BACKENDS, ids=lambda cls: cls.name)
+def test_json_allows_whitespace_between_tokens_only_when_asked(cls):
+    """Compact by default, so a small model cannot spend its tokens on spaces; `any_whitespace` lets them in."""
+    if not cls.availability().ok:
+        pytest.skip(cls.availability().reason)
+    schema = json.dumps({"type": "object", "properties": {"a": {"type": "array", "items": {"type": "integer"}}},
+                         "required": ["a"]})
+    backend = cls(TINY)
+    for any_whitespace in (False, True):
+        grammar = backend.compile(StructuredOutputSpec("json", schema, any_whitespace=any_whitespace))
+        assert grammar.accept_tokens(list(b'{"a":[1,'))
+        assert (ord(" ") in allowed(grammar, TINY)) == any_whitespace

@@ -15,12 +15,13 @@ from tests.planted.structured_outputs import (
     EosNeverAllowed,
     EosOneTokenEarly,
     IgnoresAdditionalPropertiesFalse,
+    IgnoresCompactWhitespace,
     MaskOffByOneBit,
     RollbackForgetsOneToken,
 )
 
 BROKEN = [MaskOffByOneBit, EosOneTokenEarly, RollbackForgetsOneToken, EosNeverAllowed,
-          IgnoresAdditionalPropertiesFalse]
+          IgnoresAdditionalPropertiesFalse, IgnoresCompactWhitespace]
 
 
 class _Plugin:
@@ -66,6 +67,12 @@ def test_ignoring_additional_properties_false_is_caught_by_the_judge(registry):
     with pytest.raises(AssertionError, match="not a complete document"):
         check.test_every_walk_through_the_corpus_keeps_the_guarantees(
             registration(registry, IgnoresAdditionalPropertiesFalse), "kvforge-tiny")
+
+
+def test_whitespace_in_a_compact_json_spec_is_caught_by_the_walks(registry):
+    with pytest.raises(AssertionError, match="is compact .* but the walk wrote whitespace outside a string"):
+        check.test_every_walk_through_the_corpus_keeps_the_guarantees(
+            registration(registry, IgnoresCompactWhitespace), "kvforge-tiny")
 
 
 def test_a_grammar_that_never_ends_is_caught_even_where_its_mask_never_empties(registry, monkeypatch):

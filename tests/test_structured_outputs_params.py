@@ -53,3 +53,15 @@ def test_sampling_params_take_it_as_an_object_or_a_dict_and_refuse_what_fights_t
         SamplingParams(min_tokens=2, structured_outputs={"regex": "a+"})
     with pytest.raises(RequestError, match="structured_outputs must be"):
         SamplingParams(structured_outputs="a+")
+
+
+def test_json_is_compact_unless_any_whitespace_is_asked_for():
+    schema = {"type": "object"}
+    assert StructuredOutputsParams(json=schema).spec().any_whitespace is False
+    flexible = StructuredOutputsParams.from_dict({"json": schema, "any_whitespace": True}).spec()
+    assert flexible.any_whitespace is True and flexible != StructuredOutputsParams(json=schema).spec()
+    assert StructuredOutputsParams(json_object=True, any_whitespace=True).spec().any_whitespace is True
+    with pytest.raises(RequestError, match="any_whitespace applies to json and json_object only"):
+        StructuredOutputsParams(regex="a+", any_whitespace=True)
+    with pytest.raises(RequestError, match="any_whitespace must be True or False, got 'yes'"):
+        StructuredOutputsParams(json=schema, any_whitespace="yes")

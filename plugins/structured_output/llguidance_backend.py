@@ -20,7 +20,7 @@ from kvforge.core import (
 )
 from kvforge.core.structured_output import CHOICE, GRAMMAR, JSON, JSON_OBJECT, REGEX
 
-from .tracked_grammar import SpecCache, TrackedGrammar, json_schema_text, library_availability
+from .tracked_grammar import COMPACT_SEPARATORS, SpecCache, TrackedGrammar, json_schema_text, library_availability
 
 
 class _RawTokens:
@@ -103,7 +103,10 @@ class LlguidanceBackend(StructuredOutputBackend):
         matcher_cls = self._llg.LLMatcher
         try:
             if spec.kind in (JSON, JSON_OBJECT):
-                grammar = matcher_cls.grammar_from_json_schema(json_schema_text(spec))
+                layout = None if spec.any_whitespace else {
+                    "whitespace_flexible": False, "item_separator": COMPACT_SEPARATORS[0],
+                    "key_separator": COMPACT_SEPARATORS[1]}
+                grammar = matcher_cls.grammar_from_json_schema(json_schema_text(spec), overrides=layout)
             elif spec.kind == REGEX:
                 grammar = matcher_cls.grammar_from_regex(spec.value)
             elif spec.kind == CHOICE:

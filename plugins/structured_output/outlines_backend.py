@@ -130,7 +130,9 @@ class OutlinesBackend(StructuredOutputBackend):
     def _index(self, spec: StructuredOutputSpec):
         try:
             if spec.kind == JSON:
-                regex = self._oc.json_schema.build_regex_from_schema(json_schema_text(spec))
+                # outlines-core's own pattern when whitespace is allowed: at most one space
+                whitespace = None if spec.any_whitespace else ""
+                regex = self._oc.json_schema.build_regex_from_schema(json_schema_text(spec), whitespace)
             else:
                 regex = spec.value if spec.kind == REGEX else choice_regex(spec.value)
             return self._oc.Index(regex, self.library_vocabulary)

@@ -27,6 +27,8 @@ INSTALL_HINT = "pip install 'kvforge[structured]'"
 CACHED_SPECS = 64
 """Compiled forms each backend keeps by spec (the host caches whole grammars on top)."""
 _REGEX_META = set("\\.+*?()|[]{}^$")
+COMPACT_SEPARATORS = (",", ":")
+"""Item and key separators of compact JSON (a spec with `any_whitespace` False)."""
 
 
 def library_availability(module: str) -> Availability:

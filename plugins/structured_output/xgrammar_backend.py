@@ -20,7 +20,14 @@ from kvforge.core import (
 )
 from kvforge.core.structured_output import CHOICE, GRAMMAR, JSON, JSON_OBJECT, REGEX, STRUCTURAL_TAG
 
-from .tracked_grammar import SpecCache, TrackedGrammar, choice_regex, json_schema_text, library_availability
+from .tracked_grammar import (
+    COMPACT_SEPARATORS,
+    SpecCache,
+    TrackedGrammar,
+    choice_regex,
+    json_schema_text,
+    library_availability,
+)
 
 KERNEL_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 # xgrammar writes the characters of a length-bounded JSON string as this class, which
@@ -97,7 +104,8 @@ class XgrammarBackend(StructuredOutputBackend):
 
     def _compile(self, spec: StructuredOutputSpec):
         if spec.kind in (JSON, JSON_OBJECT):
-            grammar = str(self._xgr.Grammar.from_json_schema(json_schema_text(spec)))
+            layout = {} if spec.any_whitespace else {"any_whitespace": False, "separators": COMPACT_SEPARATORS}
+            grammar = str(self._xgr.Grammar.from_json_schema(json_schema_text(spec), **layout))
             return self.compiler.compile_grammar(grammar.replace(_LOOSE_STRING_CHAR, _JSON_STRING_CHAR))
         if spec.kind == REGEX:
             return self.compiler.compile_regex(spec.value)

@@ -4,10 +4,11 @@ its docstring."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 from kvforge.core import Grammar, StructuredOutputBackend
-from kvforge.core.structured_output import CHOICE, JSON
+from kvforge.core.structured_output import CHOICE, JSON, JSON_OBJECT
 from kvforge.plugins.structured_output.xgrammar_backend import XgrammarBackend
 
 
@@ -151,8 +152,22 @@ class IgnoresAdditionalPropertiesFalse(XgrammarBackend):
     def _compile(self, spec):
         if spec.kind != JSON:
             return super()._compile(spec)
-        return self.compiler.compile_json_schema(json.dumps(_open(json.loads(spec.value))), strict_mode=False)
+        return self.compiler.compile_json_schema(json.dumps(_open(json.loads(spec.value))), strict_mode=False,
+                                                 any_whitespace=spec.any_whitespace,
+                                                 separators=None if spec.any_whitespace else (",", ":"))
+
+
+class IgnoresCompactWhitespace(XgrammarBackend):
+    """xgrammar compiling every JSON spec as if `any_whitespace` were True: compact
+    specs let whitespace in between JSON tokens."""
+
+    name = "ignores-compact-whitespace"
+
+    def _compile(self, spec):
+        if spec.kind in (JSON, JSON_OBJECT):
+            spec = dataclasses.replace(spec, any_whitespace=True)
+        return super()._compile(spec)
 
 
 PLANTED = [MaskOffByOneBit, EosOneTokenEarly, RollbackForgetsOneToken, EosNeverAllowed,
-           IgnoresAdditionalPropertiesFalse]
+           IgnoresAdditionalPropertiesFalse, IgnoresCompactWhitespace]
