@@ -86,6 +86,10 @@ def scenario_section(summary: dict, peak_gflops: float | None = None) -> list[st
         from .prefill_attention import markdown as prefill_markdown
 
         lines += prefill_markdown(summary["prefill_attention"])
+    if summary.get("structured"):
+        from .structured import markdown as structured_markdown
+
+        lines += structured_markdown(summary["structured"])
     return lines
 
 

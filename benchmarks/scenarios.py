@@ -12,12 +12,13 @@ from __future__ import annotations
 
 import json
 import random
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from kvforge.core import QUANTIZER, SPECULATIVE_PROPOSER
 
-NAMES = ("mixed", "prefix", "speculative", "priority", "kv-quant", "long-prompt")
+NAMES = ("mixed", "prefix", "speculative", "priority", "kv-quant", "long-prompt", "structured")
 
 
 @dataclass
@@ -53,6 +54,8 @@ class Scenario:
     model: str | None = None
     note: str | None = None  # said under the scenario's heading in the report
     prefill_figures: bool = False  # the report adds the prefill attention kernel's GFLOP/s on its shapes
+    # after its runs: (summary, the scenario's output folder, its model directory) -> entries added to the summary
+    figures: Callable[[dict, Path, Path], dict] | None = None
 
     def longest(self) -> int:
         """Positions the longest request needs: its prompt and every generated token."""
@@ -183,6 +186,10 @@ def build(name: str, vocab: int, quick: bool, seed: int = 0) -> Scenario:
         return kv_quant(vocab, quick, seed)
     if name == "long-prompt":
         return long_prompt(vocab, quick, seed)
+    if name == "structured":
+        from .structured import scenario
+
+        return scenario(vocab, quick, seed)
     from kvforge.core import ConfigError
 
     raise ConfigError(f"unknown scenario {name!r}; choose from: {', '.join(NAMES)}")

@@ -103,6 +103,9 @@ def bench(scenario_names: list[str], *, quick: bool, out: Path, peers: dict[str,
                                        repeats=repeats, log=log)
         if scenario_path != path:
             summary["model_dir"] = str(scenario_path)
+        if scenario.figures and summary.get("status") == "ok":
+            log(f"[{name}] the scenario's own figures ...")
+            summary.update(scenario.figures(summary, out / name, scenario_path))
         if scenario.prefill_figures and machine_model and summary.get("status") == "ok":
             log(f"[{name}] prefill attention kernel GFLOP/s ...")
             summary["prefill_attention"] = prefill_figures(scenario, scenario_path, dtype, threads)

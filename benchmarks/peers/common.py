@@ -6,7 +6,9 @@ other Python environments (a vLLM venv) where kvforge is not installed.
 The result JSON: `label`, `peer`, `elapsed_s` (first request added to last one
 finished, load and warm-up excluded), `peak_kv_bytes` (None where the engine
 does not expose it), `info`, and per request `id`, `cls`, `output_tokens`,
-`ttft_s` (added to first token), `latency_s` (added to last token).
+`ttft_s` (added to first token), `latency_s` (added to last token), and for a
+request that carries a `json_schema` (the structured scenario) its `token_ids`,
+so the bench can check the output against the schema.
 """
 
 from __future__ import annotations
@@ -45,6 +47,7 @@ class Progress:
         self.added: dict[str, float] = {}
         self.first: dict[str, float] = {}
         self.done: dict[str, tuple[float, int]] = {}
+        self.token_ids: dict[str, list[int]] = {}
 
     def add(self, request_id: str) -> None:
         self.added[request_id] = now()
@@ -58,9 +61,16 @@ class Progress:
                 self.first[out.request_id] = t
             if out.finished:
                 self.done[out.request_id] = (t, n)
+                self.token_ids[out.request_id] = list(out.outputs[0].token_ids)
 
     def records(self, requests: list[dict]) -> list[dict]:
-        return [record(r, self.added[r["id"]], self.first.get(r["id"]), *self.done[r["id"]]) for r in requests]
+        records = []
+        for r in requests:
+            one = record(r, self.added[r["id"]], self.first.get(r["id"]), *self.done[r["id"]])
+            if r.get("json_schema") is not None:
+                one["token_ids"] = self.token_ids[r["id"]]
+            records.append(one)
+        return records
 
 
 def write(out: str, config: dict, peer: str, elapsed: float, requests: list[dict], peak_kv_bytes=None,

@@ -1,6 +1,8 @@
 """kvforge's reference engine on a workload: requests are added at their
 `arrival_step`, the engine is stepped until all finish. Options are engine
-config sections (`{"cache": {...}, "scheduler": {...}}`)."""
+config sections (`{"cache": {...}, "scheduler": {...}}`); with a
+`structured_outputs` section, a request that carries a `json_schema` is
+constrained to it (and ends when its document does, EOS not ignored)."""
 
 from __future__ import annotations
 
@@ -34,9 +36,19 @@ def engine_for(workload: dict, options: dict):
     return LLMEngine(config)
 
 
-def run(engine, requests: list[dict]) -> tuple[float, list[dict], int]:
+def sampling_params(request: dict, structured: bool):
+    """Greedy, `max_tokens` exactly (EOS ignored), or constrained to the request's schema."""
+    from kvforge import SamplingParams, StructuredOutputsParams
+
+    # token ids only, no text: like the vLLM peer (detokenize=False)
+    if structured and request.get("json_schema") is not None:
+        return SamplingParams(max_tokens=request["max_tokens"], temperature=0.0, detokenize=False,
+                              structured_outputs=StructuredOutputsParams(json=request["json_schema"]))
+    return SamplingParams(max_tokens=request["max_tokens"], temperature=0.0, ignore_eos=True, detokenize=False)
+
+
+def run(engine, requests: list[dict], structured: bool = False) -> tuple[float, list[dict], int]:
     """Step the engine over `requests`; (elapsed, per-request records, peak blocks in use)."""
-    from kvforge import SamplingParams
 
     pending = sorted(requests, key=lambda r: r["arrival_step"])
     progress = common.Progress()
@@ -45,9 +57,8 @@ def run(engine, requests: list[dict]) -> tuple[float, list[dict], int]:
     while pending or engine.has_unfinished_requests():
         while pending and pending[0]["arrival_step"] <= step:
             r = pending.pop(0)
-            # token ids only, no text: like the vLLM peer (detokenize=False)
-            params = SamplingParams(max_tokens=r["max_tokens"], temperature=0.0, ignore_eos=True, detokenize=False)
-            engine.add_request(r["id"], prompt_token_ids=r["prompt_token_ids"], params=params, priority=r["priority"])
+            engine.add_request(r["id"], prompt_token_ids=r["prompt_token_ids"], params=sampling_params(r, structured),
+                               priority=r["priority"])
             progress.add(r["id"])
         progress.observe(engine.step())
         peak = max(peak, engine.kv.usage().in_use)
@@ -57,10 +68,12 @@ def run(engine, requests: list[dict]) -> tuple[float, list[dict], int]:
 
 def main() -> None:
     workload, config, out = common.parse()
-    engine = engine_for(workload, config.get("options", {}))
-    run(engine, common.warmup_requests(workload))
+    options = config.get("options", {})
+    structured = "structured_outputs" in options
+    engine = engine_for(workload, options)
+    run(engine, common.warmup_requests(workload), structured)
     cpu = time.process_time()
-    elapsed, records, peak = run(engine, workload["requests"])
+    elapsed, records, peak = run(engine, workload["requests"], structured)
     cpu = time.process_time() - cpu  # this process's CPU time: on a crowded machine, steadier than elapsed
     spec = engine.model.kv_cache_spec(engine.kv.block_size)
     info = {"num_blocks": engine.num_blocks, "block_size": engine.kv.block_size,
