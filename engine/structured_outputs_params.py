@@ -105,8 +105,10 @@ class StructuredOutputsParams:
 
 
 def schema_text(schema: dict | str) -> str:
-    """A JSON schema as canonical text (sorted keys), so the same schema written two
-    ways shares one cache entry; text that is not JSON is refused with the parser's reason."""
+    """A JSON schema as compact text, so a schema given as a dict or as text shares one
+    cache entry; text that is not JSON is refused with the parser's reason. Keys keep
+    their order: the backends write an object's properties in the order `properties`
+    lists them."""
     if isinstance(schema, str):
         try:
             schema = json_module.loads(schema)
@@ -115,7 +117,7 @@ def schema_text(schema: dict | str) -> str:
     if not isinstance(schema, (dict, bool)):
         raise RequestError(f"structured_outputs.json must be a JSON schema (an object), got {type(schema).__name__}")
     check_schema(schema)
-    return json_module.dumps(schema, sort_keys=True, separators=(",", ":"))
+    return json_module.dumps(schema, separators=(",", ":"))
 
 
 def check_schema(schema: dict | bool) -> None:

@@ -19,9 +19,16 @@ def test_each_field_becomes_its_spec_kind():
 
 def test_a_schema_as_a_dict_or_as_text_gives_one_spec():
     schema = {"type": "object", "properties": {"a": {"type": "integer"}}}
-    text = '{"properties": {"a": {"type": "integer"}}, "type": "object"}'
+    text = '{"type": "object",\n "properties": {"a": {"type": "integer"}}}'
     assert StructuredOutputsParams(json=schema).spec() == StructuredOutputsParams(json=text).spec()
     assert hash(StructuredOutputsParams(json=schema).spec()) == hash(StructuredOutputsParams(json=text).spec())
+
+
+def test_a_schema_keeps_the_order_of_its_properties():
+    """The backends write properties in the order the schema lists them: sorting the keys would reorder the output."""
+    schema = {"type": "object", "properties": {"name": {"type": "string"}, "age": {"type": "integer"}}}
+    text = StructuredOutputsParams(json=schema).spec().value
+    assert text.index('"name"') < text.index('"age"')
 
 
 @pytest.mark.parametrize("fields, named", [
