@@ -10,6 +10,8 @@ full), so a bad request never disturbs the others.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
+import logging
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable
@@ -35,7 +37,11 @@ from .responses import SSE_DONE, TokenText, chat_logprobs, choice_index, complet
 from .router import Router
 from .served_model import ServedModel
 from .structured_protocol import INVALID_STRUCTURED_OUTPUT, STRUCTURED_OUTPUTS
-from .tool_calls import INVALID_TOOL_CHOICE, tool_calls_of
+from .tool_call_format import ToolCallReader
+from .tool_call_stream import ToolCallDeltas
+from .tool_calls import INVALID_TOOL_CHOICE, chat_message
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -123,10 +129,11 @@ class OpenAIServer:
         prepared = self._prepare("chatcmpl", body, [prompt], body.requested_max_tokens, body.num_logprobs, "messages",
                                  max_tokens_param="max_completion_tokens" if body.max_completion_tokens is not None
                                  else "max_tokens")
-        queue = await self._submit(prepared, body)
+        prepared, queue = await self._submit_chat(prepared, body)
+        reader = body.tool_call_reader(constrained=prepared.requests[0][2].structured_outputs is not None)
         outputs = self.loop.outputs(queue, [prepared.requests[0][0]])
         if body.stream:
-            return _event_stream(self._chat_events(prepared, body, outputs), self._aborter(prepared))
+            return _event_stream(self._chat_events(prepared, body, reader, outputs), self._aborter(prepared))
         finals = await _until_disconnected(request, _finals(outputs))
         if finals is None:
             return Response(status_code=499)
@@ -134,7 +141,7 @@ class OpenAIServer:
         _raise_if_failed(output)
         choices = []
         for c in sorted(output.outputs, key=lambda c: c.index):
-            message, finish_reason = _chat_message(c, body)
+            message, finish_reason = _chat_message(c, reader)
             choices.append({"index": c.index, "message": message,
                             "logprobs": chat_logprobs(c, prepared.logprobs or 0, self.token_text, False),
                             "finish_reason": finish_reason, "stop_reason": c.stop_reason})
@@ -189,6 +196,23 @@ class OpenAIServer:
                 raise _request_error(exc) from None
             requests.append((f"{response_id}-{i}", token_ids, params))
         return _Prepared(response_id, int(time.time()), requests, body.n, logprobs)
+
+    async def _submit_chat(self, prepared: _Prepared, body: ChatCompletionRequest) -> tuple[_Prepared, asyncio.Queue]:
+        """Submit; a request whose only constraint is tool_choice "auto"'s, refused
+        because no structured-outputs backend here compiles it, goes on
+        unconstrained: its calls are still read from the output."""
+        try:
+            return prepared, await self._submit(prepared, body)
+        except APIError as exc:
+            auto_constrained = body.tools and not body.forces_tool_call and body.response_format is None \
+                and body.structured_outputs is None and prepared.requests[0][2].structured_outputs is not None
+            if exc.code != INVALID_STRUCTURED_OUTPUT or not auto_constrained:
+                raise
+            log.warning("tool_choice auto goes unconstrained (calls are only parsed): %s", exc.message)
+            free = [(rid, ids, dataclasses.replace(params, structured_outputs=None))
+                    for rid, ids, params in prepared.requests]
+            prepared = dataclasses.replace(prepared, requests=free)
+            return prepared, await self._submit(prepared, body)
 
     async def _submit(self, prepared: _Prepared, body: SamplingFields) -> asyncio.Queue:
         limit = self.settings.max_waiting_requests
@@ -250,12 +274,13 @@ class OpenAIServer:
         if body.include_usage:
             yield sse({**head, "choices": [], "usage": usage(prepared.num_prompt_tokens, sum(tokens.values()))})
 
-    async def _chat_events(self, prepared: _Prepared, body: ChatCompletionRequest,
+    async def _chat_events(self, prepared: _Prepared, body: ChatCompletionRequest, reader: ToolCallReader | None,
                            outputs: AsyncIterator[RequestOutput]) -> AsyncIterator[str]:
         head = {"id": prepared.response_id, "object": "chat.completion.chunk", "created": prepared.created,
                 "model": self.settings.model_name}
         tokens: dict[int, int] = {}
         done: set[int] = set()
+        calls = {index: ToolCallDeltas(reader) for index in range(prepared.n)} if reader is not None else {}
         for index in range(prepared.n):  # OpenAI opens each choice with the role
             yield sse({**head, "choices": [{"index": index, "delta": {"role": "assistant", "content": ""},
                                             "logprobs": None, "finish_reason": None}]})
@@ -266,12 +291,12 @@ class OpenAIServer:
                     continue
                 tokens[c.index] = len(c.token_ids)
                 delta, finish_reason = {"content": c.new_text} if c.new_text or not c.finished else {}, c.finish_reason
-                if body.forces_tool_call:  # the calls go out whole once the output is complete
-                    if not c.finished:
+                if c.index in calls:  # content and calls as far as the text so far tells them apart
+                    delta = calls[c.index].delta(c.text, c.finished) or {}
+                    if not (delta or c.finished or c.new_token_ids and prepared.logprobs is not None):
                         continue
-                    message, finish_reason = _chat_message(c, body)
-                    delta = {"tool_calls": [{"index": i, **call} for i, call in enumerate(message["tool_calls"])]} \
-                        if "tool_calls" in message else {"content": c.text}
+                    if c.finished and calls[c.index].num_calls and c.finish_reason == "stop":
+                        finish_reason = "tool_calls"
                 chunk = {**head, "choices": [{
                     "index": c.index, "delta": delta,
                     "logprobs": chat_logprobs(c, prepared.logprobs or 0, self.token_text, True),
@@ -285,13 +310,15 @@ class OpenAIServer:
             yield sse({**head, "choices": [], "usage": usage(prepared.num_prompt_tokens, sum(tokens.values()))})
 
 
-def _chat_message(completion, body: ChatCompletionRequest) -> tuple[dict, str | None]:
-    """The assistant message of a finished choice and its finish reason: tool calls
-    when `tool_choice` forced them and the output is complete, content otherwise."""
-    calls = tool_calls_of(completion.text, body.tool_choice) if completion.finish_reason == "stop" else None
-    if calls is None:
+def _chat_message(completion, reader: ToolCallReader | None) -> tuple[dict, str | None]:
+    """The assistant message of a finished choice and its finish reason: its content
+    and the tool calls `reader` finds (finish reason "tool_calls" when there are
+    calls and the output ended on its own)."""
+    if reader is None:
         return {"role": "assistant", "content": completion.text}, completion.finish_reason
-    return {"role": "assistant", "content": None, "tool_calls": calls}, "tool_calls"
+    message = chat_message(reader.scan(completion.text, final=True))
+    finished_calling = "tool_calls" in message and completion.finish_reason == "stop"
+    return message, "tool_calls" if finished_calling else completion.finish_reason
 
 
 def _request_error(exc: RequestError) -> APIError:

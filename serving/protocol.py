@@ -11,7 +11,6 @@ rules between fields are stated there too (`dependentSchemas`).
 from __future__ import annotations
 
 import dataclasses
-import json
 from typing import Annotated, Literal
 
 from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, WithJsonSchema, model_validator
@@ -20,7 +19,8 @@ from kvforge.core import RequestError
 from kvforge.engine.sampling_params import SamplingParams
 
 from .structured_protocol import ResponseFormat, StructuredOutputsBody, structured_params
-from .tool_calls import ToolCall, ToolChoice, ToolDefinition, tool_constraint
+from .tool_call_format import ToolCallReader, hermes_call_text
+from .tool_calls import ToolCall, ToolChoice, ToolDefinition, tool_call_reader, tool_constraint
 
 MAX_N = 128  # OpenAI's bound on samples per prompt
 MAX_LOGPROBS = 20  # vLLM's default max_logprobs
@@ -162,17 +162,14 @@ class ChatMessage(BaseModel):
     tool_call_id: str | None = None  # a tool message: the call it answers
 
     def text(self) -> str:
-        """The message as the prompt shows it (an assistant's tool calls as their JSON)."""
+        """The message as the prompt shows it (an assistant's tool calls as `<tool_call>` blocks)."""
         if self.content is None:
             text = ""
         elif isinstance(self.content, str):
             text = self.content
         else:
             text = "".join(part.text for part in self.content)
-        if self.tool_calls:
-            calls = [{"name": c.function.name, "parameters": c.function.arguments} for c in self.tool_calls]
-            text += json.dumps(calls)
-        return text
+        return text + "".join(hermes_call_text(c.function.name, c.function.arguments) for c in self.tool_calls or [])
 
 
 class ChatCompletionRequest(SamplingFields):
@@ -194,12 +191,16 @@ class ChatCompletionRequest(SamplingFields):
 
     def sampling_params(self, max_tokens: int, logprobs: int | None) -> SamplingParams:
         """As for completions, with the output constrained to tool calls when
-        `tool_choice` is "required" or names a function (see `tool_calls`)."""
+        `tool_choice` is "required" or names a function, and to free text or
+        well-formed calls under "auto" unless response_format or
+        structured_outputs constrains it already (see `tool_calls`)."""
         params = super().sampling_params(max_tokens, logprobs)
         calls = tool_constraint(self.tools, self.tool_choice, self.parallel_tool_calls)
         if calls is None:
             return params
         if params.structured_outputs is not None:
+            if not self.forces_tool_call:
+                return params  # the caller's constraint; calls in its output are still read
             raise RequestError("tool_choice forces a tool call, which fixes the output's form; drop response_format "
                                "or structured_outputs (not both)")
         return dataclasses.replace(params, structured_outputs=calls)
@@ -207,6 +208,11 @@ class ChatCompletionRequest(SamplingFields):
     @property
     def forces_tool_call(self) -> bool:
         return self.tool_choice not in (None, "none", "auto")
+
+    def tool_call_reader(self, constrained: bool) -> ToolCallReader | None:
+        """How this request's output carries calls; `constrained`: whether the tool
+        constraint was applied to it."""
+        return tool_call_reader(self.tools, self.tool_choice, self.parallel_tool_calls, constrained)
 
     @model_validator(mode="after")
     def _top_logprobs_need_logprobs(self):

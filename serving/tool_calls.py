@@ -5,9 +5,11 @@ with JSON-schema `parameters`), `tool_choice` and `parallel_tool_calls`.
 arguments (a JSON document its `parameters` validate); `"required"` constrains
 it to a JSON array of calls `[{"name": ..., "parameters": {...}}]` (one call
 unless `parallel_tool_calls`), each call's parameters validated by its own
-function's schema, as vLLM does; the answer carries `tool_calls` (finish reason
-"tool_calls"). `"auto"` and `"none"` leave the output free and answer it as
-content: kvforge's models have no tool-call format of their own to parse."""
+function's schema, as vLLM does. `"auto"` (the default with tools) allows free
+text or Hermes-style `<tool_call>` blocks (see `tool_call_format`) whose
+arguments validate: xgrammar's structural tag, triggered by `<tool_call>`.
+`"none"` leaves the output free and answers it as content. The answer carries
+`tool_calls` (finish reason "tool_calls") when the output holds calls."""
 
 from __future__ import annotations
 
@@ -18,7 +20,19 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from kvforge.core import RequestError
-from kvforge.engine.structured_outputs_params import StructuredOutputsParams
+from kvforge.engine.structured_outputs_params import StructuredOutputsParams, check_schema
+
+from .tool_call_format import (
+    AUTO,
+    HERMES_CALL_HEAD,
+    HERMES_CALL_TAIL,
+    NAMED,
+    REQUIRED,
+    TOOL_CALL_END,
+    TOOL_CALL_START,
+    Scan,
+    ToolCallReader,
+)
 
 _CONFIG = ConfigDict(extra="forbid", strict=True)
 INVALID_TOOL_CHOICE = "invalid_tool_choice"  # the 400's code when tool_choice and tools disagree
@@ -80,11 +94,13 @@ class ToolCall(BaseModel):
 def tool_constraint(tools: list[ToolDefinition] | None, tool_choice, parallel: bool) -> StructuredOutputsParams | None:
     """The output constraint `tool_choice` asks for; `RequestError` (code `invalid_tool_choice`)
     when it names a function `tools` lacks, or forces a call without tools."""
-    if tool_choice is None or tool_choice in ("none", "auto"):
+    if tool_choice == "none" or (tool_choice in (None, "auto") and not tools):
         return None
     functions = {tool.function.name: tool.function for tool in tools or []}
     if not functions:
         raise RequestError(f"tool_choice {_describe(tool_choice)} needs tools; give tools or drop tool_choice")
+    if tool_choice in (None, "auto"):
+        return StructuredOutputsParams(structural_tag=json.dumps(auto_calls_tag(list(functions.values()), parallel)))
     if isinstance(tool_choice, NamedToolChoice):
         name = tool_choice.function.name
         if name not in functions:
@@ -92,6 +108,46 @@ def tool_constraint(tools: list[ToolDefinition] | None, tool_choice, parallel: b
                                f"({', '.join(functions)}); name one of them")
         return StructuredOutputsParams(json=functions[name].schema)
     return StructuredOutputsParams(json=calls_schema(list(functions.values()), parallel))
+
+
+def auto_calls_tag(functions: list[FunctionDefinition], parallel: bool) -> dict[str, Any]:
+    """xgrammar's structural tag for "auto": any text; from each `<tool_call>` on, a
+    whole Hermes-style call to one of `functions` with arguments its schema validates
+    (after the first call only the end of the output, unless `parallel`)."""
+    for function in functions:
+        try:
+            check_schema(function.schema)
+        except RequestError as exc:
+            raise RequestError(f"tools: function {function.name!r} has parameters that are not a valid JSON "
+                               f"schema ({exc}); fix its parameters") from None
+    tags = [{"type": "tag", "begin": f"{TOOL_CALL_START}\n{HERMES_CALL_HEAD.format(name=json.dumps(f.name))}",
+             "content": {"type": "json_schema", "json_schema": f.schema},
+             "end": f"{HERMES_CALL_TAIL}\n{TOOL_CALL_END}"} for f in functions]
+    return {"type": "structural_tag", "format": {"type": "triggered_tags", "triggers": [TOOL_CALL_START],
+                                                 "tags": tags, "at_least_one": False,
+                                                 "stop_after_first": not parallel}}
+
+
+def tool_call_reader(tools: list[ToolDefinition] | None, tool_choice, parallel: bool,
+                     constrained: bool) -> ToolCallReader | None:
+    """How the output carries calls under `tool_choice`; None when it carries none."""
+    if tool_choice == "none" or not tools:
+        return None
+    names = frozenset(tool.function.name for tool in tools)
+    max_calls = None if parallel else 1
+    if isinstance(tool_choice, NamedToolChoice):
+        return ToolCallReader(NAMED, frozenset({tool_choice.function.name}), 1, constrained)
+    return ToolCallReader(REQUIRED if tool_choice == "required" else AUTO, names, max_calls, constrained)
+
+
+def chat_message(scan: Scan) -> dict:
+    """The assistant message of a complete output's scan (content None when blank)."""
+    content = scan.content if scan.content.strip() or not scan.calls else None
+    if not scan.calls:
+        return {"role": "assistant", "content": content}
+    return {"role": "assistant", "content": content,
+            "tool_calls": [{"id": call_id(), "type": "function",
+                            "function": {"name": c.name, "arguments": c.arguments}} for c in scan.calls]}
 
 
 def calls_schema(functions: list[FunctionDefinition], parallel: bool) -> dict[str, Any]:
@@ -104,25 +160,8 @@ def calls_schema(functions: list[FunctionDefinition], parallel: bool) -> dict[st
     return schema
 
 
-def tool_calls_of(text: str, tool_choice) -> list[dict] | None:
-    """The OpenAI `tool_calls` of a complete output under a forced `tool_choice`;
-    None when it is content (free output, or one cut short before it parsed)."""
-    if tool_choice is None or tool_choice in ("none", "auto"):
-        return None
-    if isinstance(tool_choice, NamedToolChoice):
-        return [_call(tool_choice.function.name, text)]
-    try:
-        calls = json.loads(text)
-    except ValueError:
-        return None
-    if not isinstance(calls, list) or not all(isinstance(c, dict) and "name" in c for c in calls):
-        return None
-    return [_call(c["name"], json.dumps(c.get("parameters", {}))) for c in calls]
-
-
-def _call(name: str, arguments: str) -> dict:
-    return {"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
-            "function": {"name": name, "arguments": arguments}}
+def call_id() -> str:
+    return f"call_{uuid.uuid4().hex[:24]}"
 
 
 def _describe(tool_choice) -> str:

@@ -1,8 +1,9 @@
-"""Tool calling on chat completions, in process (kvforge-tiny, the built-in JSON
-backend): a named function or "required" constrains the output to calls whose
-arguments validate against the function's parameters, answered as OpenAI's
-`tool_calls` (streamed too); "auto" and "none" answer content; a tool_choice that
-disagrees with tools is a 400 naming it."""
+"""Tool calling on chat completions, in process (kvforge-tiny, xgrammar): a named
+function or "required" constrains the output to calls whose arguments validate
+against the function's parameters, answered as OpenAI's `tool_calls` and streamed
+as argument fragments; "auto" allows free text or `<tool_call>` blocks whose
+arguments validate, and reads the calls out of the text; "none" answers content;
+a tool_choice that disagrees with tools is a 400 naming it."""
 
 from __future__ import annotations
 
@@ -76,21 +77,113 @@ def test_parallel_tool_calls_lift_the_one_call_bound():
         jsonschema.validate([{"name": "f", "parameters": {"zone": "PST"}}], many)
 
 
-def test_streamed_tool_calls_arrive_as_a_tool_calls_delta(client):
-    body = {**BODY, "tool_choice": {"type": "function", "function": {"name": "get_time"}}, "stream": True}
-    with client.stream("POST", "/v1/chat/completions", json=body) as response:
+def streamed_choice(client, body) -> tuple[dict, list[dict]]:
+    """The stream's deltas added up into a message (and the tool-call deltas as sent)."""
+    with client.stream("POST", "/v1/chat/completions", json={**body, "stream": True}) as response:
         events = [json.loads(line[6:]) for line in response.iter_lines() if line.startswith("data: {")]
     deltas = [e["choices"][0] for e in events if e["choices"]]
-    calls = [d["delta"]["tool_calls"] for d in deltas if "tool_calls" in d["delta"]]
-    assert len(calls) == 1 and calls[0][0]["index"] == 0 and deltas[-1]["finish_reason"] == "tool_calls"
-    check_calls(calls[0], {"get_time"})
+    content, calls, sent = "", [], []
+    for delta in deltas:
+        content += delta["delta"].get("content") or ""
+        for call in delta["delta"].get("tool_calls", []):
+            sent.append(call)
+            if "id" in call:
+                assert call["index"] == len(calls)
+                calls.append({"id": call["id"], "type": call["type"], "function": dict(call["function"])})
+            else:
+                assert set(call) == {"index", "function"} and set(call["function"]) == {"arguments"}
+                calls[call["index"]]["function"]["arguments"] += call["function"]["arguments"]
+    message = {"role": "assistant", "content": content or None, **({"tool_calls": calls} if calls else {})}
+    return {"message": message, "finish_reason": deltas[-1]["finish_reason"]}, sent
+
+
+def without_ids(message: dict) -> dict:
+    return {**message, "tool_calls": [{**c, "id": None} for c in message.get("tool_calls", [])]}
+
+
+@pytest.mark.parametrize("tool_choice", [{"type": "function", "function": {"name": "get_time"}}, "required"])
+def test_streamed_calls_arrive_as_argument_fragments_that_add_up_to_the_answer(client, tool_choice):
+    body = {**BODY, "tool_choice": tool_choice}
+    whole = client.post("/v1/chat/completions", json=body).json()["choices"][0]
+    streamed, sent = streamed_choice(client, body)
+    assert without_ids(streamed["message"]) == without_ids(whole["message"])
+    assert streamed["finish_reason"] == whole["finish_reason"] == "tool_calls"
+    assert set(sent[0]) == {"index", "id", "type", "function"} and len(sent) > 2  # opened, then fragments
+    check_calls(streamed["message"]["tool_calls"], set(SCHEMAS))
+
+
+def test_auto_constrains_the_output_to_text_or_calls_and_none_does_not():
+    from kvforge.core.structured_output import STRUCTURAL_TAG
+    from kvforge.serving.protocol import ChatCompletionRequest
+
+    def spec(**extra):
+        params = ChatCompletionRequest.model_validate({**BODY, **extra}).sampling_params(8, None)
+        return params.structured_outputs and params.structured_outputs.spec()
+
+    assert spec().kind == spec(tool_choice="auto").kind == STRUCTURAL_TAG
+    assert spec(tool_choice="none") is None and spec(tools=None) is None
+    assert spec(response_format={"type": "json_object"}).kind == "json_object"  # the caller's constraint wins
+
+
+def walk(tag: dict, text: str) -> bool:
+    """Whether xgrammar, given the auto constraint, lets kvforge-tiny write `text` and end."""
+    from kvforge.conformance.structured_corpus import TINY
+    from kvforge.core import StructuredOutputSpec
+    from kvforge.plugins.structured_output.xgrammar_backend import XgrammarBackend
+
+    grammar = XgrammarBackend(TINY).compile(StructuredOutputSpec("structural_tag", json.dumps(tag)))
+    tokens = [*text.encode(), *TINY.eos_token_ids]
+    return grammar.validate_tokens(tokens) == len(tokens)
+
+
+def test_the_auto_constraint_allows_text_and_valid_calls_only():
+    from kvforge.serving.tool_call_format import hermes_call_text
+    from kvforge.serving.tool_calls import FunctionDefinition, auto_calls_tag
+
+    functions = [FunctionDefinition(name=t["function"]["name"], parameters=t["function"]["parameters"])
+                 for t in TOOLS]
+    parallel, single = auto_calls_tag(functions, parallel=True), auto_calls_tag(functions, parallel=False)
+    time = hermes_call_text("get_time", '{"zone": "UTC"}')
+    weather = hermes_call_text("get_weather", '{"city": "Oslo", "days": 2}')
+    assert walk(parallel, "Just text, a < b.") and walk(parallel, f"Let me look. {time}")
+    assert walk(parallel, f"{weather}\n{time} done") and not walk(single, f"{weather}\n{time}")
+    for bad in (hermes_call_text("get_time", '{"zone": "PST"}'), hermes_call_text("get_mood", "{}"),
+                hermes_call_text("get_weather", '{"city": "Oslo"}'), time[:-1]):
+        assert not walk(parallel, f"x {bad}"), bad
+
+
+# The tiny model writes no `<tool_call>` of its own accord; a regex makes it write one, as a tool-calling model would.
+CALL_REGEX = (r'Sure\. <tool_call>\n\{"name": "get_time", "arguments": \{"zone": "(UTC|CET)"\}\}\n</tool_call>'
+              r'( <tool_call>\n\{"name": "get_weather", "arguments": \{"city": "[a-z]{1,8}", "days": [1-7]\}\}'
+              r'\n</tool_call>)?')
+
+
+def test_auto_reads_calls_out_of_the_text_and_streams_them_alike(client):
+    body = {**BODY, "tool_choice": "auto", "structured_outputs": {"regex": CALL_REGEX}}
+    whole = client.post("/v1/chat/completions", json=body).json()["choices"][0]
+    assert whole["finish_reason"] == "tool_calls" and whole["message"]["content"].startswith("Sure. ")
+    assert "<tool_call>" not in whole["message"]["content"]
+    check_calls(whole["message"]["tool_calls"], set(SCHEMAS))
+    streamed, _ = streamed_choice(client, body)
+    assert without_ids(streamed["message"]) == without_ids(whole["message"])
 
 
 @pytest.mark.parametrize("tool_choice", ["auto", "none"])
-def test_auto_and_none_answer_content(client, tool_choice):
+def test_auto_and_none_answer_content_when_no_call_is_written(client, tool_choice):
     reply = client.post("/v1/chat/completions", json={**BODY, "max_tokens": 8, "tool_choice": tool_choice}).json()
     message = reply["choices"][0]["message"]
     assert isinstance(message["content"], str) and "tool_calls" not in message
+
+
+def test_auto_goes_unconstrained_where_no_backend_compiles_its_constraint(caplog):
+    pytest.importorskip("llguidance")  # a backend without structural tags
+    config = load_config(None, model=MODEL, device="cpu", dtype="float32", cache={"block_size": 8, "num_blocks": 128},
+                         structured_outputs={"backend": "llguidance"}).config
+    with TestClient(build_app(LLMEngine(config), ServeSettings(model_name=MODEL))) as client:
+        response = client.post("/v1/chat/completions", json={**BODY, "max_tokens": 8})
+    assert response.status_code == 200, response.text
+    assert "tool_choice auto goes unconstrained" in caplog.text and "llguidance" in caplog.text
+    assert isinstance(response.json()["choices"][0]["message"]["content"], str)
 
 
 @pytest.mark.parametrize("extra, named", [
