@@ -7,8 +7,8 @@ The model runs over every JSON schema of the corpus the backend compiles (under
 * Every output that ends on EOS ("stop") parses and validates (the `jsonschema`
   package judges); every output `max_tokens` cut ("length") is a prefix a fresh
   grammar of the spec accepts; no output has whitespace outside a JSON string;
-  most end on EOS (kvforge-tiny can write digits of an unbounded number until
-  `max_tokens`, so not all of them).
+  most end on EOS (not all: kvforge-tiny can write the digits of an unbounded
+  number, or the keys of an open object, until `max_tokens`).
 * Greedy: with ngram and draft_model speculation, and with preemption forced by a
   small KV cache, every output is token-for-token the plain greedy one.
 * Sampled (a seed per request): the same properties, plain, with draft_model
@@ -43,7 +43,8 @@ KIND = STRUCTURED_OUTPUT
 GROUP = "engine"
 HEAVY = True  # runs after the grammar walks: a broken backend fails those in seconds
 MAX_TOKENS = 256
-"""Enough for every corpus document kvforge-tiny finishes; what it does not finish is a number it never ends."""
+"""Room enough that the outputs it cuts are ones kvforge-tiny keeps extending
+(a number's digits, an open object's keys)."""
 PREEMPTING_BLOCKS = 64
 """A KV cache of 64 blocks of 8 tokens: the whole batch does not fit, so running requests are preempted."""
 DRAFT_MODEL = {"proposer": "draft_model", "num_tokens": 4,

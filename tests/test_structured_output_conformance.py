@@ -7,8 +7,11 @@ from __future__ import annotations
 import pytest
 
 from kvforge.conformance import check_structured_output as check
+from kvforge.conformance import check_structured_output_engine as engine_check
+from kvforge.conformance.selection import QUICK_ENV
 from kvforge.conformance.structured_corpus import TINY
-from kvforge.core import STRUCTURED_OUTPUT, Registry, hookimpl
+from kvforge.core import STRUCTURED_OUTPUT, Registry, build_registry, hookimpl
+from kvforge.plugins.structured_output.xgrammar_backend import XgrammarBackend
 from kvforge.models import load_tokenizer
 from tests.planted.structured_outputs import (
     ChoiceTrie,
@@ -97,3 +100,28 @@ def test_the_tiny_vocabulary_is_kvforge_tiny_s_tokenizer():
     assert len(TINY.token_bytes) == TINY.vocab_size == tokenizer.vocab_size
     assert TINY.special_token_ids == {tokenizer.bos_token_id, tokenizer.eos_token_id, tokenizer.pad_token_id}
     assert all(TINY.token_bytes[i] == bytes([i]) == tokenizer.decode([i]).encode() for i in range(128))
+
+
+class MasksNothing(XgrammarBackend):
+    """xgrammar whose `apply_bitmask` leaves the logits as they are: the engine samples unconstrained."""
+
+    name = "masks-nothing"
+
+    def apply_bitmask(self, logits, bitmask, rows=None):
+        pass
+
+
+@pytest.mark.parametrize("cls, caught", [(XgrammarBackend, False), (MasksNothing, True)],
+                         ids=["xgrammar", "masks-nothing"])
+def test_the_engine_group_passes_xgrammar_and_catches_masks_left_unapplied(monkeypatch, cls, caught):
+    monkeypatch.setenv(QUICK_ENV, "1")  # a seeded sample of the corpus's JSON schemas
+    registry = build_registry()
+    if cls is MasksNothing:
+        registry.register_plugin(type("P", (), {"kvforge_implementations": hookimpl(lambda self: [cls])})(), "masks")
+    monkeypatch.setattr(engine_check, "registry", lambda: registry)
+    registration = registry.get(STRUCTURED_OUTPUT, cls.name)
+    if not caught:
+        engine_check.test_sampled_outputs_validate(registration, "plain")
+        return
+    with pytest.raises(AssertionError, match="refuses the output|ended with 'error'"):
+        engine_check.test_sampled_outputs_validate(registration, "plain")
