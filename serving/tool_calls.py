@@ -113,7 +113,8 @@ def tool_constraint(tools: list[ToolDefinition] | None, tool_choice, parallel: b
 def auto_calls_tag(functions: list[FunctionDefinition], parallel: bool) -> dict[str, Any]:
     """xgrammar's structural tag for "auto": any text; from each `<tool_call>` on, a
     whole Hermes-style call to one of `functions` with arguments its schema validates
-    (after the first call only the end of the output, unless `parallel`)."""
+    (after the first call only the end of the output, unless `parallel`). Whitespace in
+    the arguments comes one character at a time, so a small model cannot spin on it."""
     for function in functions:
         try:
             check_schema(function.schema)
@@ -121,7 +122,7 @@ def auto_calls_tag(functions: list[FunctionDefinition], parallel: bool) -> dict[
             raise RequestError(f"tools: function {function.name!r} has parameters that are not a valid JSON "
                                f"schema ({exc}); fix its parameters") from None
     tags = [{"type": "tag", "begin": f"{TOOL_CALL_START}\n{HERMES_CALL_HEAD.format(name=json.dumps(f.name))}",
-             "content": {"type": "json_schema", "json_schema": f.schema},
+             "content": {"type": "json_schema", "json_schema": f.schema, "max_whitespace_cnt": 1},
              "end": f"{HERMES_CALL_TAIL}\n{TOOL_CALL_END}"} for f in functions]
     return {"type": "structural_tag", "format": {"type": "triggered_tags", "triggers": [TOOL_CALL_START],
                                                  "tags": tags, "at_least_one": False,
