@@ -39,7 +39,7 @@ from .served_model import ServedModel
 from .structured_protocol import INVALID_STRUCTURED_OUTPUT, STRUCTURED_OUTPUTS
 from .tool_call_format import ToolCallReader
 from .tool_call_stream import ToolCallDeltas
-from .tool_calls import INVALID_TOOL_CHOICE, chat_message
+from .tool_calls import INVALID_TOOL_CHOICE, chat_answer
 
 log = logging.getLogger(__name__)
 
@@ -141,7 +141,7 @@ class OpenAIServer:
         _raise_if_failed(output)
         choices = []
         for c in sorted(output.outputs, key=lambda c: c.index):
-            message, finish_reason = _chat_message(c, reader)
+            message, finish_reason = chat_answer(c.text, c.finish_reason, reader)
             choices.append({"index": c.index, "message": message,
                             "logprobs": chat_logprobs(c, prepared.logprobs or 0, self.token_text, False),
                             "finish_reason": finish_reason, "stop_reason": c.stop_reason})
@@ -308,17 +308,6 @@ class OpenAIServer:
                 yield sse(chunk)
         if body.include_usage:
             yield sse({**head, "choices": [], "usage": usage(prepared.num_prompt_tokens, sum(tokens.values()))})
-
-
-def _chat_message(completion, reader: ToolCallReader | None) -> tuple[dict, str | None]:
-    """The assistant message of a finished choice and its finish reason: its content
-    and the tool calls `reader` finds (finish reason "tool_calls" when there are
-    calls and the output ended on its own)."""
-    if reader is None:
-        return {"role": "assistant", "content": completion.text}, completion.finish_reason
-    message = chat_message(reader.scan(completion.text, final=True))
-    finished_calling = "tool_calls" in message and completion.finish_reason == "stop"
-    return message, "tool_calls" if finished_calling else completion.finish_reason
 
 
 def _request_error(exc: RequestError) -> APIError:

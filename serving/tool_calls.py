@@ -141,6 +141,16 @@ def tool_call_reader(tools: list[ToolDefinition] | None, tool_choice, parallel: 
     return ToolCallReader(REQUIRED if tool_choice == "required" else AUTO, names, max_calls, constrained)
 
 
+def chat_answer(text: str, finish_reason: str | None, reader: ToolCallReader | None) -> tuple[dict, str | None]:
+    """The assistant message of a finished output and its finish reason: its content
+    and the calls `reader` finds ("tool_calls" when there are calls and the output
+    ended on its own)."""
+    if reader is None:
+        return {"role": "assistant", "content": text}, finish_reason
+    message = chat_message(reader.scan(text, final=True))
+    return message, "tool_calls" if "tool_calls" in message and finish_reason == "stop" else finish_reason
+
+
 def chat_message(scan: Scan) -> dict:
     """The assistant message of a complete output's scan (content None when blank)."""
     content = scan.content if scan.content.strip() or not scan.calls else None

@@ -138,3 +138,13 @@ def test_a_tail_that_may_begin_a_call_is_held_back_until_it_does_not():
     stream = ToolCallDeltas(AUTO_READER)
     assert stream.delta("Hello <tool", final=False) == {"content": "Hello "}
     assert stream.delta("Hello <tooth", final=False) == {"content": "<tooth"}
+
+
+def test_a_call_sent_back_in_the_conversation_reads_as_the_same_call():
+    from kvforge.serving.protocol import ChatMessage
+
+    call = {"id": "call_1", "type": "function", "function": {"name": "get_time", "arguments": '{"zone": "UTC"}'}}
+    message = ChatMessage.model_validate({"role": "assistant", "content": "Checking. ", "tool_calls": [call, call]})
+    scan = AUTO_READER.scan(message.text(), final=True)
+    assert scan.content == "Checking. " and [(c.name, c.arguments) for c in scan.calls] == [
+        ("get_time", '{"zone": "UTC"}')] * 2
