@@ -246,8 +246,11 @@ class StructuredOutputs:
             at = 0
             for grammar, draft in grammars:
                 at = _fill_rows(grammar, draft, bitmask, at)
+            # rows rise and never repeat: as many as logits means every row in order, and
+            # no rows argument spares the backend a gather and scatter of the logits
+            every_row = len(logit_rows) == logits.shape[0]
             with torch.inference_mode():  # the model's logits are inference tensors
-                backend.apply_bitmask(logits, bitmask, logit_rows)
+                backend.apply_bitmask(logits, bitmask, None if every_row else logit_rows)
         self.stats.mask_seconds_sum += time.perf_counter() - began
         self.stats.mask_steps += 1
 
