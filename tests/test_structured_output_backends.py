@@ -136,3 +136,19 @@ def test_json_allows_whitespace_between_tokens_only_when_asked(cls):
         grammar = backend.compile(StructuredOutputSpec("json", schema, any_whitespace=any_whitespace))
         assert grammar.accept_tokens(list(b'{"a":[1,'))
         assert (ord(" ") in allowed(grammar, TINY)) == any_whitespace
+
+
+@pytest.mark.parametrize("cls", BACKENDS, ids=lambda cls: cls.name)
+def test_mask_and_validate_tokens_agree_on_every_token_where_compact_json_forces_bytes(cls):
+    """Compact JSON forces a key's closing quote and its ":"; llguidance's mask then allows only
+    the token that spells them (`":`), and its acceptance must refuse `"` alone as well."""
+    if not cls.availability().ok:
+        pytest.skip(cls.availability().reason)
+    schema = json.dumps({"type": "object", "properties": {"p0": {"type": "string"}, "p1": {"type": "integer"}},
+                         "required": ["p0", "p1"]})
+    grammar = cls(MERGED).compile(StructuredOutputSpec("json", schema))
+    for _ in range(12):
+        mask = set(allowed(grammar, MERGED))
+        disagree = [t for t in range(len(MERGED.token_bytes)) if (grammar.validate_tokens([t]) == 1) != (t in mask)]
+        assert not disagree, [MERGED.token_bytes[t] for t in disagree]
+        assert grammar.accept_tokens([max(mask - set(MERGED.eos_token_ids))])

@@ -56,7 +56,19 @@ class LlguidanceGrammar(TrackedGrammar):
 
     def _advance(self, token_id: int) -> bool:
         # a token llguidance consumes and rejects puts it in an error state for good: ask first
-        return self.matcher.validate_tokens([token_id]) == 1 and self.matcher.consume_token(token_id)
+        return self.matcher.validate_tokens([token_id]) == 1 and self._masked_in(token_id) \
+            and self.matcher.consume_token(token_id)
+
+    def _masked_in(self, token_id: int) -> bool:
+        """Where the next bytes are forced (a key and its ":" in compact JSON), llguidance's
+        mask allows only the tokens that spell them canonically (`":`, not `"`), though it
+        would consume the others: acceptance follows the mask, so the two agree."""
+        if not self.matcher.compute_ff_bytes():
+            return True
+        row = torch.zeros((1, self.vocabulary.bitmask_words), dtype=torch.int32)
+        self._fill_library(row, 0)
+        word, bit = divmod(token_id, 32)
+        return bool((int(row[0, word]) >> bit) & 1)
 
     def _undo(self, num_tokens: int) -> None:
         self.matcher.rollback(num_tokens)
