@@ -62,6 +62,10 @@ def test_response_format_and_structured_outputs_become_the_engines_constraint():
     assert plain.sampling_params(8, None).structured_outputs is None
     regex = CompletionRequest.model_validate({"prompt": "x", "structured_outputs": {"regex": "[0-9]+"}})
     assert regex.sampling_params(8, None).structured_outputs.spec().value == "[0-9]+"
+    assert not chat.sampling_params(8, None).structured_outputs.spec().any_whitespace  # JSON is compact
+    flexible = CompletionRequest.model_validate({"prompt": "x", "structured_outputs": {"json": schema,
+                                                                                       "any_whitespace": True}})
+    assert flexible.sampling_params(8, None).structured_outputs.spec().any_whitespace
 
 
 @pytest.mark.parametrize("extra, named", [
