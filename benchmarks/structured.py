@@ -21,11 +21,10 @@ from __future__ import annotations
 import functools
 import json
 import random
-import statistics
-import time
 from pathlib import Path
 
 from .scenarios import Run, Scenario, Target, _ids, request
+from .structured_costs import compile_times, mask_profile
 
 SCHEMAS = ("person", "tool_call", "order", "tree_defs", "event", "shape_oneof", "nullable_nested", "matrix",
            "object/all_required[8]", "nested/depth4")
@@ -55,6 +54,14 @@ def long_schema(item: dict) -> dict:
     item = dict(item)
     defs = item.pop("$defs", None)
     return {**({"$defs": defs} if defs else {}), "type": "array", "items": item, "minItems": MIN_ITEMS}
+
+
+def long_specs(chosen: list) -> list:
+    """The specs the runs send: each case's schema as `long_schema`."""
+    from kvforge.core import StructuredOutputSpec
+    from kvforge.core.structured_output import JSON
+
+    return [StructuredOutputSpec(JSON, json.dumps(long_schema(json.loads(c.spec.value)))) for c in chosen]
 
 
 def item_schema(long: dict) -> dict:
@@ -101,9 +108,10 @@ def figures(summary: dict, scenario_dir: Path, model_dir: Path, *, quick: bool) 
     runs = {run["label"]: (i, run) for i, run in enumerate(summary["runs"])}
     workload = json.loads((Path(scenario_dir) / "workload.json").read_text())
     requests = {r["id"]: r for r in workload["requests"]}
+    constrained = {pair[0] for pair in PAIRS.values()}
     outputs = {}
     for label, (i, run) in runs.items():
-        if run["status"] == "ok" and "structured" in label:
+        if run["status"] == "ok" and label in constrained:
             result = json.loads((Path(scenario_dir) / f"run{i}.json").read_text())
             outputs[label] = check_outputs(result, requests, tokenizer)
     return {"structured": {
@@ -111,7 +119,7 @@ def figures(summary: dict, scenario_dir: Path, model_dir: Path, *, quick: bool) 
         "outputs": outputs,
         "overhead": overhead({label: run for label, (_, run) in runs.items()}),
         "compile": compile_times(vocabulary, chosen, rounds=1 if quick else 3),
-        "mask_profile": mask_profile(vocabulary, chosen, BIG_BATCH, steps=8 if quick else 32),
+        "mask_profile": mask_profile(vocabulary, long_specs(chosen), BIG_BATCH, steps=8 if quick else 32),
     }}
 
 
@@ -200,99 +208,6 @@ def overhead(runs: dict[str, dict]) -> dict[str, dict]:
     return out
 
 
-def backends() -> list:
-    """Every available structured_output backend class, highest priority first."""
-    from kvforge.core import STRUCTURED_OUTPUT, build_registry
-
-    found = [r.cls for r in build_registry().implementations(STRUCTURED_OUTPUT) if r.availability().ok]
-    return sorted(found, key=lambda cls: -cls.priority)
-
-
-def compile_times(vocabulary, chosen: list, rounds: int) -> dict:
-    """Per backend: its set-up on the vocabulary, and per schema the cold compile
-    (a fresh backend, so no cache of its own) and the cached one (the same spec
-    again), each the median of `rounds`, with the fastest and slowest."""
-    out = {}
-    for cls in backends():
-        began = time.perf_counter()
-        cls(vocabulary)
-        entry = {"setup_ms": 1e3 * (time.perf_counter() - began), "specs": {}}
-        for case in chosen:
-            reasons = cls.spec_unsupported_reasons(case.spec)
-            if reasons:
-                entry["specs"][case.name] = {"refused": "; ".join(reasons)}
-                continue
-            cold, cached = [], []
-            for _ in range(rounds):
-                backend = cls(vocabulary)
-                began = time.perf_counter()
-                backend.compile(case.spec)
-                cold.append(1e3 * (time.perf_counter() - began))
-                began = time.perf_counter()
-                backend.compile(case.spec)
-                cached.append(1e3 * (time.perf_counter() - began))
-            entry["specs"][case.name] = {"cold_ms": _spread(cold), "cached_ms": _spread(cached)}
-        out[cls.name] = entry
-    return out
-
-
-def _spread(values: list[float]) -> dict:
-    return {"median": statistics.median(values), "min": min(values), "max": max(values)}
-
-
-def mask_profile(vocabulary, chosen: list, batch: int, steps: int, seed: int = 0) -> dict:
-    """Where a step's mask time goes, per backend: `batch` grammars (the schemas
-    in turn, wrapped as in the runs), each step filling one row per grammar, then
-    applying the whole bitmask to float32 logits in one op, then each grammar
-    accepting a random allowed token. Milliseconds per step, medians."""
-    import torch
-
-    from kvforge.core import StructuredOutputSpec
-    from kvforge.core.structured_output import JSON
-
-    specs = [StructuredOutputSpec(JSON, json.dumps(long_schema(json.loads(c.spec.value)))) for c in chosen]
-    rng = random.Random(seed)
-    out = {}
-    for cls in backends():
-        backend = cls(vocabulary)
-        usable = [s for s in specs if not cls.spec_unsupported_reasons(s)]
-        if not usable:
-            continue
-        grammars = [backend.compile(usable[i % len(usable)]) for i in range(batch)]
-        logits = torch.randn(batch, vocabulary.vocab_size)
-        fill, apply, accept = [], [], []
-        for _ in range(steps):
-            bitmask = backend.allocate_bitmask(batch)
-            began = time.perf_counter()
-            for row, grammar in enumerate(grammars):
-                grammar.fill_bitmask(bitmask, row)
-            fill.append(time.perf_counter() - began)
-            began = time.perf_counter()
-            backend.apply_bitmask(logits, bitmask)
-            apply.append(time.perf_counter() - began)
-            chosen_tokens = [_allowed_token(bitmask[row], rng) for row in range(batch)]
-            began = time.perf_counter()
-            for grammar, token in zip(grammars, chosen_tokens):
-                if not grammar.accept_tokens([token]):
-                    raise RuntimeError(f"{cls.name}: the grammar refused token {token} its own mask allowed")
-            accept.append(time.perf_counter() - began)
-        out[cls.name] = {"batch": batch, "steps": steps, "fill_ms": 1e3 * statistics.median(fill),
-                         "fill_us_per_row": 1e6 * statistics.median(fill) / batch,
-                         "apply_ms": 1e3 * statistics.median(apply), "accept_ms": 1e3 * statistics.median(accept),
-                         "specs": len(usable)}
-    return out
-
-
-def _allowed_token(row, rng: random.Random) -> int:
-    """A random token the bitmask row allows."""
-    import torch
-
-    words = row.to(torch.int64) & 0xFFFFFFFF
-    bits = (words.unsqueeze(-1) >> torch.arange(32)) & 1
-    allowed = torch.nonzero(bits.flatten()).flatten().tolist()
-    return allowed[rng.randrange(len(allowed))]
-
-
 # The report
 
 
@@ -328,12 +243,15 @@ def markdown(figures: dict) -> list[str]:
             else:
                 cells += [f"{spec['cold_ms']['median']:.2f}", f"{spec['cached_ms']['median']:.3f}"]
         lines.append(f"| `{schema}` | " + " | ".join(cells) + " |")
-    lines.append("| set-up on the vocabulary | " + " | ".join(f"{compiled[n]['setup_ms']:.0f} | " for n in names) + " |")
+    setup = " | ".join(f"{compiled[n]['setup_ms']:.0f} | " for n in names)
+    lines.append(f"| set-up on the vocabulary | {setup} |")
     profile = figures.get("mask_profile") or {}
     if profile:
         lines += ["", "Where mask time goes, per step of a batch of grammars (ms, medians, in this process):", "",
-                  "| backend | batch | fill all rows | per row µs | apply | accept tokens |", "|---|---:|---:|---:|---:|---:|"]
+                  "| backend | batch | fill all rows | per row µs | apply | reference apply, same bitmask "
+                  "| accept tokens |",
+                  "|---|---:|---:|---:|---:|---:|---:|"]
         for n, p in profile.items():
-            lines.append(f"| {n} | {p['batch']} | {p['fill_ms']:.3f} | {p['fill_us_per_row']:.1f} | {p['apply_ms']:.3f} "
-                         f"| {p['accept_ms']:.3f} |")
+            lines.append(f"| {n} | {p['batch']} | {p['fill_ms']:.3f} | {p['fill_us_per_row']:.1f} "
+                         f"| {p['apply_ms']:.3f} | {p['apply_reference_ms']:.3f} | {p['accept_ms']:.3f} |")
     return lines + [""]

@@ -104,9 +104,12 @@ def test_quick_run_reports_ratios_checked_outputs_and_compile_times(tmp_path):
     for backend in compiled.values():
         for spec in backend["specs"].values():
             assert "refused" in spec or (spec["cold_ms"]["median"] > 0 and spec["cached_ms"]["median"] > 0)
-    assert compiled["xgrammar"]["specs"]["person"]["cold_ms"]["min"] <= compiled["xgrammar"]["specs"]["person"]["cold_ms"]["max"]
+    person = compiled["xgrammar"]["specs"]["person"]["cold_ms"]
+    assert person["min"] <= person["median"] <= person["max"]
     profile = figures["mask_profile"]["xgrammar"]
-    assert profile["batch"] == 32 and profile["fill_ms"] > 0 and profile["apply_ms"] > 0
+    assert profile["batch"] == 32
+    assert min(profile["fill_ms"], profile["apply_ms"], profile["apply_reference_ms"]) > 0
 
     report = (tmp_path / "report.md").read_text()
-    assert "| kvforge batch 32 |" in report and "xgrammar cold" in report and "| kvforge structured b1 | 4 | yes |" in report
+    assert "| kvforge batch 32 |" in report and "xgrammar cold" in report
+    assert "| kvforge structured b1 | 4 | yes |" in report
