@@ -13,8 +13,8 @@ class AcceptEverything:
     def __init__(self, real):
         self.real = real
 
-    def __call__(self, logits, requests, drafts, draft_probs):
-        verified = self.real(logits, requests, drafts, draft_probs)
+    def __call__(self, logits, requests, drafts, draft_probs, mask=None):
+        verified = self.real(logits, requests, drafts, draft_probs, mask)
         verified.token_ids = [draft + [tokens[-1]] for draft, tokens in zip(drafts, verified.token_ids)]
         return verified
 
