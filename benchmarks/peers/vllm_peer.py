@@ -55,9 +55,13 @@ def run(llm, requests: list[dict], structured: bool = False) -> tuple[float, lis
 
 
 def structured_config(options: dict) -> dict:
-    """`LLM(...)` arguments choosing the structured-output backend, when the run names one."""
+    """`LLM(...)` arguments choosing the structured-output backend, when the run names one;
+    JSON compact (no whitespace between tokens), as kvforge writes it by default, so both
+    engines follow the same grammar (vLLM's xgrammar backend reads this from its config)."""
     backend = options.get("structured_outputs_backend")
-    return {} if backend is None else {"structured_outputs_config": {"backend": backend}}
+    if backend is None:
+        return {}
+    return {"structured_outputs_config": {"backend": backend, "disable_any_whitespace": True}}
 
 
 def main() -> None:
