@@ -4,6 +4,7 @@
 
 from __future__ import annotations
 
+import functools
 import json as json_module
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -116,8 +117,16 @@ def schema_text(schema: dict | str) -> str:
             raise RequestError(f"structured_outputs.json is not valid JSON: {exc}") from exc
     if not isinstance(schema, (dict, bool)):
         raise RequestError(f"structured_outputs.json must be a JSON schema (an object), got {type(schema).__name__}")
-    check_schema(schema)
-    return json_module.dumps(schema, separators=(",", ":"))
+    text = json_module.dumps(schema, separators=(",", ":"))
+    check_schema_text(text)
+    return text
+
+
+@functools.lru_cache(maxsize=256)
+def check_schema_text(text: str) -> None:
+    """`check_schema` once per schema text: the meta-schema check costs milliseconds,
+    and requests repeat their schemas (a refused one raises, and is checked again)."""
+    check_schema(json_module.loads(text))
 
 
 def check_schema(schema: dict | bool) -> None:
