@@ -15,7 +15,8 @@ pytest.importorskip("jsonschema")
 def test_a_repeated_schema_is_checked_once_and_a_bad_one_every_time(monkeypatch):
     checked = []
     real = structured_outputs_params.check_schema
-    monkeypatch.setattr(structured_outputs_params, "check_schema", lambda schema: checked.append(schema) or real(schema))
+    monkeypatch.setattr(structured_outputs_params, "check_schema",
+                        lambda schema: checked.append(schema) or real(schema))
     structured_outputs_params.check_schema_text.cache_clear()
     schema = {"type": "object", "properties": {"cache_probe": {"type": "integer"}}}
     first = StructuredOutputsParams(json=schema)
