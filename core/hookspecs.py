@@ -25,7 +25,7 @@ class KvforgeHookSpec:
         """Called once, when the registry loads the plugin.
 
         Return the implementation classes the plugin provides. Each must subclass
-        one of the five interfaces in `kvforge.core`, set a `name` unique within
+        one of the six interfaces in `kvforge.core`, set a `name` unique within
         its kind, and set `api_version` to the (major, minor) it was written for.
         The call must be cheap and must not require optional libraries: defer
         heavy imports to `availability()` or to construction. If it raises, the
