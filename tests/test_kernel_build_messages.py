@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import io
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -117,7 +118,9 @@ def test_a_compiler_that_fails_is_named_with_its_flag_error_and_what_runs_withou
     assert f"with {compiler} (from CXX) into {tmp_path / 'cache'}" in announcement and ESTIMATE in announcement
     assert "kvforge: C++ kernel build failed after" in result.stderr
     error = result.stderr[result.stderr.index("error: "):]
-    assert f"`{compiler} -fPIC" in error and "-fopenmp -std=c++17 -c paged_attention.cpp` failed" in error
+    assert f"`{compiler} -fPIC" in error
+    # ninja compiles the sources in parallel: whichever fails first is named
+    assert re.search(r"-fopenmp -std=c\+\+17 -c (\w+)\.cpp` failed", error), error
     assert "error: unrecognized command-line option '-fopenmp'" in error
     assert "--set attention.backend=sdpa" in error and "run as torch ops" in error
     assert "kvforge build-kernels" in error
