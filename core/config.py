@@ -12,7 +12,7 @@ import re
 from typing import Any, Literal
 
 import torch
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from .api import (
     ATTENTION_BACKEND,
@@ -134,6 +134,32 @@ class StructuredOutputsConfig(Section):
                                "used dropped first; 0: none")
 
 
+class LoRAConfig(Section):
+    enabled: bool = Field(
+        False, description="serve LoRA adapters beside the base model; giving any other lora setting turns it on")
+    max_loras: int = Field(1, ge=1, description="most distinct adapters in one step; requests of a further adapter "
+                                                 "wait until one of those finishes")
+    max_lora_rank: int = Field(16, ge=1, le=512, description="largest adapter rank accepted; the slot buffers are "
+                                                              "this wide")
+    max_cpu_loras: int | None = Field(
+        None, ge=1, description="adapters kept loaded in memory, least recently used dropped first (reloaded from "
+                                "their directory when needed again); none: max_loras")
+
+    @model_validator(mode="after")
+    def _enabled_when_set(self) -> "LoRAConfig":
+        if "enabled" not in self.model_fields_set and self.model_fields_set:
+            object.__setattr__(self, "enabled", True)
+        if self.max_cpu_loras is not None and self.max_cpu_loras < self.max_loras:
+            raise ValueError(f"lora.max_cpu_loras ({self.max_cpu_loras}) must be at least lora.max_loras "
+                             f"({self.max_loras}): every adapter in a step is also one kept loaded")
+        return self
+
+    @property
+    def cpu_capacity(self) -> int:
+        """How many adapters stay loaded in memory."""
+        return self.max_cpu_loras if self.max_cpu_loras is not None else self.max_loras
+
+
 class ParallelConfig(Section):
     tensor_parallel_size: int = Field(
         1, ge=1, description="ranks that split every layer's heads and MLP (Megatron-style); 1: no tensor parallelism")
@@ -191,6 +217,7 @@ class EngineConfig(Section):
     quantization: QuantizationConfig = Field(default_factory=QuantizationConfig)
     speculative: SpeculativeConfig = Field(default_factory=SpeculativeConfig)
     structured_outputs: StructuredOutputsConfig = Field(default_factory=StructuredOutputsConfig)
+    lora: LoRAConfig = Field(default_factory=LoRAConfig)
     parallel: ParallelConfig = Field(default_factory=ParallelConfig)
     plugins: PluginsConfig = Field(default_factory=PluginsConfig)
 

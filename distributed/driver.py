@@ -203,7 +203,9 @@ class DriverRunner(ModelRunner):
         return len(self._copies)
 
     @torch.inference_mode()
-    def execute(self, scheduled) -> torch.Tensor:
+    def execute(self, scheduled, lora_slots=None) -> torch.Tensor:
+        if lora_slots is not None:  # the engine refuses lora with several ranks at start; never reached
+            raise NotImplementedError("LoRA adapters under tensor or pipeline parallelism")
         self.apply_block_copies()
         input_ids, positions, batch = self.build_batch(scheduled)
         rows = torch.tensor(logit_rows(scheduled), dtype=torch.int64)

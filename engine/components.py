@@ -16,6 +16,7 @@ from kvforge.core import (
     SPECULATIVE_PROPOSER,
     STRUCTURED_OUTPUT,
     AttentionLayerSpec,
+    ConfigError,
     EngineConfig,
     ProposerTarget,
     Quantizer,
@@ -216,3 +217,21 @@ def build_structured_outputs(registry: Registry, config: EngineConfig, vocabular
     return StructuredOutputs(select, vocabulary, options=settings.options,
                              compile_timeout_s=settings.compile_timeout_s,
                              max_cached_grammars=settings.max_cached_grammars)
+
+
+def build_lora_adapters(config: EngineConfig, model):
+    """The engine's `LoRAAdapters` when `lora.enabled` (the model's LoRA slots made
+    if the model was handed over ready), else None."""
+    if not config.lora.enabled:
+        return None
+    from kvforge.models.lora_layers import enable_lora
+
+    from .lora_adapters import LoRAAdapters
+
+    if config.parallel.world_size > 1:
+        raise ConfigError(f"lora: LoRA adapters run on a single-rank engine; this config asks for "
+                          f"{config.parallel.world_size} ranks (parallel.tensor_parallel_size x "
+                          "pipeline_parallel_size); serve adapters with one rank, or data-parallel replicas")
+    if getattr(model, "lora", None) is None:
+        enable_lora(model, max_loras=config.lora.max_loras, max_rank=config.lora.max_lora_rank)
+    return LoRAAdapters(model, config.lora)

@@ -13,9 +13,10 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
-from kvforge.core import EngineConfig, RequestError, load_config
+from kvforge.core import ConfigError, EngineConfig, RequestError, load_config
 
 from .llm_engine import LLMEngine
+from .lora_request import LoRARequest
 from .outputs import CompletionOutput, RequestOutput, RequestTimings
 from .sampling_params import SamplingParams
 
@@ -62,10 +63,12 @@ class LLM:
     def generate(self, prompts: str | Sequence[str] | None = None,
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None, *,
                  prompt_token_ids: Sequence[Sequence[int]] | None = None,
-                 priority: Sequence[int] | None = None, use_tqdm: bool = False) -> list[RequestOutput]:
+                 priority: Sequence[int] | None = None, use_tqdm: bool = False,
+                 lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None) -> list[RequestOutput]:
         """One finished output per prompt, in the order given. An invalid prompt gets
         an output with `finish_reason == "error"` and `.error` saying why; the
-        others run normally."""
+        others run normally. `lora_request` runs every prompt with one LoRA adapter,
+        or (a list) each prompt with its own (None: the base model)."""
         final: dict[str, RequestOutput] = {}
         order = []
         progress = None
@@ -73,7 +76,8 @@ class LLM:
             from tqdm import tqdm
 
             progress = tqdm(total=None, desc="requests", unit="req")
-        for output in self._run(prompts, sampling_params, prompt_token_ids, priority, order, final_only=True):
+        for output in self._run(prompts, sampling_params, prompt_token_ids, priority, order, final_only=True,
+                                lora_request=lora_request):
             if output.finished:
                 final[output.request_id] = output
                 if progress is not None:
@@ -86,22 +90,24 @@ class LLM:
     def stream(self, prompts: str | Sequence[str] | None = None,
                sampling_params: SamplingParams | Sequence[SamplingParams] | None = None, *,
                prompt_token_ids: Sequence[Sequence[int]] | None = None,
-               priority: Sequence[int] | None = None) -> Iterator[RequestOutput]:
+               priority: Sequence[int] | None = None,
+               lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None) -> Iterator[RequestOutput]:
         """Yield a `RequestOutput` whenever a request progresses; its completions'
         `new_token_ids` / `new_text` hold what that step added."""
-        yield from self._run(prompts, sampling_params, prompt_token_ids, priority, [])
+        yield from self._run(prompts, sampling_params, prompt_token_ids, priority, [], lora_request=lora_request)
 
     def _run(self, prompts, sampling_params, prompt_token_ids, priority, order: list[str],
-             final_only: bool = False) -> Iterator[RequestOutput]:
+             final_only: bool = False, lora_request=None) -> Iterator[RequestOutput]:
         inputs = _inputs(prompts, prompt_token_ids)
         params = _per_prompt(sampling_params, len(inputs), "sampling_params") if inputs else []
         priorities = _per_prompt(priority, len(inputs), "priority") if priority is not None else [0] * len(inputs)
-        for prompt, param, prio in zip(inputs, params, priorities):
+        loras = _per_prompt(lora_request, len(inputs), "lora_request") if inputs else []
+        for prompt, param, prio, lora in zip(inputs, params, priorities, loras):
             request_id = str(next(self._ids))
             order.append(request_id)
             try:
-                self.engine.add_request(request_id, prompt, param or SamplingParams(), prio)
-            except RequestError as exc:
+                self.engine.add_request(request_id, prompt, param or SamplingParams(), prio, lora_request=lora)
+            except (RequestError, ConfigError) as exc:
                 yield _error_output(request_id, prompt, str(exc))
         try:
             while self.engine.has_unfinished_requests():

@@ -23,6 +23,7 @@ from kvforge.core import BlockStateError, ConfigError, EngineConfig, ProposerTar
 from . import components, executors, heap
 from .detokenizer import IncrementalDetokenizer
 from .kv_cache_manager import KVCacheManager
+from .lora_request import LoRARequest
 from .metrics import EngineMetrics, prometheus_text
 from .model_runner import ModelRunner
 from .outputs import RequestOutput, completion_of, timings_of
@@ -99,6 +100,7 @@ class LLMEngine:
         elif kv_quantizer is not None:
             components.use_kv_quantizer(model, kv_quantizer)
         self.model, self.tokenizer = model, tokenizer
+        self.loras = components.build_lora_adapters(config, model)  # None without lora.enabled
         block_size = config.cache.block_size
         spec = model.kv_cache_spec(block_size)
         self.num_blocks = components.num_blocks(config, spec, self.device, int(model.max_model_len))
@@ -113,7 +115,8 @@ class LLMEngine:
         self.scheduler = Scheduler(policy, self.kv,
                                    max_num_seqs=config.scheduler.max_num_seqs,
                                    max_num_batched_tokens=config.scheduler.max_num_batched_tokens,
-                                   max_model_len=int(model.max_model_len), structured_outputs=self.structured_outputs)
+                                   max_model_len=int(model.max_model_len), structured_outputs=self.structured_outputs,
+                                   max_loras=config.lora.max_loras if config.lora.enabled else None)
         kv_caches = model.allocate_kv_cache(self.num_blocks, block_size)
         if self.executor is None:
             self.runner = ModelRunner(model, self.kv, kv_caches, block_size, self.device)
@@ -144,13 +147,17 @@ class LLMEngine:
     def add_request(self, request_id: str, prompt: str | Sequence[int] | None = None,
                     params: SamplingParams | None = None, priority: int = 0, *,
                     prompt_token_ids: Sequence[int] | None = None, arrival_time: float | None = None,
-                    cache_salt: str | None = None) -> None:
+                    cache_salt: str | None = None, lora_request: LoRARequest | None = None) -> None:
         """Queue a request. Raises `RequestError` naming what is wrong (and changes
         nothing) for an invalid request; other requests are unaffected.
 
         `cache_salt` (vLLM's name) goes into the hash of every prefix-cache block of
         this request, so requests with different salts (tenants) never share cached
-        blocks, and none can learn from timing what another has cached."""
+        blocks, and none can learn from timing what another has cached.
+
+        `lora_request` runs it with that LoRA adapter (None: the base model); the
+        adapter is loaded from its directory unless loaded already, and a bad one is
+        refused here with a `LoRAAdapterError` naming the file or field."""
         params = params if params is not None else SamplingParams()
         text, token_ids = self._prompt_tokens(request_id, prompt, prompt_token_ids)
         self._check_request(request_id, token_ids, params, priority)
@@ -158,12 +165,14 @@ class LLMEngine:
             raise RequestError(f"request {request_id!r}: cache_salt must be a non-empty string or None, "
                                f"got {cache_salt!r}")
         spec = self._structured_spec(request_id, params)
+        adapter = self._lora_adapter(request_id, lora_request)
         arrival_index = next(self._arrivals)
         arrival_time = time.monotonic() if arrival_time is None else arrival_time
         samples = [
             Request(request_id if i == 0 else f"{request_id}#{i}", token_ids, params, priority=priority,
                     arrival_index=arrival_index, arrival_time=arrival_time, group_id=request_id, sample_index=i,
                     prompt=text, eos_token_id=None if params.ignore_eos else self.eos_token_id, cache_salt=cache_salt,
+                    lora_request=lora_request, lora_adapter=adapter,
                     detokenizer=IncrementalDetokenizer(self.tokenizer)
                     if self.tokenizer is not None and params.detokenize else None)
             for i in range(params.n)
@@ -174,6 +183,35 @@ class LLMEngine:
         samples[0].forks = samples[1:]  # they fork from it once its prompt is in the cache
         self.scheduler.add(samples[0])
         self.stats.num_requests += 1
+
+    def _lora_adapter(self, request_id: str, lora_request: LoRARequest | None):
+        """The loaded adapter of `lora_request` (None for the base model)."""
+        if lora_request is None:
+            return None
+        if not isinstance(lora_request, LoRARequest):
+            raise RequestError(f"request {request_id!r}: lora_request must be a kvforge.LoRARequest or None, "
+                               f"got {type(lora_request).__name__}")
+        if self.loras is None:
+            raise RequestError(f"request {request_id!r} asks for LoRA adapter {lora_request.lora_name!r}, but this "
+                               "engine serves no adapters; enable them with lora = {max_loras = N, max_lora_rank = R} "
+                               "(LLM(model, lora={'max_loras': 4}))")
+        return self.loras.get(lora_request)
+
+    # LoRA adapters
+
+    def add_lora(self, lora_request: LoRARequest) -> bool:
+        """Load an adapter ahead of its requests (`LoRAAdapterError` naming what is
+        wrong with its directory); True once it is loaded."""
+        self._lora_adapter("add_lora", lora_request)
+        return True
+
+    def remove_lora(self, lora_int_id: int) -> bool:
+        """Forget a loaded adapter (running requests keep their copy); False if it was not loaded."""
+        return self.loras is not None and self.loras.remove(lora_int_id)
+
+    def list_loras(self) -> list[LoRARequest]:
+        """The loaded adapters, least recently used first."""
+        return [] if self.loras is None else self.loras.requests()
 
     def _structured_spec(self, request_id: str, params: SamplingParams):
         """The request's structured-output spec, its backend chosen (`RequestError` naming
@@ -278,8 +316,11 @@ class LLMEngine:
         if plan.scheduled:
             self.stats.num_prompt_tokens += sum(
                 max(0, min(e.request.num_prompt_tokens, e.start + e.num_tokens) - e.start) for e in plan.scheduled)
-            logits = self.runner.execute(plan.scheduled)
-            update = self.scheduler.update_from_output(plan, self.step_sampler.sample(plan, logits))
+            logits = self.runner.execute(plan.scheduled, lora_slots=self._lora_slots(plan.scheduled))
+            sampled = self.step_sampler.sample(plan, logits)
+            if self.loras is not None:
+                self.loras.count_tokens(plan.scheduled, sampled.tokens)
+            update = self.scheduler.update_from_output(plan, sampled)
             self.stats.num_generated_tokens += update.num_generated_tokens
             touched.update(dict.fromkeys(r.group_id for r in update.failed))
             touched.update(dict.fromkeys(r.group_id for r in update.progressed))
@@ -303,6 +344,13 @@ class LLMEngine:
         if not self.groups:
             self._check_no_blocks_held()
         return outputs
+
+    def _lora_slots(self, scheduled) -> list[int] | None:
+        """Each scheduled entry's LoRA slot (-1: the base model); None when no entry runs an adapter."""
+        if self.loras is None or all(e.request.lora_request is None for e in scheduled):
+            return None
+        return self.loras.slots_for([None if e.request.lora_request is None
+                                     else (e.request.lora_request, e.request.lora_adapter) for e in scheduled])
 
     def _check_no_blocks_held(self) -> None:
         """With no request left, every KV block must be back in the pool; a block still
@@ -339,6 +387,13 @@ class LLMEngine:
                                       prefix_cache_hit_rate=usage.hit_rate)
         figures.update(self.structured_outputs.figures(len(self.scheduler.waiting_for_grammar)))
         return figures
+
+    def lora_figures(self) -> dict[str, dict[str, int]]:
+        """Per LoRA adapter name: requests running and waiting, prompt tokens computed
+        and tokens generated so far (empty without `lora.enabled`)."""
+        if self.loras is None:
+            return {}
+        return self.loras.figures(self.scheduler.running, [*self.scheduler.waiting, *self.scheduler.waiting_for_grammar])
 
     def metrics_prometheus(self) -> str:
         """`metrics()` in Prometheus text format (needs prometheus_client)."""

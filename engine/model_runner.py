@@ -91,27 +91,37 @@ class ModelRunner:
         return len(copies)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, batch: AttentionBatch,
-                output_rows: torch.Tensor | None = None) -> torch.Tensor:
+                output_rows: torch.Tensor | None = None, token_slots: torch.Tensor | None = None) -> torch.Tensor:
         """The model's hidden states for one step's batch (only `output_rows`' when
-        given): `plan` once, then `forward`."""
+        given): `plan` once, then `forward`. `token_slots` is each token's LoRA slot
+        (-1: the base model; None: no adapter in this step)."""
         plan = self.model.plan(batch) if output_rows is None else self.model.plan(batch, output_rows)
+        lora = getattr(self.model, "lora", None)
+        if lora is not None:
+            lora.set_step(token_slots, output_rows)
         return self.model.forward(input_ids, positions, self.kv_caches, plan)
 
     @torch.inference_mode()
-    def execute(self, scheduled: Sequence[ScheduledRequest]) -> torch.Tensor:
+    def execute(self, scheduled: Sequence[ScheduledRequest], lora_slots: Sequence[int] | None = None) -> torch.Tensor:
         """Run one step; float32 logits of the last `entry.num_logit_rows` new tokens
-        of every scheduled entry, entry after entry: `[sum of num_logit_rows, vocab]`."""
+        of every scheduled entry, entry after entry: `[sum of num_logit_rows, vocab]`.
+        `lora_slots` gives each entry's LoRA slot (-1: the base model; None: no
+        entry runs an adapter)."""
         self.apply_block_copies()
         input_ids, positions, batch = self.build_batch(scheduled)
+        token_slots = None
+        if lora_slots is not None:
+            counts = torch.tensor([entry.num_tokens for entry in scheduled])
+            token_slots = torch.tensor(lora_slots, dtype=torch.int64).repeat_interleave(counts).to(self.device)
         rows = logit_rows(scheduled)
         if len(rows) == input_ids.shape[0]:  # rows are increasing: as many as tokens means every token
-            hidden = self.forward(input_ids, positions, batch)
+            hidden = self.forward(input_ids, positions, batch, token_slots=token_slots)
         else:
             wanted = torch.tensor(rows, dtype=torch.int64, device=self.device)
             if getattr(self.model, "computes_output_rows_only", False):  # its last layer runs on these rows only
-                hidden = self.forward(input_ids, positions, batch, wanted)
+                hidden = self.forward(input_ids, positions, batch, wanted, token_slots)
             else:
-                hidden = self.forward(input_ids, positions, batch)[wanted]
+                hidden = self.forward(input_ids, positions, batch, token_slots=token_slots)[wanted]
         if not rows:
             return hidden.new_zeros((0, self.model.vocab_size), dtype=torch.float32)
         return self.model.compute_logits(hidden).float()

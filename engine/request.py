@@ -87,6 +87,8 @@ class Request:
     prompt: str | None = None
     eos_token_id: int | None = None
     cache_salt: str | None = None  # mixed into its prefix-cache block hashes: different salts never share blocks
+    lora_request: Any = None  # a LoRARequest, or None for the base model
+    lora_adapter: Any = None  # its loaded LoRAAdapter, kept until the request ends
 
     status: RequestStatus = RequestStatus.WAITING
     output_token_ids: list[int] = field(default_factory=list)
@@ -141,6 +143,19 @@ class Request:
     @property
     def finished(self) -> bool:
         return self.status is RequestStatus.FINISHED
+
+    @property
+    def lora_id(self) -> int:
+        """Its adapter's `lora_int_id`; 0 for the base model."""
+        return 0 if self.lora_request is None else self.lora_request.lora_int_id
+
+    def prefix_extra_keys(self) -> tuple:
+        """What goes into the hash of each of its prefix-cache blocks beside the tokens:
+        its cache salt, and its adapter's name and weights fingerprint."""
+        keys = () if self.cache_salt is None else (("cache_salt", self.cache_salt),)
+        if self.lora_request is not None:
+            keys += (("lora", self.lora_request.lora_name, self.lora_adapter.fingerprint),)
+        return keys
 
     def view(self) -> RequestView:
         return RequestView(

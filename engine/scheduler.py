@@ -74,13 +74,14 @@ class Scheduler:
     """Continuous batching over a `KVCacheManager` (see contracts) and a policy."""
 
     def __init__(self, policy: SchedulerPolicy, kv, *, max_num_seqs: int, max_num_batched_tokens: int,
-                 max_model_len: int | None = None, structured_outputs=None):
+                 max_model_len: int | None = None, structured_outputs=None, max_loras: int | None = None):
         self.policy = policy
         self.structured_outputs = structured_outputs  # a StructuredOutputs when requests may carry grammars
         self.kv = kv
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_model_len = max_model_len if max_model_len is not None else 2**62  # None: no context limit
+        self.max_loras = max_loras  # most distinct LoRA adapters among the running requests; None: no adapters
         self.waiting: list[Request] = []  # sorted by the policy's waiting key
         self.running: list[Request] = []  # in admission order
         self.waiting_for_grammar: list[Request] = []  # new structured requests whose grammars compile
@@ -217,11 +218,27 @@ class Scheduler:
     def _schedule_waiting(self, plan: _PlanInProgress) -> None:
         """Waiting requests start in the policy's order, strictly: the first that
         cannot start now holds back every one behind it (no starvation). Admission
-        stops once this step has preempted anyone."""
+        stops once this step has preempted anyone. The one exception: a request of
+        a LoRA adapter beyond `max_loras` waits without holding back the others."""
         computing = self._blocks_computed_by(plan)
+        held_back: list[Request] = []  # of a LoRA adapter that cannot join this step
         while self.waiting and plan.budget > 0 and not plan.out.preempted:
+            if self._adapter_must_wait(self.waiting[0]):
+                held_back.append(self.waiting.pop(0))
+                continue
             if not self._admit_first_waiting(plan, computing):
                 break
+        for request in held_back:  # back at their places, still first in line for their adapter
+            bisect.insort(self.waiting, request, key=self.key)
+
+    def _adapter_must_wait(self, request: Request) -> bool:
+        """Whether `request` runs a LoRA adapter beyond the `max_loras` distinct ones
+        the running requests use: it waits (keeping its place) while requests of
+        the adapters already running, or of the base model, go past it, as in vLLM."""
+        if self.max_loras is None or request.lora_request is None:
+            return False
+        running = {r.lora_id for r in self.running if r.lora_request is not None}
+        return request.lora_id not in running and len(running) >= self.max_loras
 
     def _blocks_computed_by(self, plan: _PlanInProgress) -> set:
         """Full blocks the plan computes. A waiting request whose next block is among
@@ -245,8 +262,7 @@ class Scheduler:
             if victim is None:
                 return False
             self._preempt(victim, plan)
-        salt = () if request.cache_salt is None else (("cache_salt", request.cache_salt),)
-        computed = self.kv.admit(request.request_id, request.all_token_ids, salt)
+        computed = self.kv.admit(request.request_id, request.all_token_ids, request.prefix_extra_keys())
         if computing and not needs_slot and self.kv.next_block_hash(request.request_id, computed) in computing:
             self.kv.free(request.request_id)
             return False

@@ -12,12 +12,13 @@ reference engine in `kvforge.engine`; the shared test suite in
 from kvforge.core import API_VERSION, EngineConfig, load_config
 
 __version__ = "0.1.0"
-__all__ = ["API_VERSION", "EngineConfig", "LLM", "LLMEngine", "SamplingParams", "StructuredOutputsParams", "load_config",
-           "__version__"]
+__all__ = ["API_VERSION", "EngineConfig", "LLM", "LLMEngine", "LoRARequest", "SamplingParams", "StructuredOutputsParams",
+           "load_config", "__version__"]
 
 _ENGINE_EXPORTS = {
     "LLM": "kvforge.engine.llm",
     "LLMEngine": "kvforge.engine.llm_engine",
+    "LoRARequest": "kvforge.engine.lora_request",
     "SamplingParams": "kvforge.engine.sampling_params",
     "StructuredOutputsParams": "kvforge.engine.structured_outputs_params",
 }
