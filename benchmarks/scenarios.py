@@ -18,7 +18,7 @@ from pathlib import Path
 
 from kvforge.core import QUANTIZER, SPECULATIVE_PROPOSER
 
-NAMES = ("mixed", "prefix", "speculative", "priority", "kv-quant", "long-prompt", "structured")
+NAMES = ("mixed", "prefix", "speculative", "priority", "kv-quant", "long-prompt", "structured", "lora")
 
 
 @dataclass
@@ -190,6 +190,10 @@ def build(name: str, vocab: int, quick: bool, seed: int = 0) -> Scenario:
         from .structured import scenario
 
         return scenario(vocab, quick, seed)
+    if name == "lora":
+        from .lora import scenario as lora_scenario
+
+        return lora_scenario(vocab, quick, seed)
     from kvforge.core import ConfigError
 
     raise ConfigError(f"unknown scenario {name!r}; choose from: {', '.join(NAMES)}")

@@ -2,7 +2,9 @@
 `arrival_step`, the engine is stepped until all finish. Options are engine
 config sections (`{"cache": {...}, "scheduler": {...}}`); with a
 `structured_outputs` section, a request that carries a `json_schema` is
-constrained to it (and ends when its document does, EOS not ignored)."""
+constrained to it (and ends when its document does, EOS not ignored). With
+`lora_adapters` (`{"count": C, "rank": R}`, beside a `lora` section), request i
+runs adapter i mod C of `lora_adapters.adapter_dirs`."""
 
 from __future__ import annotations
 
@@ -10,6 +12,7 @@ import json
 import time
 
 import common
+import lora_adapters
 
 
 def float32_kv_bytes_per_token(model_dir: str) -> int:
@@ -25,7 +28,7 @@ def engine_for(workload: dict, options: dict):
     from kvforge import LLMEngine
     from kvforge.core import load_config
 
-    options = dict(options)
+    options = {name: value for name, value in options.items() if name != "lora_adapters"}
     budget = int(workload["kv_cache_gib"] * 2**30)
     if "kv_tokens_float32" in options:  # one budget in bytes for every KV dtype of a scenario
         budget = options.pop("kv_tokens_float32") * float32_kv_bytes_per_token(workload["model_dir"])
@@ -47,7 +50,18 @@ def sampling_params(request: dict, structured: bool):
     return SamplingParams(max_tokens=request["max_tokens"], temperature=0.0, ignore_eos=True, detokenize=False)
 
 
-def run(engine, requests: list[dict], structured: bool = False) -> tuple[float, list[dict], int]:
+def lora_requests(workload: dict, options: dict) -> list | None:
+    """The adapters of a run with `lora_adapters`, as LoRARequests; None without."""
+    spec = options.get("lora_adapters")
+    if not spec:
+        return None
+    from kvforge import LoRARequest
+
+    paths = lora_adapters.adapter_dirs(workload["model_dir"], spec["count"], spec["rank"])
+    return [LoRARequest(f"adapter-{i}", i + 1, path) for i, path in enumerate(paths)]
+
+
+def run(engine, requests: list[dict], structured: bool = False, loras: list | None = None) -> tuple[float, list[dict], int]:
     """Step the engine over `requests`; (elapsed, per-request records, peak blocks in use)."""
 
     pending = sorted(requests, key=lambda r: r["arrival_step"])
@@ -57,8 +71,9 @@ def run(engine, requests: list[dict], structured: bool = False) -> tuple[float, 
     while pending or engine.has_unfinished_requests():
         while pending and pending[0]["arrival_step"] <= step:
             r = pending.pop(0)
+            lora = loras[r.get("lora_index", 0) % len(loras)] if loras else None
             engine.add_request(r["id"], prompt_token_ids=r["prompt_token_ids"], params=sampling_params(r, structured),
-                               priority=r["priority"])
+                               priority=r["priority"], lora_request=lora)
             progress.add(r["id"])
         progress.observe(engine.step())
         peak = max(peak, engine.kv.usage().in_use)
@@ -71,9 +86,12 @@ def main() -> None:
     options = config.get("options", {})
     structured = "structured_outputs" in options
     engine = engine_for(workload, options)
-    run(engine, common.warmup_requests(workload), structured)
+    loras = lora_requests(workload, options)
+    for lora in loras or ():  # loaded before timing, as the vLLM runner does
+        engine.add_lora(lora)
+    run(engine, common.warmup_requests(workload), structured, loras)
     cpu = time.process_time()
-    elapsed, records, peak = run(engine, workload["requests"], structured)
+    elapsed, records, peak = run(engine, workload["requests"], structured, loras)
     cpu = time.process_time() - cpu  # this process's CPU time: on a crowded machine, steadier than elapsed
     spec = engine.model.kv_cache_spec(engine.kv.block_size)
     info = {"num_blocks": engine.num_blocks, "block_size": engine.kv.block_size,

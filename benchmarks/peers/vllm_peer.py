@@ -4,7 +4,10 @@ stepped until all finish. Run it with the Python of the vLLM venv; the harness
 sets VLLM_ENABLE_V1_MULTIPROCESSING=0, VLLM_CPU_KVCACHE_SPACE and HF_HUB_OFFLINE=1.
 Options: `max_num_seqs`, `max_num_batched_tokens`, `enable_prefix_caching`, and
 `structured_outputs_backend` (e.g. "xgrammar"): with it, a request that carries a
-`json_schema` is constrained to it (and ends when its document does)."""
+`json_schema` is constrained to it (and ends when its document does). With
+`lora_adapters` (`{"count": C, "rank": R}`, and `max_loras`, `max_lora_rank`),
+request i runs adapter i mod C of `lora_adapters.adapter_dirs`, the same files
+kvforge's runner serves."""
 
 from __future__ import annotations
 
@@ -12,6 +15,7 @@ import os
 import time
 
 import common
+import lora_adapters
 
 
 def kv_usage(llm) -> float | None:
@@ -35,7 +39,29 @@ def sampling_params(request: dict, structured: bool):
                           ignore_eos=True, detokenize=False, output_kind=RequestOutputKind.CUMULATIVE)
 
 
-def run(llm, requests: list[dict], structured: bool = False) -> tuple[float, list[dict], float | None]:
+def lora_requests(workload: dict, options: dict) -> list | None:
+    """The adapters of a run with `lora_adapters`, as vLLM LoRARequests; None without."""
+    spec = options.get("lora_adapters")
+    if not spec:
+        return None
+    from vllm.lora.request import LoRARequest
+
+    paths = lora_adapters.adapter_dirs(workload["model_dir"], spec["count"], spec["rank"])
+    return [LoRARequest(f"adapter-{i}", i + 1, path) for i, path in enumerate(paths)]
+
+
+def lora_config(options: dict) -> dict:
+    """`LLM(...)` arguments enabling LoRA for a run with adapters."""
+    spec = options.get("lora_adapters")
+    if not spec:
+        return {}
+    count = options.get("max_loras", spec["count"])
+    return {"enable_lora": True, "max_loras": count, "max_cpu_loras": count,
+            "max_lora_rank": options.get("max_lora_rank", spec["rank"])}
+
+
+def run(llm, requests: list[dict], structured: bool = False, loras: list | None = None
+        ) -> tuple[float, list[dict], float | None]:
     from vllm.inputs import TokensPrompt
 
     engine = llm.llm_engine
@@ -44,7 +70,8 @@ def run(llm, requests: list[dict], structured: bool = False) -> tuple[float, lis
     start = common.now()
     for r in requests:
         params = sampling_params(r, structured)
-        engine.add_request(r["id"], TokensPrompt(prompt_token_ids=r["prompt_token_ids"]), params)
+        lora = loras[r.get("lora_index", 0) % len(loras)] if loras else None
+        engine.add_request(r["id"], TokensPrompt(prompt_token_ids=r["prompt_token_ids"]), params, lora_request=lora)
         progress.add(r["id"])
     while engine.has_unfinished_requests():
         progress.observe(engine.step())
@@ -73,11 +100,14 @@ def main() -> None:
               max_num_seqs=options.get("max_num_seqs", 128),
               max_num_batched_tokens=options.get("max_num_batched_tokens", 2048),
               enable_prefix_caching=options.get("enable_prefix_caching", True),
-              **structured_config(options))
+              **structured_config(options), **lora_config(options))
     structured = "structured_outputs_backend" in options
-    run(llm, common.warmup_requests(workload), structured)
+    loras = lora_requests(workload, options)
+    for lora in loras or ():  # loaded before timing, as the kvforge runner does
+        llm.llm_engine.add_lora(lora)
+    run(llm, common.warmup_requests(workload), structured, loras)
     cpu = time.process_time()
-    elapsed, records, peak = run(llm, workload["requests"], structured)
+    elapsed, records, peak = run(llm, workload["requests"], structured, loras)
     cpu = time.process_time() - cpu  # the in-process engine's CPU time (see kvforge_peer)
     space = float(os.environ.get("VLLM_CPU_KVCACHE_SPACE", "0")) * 2**30
     peak_bytes = int(peak * space) if peak is not None and space else None
