@@ -19,6 +19,7 @@ from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from typing import Any
 
+import numpy
 import torch
 
 from kvforge.core import Availability, Grammar, StructuredOutputError, StructuredOutputSpec, Vocabulary
@@ -77,14 +78,21 @@ class SpecCache:
         return value
 
 
-def _possible_words(vocabulary: Vocabulary) -> torch.Tensor:
-    """A bitmask row with the bits of every token a grammar may ever allow: the
-    tokenizer's tokens but its special ones (EOS is handled apart)."""
-    bits = torch.zeros(vocabulary.bitmask_words * 32, dtype=torch.int64)
-    bits[:len(vocabulary.token_bytes)] = 1
-    bits[sorted(vocabulary.special_token_ids)] = 0
+def _mask_rows(vocabulary: Vocabulary, eos_ids: Sequence[int]) -> tuple[numpy.ndarray, numpy.ndarray]:
+    """Two bitmask rows (int32 words): every token a grammar may ever allow but
+    EOS (the tokenizer's tokens, less its special ones), and the EOS bits alone."""
+    size = vocabulary.bitmask_words * 32
+    possible = torch.zeros(size, dtype=torch.int64)
+    possible[:len(vocabulary.token_bytes)] = 1
+    possible[sorted(vocabulary.special_token_ids)] = 0
+    eos = torch.zeros(size, dtype=torch.int64)
+    eos[list(eos_ids)] = 1
+    return _pack(possible & (1 - eos)), _pack(eos)
+
+
+def _pack(bits: torch.Tensor) -> numpy.ndarray:
     words = (bits.view(-1, 32) << torch.arange(32)).sum(-1)
-    return torch.where(words >= 2**31, words - 2**32, words).to(torch.int32)
+    return torch.where(words >= 2**31, words - 2**32, words).to(torch.int32).numpy()
 
 
 class TrackedGrammar(Grammar):
@@ -99,9 +107,12 @@ class TrackedGrammar(Grammar):
     def __init__(self, vocabulary: Vocabulary):
         self.vocabulary = vocabulary
         self._eos = frozenset(vocabulary.eos_token_ids)
-        self._eos_ids = sorted(i for i in self._eos if i < vocabulary.vocab_size)
         self._never = vocabulary.special_token_ids - self._eos
-        self._possible = _possible_words(vocabulary)
+        # Two precomputed rows make the per-row work around the library's fill two
+        # array ops (a loop over EOS ids here cost more than the library's fill itself);
+        # numpy arrays, since a numpy op on one row costs a fraction of a torch op's dispatch
+        self._possible, self._eos_words = _mask_rows(
+            vocabulary, sorted(i for i in self._eos if i < vocabulary.vocab_size))
         self._num_accepted = 0
         self._terminated = False
 
@@ -163,13 +174,12 @@ class TrackedGrammar(Grammar):
             bitmask[row].zero_()
             return
         self._fill_library(bitmask, row)
-        bitmask[row] &= self._possible  # libraries differ on padding ids and special tokens: never them
-        complete = self._complete()
-        for token_id in self._eos_ids:  # EOS is ours to allow: exactly when the output is complete
-            word, bit = divmod(token_id, 32)
-            value = int(bitmask[row, word]) & 0xFFFFFFFF
-            value = value | (1 << bit) if complete else value & ~(1 << bit)
-            bitmask[row, word] = value - (1 << 32) if value >= 1 << 31 else value  # back to a signed int32
+        line = bitmask[row].numpy()  # shares the tensor's memory: the ops below write the bitmask
+        # libraries differ on padding ids and special tokens: never them; and EOS is ours
+        # to allow, exactly when the output is complete
+        numpy.bitwise_and(line, self._possible, out=line)
+        if self._complete():
+            numpy.bitwise_or(line, self._eos_words, out=line)
 
     def is_terminated(self) -> bool:
         return self._terminated

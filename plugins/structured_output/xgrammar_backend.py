@@ -20,6 +20,7 @@ from kvforge.core import (
 )
 from kvforge.core.structured_output import CHOICE, GRAMMAR, JSON, JSON_OBJECT, REGEX, STRUCTURAL_TAG
 
+from .bitmask_apply import apply_bitmask_fastest
 from .tracked_grammar import (
     COMPACT_SEPARATORS,
     SpecCache,
@@ -116,21 +117,25 @@ class XgrammarBackend(StructuredOutputBackend):
         return self.compiler.compile_structural_tag(spec.value)
 
     def apply_bitmask(self, logits: torch.Tensor, bitmask: torch.Tensor, rows: Sequence[int] | None = None) -> None:
-        """xgrammar's kernel for CPU logits of a float dtype it has one for; the
-        reference otherwise. Its kernel indexes bitmask and logits by the same rows,
-        so a subset of rows is spread out to the logits' rows first."""
-        vocab = logits.shape[-1]
+        """For CPU logits of a float dtype xgrammar has a kernel for: its kernel or
+        a torch op, whichever is faster for this mask (bitmask_apply.py); the
+        reference otherwise."""
         if logits.device.type != "cpu" or logits.dtype not in KERNEL_DTYPES or logits.dim() != 2 \
-                or vocab > bitmask.shape[-1] * 32 or not logits.is_contiguous():
+                or logits.shape[-1] > bitmask.shape[-1] * 32 or not logits.is_contiguous():
             apply_token_bitmask(logits, bitmask, rows)
             return
+        apply_bitmask_fastest(logits, bitmask, rows, self._kernel)
+
+    def _kernel(self, logits: torch.Tensor, bitmask: torch.Tensor, rows: Sequence[int] | None) -> None:
+        """xgrammar's CPU kernel. It indexes bitmask and logits by the same rows, so a
+        subset of rows is spread out to the logits' rows first."""
         if rows is not None:
             rows = list(rows)
             spread = torch.full((logits.shape[0], bitmask.shape[-1]), -1, dtype=torch.int32)
             spread[rows] = bitmask
             bitmask = spread
-        self._xgr.apply_token_bitmask_inplace(logits, bitmask.contiguous(), vocab_size=vocab, indices=rows,
-                                              backend="cpu")
+        self._xgr.apply_token_bitmask_inplace(logits, bitmask.contiguous(), vocab_size=logits.shape[-1],
+                                              indices=rows, backend="cpu")
 
 
 @hookimpl
