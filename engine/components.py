@@ -16,7 +16,6 @@ from kvforge.core import (
     SPECULATIVE_PROPOSER,
     STRUCTURED_OUTPUT,
     AttentionLayerSpec,
-    ConfigError,
     EngineConfig,
     ProposerTarget,
     Quantizer,
@@ -178,6 +177,11 @@ def check_supported(config: EngineConfig, dtype: torch.dtype) -> None:
         raise UnsupportedConfigurationError(
             f"cache.kv_cache_dtype = {kv_dtype!r} differs from the model dtype {dtype_name(dtype)}; "
             "the reference engine keeps the KV cache in the model dtype; set cache.kv_cache_dtype = 'auto'")
+    if config.lora.enabled and config.parallel.world_size > 1:
+        raise UnsupportedConfigurationError(
+            f"lora: LoRA adapters run on a single-rank engine; this config asks for {config.parallel.world_size} "
+            "ranks (parallel.tensor_parallel_size x pipeline_parallel_size); serve adapters with one rank per "
+            "engine, e.g. data-parallel replicas")
 
 
 def selected_names(model, allocator, policy, kv_quantizer: Quantizer | None, weight_quantizer: Quantizer | None,
@@ -228,10 +232,6 @@ def build_lora_adapters(config: EngineConfig, model):
 
     from .lora_adapters import LoRAAdapters
 
-    if config.parallel.world_size > 1:
-        raise ConfigError(f"lora: LoRA adapters run on a single-rank engine; this config asks for "
-                          f"{config.parallel.world_size} ranks (parallel.tensor_parallel_size x "
-                          "pipeline_parallel_size); serve adapters with one rank, or data-parallel replicas")
     if getattr(model, "lora", None) is None:
         enable_lora(model, max_loras=config.lora.max_loras, max_rank=config.lora.max_lora_rank)
     return LoRAAdapters(model, config.lora)

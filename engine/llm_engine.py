@@ -90,7 +90,8 @@ class LLMEngine:
                 model = load_model(config.model, dtype=self.dtype, device=self.device, attention_backend=backend,
                                    linear_kernel=config.linear_kernel, kv_quantizer=kv_quantizer,
                                    weight_quantizer=weight_quantizer,
-                                   weight_activations=config.quantization.activations)
+                                   weight_activations=config.quantization.activations,
+                                   lora=config.lora if config.lora.enabled else None)
             tokenizer = tokenizer if tokenizer is not None else load_tokenizer(config.model)
         elif config.parallel.world_size > 1 or executor is not None:
             raise ConfigError(
