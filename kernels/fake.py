@@ -56,6 +56,11 @@ def _rotary_fake(x, cos, sin):
     return torch.empty_like(x, memory_format=torch.contiguous_format)
 
 
+@torch.library.register_fake("kvforge_cpp::add_lora")
+def _add_lora_fake(y, x, a, b, seg_starts, seg_slots) -> None:
+    return None
+
+
 @torch.library.register_fake("kvforge_cpp::inverse_cdf")
 def _inverse_cdf_fake(probs, u):
     return probs.new_empty((probs.shape[0],), dtype=torch.int64)
