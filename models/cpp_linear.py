@@ -13,10 +13,11 @@ models need: a bias, a residual add, or SiLU(gate) x up.
 `use_cpp_linears(model)` swaps every `nn.Linear` (and GPT-2's `Conv1D`) of a
 loaded bfloat16 or float32 CPU model for a `CppLinear`; a Llama-style MLP whose gate and
 up projections feed SiLU gets one `CppGateUp` for both (one GEMM, no pass
-outside it); the language-model head becomes a `CppLinear` that writes float32
-logits directly. When `linear_kernel` "auto" picks these kernels, and the
-measurements behind that: docs/models.md, "bfloat16 linear layers" (float32
-too) and its "float32 linear layers".
+outside it) unless LoRA wraps them (see `use_cpp_linears`); the language-model
+head becomes a `CppLinear` that writes float32 logits directly. When
+`linear_kernel` "auto" picks these kernels, and the measurements behind that:
+docs/models.md, "bfloat16 linear layers" (float32 too) and its "float32
+linear layers".
 
 The packed copy replaces the weight: nothing keeps the original.
 """
@@ -210,6 +211,9 @@ def use_cpp_linears(model: nn.Module) -> int:
     count = 0
     for module in list(model.modules()):
         gate, up = getattr(module, "gate_proj", None), getattr(module, "up_proj", None)
+        # A LoRA layer (lora_layers.LoRALinear, for which linear_weight is None) is not fused: its
+        # adapter's update must land on gate and up before SiLU and the product, which CppGateUp
+        # computes inside its one kernel. The wrapper keeps its own CppLinear, the post-ops in torch.
         if (hasattr(module, "gate_up_proj") and getattr(module, "act", None) in FUSED_ACTIVATIONS
                 and linear_weight(gate) is not None and linear_weight(up) is not None):
             module.gate_up_proj = CppGateUp(gate, up)

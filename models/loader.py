@@ -23,6 +23,7 @@ from kvforge.core.errors import ConfigError, UnsupportedConfigurationError
 from .base import CausalLM, ModelConfig
 from .cpp_linear import cpp_linear_pays, cpp_linear_unavailable, use_cpp_linears
 from .cpp_norms import cpp_norms_unavailable, use_cpp_norms
+from .lora_layers import enable_lora
 from .packed_linear import AUTO_MIN_WEIGHT, LINEAR_KERNELS, onednn_unavailable, pack_linears
 from .quantized_linear import quantize_linears
 from .registry import model_class
@@ -164,7 +165,7 @@ def load_model(name_or_path: str | Path, *, dtype: torch.dtype | str = torch.flo
                attention_backend: type[AttentionBackend] | None = None, linear_kernel: str = "auto",
                kv_quantizer: Quantizer | None = None, weight_quantizer: Quantizer | None = None,
                quantize_lm_head: bool = True, shard: ModelShard | None = None,
-               weight_activations: str = "none") -> CausalLM:
+               weight_activations: str = "none", lora=None) -> CausalLM:
     """Build and load a model; attention runs through instances of `attention_backend`.
 
     `name_or_path` is a built-in name (`kvforge-tiny`, `kvforge-tiny-draft`) or a
@@ -190,6 +191,10 @@ def load_model(name_or_path: str | Path, *, dtype: torch.dtype | str = torch.flo
     the checkpoint this rank read.
     `weight_activations` is how those layers treat their input: "none" keeps it
     float (weight-only), "int8" quantizes it per row (W8A8, CPU).
+    `lora` (the engine's `LoRAConfig`, or anything with `max_loras` and
+    `max_lora_rank`; None or `enabled` False: no LoRA) wraps the layers adapters
+    may change before they are quantized or packed (`lora_layers.enable_lora`;
+    the slots are then `model.lora`). Not with a `shard` yet.
     """
     model_dir = resolve_model_dir(name_or_path)
     config = load_config(model_dir)
@@ -204,6 +209,12 @@ def load_model(name_or_path: str | Path, *, dtype: torch.dtype | str = torch.flo
     model.eval()
     if shard is not None:
         shard.apply(model)
+    if lora is not None and getattr(lora, "enabled", True):
+        if shard is not None:
+            raise UnsupportedConfigurationError(
+                "LoRA adapters are not supported with tensor or pipeline parallelism yet; set "
+                "parallel.tensor_parallel_size and parallel.pipeline_parallel_size to 1 to serve adapters")
+        enable_lora(model, max_loras=lora.max_loras, max_rank=lora.max_lora_rank)
     if weight_quantizer is not None:
         quantize_linears(model, weight_quantizer, lm_head=quantize_lm_head, activations=weight_activations)
     use_linear_kernel(model, linear_kernel)

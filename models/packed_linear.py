@@ -10,7 +10,8 @@ for a `PackedLinear`; the language-model head is packed too.
 oneDNN also applies an activation, or a multiply or add with another tensor,
 to the GEMM's output before writing it ("post-ops"), which saves the model a
 pass over memory per fused op. The models reach these through `linear_act`,
-`linear_mul` and `linear_add`, which fall back to plain torch for `nn.Linear`.
+`linear_mul` and `linear_add`, which fall back to plain torch for `nn.Linear`
+and hand a LoRA layer (`lora_layers.LoRALinear`) its own routing.
 
 The packed copy replaces the weight: nothing keeps the original.
 """
@@ -80,6 +81,8 @@ class PackedLinear(nn.Module):
 
 def linear_act(layer: nn.Module, x: torch.Tensor, act: str) -> torch.Tensor:
     """`act(layer(x))` for an activation named as in `layers.ACTIVATIONS`; one GEMM when packed."""
+    if getattr(layer, "routes_post_ops", False):  # lora_layers.LoRALinear: the adapter's update before `act`
+        return layer.linear_act(x, act)
     if isinstance(layer, PackedLinear) and act in POST_OPS:
         return layer(x, *POST_OPS[act])
     return activation(act)(layer(x))
@@ -87,6 +90,8 @@ def linear_act(layer: nn.Module, x: torch.Tensor, act: str) -> torch.Tensor:
 
 def linear_mul(layer: nn.Module, x: torch.Tensor, other: torch.Tensor) -> torch.Tensor:
     """`layer(x) * other`; one GEMM when packed."""
+    if getattr(layer, "routes_post_ops", False):  # lora_layers.LoRALinear
+        return layer.linear_mul(x, other)
     if isinstance(layer, PackedLinear):
         return layer.binary(x, other, "mul")
     return layer(x).mul_(other)  # products commute, so this rounds like `other * layer(x)`
@@ -96,6 +101,8 @@ def linear_add(layer: nn.Module, x: torch.Tensor, other: torch.Tensor | None) ->
     """`layer(x) + other` (a residual), or `layer(x)` when `other` is None; one GEMM when packed."""
     if other is None:
         return layer(x)
+    if getattr(layer, "routes_post_ops", False):  # lora_layers.LoRALinear
+        return layer.linear_add(x, other)
     if hasattr(layer, "binary"):  # PackedLinear, or cpp_linear.CppLinear: the add in the GEMM's epilogue
         return layer.binary(x, other, "add")
     return layer(x).add_(other)
