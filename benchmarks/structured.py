@@ -13,8 +13,10 @@
   complete item of the array validates against the item schema; `jsonschema`
   judges), the constrained/unconstrained ratios, the engine's own mask time
   per step, each backend's compile time per schema (cold: a fresh backend;
-  cached: the same spec again) on the model's vocabulary, and where the mask
-  time goes at batch 32 (filling one row per request, applying the batch).
+  cached: the same spec again) on the model's vocabulary, compile latency as
+  its own part of TTFT (one request at a time in an engine per backend, without
+  a spec, with a cold one and a cached one: structured_ttft.py), and where the
+  mask time goes at batch 32 (filling one row per request, applying the batch).
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from pathlib import Path
 
 from .scenarios import Run, Scenario, Target, _ids, request
 from .structured_costs import compile_times, mask_profile
+from .structured_ttft import ttft_parts
 
 SCHEMAS = ("person", "tool_call", "order", "tree_defs", "event", "shape_oneof", "nullable_nested", "matrix",
            "object/all_required[8]", "nested/depth4")
@@ -121,6 +124,8 @@ def figures(summary: dict, scenario_dir: Path, model_dir: Path, *, quick: bool) 
         "outputs": outputs,
         "overhead": overhead({label: run for label, (_, run) in runs.items()}),
         "compile": compile_times(vocabulary, chosen, rounds=1 if quick else 3),
+        "compile_in_ttft": ttft_parts(model_dir, [json.loads(case.spec.value) for case in chosen],
+                                      rounds=1 if quick else 3),
         "mask_profile": mask_profile(vocabulary, long_specs(chosen), BIG_BATCH, steps=8 if quick else 32),
     }}
 
@@ -247,6 +252,7 @@ def markdown(figures: dict) -> list[str]:
         lines.append(f"| `{schema}` | " + " | ".join(cells) + " |")
     setup = " | ".join(f"{compiled[n]['setup_ms']:.0f} | " for n in names)
     lines.append(f"| set-up on the vocabulary | {setup} |")
+    lines += compile_in_ttft_lines(figures.get("compile_in_ttft") or {})
     profile = figures.get("mask_profile") or {}
     if profile:
         lines += ["", "Where mask time goes, per step of a batch of grammars (ms, medians, in this process):", "",
@@ -257,3 +263,20 @@ def markdown(figures: dict) -> list[str]:
             lines.append(f"| {n} | {p['batch']} | {p['fill_ms']:.3f} | {p['fill_us_per_row']:.1f} "
                          f"| {p['apply_ms']:.3f} | {p['apply_reference_ms']:.3f} | {p['accept_ms']:.3f} |")
     return lines + [""]
+
+
+def compile_in_ttft_lines(parts: dict) -> list[str]:
+    """The table of compile latency within TTFT, one row per backend."""
+    if not parts:
+        return []
+    lines = ["", "Compile latency within TTFT, ms (one request at a time, 32-token prompt, first token; medians; "
+             "compile as the engine's metric recorded it; share: compile over that request's TTFT):", "",
+             "| backend | TTFT, no spec | TTFT, cold spec | compile, cold | share | TTFT, cached spec "
+             "| compile, cached | share | first structured request (set-up) |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    for name, p in parts.items():
+        ttft, compiled, share = p["ttft_ms"], p["compile_ms"], p["compile_share"]
+        lines.append(f"| {name} | {ttft['none']['median']:.1f} | {ttft['cold']['median']:.1f} "
+                     f"| {compiled['cold']['median']:.2f} | {share['cold']:.0%} | {ttft['cached']['median']:.1f} "
+                     f"| {compiled['cached']['median']:.2f} | {share['cached']:.0%} | {p['first_request_ms']:.0f} |")
+    return lines

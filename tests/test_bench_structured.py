@@ -70,7 +70,7 @@ def test_the_checker_counts_items_that_break_their_schema():
     assert structured.check_outputs({"requests": [record]}, {"r0": request}, tokenizer)["all_max_tokens"] is False
 
 
-def test_quick_run_reports_ratios_checked_outputs_and_compile_times(tmp_path):
+def test_quick_run_reports_ratios_checked_outputs_compile_times_and_compile_within_ttft(tmp_path):
     from kvforge.benchmarks import harness
     from kvforge.cli_bench import bench
 
@@ -110,6 +110,18 @@ def test_quick_run_reports_ratios_checked_outputs_and_compile_times(tmp_path):
     assert profile["batch"] == 32
     assert min(profile["fill_ms"], profile["apply_ms"], profile["apply_reference_ms"]) > 0
 
+    # compile within TTFT, per backend: the engine recorded a compile for every spec'd
+    # request and none for the others, and no compile outlasts its request's TTFT
+    parts = figures["compile_in_ttft"]
+    assert set(parts) == set(compiled)
+    for part in parts.values():
+        assert part["requests"] >= 1 and part["first_request_ms"] > 0
+        assert part["compile_ms"]["none"]["max"] == 0
+        for kind in ("cold", "cached"):
+            assert part["compile_ms"][kind]["min"] > 0 and 0 < part["compile_share"][kind] <= 1
+            assert part["compile_ms"][kind]["median"] <= part["ttft_ms"][kind]["median"]
+
     report = (tmp_path / "report.md").read_text()
     assert "| kvforge batch 32 |" in report and "xgrammar cold" in report
+    assert "Compile latency within TTFT" in report and "| xgrammar |" in report
     assert "| kvforge structured b1 | 4 | yes |" in report
