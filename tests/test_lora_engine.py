@@ -16,6 +16,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from kvforge import LLM, LoRARequest, SamplingParams
+from kvforge.benchmarks.peers.lora_adapters import write_adapter
 from kvforge.models import resolve_model_dir
 
 sys.path.insert(0, str(Path(__file__).parent))  # the adapter writer sits beside this file
@@ -48,8 +49,12 @@ def merged_model(adapter_dir: Path, out: Path) -> Path:
 
 @pytest.fixture(scope="module")
 def adapters(tmp_path_factory):
+    import json
+
     root = tmp_path_factory.mktemp("lora")
-    dirs = [write_tiny_adapter(root / name, seed=seed) for name, seed in (("alpha", 1), ("beta", 2))]
+    config = json.loads((resolve_model_dir("kvforge-tiny") / "config.json").read_text())
+    write_adapter(root / "beta", config, rank=8, seed=2, base_model="kvforge-tiny")
+    dirs = [write_tiny_adapter(root / "alpha", seed=1), root / "beta"]  # q and v only; every projection
     requests = [LoRARequest("alpha", 1, str(dirs[0])), LoRARequest("beta", 2, str(dirs[1]))]
     merged = [merged_model(d, root / f"merged-{d.name}") for d in dirs]
     return requests, merged
