@@ -105,7 +105,8 @@ def load_peft_adapter(path: str | Path, model, *, max_rank: int) -> LoRAAdapter:
         if rank > max_rank:
             field = "rank_pattern" if config.get("rank_pattern") and rank != r else "r"
             raise LoRAAdapterError(
-                f"{path / CONFIG_FILE}: {field} gives {name} rank {rank}, above max_rank {max_rank}; raise "
+                f"{path / CONFIG_FILE}: {field} = {json.dumps(config.get(field))} gives {name} rank {rank}, above "
+                f"max_rank {max_rank}; raise "
                 "lora.max_lora_rank to at least that, or use an adapter of lower rank")
         for which, tensor in (("A", a), ("B", b)):
             if not bool(torch.isfinite(tensor).all()):

@@ -269,3 +269,15 @@ def test_random_adapters_match_peft(case, tmp_path_factory, data):
     row_slots = (1, -1)
     error = worst_error(run(model, sequences, row_slots), expected(references, sequences, row_slots))
     assert error <= TOLERANCE, f"{arch} r={rank} {targets} alpha={alpha} rslora={rslora}: {error:.2e}"
+
+
+def test_patterns_and_layers_to_transform_match_peft(case, tmp_path):
+    """Per-layer rank and alpha (rank_pattern, alpha_pattern) and an adapter on one layer only."""
+    arch, base, _, sequences, references = case
+    first, second = TARGETS[arch][0], TARGETS[arch][-1]
+    adapter = save_adapter(base, tmp_path / "a", r=2, alpha=4, target_modules=[first, second],
+                           rank_pattern={second: 6}, alpha_pattern={first: 12}, layers_to_transform=[1], seed=6)
+    model = load(base, [adapter], linear_kernel="torch")
+    references = {None: references[None], 0: reference_logits(base, adapter, sequences)}
+    error = worst_error(run(model, sequences, ROW_SLOTS), expected(references, sequences, (0, -1, -1, 0)))
+    assert error <= TOLERANCE, f"relative error {error:.2e}"
