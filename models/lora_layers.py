@@ -280,5 +280,6 @@ def _refuse_unwrappable(model: nn.Module) -> None:
             raise ConfigError(f"{path} is a tensor-parallel shard: LoRA adapters are not supported with tensor "
                               "parallelism yet; set parallel.tensor_parallel_size = 1 to serve adapters")
         if getattr(module, "gate_up_proj", None) is not None:
-            raise ConfigError(f"{path}'s gate and up projections are already fused into one kernel: enable LoRA "
-                              "before the linear kernel is applied (load_model(..., lora=...) does)")
+            raise ConfigError(f"{path}'s gate and up projections are already fused into one C++ kernel, where an "
+                              "adapter's update cannot reach them: enable LoRA while loading (load_model(..., "
+                              "lora=...), which keeps them apart), or load with linear_kernel 'torch' or 'onednn'")

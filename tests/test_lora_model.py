@@ -25,7 +25,7 @@ import torch
 from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 
-from kvforge.core import QUANTIZER, build_registry
+from kvforge.core import QUANTIZER, ConfigError, build_registry
 from kvforge.models import enable_lora, load_model, load_peft_adapter
 from kvforge.models.cpp_linear import cpp_linear_unavailable
 from kvforge.models.lora_layers import LoRALinear
@@ -281,3 +281,45 @@ def test_patterns_and_layers_to_transform_match_peft(case, tmp_path):
     references = {None: references[None], 0: reference_logits(base, adapter, sequences)}
     error = worst_error(run(model, sequences, ROW_SLOTS), expected(references, sequences, (0, -1, -1, 0)))
     assert error <= TOLERANCE, f"relative error {error:.2e}"
+
+
+def test_lora_enabled_on_a_packed_model_wraps_the_packed_layers(case):
+    """A model handed over already packed (enable_lora after load_model) serves adapters too."""
+    if "onednn" not in kernels():
+        pytest.skip("oneDNN is unavailable here")
+    _, base, adapters, sequences, references = case
+    model = load_model(base, attention_backend=ReferenceAttentionBackend, linear_kernel="onednn")
+    enable_lora(model, max_loras=2, max_rank=MAX_RANK)
+    for slot, adapter in enumerate(adapters):
+        model.lora.load(slot, load_peft_adapter(adapter, model, max_rank=MAX_RANK))
+    error = worst_error(run(model, sequences, ROW_SLOTS), expected(references, sequences, ROW_SLOTS))
+    assert error <= TOLERANCE, f"relative error {error:.2e}"
+
+
+def test_lora_after_the_cpp_gate_up_fusion_is_refused_with_what_to_do(case):
+    arch, base, _, _, _ = case
+    if arch != "llama" or "cpp" not in kernels():
+        pytest.skip("only a Llama on the C++ kernels fuses gate and up")
+    model = load_model(base, linear_kernel="cpp")
+    with pytest.raises(ConfigError, match="load_model.*lora=.*linear_kernel 'torch' or 'onednn'"):
+        enable_lora(model, max_loras=1, max_rank=MAX_RANK)
+
+
+def test_slots_out_of_range_are_refused(case):
+    _, base, adapters, _, _ = case
+    model = load(base, adapters, linear_kernel="torch")
+    for slots in ([0, 3], [-2, 0]):
+        with pytest.raises(ConfigError, match=r"slots 0\.\.2, and -1 for the base model"):
+            model.lora.set_step(torch.tensor(slots))
+    with pytest.raises(ConfigError, match=r"slot 3 is out of range"):
+        model.lora.clear(3)
+
+
+def test_tensor_parallel_shards_are_refused(case):
+    from kvforge.distributed import shard_model
+
+    _, base, _, _, _ = case
+    model = load_model(base, linear_kernel="torch")
+    shard_model(model, types.SimpleNamespace(rank=0, size=2, device=torch.device("cpu"), all_reduce=lambda x: x))
+    with pytest.raises(ConfigError, match="tensor parallelism.*tensor_parallel_size = 1"):
+        enable_lora(model, max_loras=1, max_rank=MAX_RANK)
