@@ -43,7 +43,7 @@ class LoRAAdapterError(ConfigError):
     """A LoRA adapter cannot run on this model; the message names the file, field or tensor."""
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)  # two reads are told apart by `fingerprint`, not by comparing tensors
 class LoRAAdapter:
     """One PEFT LoRA adapter in host memory, checked against a model.
 

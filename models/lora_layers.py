@@ -76,17 +76,23 @@ def lora_targets(model: nn.Module) -> dict[str, LoRATarget]:
             if layer is not None:
                 sizes = fused_part_sizes(module, parts)
                 starts = [sum(sizes[:i]) for i in range(len(sizes))]
-                in_features = layer_features(layer)[0]
+                in_features, out_features = layer_features(layer)
+                if sum(sizes) != out_features:
+                    raise ConfigError(f"{prefix}{fused} has {out_features} output features, but its attention's "
+                                      f"heads make {' + '.join(map(str, sizes))}: LoRA cannot tell where its parts "
+                                      f"({', '.join(parts)}) lie")
                 for i, (part, start, size) in enumerate(zip(parts, starts, sizes)):
                     targets[prefix + part] = LoRATarget(prefix + fused, i, start, size, in_features)
     return targets
 
 
 def fused_part_sizes(attention: nn.Module, parts: tuple[str, ...]) -> list[int]:
-    """Output features of q, k and v in a fused `qkv_proj`, from its attention's spec."""
+    """Output features of each part of a fused layer: q, k and v of a `qkv_proj`, from
+    its attention's spec (the heads this model, or this shard, holds)."""
     spec = attention.attn.spec
-    q, kv = spec.num_heads * spec.head_size, spec.num_kv_heads * spec.head_size
-    return [q, kv, kv][:len(parts)]
+    sizes = {"q_proj": spec.num_heads * spec.head_size, "k_proj": spec.num_kv_heads * spec.head_size,
+             "v_proj": spec.num_kv_heads * spec.head_size}
+    return [sizes[part] for part in parts]
 
 
 @dataclass(frozen=True)
@@ -180,7 +186,7 @@ class LoRAState:
         """Copy `adapter` (a `LoRAAdapter`) into `slot`: each A and B zero-padded to
         `max_rank`, the adapter's scale folded into B, in the model's dtype; the
         slot's layers the adapter does not target become zeros."""
-        from .lora_adapter import LoRAAdapterError
+        from .lora_adapter import LoRAAdapterError  # here: lora_adapter imports this module
 
         self._check_slot(slot)
         if adapter.rank > self.max_rank:

@@ -11,7 +11,7 @@ model to). bfloat16 is held loosely to the float32 reference: 0.25, since the
 adapters are strong enough to make these tiny random models sensitive
 (transformers' own bfloat16 run of the Llama adapter is 0.18 from its float32
 one; a wrong adapter is off by more than 1). Int8 weights are compared by the
-adapter's delta (see `test_int8_base_adds_the_adapters_delta`).
+adapter's delta (see `test_int8_base_adds_the_adapters_delta`), within 5e-2.
 """
 
 from __future__ import annotations
@@ -40,6 +40,7 @@ from kvforge.backends.reference import ReferenceAttentionBackend  # noqa: E402
 
 TOLERANCE = 1e-4
 BF16_TOLERANCE = 0.25
+INT8_DELTA_TOLERANCE = 5e-2  # the int8 rounding of the base moves the adapter's delta by about 1e-2 here
 PROMPT_LENS = (5, 11, 17, 3)
 DECODE = 3
 ROW_SLOTS = (0, -1, 1, 0)  # each row's slot: adapter 0, the base, adapter 1, adapter 0 again
@@ -245,7 +246,7 @@ def test_int8_base_adds_the_adapters_delta(case):
         if slot < 0:
             assert torch.equal(found, torch.zeros_like(found))
         else:
-            assert relative_error(found, delta) <= 0.1, f"row {b}: {relative_error(found, delta):.2e}"
+            assert relative_error(found, delta) <= INT8_DELTA_TOLERANCE, f"row {b}: {relative_error(found, delta):.2e}"
 
 
 @settings(max_examples=3, deadline=None, derandomize=True, phases=(Phase.explicit, Phase.generate),
