@@ -1,7 +1,8 @@
 """`kvforge serve`: an OpenAI-compatible HTTP server over the reference engine.
 
 Every engine setting works as in `kvforge generate` (`--config FILE`,
-`--set section.key=value`). See docs/serving.md.
+`--set section.key=value`). See docs/serving.md, and docs/lora.md for the LoRA
+flags.
 """
 
 from __future__ import annotations
@@ -11,7 +12,8 @@ import logging
 import os
 import sys
 
-from .cli_options import add_config_options, add_parallel_options, parallel_overrides
+from .cli_options import (add_config_options, add_lora_options, add_parallel_options, lora_modules, lora_overrides,
+                          parallel_overrides)
 
 log = logging.getLogger("kvforge.serve")
 
@@ -43,6 +45,7 @@ def add_parser(commands) -> None:
                              "the same replica (its prefix cache hits) unless it is much busier (default: "
                              "least_tokens)")
     add_parallel_options(parser)
+    add_lora_options(parser)
     parser.add_argument("--uvicorn-log-level", default="info", help="uvicorn's log level (default: info)")
     parser.set_defaults(run=run)
 
@@ -55,6 +58,11 @@ def run(args: argparse.Namespace) -> int:
         print(f"error: --data-parallel-size must be >= 1, got {args.data_parallel_size}", file=sys.stderr)
         return 2
     try:
+        modules = lora_modules(args)
+    except ValueError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    try:
         from kvforge.serving import ServeSettings, serve
     except ImportError as exc:
         print(f"error: kvforge serve needs the serve extra ({exc.name} is missing): "
@@ -64,7 +72,7 @@ def run(args: argparse.Namespace) -> int:
 
     from .cli_generate import selection_line
 
-    args.overrides = parallel_overrides(args)
+    args.overrides = parallel_overrides(args) + lora_overrides(args)
     if args.data_parallel_size > 1:
         return _run_replicas(args, ServeSettings, serve, selection_line)
     if args.threads:
@@ -75,10 +83,39 @@ def run(args: argparse.Namespace) -> int:
     engine = LLM(config_file=args.config, overrides=args.overrides, **sections).engine
     name = args.served_model_name or args.model or str(engine.config.model)
     print(selection_line(engine, verbose=True), file=sys.stderr)
-    settings = ServeSettings(model_name=name, api_key=args.api_key, max_waiting_requests=args.max_waiting_requests)
+    try:
+        adapters = _load_adapters(engine, modules, name)
+    except ValueError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    settings = ServeSettings(model_name=name, api_key=args.api_key, max_waiting_requests=args.max_waiting_requests,
+                             lora_modules=adapters, enable_lora_updates=args.enable_lora_updates)
     serve(engine, settings, host=args.host, port=args.port, grace_s=args.grace_period,
           log_level=args.uvicorn_log_level)
     return 0
+
+
+def _load_adapters(engine, modules, served_name: str) -> list:
+    """`--lora-modules` loaded by the engine before the server starts (numbered 1, 2, ...
+    in the order given), so a bad adapter stops the start with its reason; `ValueError`."""
+    from kvforge.core import ConfigError, RequestError
+    from kvforge.engine.lora_request import LoRARequest
+
+    requests = []
+    for number, module in enumerate(modules, start=1):
+        if module.base_model_name is not None and module.base_model_name != served_name:
+            raise ValueError(f"--lora-modules {module.name!r}: base_model_name {module.base_model_name!r} is not the "
+                             f"served model {served_name!r}; this server serves one base model (leave "
+                             "base_model_name out, or give it --served-model-name)")
+        request = LoRARequest(module.name, number, module.path)
+        try:
+            engine.add_lora(request)
+        except (ConfigError, RequestError) as exc:  # LoRAAdapterError is a ConfigError
+            raise ValueError(f"--lora-modules {module.name!r}: {exc}") from None
+        requests.append(request)
+    if requests:
+        log.info("serving LoRA adapters %s", ", ".join(r.lora_name for r in requests))
+    return requests
 
 
 def _run_replicas(args: argparse.Namespace, ServeSettings, serve, selection_line) -> int:
@@ -92,6 +129,11 @@ def _run_replicas(args: argparse.Namespace, ServeSettings, serve, selection_line
 
     # A bad setting is refused here, once, before N processes each load the model to find it.
     loaded = load_config(args.config, overrides=args.overrides, **({"model": args.model} if args.model else {}))
+    if loaded.config.lora.enabled:
+        print(f"error: --data-parallel-size {args.data_parallel_size} with LoRA adapters is not supported yet: "
+              "adapters are served by one engine; drop --data-parallel-size, or serve without LoRA (no "
+              "--lora-modules, --enable-lora or lora settings)", file=sys.stderr)
+        return 2
     if loaded.config.parallel.world_size > 1:
         print(f"error: --data-parallel-size {args.data_parallel_size} with parallel.world_size "
               f"{loaded.config.parallel.world_size} (tensor x pipeline parallel) is not supported yet: replicas of "

@@ -1,5 +1,6 @@
 """The FastAPI application: routes, the API-key check, error handlers, and the
-engine loop started and stopped with the app's lifespan."""
+engine loop started and stopped with the app's lifespan. The LoRA routes are in
+lora_routes.py."""
 
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ from kvforge.engine.llm_engine import LLMEngine
 
 from .errors import APIError, api_error_handler, http_error_handler, validation_error_handler
 from .openai_api import OpenAIServer, ServeSettings
+from .lora_routes import install_lora_routes
 from .openapi_schema import HEALTH_RESPONSES, METRICS_RESPONSES, error_responses, generation_responses, install
 from .protocol import ChatCompletionRequest, CompletionRequest
 from .replica_pool import ReplicaPool
@@ -79,9 +81,12 @@ def build_app(engine: LLMEngine | None, settings: ServeSettings, *, replicas: Re
 
     @app.get("/v1/models", responses=error_responses(401) if keyed else None)
     async def models() -> JSONResponse:
-        return JSONResponse({"object": "list", "data": [{
-            "id": settings.model_name, "object": "model", "created": started, "owned_by": "kvforge",
-            "root": server.model.root, "max_model_len": server.model.max_model_len}]})
+        """The served model, then each LoRA adapter (its `parent` the served model), as vLLM lists them."""
+        base = {"id": settings.model_name, "object": "model", "created": started, "owned_by": "kvforge",
+                "root": server.model.root, "parent": None, "max_model_len": server.model.max_model_len}
+        return JSONResponse({"object": "list", "data": [base, *server.adapters.model_cards(started)]})
+
+    install_lora_routes(app, server.adapters, enabled=settings.enable_lora_updates, keyed=keyed)
 
     @app.post("/v1/completions", responses=generation)
     async def completions(request: Request, body: CompletionRequest) -> Response:

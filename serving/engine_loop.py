@@ -3,8 +3,10 @@
 A single asyncio task owns the `LLMEngine`: it runs each `step()` on one worker
 thread (so the event loop, and every HTTP handler, stays responsive while the
 model runs) and, between steps, applies the adds and aborts that handlers
-queued. Nothing else touches the engine, so it needs no lock. Each step's
-outputs go to the asyncio queue of the handler that owns the request.
+queued, and runs the engine calls they asked for (`call`: loading or removing a
+LoRA adapter) on that same thread. Nothing else touches the engine, so it needs
+no lock. Each step's outputs go to the asyncio queue of the handler that owns
+the request.
 """
 
 from __future__ import annotations
@@ -12,12 +14,13 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 from kvforge.core import RequestError
 from kvforge.engine.llm_engine import LLMEngine
+from kvforge.engine.lora_request import LoRARequest
 from kvforge.engine.outputs import RequestOutput
 from kvforge.engine.sampling_params import SamplingParams
 
@@ -37,6 +40,7 @@ class _PendingAdd:
     cache_salt: str | None
     arrival_time: float
     accepted: asyncio.Future = field(repr=False)
+    lora_request: LoRARequest | None = None
 
 
 class EngineLoop:
@@ -53,6 +57,7 @@ class EngineLoop:
         self.num_waiting = 0  # the engine's waiting queue, as of the last step
         self._adds: list[_PendingAdd] = []
         self._aborts: list[str] = []
+        self._calls: list[tuple[Callable, asyncio.Future]] = []
         self._queues: dict[str, asyncio.Queue] = {}
         self._wake: asyncio.Event | None = None
         self._task: asyncio.Task | None = None
@@ -73,10 +78,11 @@ class EngineLoop:
             except asyncio.CancelledError:
                 pass
         await asyncio.get_running_loop().run_in_executor(None, self._executor.shutdown)  # lets a running step end
-        for add in self._adds:
-            if not add.accepted.done():
-                add.accepted.set_exception(EngineDeadError("the server is shutting down"))
+        for future in [add.accepted for add in self._adds] + [future for _, future in self._calls]:
+            if not future.done():
+                future.set_exception(EngineDeadError("the server is shutting down"))
         self._adds.clear()
+        self._calls.clear()
         for request_id in list(self.engine.groups):
             self.engine.abort_request(request_id)
         self._end_streams(EngineDeadError("the server is shutting down"))
@@ -93,17 +99,19 @@ class EngineLoop:
     # Handlers' side
 
     async def submit(self, request_id: str, token_ids: Sequence[int], params: SamplingParams,
-                     queue: asyncio.Queue, *, priority: int = 0, cache_salt: str | None = None) -> int:
-        """Queue a request; returns once the engine took it, with the engine's number
-        (its metrics' `engine` label: 0, the one). Its outputs (and, if the engine
-        dies, the error) arrive on `queue`. Raises `RequestError` if the engine
-        refuses it, `EngineDeadError` if the engine is dead."""
+                     queue: asyncio.Queue, *, priority: int = 0, cache_salt: str | None = None,
+                     lora_request: LoRARequest | None = None) -> int:
+        """Queue a request (run with `lora_request`'s adapter, None: the base model);
+        returns once the engine took it, with the engine's number (its metrics'
+        `engine` label: 0, the one). Its outputs (and, if the engine dies, the
+        error) arrive on `queue`. Raises `RequestError` if the engine refuses it,
+        `EngineDeadError` if the engine is dead."""
         if not self.alive:
             raise EngineDeadError(f"the engine is not running ({self.error or 'stopped'})")
         accepted = asyncio.get_running_loop().create_future()
         self._queues[request_id] = queue
         self._adds.append(_PendingAdd(request_id, list(token_ids), params, priority, cache_salt, time.monotonic(),
-                                      accepted))
+                                      accepted, lora_request))
         self._wake.set()
         try:
             await accepted
@@ -113,6 +121,17 @@ class EngineLoop:
                 self.abort(request_id)
             raise
         return 0
+
+    async def call(self, fn: Callable[[LLMEngine], object]) -> object:
+        """`fn(engine)`'s result (or its exception), run between two steps on the
+        engine's thread: how handlers load and remove LoRA adapters without
+        touching the engine themselves. Raises `EngineDeadError` if the engine is dead."""
+        if not self.alive:
+            raise EngineDeadError(f"the engine is not running ({self.error or 'stopped'})")
+        done = asyncio.get_running_loop().create_future()
+        self._calls.append((fn, done))
+        self._wake.set()
+        return await done
 
     def abort(self, request_id: str) -> None:
         """Stop a request (before or after the engine took it); its blocks are
@@ -151,9 +170,12 @@ class EngineLoop:
         loop = asyncio.get_running_loop()
         while True:
             self._apply_pending()
+            if self._calls:
+                await self._run_calls(loop)
+                continue
             if not self.engine.has_unfinished_requests():
                 self._wake.clear()
-                if not self._adds and not self._aborts:
+                if not self._adds and not self._aborts and not self._calls:
                     await self._wake.wait()
                 continue
             try:
@@ -162,10 +184,11 @@ class EngineLoop:
                 log.exception("engine step failed; the engine is stopped")
                 self.error = exc
                 self._end_streams(EngineDeadError(f"the engine failed: {type(exc).__name__}: {exc}"))
-                for add in self._adds:
-                    if not add.accepted.done():
-                        add.accepted.set_exception(EngineDeadError(f"the engine failed: {exc}"))
+                for future in [add.accepted for add in self._adds] + [future for _, future in self._calls]:
+                    if not future.done():
+                        future.set_exception(EngineDeadError(f"the engine failed: {exc}"))
                 self._adds.clear()
+                self._calls.clear()
                 return
             self.num_waiting = len(self.engine.scheduler.waiting)
             if self.on_step is not None:
@@ -188,7 +211,7 @@ class EngineLoop:
             try:
                 self.engine.add_request(add.request_id, prompt_token_ids=add.token_ids, params=add.params,
                                         priority=add.priority, arrival_time=add.arrival_time,
-                                        cache_salt=add.cache_salt)
+                                        cache_salt=add.cache_salt, lora_request=add.lora_request)
             except Exception as exc:  # RequestError: refused; anything else is a bug, failing this request only
                 if not isinstance(exc, RequestError):
                     log.exception("the engine could not add request %s; the other requests go on", add.request_id)
@@ -200,6 +223,22 @@ class EngineLoop:
             self.num_waiting = len(self.engine.scheduler.waiting)
             if aborts and self.on_step is not None:
                 self.on_step(self.engine, [output for output in aborted if output is not None], time.monotonic())
+
+    async def _run_calls(self, loop) -> None:
+        """The queued `call`s, one after another on the engine's thread (no step runs
+        meanwhile); each one's exception goes to its caller only."""
+        calls, self._calls = self._calls, []
+        for fn, done in calls:
+            if done.done():  # its caller went away
+                continue
+            try:
+                result = await loop.run_in_executor(self._executor, fn, self.engine)
+            except Exception as exc:
+                if not done.done():
+                    done.set_exception(exc)
+                continue
+            if not done.done():
+                done.set_result(result)
 
     def _end_streams(self, error: BaseException) -> None:
         for queue in self._queues.values():

@@ -2,6 +2,12 @@
 buckets (`vllm:num_requests_running`, `vllm:time_to_first_token_seconds`, ...),
 so dashboards built for `vllm serve` read a kvforge server unchanged.
 
+With LoRA adapters, vLLM's `vllm:lora_requests_info` (its value the time of
+the last update; labels `running_lora_adapters` and `waiting_lora_adapters`,
+the adapters with requests running or waiting, comma-separated, and `max_lora`)
+and, per adapter (label `lora_name`), kvforge's own request gauges and token
+counters (`kvforge:lora_prompt_tokens_total`, ...).
+
 The metrics are built once per server and updated after every engine step (and
 after aborts); a scrape only renders them. Counters follow the engine's own
 running totals, so a scrape never misses what happened between two scrapes.
@@ -9,7 +15,8 @@ running totals, so a scrape never misses what happened between two scrapes.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import time
+from dataclasses import dataclass, field
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
@@ -56,6 +63,9 @@ class EngineSnapshot:
     waiting_for_grammar: int = 0  # structured outputs: requests whose grammar compiles, the compile
     grammar_compile_seconds: tuple[float, ...] = ()  # times since the last snapshot, and a running total
     grammar_mask_seconds: float = 0.0
+    max_loras: int = 0  # lora.max_loras; 0 without LoRA
+    # LoRA adapter name: running, waiting, prompt_tokens, generation_tokens (`LLMEngine.lora_figures`)
+    lora: dict[str, dict[str, int]] = field(default_factory=dict)
 
     @classmethod
     def of(cls, engine) -> "EngineSnapshot":
@@ -65,7 +75,8 @@ class EngineSnapshot:
                    usage.hits, engine.scheduler.num_preemptions, stats.num_prompt_tokens,
                    stats.num_generated_tokens, stats.num_verifications, stats.num_draft_tokens,
                    stats.num_accepted_tokens, len(engine.scheduler.waiting_for_grammar),
-                   grammars.take_compile_seconds(), grammars.mask_seconds_sum)
+                   grammars.take_compile_seconds(), grammars.mask_seconds_sum,
+                   engine.config.lora.max_loras if engine.config.lora.enabled else 0, engine.lora_figures())
 
 
 class ServerMetrics:
@@ -131,6 +142,19 @@ class ServerMetrics:
                              TOKEN_LATENCY_BUCKETS)
         self.e2e = histogram("vllm:e2e_request_latency_seconds", "Histogram of e2e request latency in seconds.",
                              REQUEST_LATENCY_BUCKETS)
+        self.lora_info = Gauge("vllm:lora_requests_info", "Running stats on lora requests.",
+                               ["max_lora", "waiting_lora_adapters", "running_lora_adapters"], registry=self.registry)
+        self._lora_info_labels: tuple[str, str, str] | None = None  # its one series' labels (one engine)
+        lora_names = [*names, "lora_name"]
+        self.lora_running = Gauge("kvforge:lora_requests_running", "Requests running with each LoRA adapter.",
+                                  lora_names, registry=self.registry)
+        self.lora_waiting = Gauge("kvforge:lora_requests_waiting", "Requests waiting with each LoRA adapter.",
+                                  lora_names, registry=self.registry)
+        self.lora_prompt_tokens = Counter("kvforge:lora_prompt_tokens", "Prefill tokens processed with each LoRA "
+                                          "adapter.", lora_names, registry=self.registry)
+        self.lora_generation_tokens = Counter("kvforge:lora_generation_tokens", "Tokens generated with each LoRA "
+                                              "adapter.", lora_names, registry=self.registry)
+        self._engine_labels = engines
         if num_engines > 1:  # the router's view of each replica, only where there is routing
             self.outstanding = gauge("kvforge:replica_outstanding_tokens",
                                      "Prompt tokens not yet prefilled plus tokens not yet generated, per replica.")
@@ -169,8 +193,33 @@ class ServerMetrics:
             self._totals[(index, key)] = total
         for seconds in snapshot.grammar_compile_seconds:
             self.grammar_compile_seconds[index].observe(seconds)
+        if snapshot.max_loras:
+            self._on_lora(index, snapshot)
         for output in outputs:
             self._observe(index, output, now)
+
+    def _on_lora(self, index: int, snapshot: EngineSnapshot) -> None:
+        """The LoRA metrics of engine `index` (LoRA is served by one engine, not by
+        replicas). `vllm:lora_requests_info` keeps one series, the current one: the
+        series of a label set that no longer holds is removed, so a scrape reads the
+        adapters of now without picking the newest timestamp among old ones."""
+        figures = snapshot.lora
+        labels = (str(snapshot.max_loras), ",".join(n for n, f in figures.items() if f["waiting"]),
+                  ",".join(n for n, f in figures.items() if f["running"]))
+        if self._lora_info_labels not in (None, labels):
+            self.lora_info.remove(*self._lora_info_labels)
+        self._lora_info_labels = labels
+        self.lora_info.labels(*labels).set(time.time())
+        for name, figure in figures.items():
+            per = {**self._engine_labels[index], "lora_name": name}
+            self.lora_running.labels(**per).set(figure["running"])
+            self.lora_waiting.labels(**per).set(figure["waiting"])
+            for counter, key in ((self.lora_prompt_tokens, "prompt_tokens"),
+                                 (self.lora_generation_tokens, "generation_tokens")):
+                delta = figure[key] - self._totals.get((index, f"lora:{name}:{key}"), 0)
+                if delta > 0:
+                    counter.labels(**per).inc(delta)
+                self._totals[(index, f"lora:{name}:{key}")] = figure[key]
 
     def _observe(self, index: int, output, now: float) -> None:
         request_id = output.request_id

@@ -22,6 +22,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from kvforge.core import RequestError
 from kvforge.engine.llm_engine import LLMEngine
+from kvforge.engine.lora_request import LoRARequest
 from kvforge.engine.outputs import RequestOutput
 from kvforge.engine.sampling_params import SamplingParams
 from kvforge.engine.structured_outputs import is_spec_error
@@ -35,6 +36,7 @@ from .protocol import ChatCompletionRequest, CompletionRequest, SamplingFields
 from .replica_pool import ReplicaPool
 from .responses import SSE_DONE, TokenText, chat_logprobs, choice_index, completion_logprobs, failed, sse, usage
 from .router import Router
+from .served_adapters import ServedAdapters
 from .served_model import ServedModel
 from .structured_protocol import INVALID_STRUCTURED_OUTPUT, STRUCTURED_OUTPUTS
 from .tool_call_format import ToolCallReader
@@ -48,13 +50,17 @@ log = logging.getLogger(__name__)
 class ServeSettings:
     """How the server answers. `model_name` is the id clients send as `model`;
     `max_waiting_requests` bounds requests accepted but not yet scheduled (None:
-    unbounded), beyond which a request gets 503 with `Retry-After`."""
+    unbounded), beyond which a request gets 503 with `Retry-After`. `lora_modules`
+    are the LoRA adapters served from the start (loaded by the engine already);
+    `enable_lora_updates` opens /v1/load_lora_adapter and /v1/unload_lora_adapter."""
 
     model_name: str
     api_key: str | None = None
     max_waiting_requests: int | None = None
     retry_after_s: int = 1
     data_parallel_routing: str = "least_tokens"  # with replicas: see router.py
+    lora_modules: list[LoRARequest] = dataclasses.field(default_factory=list)
+    enable_lora_updates: bool = False
 
 
 @dataclass
@@ -66,6 +72,8 @@ class _Prepared:
     requests: list[tuple[str, list[int], SamplingParams]]
     n: int
     logprobs: int | None
+    model: str = ""  # the `model` the response names: the served model's, or the LoRA adapter's
+    lora_request: LoRARequest | None = None
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -90,16 +98,18 @@ class OpenAIServer:
                             prefix_tokens=self.model.block_size, imbalance_slack_tokens=self.model.max_model_len)
             self.loop = DataParallelLoop(replicas, router, self.metrics)
         self.token_text = TokenText(self.model.tokenizer)
+        self.adapters = ServedAdapters(settings.model_name, self.loop, settings.lora_modules)
 
     # Endpoints
 
     async def completions(self, request: Request, body: CompletionRequest) -> Response:
-        self._check_model(body.model)
+        lora = self.adapters.resolve(body.model)
         given = body.prompts()
         prompts = [self._tokenize(p, f"prompt[{i}]" if len(given) > 1 else "prompt") for i, p in enumerate(given)]
         if not prompts:
             raise bad_request("prompt is empty; give a string, a list of strings or token ids", param="prompt")
         prepared = self._prepare("cmpl", body, prompts, body.max_tokens, body.logprobs, "prompt")
+        prepared.model, prepared.lora_request = body.model or self.settings.model_name, lora
         queue = await self._submit(prepared, body)
         outputs = self.loop.outputs(queue, [rid for rid, _, _ in prepared.requests])
         if body.stream:
@@ -118,17 +128,18 @@ class OpenAIServer:
                                 "finish_reason": c.finish_reason, "stop_reason": c.stop_reason})
         choices.sort(key=lambda choice: choice["index"])
         return JSONResponse({"id": prepared.response_id, "object": "text_completion", "created": prepared.created,
-                             "model": self.settings.model_name, "choices": choices,
+                             "model": prepared.model, "choices": choices,
                              "usage": usage(prepared.num_prompt_tokens, completion_tokens)})
 
     async def chat(self, request: Request, body: ChatCompletionRequest) -> Response:
-        self._check_model(body.model)
+        lora = self.adapters.resolve(body.model)
         messages = [{"role": m.role, "content": m.text()} for m in body.messages]
         tools = [tool.model_dump(exclude_none=True) for tool in body.tools or []]
         prompt = chat_prompt_token_ids(self.model.tokenizer, messages, tools)
         prepared = self._prepare("chatcmpl", body, [prompt], body.requested_max_tokens, body.num_logprobs, "messages",
                                  max_tokens_param="max_completion_tokens" if body.max_completion_tokens is not None
                                  else "max_tokens")
+        prepared.model, prepared.lora_request = body.model or self.settings.model_name, lora
         prepared, queue = await self._submit_chat(prepared, body)
         reader = body.tool_call_reader(constrained=prepared.requests[0][2].structured_outputs is not None)
         outputs = self.loop.outputs(queue, [prepared.requests[0][0]])
@@ -146,16 +157,10 @@ class OpenAIServer:
                             "logprobs": chat_logprobs(c, prepared.logprobs or 0, self.token_text, False),
                             "finish_reason": finish_reason, "stop_reason": c.stop_reason})
         return JSONResponse({"id": prepared.response_id, "object": "chat.completion", "created": prepared.created,
-                             "model": self.settings.model_name, "choices": choices,
+                             "model": prepared.model, "choices": choices,
                              "usage": usage(prepared.num_prompt_tokens, sum(len(c.token_ids) for c in output.outputs))})
 
     # Checks
-
-    def _check_model(self, model: str | None) -> None:
-        if model is not None and model != self.settings.model_name:
-            raise APIError(404, f"model {model!r} is not served here; this server serves "
-                           f"{self.settings.model_name!r} (see GET /v1/models)", param="model",
-                           code="model_not_found")
 
     def _tokenize(self, prompt: str | list[int], param: str) -> list[int]:
         if isinstance(prompt, list):
@@ -224,8 +229,10 @@ class OpenAIServer:
         submitted = []
         try:
             for request_id, token_ids, params in prepared.requests:
+                # Only the one-engine loop serves adapters (kvforge serve refuses them with replicas).
+                lora = {"lora_request": prepared.lora_request} if prepared.lora_request is not None else {}
                 engine = await self.loop.submit(request_id, token_ids, params, queue, priority=body.priority,
-                                                cache_salt=body.cache_salt)
+                                                cache_salt=body.cache_salt, **lora)
                 submitted.append(request_id)
                 self.metrics.on_request(params.max_tokens, params.n, engine)
         except RequestError as exc:
@@ -254,7 +261,7 @@ class OpenAIServer:
         offsets: dict[int, int] = {}  # choice index: its text length so far (logprobs' text_offset)
         done: set[int] = set()  # choices whose finish was sent
         head = {"id": prepared.response_id, "object": "text_completion", "created": prepared.created,
-                "model": self.settings.model_name}
+                "model": prepared.model}
         async for output in outputs:
             _raise_if_failed(output)
             for c in output.outputs:
@@ -277,7 +284,7 @@ class OpenAIServer:
     async def _chat_events(self, prepared: _Prepared, body: ChatCompletionRequest, reader: ToolCallReader | None,
                            outputs: AsyncIterator[RequestOutput]) -> AsyncIterator[str]:
         head = {"id": prepared.response_id, "object": "chat.completion.chunk", "created": prepared.created,
-                "model": self.settings.model_name}
+                "model": prepared.model}
         tokens: dict[int, int] = {}
         done: set[int] = set()
         calls = {index: ToolCallDeltas(reader) for index in range(prepared.n)} if reader is not None else {}

@@ -40,7 +40,8 @@ ERROR_DESCRIPTIONS = {
          "or to a function they lack (`code: invalid_tool_choice`).",
     401: "The server requires an API key (`--api-key`) and `Authorization: Bearer KEY` is missing or wrong "
          "(`code: invalid_api_key`).",
-    404: "`model` is not the served model (`code: model_not_found`); GET /v1/models lists it.",
+    404: "`model` is neither the served model nor one of its LoRA adapters (`code: model_not_found`); GET "
+         "/v1/models lists them.",
     500: "The engine ended the request with an error (`code: generation_failed` or `engine_dead`). In a stream the "
          "error arrives as a `data: {\"error\": ...}` event before `[DONE]` instead.",
     503: "The server is busy (`--max-waiting-requests` reached; `code: server_busy`, with a `Retry-After` header) "
