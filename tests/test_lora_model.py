@@ -47,11 +47,12 @@ ROW_SLOTS = (0, -1, 1, 0)  # each row's slot: adapter 0, the base, adapter 1, ad
 MAX_RANK = 8
 
 
-def kernels() -> list[str]:
+def kernels(dtype: torch.dtype = torch.float32) -> list[str]:
+    """The linear kernels that run `dtype` models here."""
     found = ["torch"]
-    if onednn_unavailable(torch.float32, torch.device("cpu")) is None:
+    if onednn_unavailable(dtype, torch.device("cpu")) is None:
         found.append("onednn")
-    if cpp_linear_unavailable(torch.float32, torch.device("cpu")) is None:
+    if cpp_linear_unavailable(dtype, torch.device("cpu")) is None:
         found.append("cpp")
     return found
 
@@ -153,12 +154,13 @@ def test_swapped_slots_fail_the_comparison(case):
     assert error > 100 * TOLERANCE
 
 
-def test_bfloat16_matches_peft_loosely(case):
+@pytest.mark.parametrize("kernel", kernels(torch.bfloat16))
+def test_bfloat16_matches_peft_loosely(case, kernel):
     _, base, adapters, sequences, references = case
-    model = load(base, adapters, linear_kernel="torch", dtype=torch.bfloat16)
+    model = load(base, adapters, linear_kernel=kernel, dtype=torch.bfloat16)
     found = [[part.float() for part in row] for row in run(model, sequences, ROW_SLOTS)]
     error = worst_error(found, expected(references, sequences, ROW_SLOTS))
-    assert error <= BF16_TOLERANCE, f"bfloat16: relative error {error:.2e}"
+    assert error <= BF16_TOLERANCE, f"bfloat16, {kernel}: relative error {error:.2e}"
 
 
 @pytest.mark.parametrize("kernel", kernels())
