@@ -164,8 +164,7 @@ class LoRALinear(nn.Module):
         return self(x).add_(other)
 
     def extra_repr(self) -> str:
-        names = ", ".join(p.layer.rpartition(".")[2] if len(self.parts) == 1 else str(p.part) for p in self.parts)
-        return f"parts={len(self.parts)} ({names}), max_loras={self.state.max_loras}, max_rank={self.state.max_rank}"
+        return f"parts={len(self.parts)}, max_loras={self.state.max_loras}, max_rank={self.state.max_rank}"
 
 
 class LoRAState:
