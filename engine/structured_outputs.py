@@ -11,7 +11,9 @@ compiled again for each request (its grammar is that request's own state) --
 a backend keeps its library's compiled form, so a repeat compile is cheap.
 
 Per step the sampler asks for one bitmask row per sampling position of each
-structured request and masks all rows with one batched op per backend.
+structured request and masks all rows with one batched op per backend. A request
+with `close_within_max_tokens` has its rows near the end of its budget forced
+onto a path that finishes the document (`structured_closing.Closer`).
 """
 
 from __future__ import annotations
@@ -29,6 +31,8 @@ import torch
 
 from kvforge.core import DraftProposal, RequestError
 from kvforge.core.structured_output import Grammar, StructuredOutputBackend, StructuredOutputSpec, Vocabulary
+
+from .structured_closing import Closer
 
 SPEC_ERROR = "structured_outputs ({spec}) "
 """How every error of a request's spec (refused, failed or too slow to compile) begins."""
@@ -91,6 +95,17 @@ class StructuredOutputs:
         self.outcomes: OrderedDict[StructuredOutputSpec, str | None] = OrderedDict()  # spec -> error, None: compiled
         self.stats = StructuredOutputStats()
         self._pool: DaemonPool | None = None
+        self._closer: Closer | None = None  # built with the first request that asks to close within max_tokens
+
+    def closer_for(self, request) -> Closer | None:
+        """The `Closer` when `request` asked for `close_within_max_tokens`, else None
+        (also for a stand-in with a grammar but no params, as embedders and tests pass)."""
+        params = getattr(getattr(request, "params", None), "structured_outputs", None)
+        if params is None or not params.close_within_max_tokens:
+            return None
+        if self._closer is None:
+            self._closer = Closer(self.vocabulary)
+        return self._closer
 
     @property
     def vocabulary(self) -> Vocabulary:
@@ -192,6 +207,7 @@ class StructuredOutputs:
             "structured_mask_seconds_sum": stats.mask_seconds_sum,
             "structured_mask_steps": stats.mask_steps,
             "structured_draft_tokens_cut": stats.draft_tokens_cut,
+            "structured_closing_forced_rows": 0 if self._closer is None else self._closer.forced_rows,
         }
 
     def shutdown(self) -> None:
@@ -223,29 +239,29 @@ class StructuredOutputs:
         """Mask `logits` in place. Without `drafts`, row `i` belongs to `requests[i]`.
         With `drafts`, request `i` owns `1 + len(drafts[i])` consecutive rows: row `j`
         is masked with its grammar advanced through the first `j` draft tokens (then
-        rolled back), so every verified position has its own mask."""
+        rolled back), so every verified position has its own mask (forced to one token
+        where the request's budget left there is down to its closing path)."""
         began = time.perf_counter()
         rows: dict[int, list[int]] = {}  # backend id -> logit rows
-        fills: list[tuple[Grammar, StructuredOutputBackend, int, Sequence[int]]] = []
+        fills: list[tuple] = []
         row = 0
         for i, request in enumerate(requests):
             width = 1 + (len(drafts[i]) if drafts is not None else 0)
             if request.grammar is not None:
-                backend = request.grammar_backend
-                fills.append((request.grammar, backend, row, drafts[i] if drafts is not None else ()))
+                fills.append((request, row, drafts[i] if drafts is not None else ()))
             row += width
         if not fills:
             return
         by_backend: dict[int, tuple[StructuredOutputBackend, list[int], list[tuple]]] = {}
-        for grammar, backend, first, draft in fills:
-            entry = by_backend.setdefault(id(backend), (backend, [], []))
+        for request, first, draft in fills:
+            entry = by_backend.setdefault(id(request.grammar_backend), (request.grammar_backend, [], []))
             entry[1].extend(range(first, first + 1 + len(draft)))
-            entry[2].append((grammar, draft))
-        for backend, logit_rows, grammars in by_backend.values():
+            entry[2].append((request, draft))
+        for backend, logit_rows, owners in by_backend.values():
             bitmask = backend.allocate_bitmask(len(logit_rows))
             at = 0
-            for grammar, draft in grammars:
-                at = _fill_rows(grammar, draft, bitmask, at)
+            for request, draft in owners:
+                at = _fill_rows(request, draft, bitmask, at, self.closer_for(request))
             # rows rise and never repeat: as many as logits means every row in order, and
             # no rows argument spares the backend a gather and scatter of the logits
             every_row = len(logit_rows) == logits.shape[0]
@@ -255,13 +271,20 @@ class StructuredOutputs:
         self.stats.mask_steps += 1
 
 
-def _fill_rows(grammar: Grammar, draft: Sequence[int], bitmask: torch.Tensor, at: int) -> int:
-    """Rows `at ..` for `grammar` and each position of `draft`; returns the next free row.
-    A terminated grammar's row stays all-allowed (the token after an EOS is discarded)."""
+def _fill_rows(request, draft: Sequence[int], bitmask: torch.Tensor, at: int, closer: Closer | None) -> int:
+    """Rows `at ..` for `request`'s grammar and each position of `draft`; returns the next
+    free row. A terminated grammar's row stays all-allowed (the token after an EOS is
+    discarded). With a `closer`, a row whose budget is down to its closing path allows
+    only that path's next token."""
+    grammar = request.grammar
     advanced = 0
     for j in range(1 + len(draft)):
         if not grammar.is_terminated():
-            grammar.fill_bitmask(bitmask, at + j)
+            forced = None if closer is None else closer.forced_token(request, grammar, draft[:j])
+            if forced is None:
+                grammar.fill_bitmask(bitmask, at + j)
+            else:
+                allow_only(bitmask, at + j, forced)
         if j < len(draft):
             if not grammar.accept_tokens([draft[j]]):
                 raise RuntimeError(f"the grammar refused draft token {draft[j]} that validate_tokens allowed")
@@ -269,6 +292,13 @@ def _fill_rows(grammar: Grammar, draft: Sequence[int], bitmask: torch.Tensor, at
     if advanced:
         grammar.rollback(advanced)
     return at + 1 + len(draft)
+
+
+def allow_only(bitmask: torch.Tensor, row: int, token_id: int) -> None:
+    """Row `row` of `bitmask` allows `token_id` alone."""
+    word, bit = divmod(token_id, 32)
+    bitmask[row].zero_()
+    bitmask[row, word] = -(1 << 31) if bit == 31 else 1 << bit  # an int32 word
 
 
 def is_spec_error(error: str | None) -> bool:

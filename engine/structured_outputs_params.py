@@ -22,7 +22,7 @@ from kvforge.core.structured_output import (
 )
 
 FIELDS = ("json", "regex", "choice", "grammar", "json_object", "structural_tag")
-OPTIONS = ("grammar_syntax", "any_whitespace")
+OPTIONS = ("grammar_syntax", "any_whitespace", "close_within_max_tokens")
 
 
 @dataclass(frozen=True)
@@ -44,6 +44,12 @@ class StructuredOutputsParams:
     whitespace outside strings; True allows whitespace between JSON tokens, as
     the backend's library does (vLLM's default; its `disable_any_whitespace`
     inverted, since a small model given free whitespace may write nothing else).
+
+    `close_within_max_tokens`: False, the default, lets `max_tokens` cut an
+    unfinished output (finish_reason "length", as vLLM does); True makes the
+    engine close the output within `max_tokens` when the model does not: near the
+    end of the budget it forces the tokens of a short way to finish the document
+    (see `structured_closing`), and the output ends on EOS (finish_reason "stop").
     """
 
     json: dict | str | None = None
@@ -54,6 +60,7 @@ class StructuredOutputsParams:
     grammar_syntax: str = "ebnf"
     any_whitespace: bool = False
     structural_tag: str | None = None
+    close_within_max_tokens: bool = False
 
     def __post_init__(self) -> None:
         given = [name for name in FIELDS if getattr(self, name) not in (None, False)]
@@ -69,7 +76,7 @@ class StructuredOutputsParams:
             value = getattr(self, name)
             if value is not None and (not isinstance(value, str) or not value):
                 raise RequestError(f"structured_outputs.{name} must be a non-empty string, got {value!r}")
-        for name in ("json_object", "any_whitespace"):
+        for name in ("json_object", "any_whitespace", "close_within_max_tokens"):
             if getattr(self, name) is not True and getattr(self, name) is not False:
                 raise RequestError(f"structured_outputs.{name} must be True or False, got {getattr(self, name)!r}")
         if self.any_whitespace and self.json is None and not self.json_object:

@@ -64,6 +64,7 @@ class StructuredOutputsBody(BaseModel):
     json_object: bool | None = None
     grammar_syntax: Literal["ebnf", "lark"] | None = None
     any_whitespace: bool | None = None
+    close_within_max_tokens: bool | None = None  # kvforge's: close the output within max_tokens
 
 
 def structured_params(response_format: ResponseFormat | None,
