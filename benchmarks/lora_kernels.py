@@ -18,6 +18,7 @@ import time
 
 import torch
 
+from kvforge.core import dtype_name
 from kvforge.kernels import build
 from kvforge.kernels.lora_ops import add_lora_torch
 
@@ -59,7 +60,7 @@ def time_paths(rounds: int = 5) -> list[tuple[str, str, float, float]]:
             for _ in range(rounds):
                 cpp.append(cpu_ms(torch.ops.kvforge_cpp.add_lora, args, reps))
                 torch_ms.append(cpu_ms(add_lora_torch, args, reps))
-            rows.append((str(dtype).removeprefix("torch."), name, statistics.median(cpp), statistics.median(torch_ms)))
+            rows.append((dtype_name(dtype), name, statistics.median(cpp), statistics.median(torch_ms)))
     return rows
 
 

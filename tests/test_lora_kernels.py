@@ -31,6 +31,7 @@ import sys
 import pytest
 import torch
 
+from kvforge.core import dtype_name
 from kvforge.kernels.lora_ops import add_lora, add_lora_torch, lora_kernel_path, reference_lora
 
 LEVELS = ("avx512", "avx2", "baseline")
@@ -285,7 +286,7 @@ def interpreter_results() -> dict[str, float]:
     for name, (tokens, lengths, seg_slots, slots, rank, k, n) in shapes.items():
         for dtype in DTYPES:
             case = make_case(tokens, lengths, seg_slots, slots, rank, k, n, dtype, fresh_seed(), pad=2)
-            results[f"{name}, {str(dtype).removeprefix('torch.')}"] = run_and_check(add_lora_triton, case)
+            results[f"{name}, {dtype_name(dtype)}"] = run_and_check(add_lora_triton, case)
     case = make_case(3, [1, 2], [0, 1], 2, 4, 8, 8, torch.float32, seed=0)
     results["planted wrong adapter (must fail)"] = -run_and_check(neighbours_adapter(add_lora_triton), case)
     return results
