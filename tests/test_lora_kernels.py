@@ -179,12 +179,18 @@ def test_cpp_op_matches_float64_on_random_shapes(level, cpp_op):
     check()
 
 
+@pytest.mark.parametrize("threads", [1, 4])  # 4: few chunks split their ranks across threads too
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("shape", sorted(LARGE))
-def test_cpp_op_matches_float64_past_its_chunks(level, cpp_op, shape, dtype):
+def test_cpp_op_matches_float64_past_its_chunks(level, cpp_op, shape, dtype, threads):
     tokens, lengths, seg_slots, slots, rank, k, n = LARGE[shape]
     case = make_case(tokens, lengths, seg_slots, slots, rank, k, n, dtype, fresh_seed(), pad=5)
-    assert run_and_check(cpp_op, case) <= 1
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        assert run_and_check(cpp_op, case) <= 1
+    finally:
+        torch.set_num_threads(before)
 
 
 def test_torch_path_matches_float64_on_random_shapes():
