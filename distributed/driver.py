@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 
 from kvforge.core import DistributedError, EngineConfig, Quantizer
-from kvforge.engine.model_runner import ModelRunner, copy_blocks, logit_rows
+from kvforge.engine.model_runner import ModelRunner, copy_blocks, logit_rows, token_slots_of
 
 from . import step_message
 from .group import STARTUP_TIMEOUT_S
@@ -204,14 +204,18 @@ class DriverRunner(ModelRunner):
 
     @torch.inference_mode()
     def execute(self, scheduled, lora_slots=None) -> torch.Tensor:
-        if lora_slots is not None:  # the engine refuses lora with several ranks at start; never reached
-            raise NotImplementedError("LoRA adapters under tensor or pipeline parallelism")
         self.apply_block_copies()
         input_ids, positions, batch = self.build_batch(scheduled)
         rows = torch.tensor(logit_rows(scheduled), dtype=torch.int64)
+        token_slots = token_slots_of(scheduled, lora_slots)
         self.executor.check_workers("step")
         step_message.send_step(self.executor.group,
-                               step_message.StepMessage(input_ids, positions, batch, self._copies, rows))
+                               step_message.StepMessage(input_ids, positions, batch, self._copies, rows, token_slots))
         self._copies = []
         with self.executor.timer:
-            return self._step.run(input_ids, positions, self.kv_caches, batch, rows)
+            return self._step.run(input_ids, positions, self.kv_caches, batch, rows, token_slots)
+
+    def load_lora(self, slot: int, path: str, fingerprint: str) -> None:
+        """Have every worker load the adapter in `path` into `slot` (rank 0 loads its own)."""
+        self.executor.check_workers("LoRA adapter load")
+        step_message.send_lora(self.executor.group, step_message.LoRALoad(slot, path, fingerprint))

@@ -104,6 +104,7 @@ def split_stages(model: LlamaForCausalLM, groups: RankGroups) -> None:
     keep = stage_layers(len(model.layer_specs), stages, stage)
     inner = model.model
     inner.layers = nn.ModuleList(inner.layers[i] for i in keep)
+    model.stage_layers = list(keep)  # local layer j is the checkpoint's layer keep[j] (LoRA adapters name those)
     model.layer_specs = [model.layer_specs[i] for i in keep]
     dtype = inner.layers[0].input_layernorm.weight.dtype  # loaded on every stage, unlike the embedding
     if stage > 0:

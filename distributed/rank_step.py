@@ -46,14 +46,16 @@ class RankStep:
         return self.rows_only_model and rows.numel() < tokens and (rows.numel() > 0 or self.stages == 1)
 
     def run(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor],
-            batch: AttentionBatch, rows: torch.Tensor) -> torch.Tensor | None:
+            batch: AttentionBatch, rows: torch.Tensor, token_slots: torch.Tensor | None = None) -> torch.Tensor | None:
+        """`token_slots`: each token's LoRA slot (-1: the base model), None when no token has an adapter."""
         model = self.model
         tokens = input_ids.shape[0]
         rows_only = self.rows_only(rows, tokens)
-        if rows_only and self.last_stage:
-            plan = model.plan(batch, rows.to(input_ids.device))
-        else:
-            plan = model.plan(batch)
+        output_rows = rows if rows_only and self.last_stage else None
+        plan = model.plan(batch) if output_rows is None else model.plan(batch, output_rows.to(input_ids.device))
+        lora = getattr(model, "lora", None)
+        if lora is not None:
+            lora.set_step(token_slots, output_rows)
         hidden = model.forward(input_ids, positions, kv_caches, plan)
         if not self.computes_logits:
             return None

@@ -24,7 +24,7 @@ from kvforge.models.weight_slices import SKIP, WeightSlice, take_slices
 
 from .layout import RankGroups, RankLayout, SoloGroup
 from .pipeline_parallel import split_stages, stage_slices
-from .tensor_parallel import apply_tensor_parallel, tensor_parallel_slices
+from .tensor_parallel import apply_tensor_parallel, lora_slices, tensor_parallel_slices
 from .vocab_parallel import drop_head
 
 
@@ -54,7 +54,7 @@ def load_shard(config: EngineConfig, groups: RankGroups, dtype: torch.dtype, att
     return load_model(config.model, dtype=dtype, device=groups.world.device, attention_backend=attention_backend,
                       linear_kernel=config.linear_kernel, kv_quantizer=kv_quantizer,
                       weight_quantizer=weight_quantizer, weight_activations=config.quantization.activations,
-                      shard=RankPart(groups))
+                      shard=RankPart(groups), lora=config.lora if config.lora.enabled else None)
 
 
 class RankPart:
@@ -71,6 +71,9 @@ class RankPart:
         if not layout.computes_logits and "lm_head.weight" in dict(model.named_parameters()):
             slices["lm_head.weight"] = SKIP  # an untied head only where logits are computed
         return slices
+
+    def lora_slices(self, model: CausalLM, slices: dict[str, WeightSlice]) -> dict:
+        return lora_slices(model, slices)
 
     def apply(self, model: CausalLM) -> None:
         split_stages(model, self.groups)

@@ -205,6 +205,27 @@ def tensor_parallel_slices(model: nn.Module, rank: int, size: int, *, vocab_para
     return {**slices, **(vocab_slices(model, rank, size) if vocab_parallel else {})}
 
 
+def lora_slices(model: nn.Module, slices: dict[str, WeightSlice]) -> dict:
+    """How LoRA adapters are cut on a rank whose weights are cut by `slices`: per
+    checkpoint layer, the slice of A `[r, in]` (a row-parallel layer's input columns)
+    and of B `[out, r]` (a column-parallel layer's output rows), the spans of the
+    layer's weight; None for a layer of another pipeline stage. GPT-2's Conv1D
+    weights are stored `[in, out]`, so their dimensions swap."""
+    out_dim = 1 if isinstance(model, GPT2LMHeadModel) else 0
+    cuts: dict = {}
+    for name, part in slices.items():
+        layer, _, kind = name.rpartition(".")
+        if kind != "weight":
+            continue
+        if part.skipped:
+            cuts[layer] = None
+        elif part.dim == out_dim:
+            cuts[layer] = (None, WeightSlice(0, part.spans))
+        else:
+            cuts[layer] = (WeightSlice(1, part.spans), None)
+    return cuts
+
+
 @torch.no_grad()
 def apply_tensor_parallel(model: nn.Module, group: RankGroup, *, vocab_parallel: bool) -> None:
     """Turn a model whose weights hold this rank's slices (`tensor_parallel_slices`, read

@@ -19,6 +19,7 @@ import torch.distributed as dist
 
 from kvforge.engine import components, heap
 from kvforge.engine.model_runner import copy_blocks
+from kvforge.models.lora_adapter import load_peft_adapter
 
 from . import step_message
 from .group import HOST, RankGroup, address_towards, worker_store
@@ -96,9 +97,23 @@ def serve(model, groups: RankGroups, block_size: int, num_blocks: int) -> None:
         if command == step_message.REPORT:
             gather_timings(group, timer)
             continue
+        if command == step_message.LORA:
+            load_lora(model, message)
+            continue
         copy_blocks(kv_caches, message.copies, group.device)
         with timer:
-            step.run(message.input_ids, message.positions, kv_caches, message.batch, message.logit_rows)
+            step.run(message.input_ids, message.positions, kv_caches, message.batch, message.logit_rows,
+                     message.token_slots)
+
+
+def load_lora(model, load: step_message.LoRALoad) -> None:
+    """Load the driver's adapter into `load.slot`, cut to this rank's part; the files
+    must still hold the weights the driver loaded (their fingerprint)."""
+    adapter = load_peft_adapter(load.path, model, max_rank=model.lora.max_rank)
+    if adapter.fingerprint != load.fingerprint:
+        raise RuntimeError(f"LoRA adapter {load.path} changed on disk between the driver's load and this rank's "
+                           "(its weights' fingerprint differs); every rank must read the same files")
+    model.lora.load(load.slot, adapter)
 
 
 def report_memory(group: RankGroup, model, kv_caches: list[torch.Tensor]) -> list[tuple[int, int]]:

@@ -177,11 +177,6 @@ def check_supported(config: EngineConfig, dtype: torch.dtype) -> None:
         raise UnsupportedConfigurationError(
             f"cache.kv_cache_dtype = {kv_dtype!r} differs from the model dtype {dtype_name(dtype)}; "
             "the reference engine keeps the KV cache in the model dtype; set cache.kv_cache_dtype = 'auto'")
-    if config.lora.enabled and config.parallel.world_size > 1:
-        raise UnsupportedConfigurationError(
-            f"lora: LoRA adapters run on a single-rank engine; this config asks for {config.parallel.world_size} "
-            "ranks (parallel.tensor_parallel_size x pipeline_parallel_size); serve adapters with one rank per "
-            "engine, e.g. data-parallel replicas")
 
 
 def selected_names(model, allocator, policy, kv_quantizer: Quantizer | None, weight_quantizer: Quantizer | None,
@@ -223,9 +218,10 @@ def build_structured_outputs(registry: Registry, config: EngineConfig, vocabular
                              max_cached_grammars=settings.max_cached_grammars)
 
 
-def build_lora_adapters(config: EngineConfig, model):
+def build_lora_adapters(config: EngineConfig, model, runner):
     """The engine's `LoRAAdapters` when `lora.enabled` (the model's LoRA slots made
-    if the model was handed over ready), else None."""
+    if the model was handed over ready), else None. A runner of several ranks
+    (`load_lora`) has every other rank load each adapter rank 0 puts in a slot."""
     if not config.lora.enabled:
         return None
     from kvforge.models.lora_layers import enable_lora
@@ -234,4 +230,4 @@ def build_lora_adapters(config: EngineConfig, model):
 
     if getattr(model, "lora", None) is None:
         enable_lora(model, max_loras=config.lora.max_loras, max_rank=config.lora.max_lora_rank)
-    return LoRAAdapters(model, config.lora)
+    return LoRAAdapters(model, config.lora, on_slot_load=getattr(runner, "load_lora", None))

@@ -101,7 +101,6 @@ class LLMEngine:
         elif kv_quantizer is not None:
             components.use_kv_quantizer(model, kv_quantizer)
         self.model, self.tokenizer = model, tokenizer
-        self.loras = components.build_lora_adapters(config, model)  # None without lora.enabled
         block_size = config.cache.block_size
         spec = model.kv_cache_spec(block_size)
         self.num_blocks = components.num_blocks(config, spec, self.device, int(model.max_model_len))
@@ -123,6 +122,7 @@ class LLMEngine:
             self.runner = ModelRunner(model, self.kv, kv_caches, block_size, self.device)
         else:
             self.runner = self.executor.runner(self.kv, kv_caches, block_size, self.num_blocks)
+        self.loras = components.build_lora_adapters(config, model, self.runner)  # None without lora.enabled
         if config.warmup:
             warm_up(self.runner, self.kv, max_num_batched_tokens=config.scheduler.max_num_batched_tokens,
                     max_num_seqs=config.scheduler.max_num_seqs, max_model_len=int(model.max_model_len))
@@ -265,6 +265,10 @@ class LLMEngine:
         bad = [t for t in token_ids if not 0 <= t < self.vocab_size]
         if bad:
             fail(f"token ids {bad[:5]} are outside the vocabulary [0, {self.vocab_size})")
+        bad = [t for t in params.logit_bias or () if t >= self.vocab_size]
+        if bad:
+            fail(f"logit_bias keys {bad[:5]} are outside the vocabulary [0, {self.vocab_size}); "
+                 "bias this model's tokens")
         blocks = cdiv(len(token_ids), self.kv.block_size)
         if blocks > self.num_blocks:
             fail(f"the prompt needs {blocks} KV blocks but the whole cache has {self.num_blocks}; "

@@ -29,8 +29,9 @@ from .lora_request import LoRARequest
 
 
 class LoRAAdapters:
-    def __init__(self, model, config: LoRAConfig):
+    def __init__(self, model, config: LoRAConfig, on_slot_load=None):
         self.model = model
+        self.on_slot_load = on_slot_load  # (slot, path, fingerprint): other ranks load it too
         self.config = config
         self.state = model.lora  # the model's LoRAState (slot buffers)
         self.loaded: OrderedDict[int, tuple[LoRARequest, LoRAAdapter]] = OrderedDict()  # id -> ..., LRU first
@@ -113,6 +114,8 @@ class LoRAAdapters:
             if key not in slot_of:
                 slot = free.pop(0)
                 self.state.load(slot, adapter)
+                if self.on_slot_load is not None:
+                    self.on_slot_load(slot, adapter.path, adapter.fingerprint)
                 self.slots[slot] = key
                 slot_of[key] = slot
         for slot in slot_of.values():

@@ -109,10 +109,7 @@ class ModelRunner:
         entry runs an adapter)."""
         self.apply_block_copies()
         input_ids, positions, batch = self.build_batch(scheduled)
-        token_slots = None
-        if lora_slots is not None:
-            counts = torch.tensor([entry.num_tokens for entry in scheduled])
-            token_slots = torch.tensor(lora_slots, dtype=torch.int64).repeat_interleave(counts).to(self.device)
+        token_slots = token_slots_of(scheduled, lora_slots)
         rows = logit_rows(scheduled)
         if len(rows) == input_ids.shape[0]:  # rows are increasing: as many as tokens means every token
             hidden = self.forward(input_ids, positions, batch, token_slots=token_slots)
@@ -125,6 +122,15 @@ class ModelRunner:
         if not rows:
             return hidden.new_zeros((0, self.model.vocab_size), dtype=torch.float32)
         return self.model.compute_logits(hidden).float()
+
+
+def token_slots_of(scheduled: Sequence[ScheduledRequest], lora_slots: Sequence[int] | None) -> torch.Tensor | None:
+    """Each flat token's LoRA slot (a CPU int64 tensor: the layers' segments are
+    planned on the CPU) from each entry's; None when no entry runs an adapter."""
+    if lora_slots is None:
+        return None
+    counts = torch.tensor([entry.num_tokens for entry in scheduled])
+    return torch.tensor(lora_slots, dtype=torch.int64).repeat_interleave(counts)
 
 
 def logit_rows(scheduled: Sequence[ScheduledRequest]) -> list[int]:

@@ -194,7 +194,8 @@ def load_model(name_or_path: str | Path, *, dtype: torch.dtype | str = torch.flo
     `lora` (the engine's `LoRAConfig`, or anything with `max_loras` and
     `max_lora_rank`; None or `enabled` False: no LoRA) wraps the layers adapters
     may change before they are quantized or packed (`lora_layers.enable_lora`;
-    the slots are then `model.lora`). Not with a `shard` yet.
+    the slots are then `model.lora`); with a `shard`, adapters are cut as its
+    weights are (`shard.lora_slices`).
     """
     model_dir = resolve_model_dir(name_or_path)
     config = load_config(model_dir)
@@ -204,17 +205,15 @@ def load_model(name_or_path: str | Path, *, dtype: torch.dtype | str = torch.flo
     with torch.device("meta"):  # no memory and no random init for weights about to be overwritten
         model = cls(config)
     slices = shard.weight_slices(model) if shard is not None else None
+    lora_on = lora is not None and getattr(lora, "enabled", True)
+    lora_slices = shard.lora_slices(model, slices) if lora_on and shard is not None else None
     model.checkpoint_bytes_read = load_weights(model, checkpoint_files(model_dir), dtype, device, slices)
     model.finish_loading()
     model.eval()
     if shard is not None:
         shard.apply(model)
-    if lora is not None and getattr(lora, "enabled", True):
-        if shard is not None:
-            raise UnsupportedConfigurationError(
-                "LoRA adapters are not supported with tensor or pipeline parallelism yet; set "
-                "parallel.tensor_parallel_size and parallel.pipeline_parallel_size to 1 to serve adapters")
-        enable_lora(model, max_loras=lora.max_loras, max_rank=lora.max_lora_rank)
+    if lora_on:
+        enable_lora(model, max_loras=lora.max_loras, max_rank=lora.max_lora_rank, shard_slices=lora_slices)
     if weight_quantizer is not None:
         quantize_linears(model, weight_quantizer, lm_head=quantize_lm_head, activations=weight_activations)
     use_linear_kernel(model, linear_kernel)

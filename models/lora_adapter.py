@@ -87,7 +87,15 @@ def load_peft_adapter(path: str | Path, model, *, max_rank: int) -> LoRAAdapter:
     _check_target_modules(path, config, targets)
     weights: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
     ranks = []
+    state = getattr(model, "lora", None)
+    elsewhere = 0  # layers of another pipeline stage
     for module, (name, a, b) in sorted(pairs.items()):
+        if state is not None:  # a tensor- or pipeline-parallel part keeps its cut of A and B, as of the weights
+            part = state.local_part(name, a, b)
+            if part is None:
+                elsewhere += 1
+                continue
+            a, b = part
         target = targets.get(name)
         if target is None:
             raise LoRAAdapterError(
@@ -117,7 +125,7 @@ def load_peft_adapter(path: str | Path, model, *, max_rank: int) -> LoRAAdapter:
         b = b.float() if layer_scale == scale else b.float() * (layer_scale / scale)
         weights[name] = (a.float().contiguous(), b.contiguous())
         ranks.append(rank)
-    if not weights:
+    if not weights and not elsewhere:
         raise LoRAAdapterError(f"{path / WEIGHTS_FILE} holds no lora_A/lora_B tensors: nothing to adapt")
     return LoRAAdapter(
         path=str(path), rank=max(ranks), alpha=alpha, scale=scale,

@@ -62,15 +62,21 @@ def layer_features(module: nn.Module) -> tuple[int, int] | None:
 
 def lora_targets(model: nn.Module) -> dict[str, LoRATarget]:
     """The checkpoint layers of `model` an adapter may change, by checkpoint name; the
-    model may be plain, fused (`finish_loading`), LoRA-enabled, packed or quantized."""
+    model may be plain, fused (`finish_loading`), LoRA-enabled, packed or quantized, or
+    a tensor- or pipeline-parallel part (its features then this rank's: a row-parallel
+    layer's `inner`, the one summed over the ranks, is what LoRA wraps; a pipeline
+    stage's layers keep their checkpoint numbers, `stage_layers`)."""
     targets: dict[str, LoRATarget] = {}
     for path, module in model.named_modules():
         prefix = f"{path}." if path else ""
         for name in LORA_LAYER_NAMES:
             child = module._modules.get(name)
+            layer = prefix + name
+            if child is not None and hasattr(child, "inner") and hasattr(child, "group"):  # RowParallelLinear
+                child, layer = child.inner, layer + ".inner"
             features = None if child is None else layer_features(child)
             if features is not None:
-                targets[prefix + name] = LoRATarget(prefix + name, 0, 0, features[1], features[0])
+                targets[prefix + name] = LoRATarget(layer, 0, 0, features[1], features[0])
         for fused, parts in FUSED_PARTS.items():
             layer = module._modules.get(fused)
             if layer is not None:
@@ -83,7 +89,17 @@ def lora_targets(model: nn.Module) -> dict[str, LoRATarget]:
                                       f"({', '.join(parts)}) lie")
                 for i, (part, start, size) in enumerate(zip(parts, starts, sizes)):
                     targets[prefix + part] = LoRATarget(prefix + fused, i, start, size, in_features)
+    stage_layers = getattr(model, "stage_layers", None)
+    if stage_layers is not None:  # a pipeline stage: local layer j is the checkpoint's stage_layers[j]
+        targets = {_checkpoint_numbered(name, stage_layers): target for name, target in targets.items()}
     return targets
+
+
+def _checkpoint_numbered(name: str, stage_layers: list[int]) -> str:
+    """`model.layers.J.rest` with J, a stage's local layer number, as the checkpoint numbers it."""
+    head, _, rest = name.partition("layers.")
+    number, _, tail = rest.partition(".")
+    return f"{head}layers.{stage_layers[int(number)]}.{tail}" if number.isdigit() else name
 
 
 def fused_part_sizes(attention: nn.Module, parts: tuple[str, ...]) -> list[int]:
@@ -173,9 +189,12 @@ class LoRAState:
     `load` copies an adapter into a slot of every wrapped layer; `set_step` says,
     once per step, which slot each token runs with."""
 
-    def __init__(self, max_loras: int, max_rank: int):
+    def __init__(self, max_loras: int, max_rank: int, shard_slices: dict | None = None):
         self.max_loras = max_loras
         self.max_rank = max_rank
+        # A tensor- or pipeline-parallel part: checkpoint layer -> (slice of A, slice of B) this rank keeps
+        # (None for a side it keeps whole), or None for a layer of another stage.
+        self.shard_slices = shard_slices
         self.layers: dict[str, LoRALinear] = {}  # module path -> wrapper
         self.targets: dict[str, LoRATarget] = {}  # checkpoint layer name -> where it is computed
         self._segments: dict[int, Segments | None] = {}  # row count -> that row set's runs
@@ -217,6 +236,18 @@ class LoRAState:
             layer.a[slot].zero_()
             layer.b[slot].zero_()
 
+    def local_part(self, name: str, a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """This rank's part of checkpoint layer `name`'s A `[r, in]` and B `[out, r]`: the
+        input columns of a row-parallel layer's A, the output rows of a column-parallel
+        layer's B, as the base weight is cut; None for a layer of another pipeline stage."""
+        if self.shard_slices is None or name not in self.shard_slices:
+            return a, b
+        cut = self.shard_slices[name]
+        if cut is None:
+            return None
+        a_slice, b_slice = cut
+        return (a if a_slice is None else a_slice.cut(a), b if b_slice is None else b_slice.cut(b))
+
     def set_step(self, token_slots: torch.Tensor | None, output_rows: torch.Tensor | None = None) -> None:
         """Say which slot each of this step's flat tokens runs with: int64 `[T]`, -1 for
         the base model; None: no adapter in this step (nothing is added, nothing paid).
@@ -250,18 +281,20 @@ class LoRAState:
             raise ConfigError(f"LoRA slot {slot} is out of range; this model has slots 0..{self.max_loras - 1}")
 
 
-def enable_lora(model: nn.Module, *, max_loras: int, max_rank: int) -> LoRAState:
+def enable_lora(model: nn.Module, *, max_loras: int, max_rank: int, shard_slices: dict | None = None) -> LoRAState:
     """Wrap every layer of a loaded model that LoRA can target in a `LoRALinear`, with
     `max_loras` slots of rank up to `max_rank`, and set `model.lora`. Call it after
     `finish_loading` and before quantizing or packing (`load_model(..., lora=...)`
-    does). The model's dtype and device are the buffers'."""
+    does). The model's dtype and device are the buffers'. On a tensor- or
+    pipeline-parallel part, `shard_slices` (`LoRAState.shard_slices`) says how
+    adapters are cut as its weights were."""
     if getattr(model, "lora", None) is not None:
         raise ConfigError("LoRA is already enabled on this model (model.lora); enable it once")
     for value, field in ((max_loras, "max_loras"), (max_rank, "max_rank")):
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise ConfigError(f"LoRA {field} must be a positive integer, got {value!r}")
     _refuse_unwrappable(model)
-    state = LoRAState(max_loras, max_rank)
+    state = LoRAState(max_loras, max_rank, shard_slices)
     targets = lora_targets(model)
     by_layer: dict[str, list[LoRATarget]] = {}
     for target in targets.values():
@@ -281,9 +314,6 @@ def enable_lora(model: nn.Module, *, max_loras: int, max_rank: int) -> LoRAState
 def _refuse_unwrappable(model: nn.Module) -> None:
     """Refuse a model whose layers were already sharded or fused past what LoRA can wrap."""
     for path, module in model.named_modules():
-        if hasattr(module, "inner") and hasattr(module, "group"):  # distributed's RowParallelLinear
-            raise ConfigError(f"{path} is a tensor-parallel shard: LoRA adapters are not supported with tensor "
-                              "parallelism yet; set parallel.tensor_parallel_size = 1 to serve adapters")
         if getattr(module, "gate_up_proj", None) is not None:
             raise ConfigError(f"{path}'s gate and up projections are already fused into one C++ kernel, where an "
                               "adapter's update cannot reach them: enable LoRA while loading (load_model(..., "

@@ -58,6 +58,12 @@ class ModelShard(Protocol):
 
     def apply(self, model: nn.Module) -> None: ...
 
+    def lora_slices(self, model: nn.Module, slices: dict[str, WeightSlice]) -> dict:
+        """Per checkpoint layer, how LoRA adapters are cut on this shard: `(slice of A,
+        slice of B)` (None: that side whole), or None for a layer the shard does not hold
+        (see `lora_layers.LoRAState.shard_slices`)."""
+        ...
+
 
 @torch.no_grad()
 def take_slices(model: nn.Module, slices: dict[str, WeightSlice]) -> None:
