@@ -316,13 +316,3 @@ def test_slots_out_of_range_are_refused(case):
             model.lora.set_step(torch.tensor(slots))
     with pytest.raises(ConfigError, match=r"slot 3 is out of range"):
         model.lora.clear(3)
-
-
-def test_tensor_parallel_shards_are_refused(case):
-    from kvforge.distributed import shard_model
-
-    _, base, _, _, _ = case
-    model = load_model(base, linear_kernel="torch")
-    shard_model(model, types.SimpleNamespace(rank=0, size=2, device=torch.device("cpu"), all_reduce=lambda x: x))
-    with pytest.raises(ConfigError, match="tensor parallelism.*tensor_parallel_size = 1"):
-        enable_lora(model, max_loras=1, max_rank=MAX_RANK)
