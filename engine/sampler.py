@@ -1,7 +1,7 @@
 """Pick the next token of every sampled row at once.
 
-Order of operations (vLLM's): EOS/stop-token masking for `min_tokens`,
-penalties, the structured-output grammar mask (`mask`, last, so no penalty can
+Order of operations (vLLM's): `logit_bias` added, EOS/stop-token masking
+for `min_tokens`, penalties, the structured-output grammar mask (`mask`, last, so no penalty can
 bring back a token the grammar forbids), then greedy rows take the argmax; the others are divided by their
 temperature, cut by top-k, top-p and min-p, and sampled. Log-probabilities are
 those of the model's raw distribution (before any processing).
@@ -91,15 +91,18 @@ class Sampler:
 
 
 def processed_logits(logits: torch.Tensor, requests: Sequence[Request], mask=None) -> torch.Tensor:
-    """float32 logits after `min_tokens` masking and penalties, which depend on each
-    row's output so far (a copy only when something edits them), then `mask` (a
-    callable editing them in place: the grammars' bitmasks). Greedy rows take
-    the argmax of these."""
+    """float32 logits after each request's `logit_bias`, `min_tokens` masking and
+    penalties, which depend on each row's output so far (a copy only when something
+    edits them), then `mask` (a callable editing them in place: the grammars'
+    bitmasks). Greedy rows take the argmax of these."""
     logits = logits.float()
     banned = stop_token_entries(requests, logits.shape[-1])
     uses_penalties = any(r.params.uses_penalties for r in requests)
-    if banned[0] or uses_penalties or mask is not None:  # copy only when something edits the logits in place
+    biased = any(r.params.logit_bias for r in requests)
+    if banned[0] or uses_penalties or biased or mask is not None:  # copy only when something edits the logits
         logits = logits.clone()
+        if biased:
+            add_logit_bias(logits, requests)
         if banned[0]:
             logits[banned] = NEG_INF
         apply_penalties(logits, requests)
@@ -175,6 +178,18 @@ def compiled_draw_ready(probs: torch.Tensor, u: torch.Tensor) -> bool:
     if probs.device.type != "cpu" or probs.dtype != torch.float32 or not probs.is_contiguous():
         return False
     return probs.shape[-1] > 0 and u.dtype == torch.float64 and kernel_library.is_loaded()
+
+
+def add_logit_bias(logits: torch.Tensor, requests: Sequence[Request]) -> None:
+    """Add each request's `logit_bias` to its row, in one indexed add over the batch."""
+    rows, cols, biases = [], [], []
+    for row, request in enumerate(requests):
+        for token, bias in (request.params.logit_bias or {}).items():
+            rows.append(row)
+            cols.append(token)
+            biases.append(bias)
+    # (row, token) pairs never repeat (a dict's keys), so a plain indexed add is exact
+    logits[rows, cols] += torch.tensor(biases, dtype=logits.dtype, device=logits.device)
 
 
 def mask_stop_tokens(logits: torch.Tensor, requests: Sequence[Request]) -> None:

@@ -13,6 +13,7 @@ from kvforge.core import RequestError
 from .structured_outputs_params import StructuredOutputsParams
 
 GREEDY_BELOW = 1e-5  # vLLM's _SAMPLING_EPS
+LOGIT_BIAS_BOUND = 100  # OpenAI's: a bias lies in [-100, 100]
 
 # torch.Generator takes a 64-bit seed; sample i of n adds 1_000_003 * i, which stays in range.
 MIN_SEED, MAX_SEED = -(2**63), 2**63 - 1
@@ -28,6 +29,11 @@ class SamplingParams:
     * `top_k` keeps the k most likely tokens (0 or -1: all); `top_p` keeps the
       smallest set whose probability reaches p; `min_p` drops tokens less likely
       than `min_p` times the most likely one.
+    * `logit_bias` maps token ids to a number in [-100, 100] added to that
+      token's logit before anything else (temperature, penalties, masks), as
+      OpenAI and vLLM do: a small bias nudges, -100 in effect bans the token and
+      100 in effect forces it. Keys may be ints or their decimal strings (OpenAI
+      sends strings); they must lie in the model's vocabulary (the engine checks).
     * `repetition_penalty` (> 0, 1 = off) divides positive logits and multiplies
       negative ones of every token seen in the prompt or output;
       `presence_penalty` subtracts a constant from every token generated so far,
@@ -69,8 +75,11 @@ class SamplingParams:
     detokenize: bool = True
     speculative: bool = True
     structured_outputs: StructuredOutputsParams | None = None
+    logit_bias: dict[int, float] | None = None
 
     def __post_init__(self) -> None:
+        if isinstance(self.logit_bias, dict):
+            self.logit_bias = {_token_id_key(key): bias for key, bias in self.logit_bias.items()}
         if isinstance(self.structured_outputs, dict):
             self.structured_outputs = StructuredOutputsParams.from_dict(self.structured_outputs)
         if isinstance(self.stop, str):
@@ -115,6 +124,7 @@ class SamplingParams:
               f"stop_token_ids must be non-negative integers, got {self.stop_token_ids!r}")
         check(self.logprobs is None or (_is_int(self.logprobs) and self.logprobs >= 0),
               f"logprobs must be None or an integer >= 0 (how many top tokens), got {self.logprobs!r}")
+        found += logit_bias_problems(self.logit_bias)
         check(isinstance(self.speculative, bool), f"speculative must be True or False, got {self.speculative!r}")
         structured = self.structured_outputs
         check(structured is None or isinstance(structured, StructuredOutputsParams),
@@ -135,6 +145,28 @@ class SamplingParams:
     @property
     def uses_penalties(self) -> bool:
         return self.repetition_penalty != 1 or self.presence_penalty != 0 or self.frequency_penalty != 0
+
+
+def logit_bias_problems(logit_bias) -> list[str]:
+    """What is wrong with a `logit_bias`, each naming its key and the valid range."""
+    if logit_bias is None:
+        return []
+    if not isinstance(logit_bias, dict):
+        return [f"logit_bias must be a dict of token id to bias, or None, got {logit_bias!r}"]
+    found = []
+    for key, bias in logit_bias.items():
+        if not (_is_int(key) and key >= 0):
+            found.append(f"logit_bias key {key!r} is not a token id: use a non-negative integer "
+                         "(or its decimal string, as OpenAI sends it)")
+        elif not (_is_num(bias) and -LOGIT_BIAS_BOUND <= bias <= LOGIT_BIAS_BOUND):
+            found.append(f"logit_bias[{key}] must be a number in [-{LOGIT_BIAS_BOUND}, {LOGIT_BIAS_BOUND}], "
+                         f"got {bias!r}")
+    return found
+
+
+def _token_id_key(key):
+    """A decimal string key (OpenAI's JSON has string keys) as its int; anything else as it is."""
+    return int(key) if isinstance(key, str) and key.isascii() and key.isdigit() else key
 
 
 def _is_int(value) -> bool:

@@ -176,6 +176,11 @@ class OpenAIServer:
     def _prepare(self, prefix: str, body: SamplingFields, prompts: list[list[int]], max_tokens: int | None,
                  logprobs: int | None, prompt_param: str, max_tokens_param: str = "max_tokens") -> _Prepared:
         context = self.model.max_model_len
+        outside = body.logit_bias_outside(self.model.vocab_size)
+        if outside:
+            raise bad_request(f"logit_bias keys {[str(t) for t in outside[:5]]} are outside the vocabulary "
+                              f"[0, {self.model.vocab_size}) of this model; bias its token ids only",
+                              param="logit_bias")
         response_id = f"{prefix}-{uuid.uuid4().hex}"
         requests = []
         for i, token_ids in enumerate(prompts):

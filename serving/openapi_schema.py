@@ -18,6 +18,7 @@ from fastapi import FastAPI
 from pydantic import BaseModel
 
 from .errors import ErrorResponse
+from .protocol import token_id_pattern
 from .served_model import ServedModel
 
 # A request the schema allows is still refused (400) when the prompt and
@@ -112,6 +113,10 @@ def _describe(schema: dict, model: ServedModel, api_key: bool) -> None:
     if "CompletionRequest" in models:
         _bound_integers(models["CompletionRequest"]["properties"]["prompt"],
                         {"maximum": model.vocab_size - 1, "description": "a token id of the served model"})
+    for name in ("CompletionRequest", "ChatCompletionRequest"):
+        if name in models:  # logit_bias keys: the served model's token ids
+            bias = next(form for form in models[name]["properties"]["logit_bias"]["anyOf"] if form["type"] == "object")
+            bias["propertyNames"] = {"pattern": token_id_pattern(model.vocab_size)}
     if api_key:
         components["securitySchemes"] = {"apiKey": {"type": "http", "scheme": "bearer"}}
         for path, operations in schema["paths"].items():

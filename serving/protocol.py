@@ -16,7 +16,9 @@ from typing import Annotated, Literal
 from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, WithJsonSchema, model_validator
 
 from kvforge.core import RequestError
-from kvforge.engine.sampling_params import SamplingParams
+from kvforge.engine.sampling_params import LOGIT_BIAS_BOUND, SamplingParams
+
+from .request_config import REQUEST_CONFIG
 
 from .structured_protocol import ResponseFormat, StructuredOutputsBody, structured_params
 from .tool_call_format import ToolCallReader, hermes_call_text
@@ -43,7 +45,34 @@ def integer(**bounds):
 NonEmptyStr = Annotated[str, Field(min_length=1)]
 TokenId = integer(ge=0)
 TokenIds = Annotated[list[TokenId], Field(min_length=1)]
-REQUEST_CONFIG = ConfigDict(extra="forbid", strict=True)
+TOKEN_ID_TEXT = "^(0|[1-9][0-9]*)$"
+"""A token id as a JSON object key: its decimal digits, no leading zero."""
+LogitBias = Annotated[
+    dict[Annotated[str, Field(pattern=TOKEN_ID_TEXT)],
+         Annotated[float, Field(ge=-LOGIT_BIAS_BOUND, le=LOGIT_BIAS_BOUND)]],
+    # pydantic would write `patternProperties`, which lets any other key through; state the rule itself
+    WithJsonSchema({"type": "object", "propertyNames": {"pattern": TOKEN_ID_TEXT},
+                    "additionalProperties": {"type": "number", "minimum": -LOGIT_BIAS_BOUND,
+                                             "maximum": LOGIT_BIAS_BOUND},
+                    "description": "OpenAI's logit_bias: token id (as a string key) -> a bias in [-100, 100] added "
+                                   "to that token's logit before temperature, penalties and structured masks"}),
+]
+
+
+def token_id_pattern(vocab_size: int) -> str:
+    """A regex that fully matches the decimal text of exactly the ids in [0, vocab_size)
+    (what the schema at /openapi.json states for logit_bias keys of the served model)."""
+    top = str(vocab_size - 1)
+
+    def digits(low: int, high: int, then: int) -> str:  # one digit in [low, high], then any `then` digits
+        return (str(low) if low == high else f"[{low}-{high}]") + (f"[0-9]{{{then}}}" if then else "")
+
+    forms = ["0"] + [digits(1, 9, k) for k in range(len(top) - 1)]  # fewer digits than the top id: any
+    for i, digit in enumerate(top):  # as many: below the top id at the first digit where they differ
+        low = 1 if i == 0 else 0
+        if int(digit) > low:
+            forms.append(top[:i] + digits(low, int(digit) - 1, len(top) - i - 1))
+    return "^(" + "|".join(forms + [top]) + ")$"
 
 
 def needs(field: str, flag: str) -> dict:
@@ -97,6 +126,7 @@ class SamplingFields(BaseModel):
     priority: integer() = 0
     cache_salt: str | None = Field(None, min_length=1)
     user: str | None = None
+    logit_bias: LogitBias | None = None
     response_format: ResponseFormat | None = None  # OpenAI: json_schema or json_object
     structured_outputs: StructuredOutputsBody | None = None  # vLLM's extra_body: json, regex, choice, grammar
 
@@ -113,9 +143,17 @@ class SamplingFields(BaseModel):
             "repetition_penalty") if getattr(self, name) is not None}
         return SamplingParams(n=self.n, seed=self.seed, stop=self.stop, stop_token_ids=self.stop_token_ids or [],
                               max_tokens=max_tokens, min_tokens=self.min_tokens, ignore_eos=self.ignore_eos,
-                              logprobs=logprobs,
+                              logprobs=logprobs, logit_bias=self.engine_logit_bias(),
                               structured_outputs=structured_params(self.response_format, self.structured_outputs),
                               **given)
+
+    def engine_logit_bias(self) -> dict[int, float] | None:
+        """`logit_bias` with int keys, as the engine takes it (None when not given)."""
+        return None if self.logit_bias is None else {int(key): bias for key, bias in self.logit_bias.items()}
+
+    def logit_bias_outside(self, vocab_size: int) -> list[int]:
+        """The token ids `logit_bias` names that the served model does not have."""
+        return [key for key in self.engine_logit_bias() or {} if key >= vocab_size]
 
     @property
     def include_usage(self) -> bool:

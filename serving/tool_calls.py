@@ -17,11 +17,12 @@ import json
 import uuid
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, Field
 
 from kvforge.core import RequestError
 from kvforge.engine.structured_outputs_params import StructuredOutputsParams, check_schema
 
+from .request_config import REQUEST_CONFIG
 from .tool_call_format import (
     AUTO,
     HERMES_CALL_HEAD,
@@ -34,12 +35,11 @@ from .tool_call_format import (
     ToolCallReader,
 )
 
-_CONFIG = ConfigDict(extra="forbid", strict=True)
 INVALID_TOOL_CHOICE = "invalid_tool_choice"  # the 400's code when tool_choice and tools disagree
 
 
 class FunctionDefinition(BaseModel):
-    model_config = _CONFIG
+    model_config = REQUEST_CONFIG
 
     name: Annotated[str, Field(pattern=r"^[A-Za-z0-9_-]{1,64}$")]
     description: str | None = None
@@ -52,20 +52,20 @@ class FunctionDefinition(BaseModel):
 
 
 class ToolDefinition(BaseModel):
-    model_config = _CONFIG
+    model_config = REQUEST_CONFIG
 
     type: Literal["function"]
     function: FunctionDefinition
 
 
 class FunctionName(BaseModel):
-    model_config = _CONFIG
+    model_config = REQUEST_CONFIG
 
     name: str
 
 
 class NamedToolChoice(BaseModel):
-    model_config = _CONFIG
+    model_config = REQUEST_CONFIG
 
     type: Literal["function"]
     function: FunctionName
@@ -75,7 +75,7 @@ ToolChoice = Literal["none", "auto", "required"] | NamedToolChoice
 
 
 class CalledFunction(BaseModel):
-    model_config = _CONFIG
+    model_config = REQUEST_CONFIG
 
     name: str
     arguments: str
@@ -84,7 +84,7 @@ class CalledFunction(BaseModel):
 class ToolCall(BaseModel):
     """A call in an assistant message the client sends back in the conversation."""
 
-    model_config = _CONFIG
+    model_config = REQUEST_CONFIG
 
     id: str
     type: Literal["function"]
