@@ -17,8 +17,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from dataclasses import dataclass
-
 from kvforge.core import ConfigError, RequestError
 from kvforge.engine.lora_request import LoRARequest
 
@@ -31,21 +29,13 @@ INVALID_LORA_ADAPTER = "invalid_lora_adapter"
 LORA_ADAPTER_EXISTS = "lora_adapter_exists"
 
 
-@dataclass(frozen=True)
-class ServedAdapter:
-    request: LoRARequest
-    parent: str  # the base model's served name (`parent` in /v1/models)
-
-
 class ServedAdapters:
     """The base model's name and the adapters served beside it."""
 
     def __init__(self, base_name: str, loop, adapters: list[LoRARequest] = ()):
         self.base_name = base_name
         self.loop = loop  # EngineLoop: every engine call goes through it
-        self.adapters: dict[str, ServedAdapter] = {}
-        for request in adapters:
-            self.adapters[request.lora_name] = ServedAdapter(request, base_name)
+        self.adapters: dict[str, LoRARequest] = {request.lora_name: request for request in adapters}
         self._next_id = 1 + max((r.lora_int_id for r in adapters), default=0)
         self._changing = asyncio.Lock()  # one load or unload at a time: a name is checked, then taken
 
@@ -54,12 +44,12 @@ class ServedAdapters:
         naming what is served when it names neither."""
         if model is None or model == self.base_name:
             return None
-        served = self.adapters.get(model)
-        if served is None:
+        request = self.adapters.get(model)
+        if request is None:
             adapters = f" and the LoRA adapters {sorted(self.adapters)}" if self.adapters else ""
             raise APIError(404, f"model {model!r} is not served here; this server serves {self.base_name!r}"
                            f"{adapters} (see GET /v1/models)", param="model", code="model_not_found")
-        return served.request
+        return request
 
     async def load(self, name: str, path: str) -> LoRARequest:
         """Load the adapter in directory `path` as `name` (the engine reads and
@@ -68,18 +58,18 @@ class ServedAdapters:
         async with self._changing:
             if name == self.base_name or name in self.adapters:
                 taken = ("is the served model's name" if name == self.base_name
-                         else f"has already been loaded (from {self.adapters[name].request.lora_path})")
+                         else f"has already been loaded (from {self.adapters[name].lora_path})")
                 raise APIError(400, f"The lora adapter {name!r} {taken}; unload it first (POST "
                                "/v1/unload_lora_adapter) or choose another lora_name", param="lora_name",
                                code=LORA_ADAPTER_EXISTS)
             try:
                 request = LoRARequest(name, self._next_id, path)
                 await self.loop.call(lambda engine: engine.add_lora(request))
-            except (RequestError, ConfigError) as exc:  # LoRAAdapterError is a ConfigError
+            except (RequestError, ConfigError, OSError) as exc:  # LoRAAdapterError is a ConfigError
                 raise APIError(400, f"LoRA adapter {name!r} cannot be loaded: {exc}", param="lora_path",
                                code=INVALID_LORA_ADAPTER) from None
             self._next_id += 1
-            self.adapters[name] = ServedAdapter(request, self.base_name)
+            self.adapters[name] = request
             log.info("loaded LoRA adapter %r (lora_int_id %d) from %s", name, request.lora_int_id, path)
             return request
 
@@ -87,23 +77,22 @@ class ServedAdapters:
         """Stop serving the adapter named `name` (or numbered `lora_int_id`): 404 if
         none is. Requests already running with it finish with it."""
         async with self._changing:
-            served = next((s for s in self.adapters.values()
-                           if (name is None or s.request.lora_name == name)
-                           and (lora_int_id is None or s.request.lora_int_id == lora_int_id)), None)
-            if served is None:
+            request = next((r for r in self.adapters.values()
+                            if (name is None or r.lora_name == name)
+                            and (lora_int_id is None or r.lora_int_id == lora_int_id)), None)
+            if request is None:
                 given = " and ".join(f"{k} {v!r}" for k, v in (("lora_name", name), ("lora_int_id", lora_int_id))
                                      if v is not None)
                 raise APIError(404, f"The lora adapter with {given} cannot be found; loaded: "
                                f"{sorted(self.adapters) or 'none'} (GET /v1/models lists them)",
                                param="lora_name" if name is not None else "lora_int_id", code="lora_adapter_not_found")
-            request = served.request
             del self.adapters[request.lora_name]
             await self.loop.call(lambda engine: engine.remove_lora(request.lora_int_id))
             log.info("unloaded LoRA adapter %r (lora_int_id %d)", request.lora_name, request.lora_int_id)
             return request
 
     def model_cards(self, created: int) -> list[dict]:
-        """`/v1/models`' entries of the adapters, as vLLM lists them."""
+        """`/v1/models`' entries of the adapters, as vLLM lists them: `parent` is the base model."""
         return [{"id": name, "object": "model", "created": created, "owned_by": "kvforge",
-                 "root": served.request.lora_path, "parent": served.parent}
-                for name, served in self.adapters.items()]
+                 "root": request.lora_path, "parent": self.base_name}
+                for name, request in self.adapters.items()]
