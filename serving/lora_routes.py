@@ -16,6 +16,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from .engine_loop import EngineDeadError
 from .errors import APIError, bad_request
+from .openapi_schema import ERROR_DESCRIPTIONS
 from .served_adapters import ServedAdapters
 
 UPDATES_FLAG = "--enable-lora-updates"
@@ -43,8 +44,7 @@ LORA_ERRORS = {
     400: "The body is not as the schema says, or (`code: invalid_lora_adapter`) `lora_path` is not a PEFT adapter "
          "this model runs (the message names the file or field), or (`code: lora_adapter_exists`) `lora_name` is "
          "already served.",
-    401: "The server requires an API key (`--api-key`) and `Authorization: Bearer KEY` is missing or wrong "
-         "(`code: invalid_api_key`).",
+    401: ERROR_DESCRIPTIONS[401],
     404: "No served adapter has that `lora_name` (or `lora_int_id`) (`code: lora_adapter_not_found`).",
     503: "The engine has stopped (`code: engine_dead`).",
 }
