@@ -68,12 +68,13 @@ class ClosingPolicy:
                 by_char.setdefault(chr(data[0]), token_id)
         order = [c for c in FIRST + RANKED if c in by_char]
         self.num_first = len(eos) + sum(c in by_char for c in FIRST)
-        self.candidates = eos + [by_char[c] for c in order]
-        self._set_candidates(self.candidates)
+        self._set_candidates(eos + [by_char[c] for c in order])
+        # one scratch row, so a walk allocates nothing (walks run on the step loop's thread only)
         self._row = torch.zeros(1, vocabulary.bitmask_words, dtype=torch.int32)
-        self._words_of_row = self._row.numpy()[0]  # the same memory: numpy reads a few words far faster than torch
+        self._row_words = self._row.numpy()[0]  # the same memory: numpy reads a few words far faster than torch
 
     def _set_candidates(self, candidates: list[int]) -> None:
+        """The tokens a walk considers, most preferred first."""
         self.candidates = candidates
         ids = numpy.array(candidates, dtype=numpy.int64)
         self._words, self._bits = ids // 32, (ids % 32).astype(numpy.int32)
@@ -99,7 +100,7 @@ class ClosingPolicy:
 
     def _next(self, grammar: Grammar, recent: list[int]) -> int | None:
         grammar.fill_bitmask(self._row, 0)
-        allowed = numpy.flatnonzero((self._words_of_row[self._words] >> self._bits) & 1).tolist()
+        allowed = numpy.flatnonzero((self._row_words[self._words] >> self._bits) & 1).tolist()
         if allowed and allowed[0] < self.num_first:
             return self.candidates[allowed[0]]
         counts = Counter(recent)

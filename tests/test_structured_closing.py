@@ -17,6 +17,7 @@ import pytest
 import torch
 
 from kvforge import LLM, SamplingParams
+from kvforge.conformance.check_structured_output_engine import DRAFT_MODEL
 from kvforge.conformance.structured_corpus import VOCABULARIES, corpus
 from kvforge.conformance.structured_walks import allowed_ids
 from kvforge.core import build_registry, load_config
@@ -145,6 +146,25 @@ def test_the_number_kvforge_tiny_never_ends_is_closed_only_when_asked(llm):
     assert closed.finish_reason == "stop" and len(closed.token_ids) <= 40
     assert int(closed.text) is not None and cut.text.startswith(closed.text)
     assert llm.engine.metrics()["structured_closing_forced_rows"] > 0
+
+
+def test_speculation_drafting_across_the_closing_point_changes_no_greedy_token(llm):
+    # kvforge-tiny writes the digits of these objects' numbers until the path is forced
+    # and its draft model drafts the run of zeros past that point: every row after a draft
+    # token is forced as plain decoding's would be, and a rejected draft leaves no path behind
+    config = load_config(None, model="kvforge-tiny", device="cpu", dtype="float32",
+                         cache={"block_size": 8, "num_blocks": 256}, structured_outputs={"backend": "xgrammar"},
+                         speculative=DRAFT_MODEL).config
+    speculating = LLM.from_engine(LLMEngine(config, registry=build_registry()))
+    cases = [case for case in corpus() if case.name in ("nested/depth1", "object/all_required[3]", "integer/alone")]
+    prompts = [f"{case.name}: " for case in cases]  # as the conformance group prompts them
+    batch = [params(case.spec.value, 256, True, temperature=0) for case in cases]
+    plain, drafted = llm.generate(prompts, batch), speculating.generate(prompts, batch)
+    for case, want, got in zip(cases, plain, drafted):
+        assert not got.error and got.outputs[0].token_ids == want.outputs[0].token_ids, (case.name, got.error)
+        assert got.outputs[0].finish_reason == "stop" and case.accepts(got.outputs[0].text)
+    assert speculating.engine.metrics()["spec_draft_tokens"] > 0
+    assert llm.engine.metrics()["structured_closing_forced_rows"] > 0, "nothing was closed: the test proves nothing"
 
 
 def test_close_within_max_tokens_is_a_boolean_and_reachable_from_a_request_body():
