@@ -205,7 +205,7 @@ def test_lora_requests_info_names_the_adapter_while_its_request_runs(server, cli
     assert text.decode().count("vllm:lora_requests_info{") == 1, "one series: the current adapters"
 
 
-def test_without_updates_enabled_the_routes_answer_404_naming_the_flag():
+def test_without_updates_enabled_the_routes_answer_404_naming_the_flag_and_with_a_key_401():
     from fastapi.testclient import TestClient
 
     from kvforge.serving import ServeSettings, build_app
@@ -218,6 +218,10 @@ def test_without_updates_enabled_the_routes_answer_404_naming_the_flag():
             assert response.status_code == 404 and "--enable-lora-updates" in response.json()["error"]["message"]
         assert not any("lora" in path for path in http.get("/openapi.json").json()["paths"])
         assert [m["id"] for m in http.get("/v1/models").json()["data"]] == [MODEL]
+    keyed = ServeSettings(model_name=MODEL, api_key="k", enable_lora_updates=True)
+    with TestClient(build_app(engine, keyed)) as http:
+        response = http.post("/v1/load_lora_adapter", json={"lora_name": "a", "lora_path": "/x"})
+        assert response.status_code == 401, "with --api-key, loading needs the key as every /v1 route does"
 
 
 def serve_exit(capsys, *args: str) -> tuple[int, str]:
