@@ -91,10 +91,16 @@ def add_lora_torch(y: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: torch.T
         y[lo:hi] = (y[lo:hi].float() + shrunk @ b[slot].float()).to(y.dtype)  # one rounding
 
 
-def _cpp_loaded() -> bool:
-    from kvforge.kernels import build
+_loaded = False  # the C++ library, once seen loaded (it is never unloaded): add_lora runs per layer and step
 
-    return build.is_loaded()
+
+def _cpp_loaded() -> bool:
+    global _loaded
+    if not _loaded:
+        from kvforge.kernels import build
+
+        _loaded = build.is_loaded()
+    return _loaded
 
 
 def lora_kernel_path(device: torch.device | str) -> str:

@@ -132,11 +132,12 @@ def segments_of(token_slots: torch.Tensor) -> Segments | None:
 class LoRALinear(nn.Module):
     """A linear layer (`base`) plus, per token, its adapter slot's low-rank update.
 
-    `a` `[max_loras, parts * max_rank, in]` and `b` `[max_loras, parts * max_rank, out]`
-    hold each slot's adapter in block form: part `p` (q, k or v of a fused layer)
-    owns ranks `[p * max_rank, (p + 1) * max_rank)` of `a`, and the same ranks of
-    `b` over its own output columns only, zeros elsewhere, so one `add_lora`
-    serves every part. The packed_linear post-op helpers route through
+    Each part (q, k or v of a fused layer; the layer itself otherwise) has its own
+    A, `a[part]` `[max_loras, max_rank, in]`, and B, `b_of(part)` `[max_loras,
+    max_rank, its out features]`, and one `add_lora` per part adds into its output
+    columns: no zero blocks are read for the parts a token's update does not touch
+    (a block-diagonal B over the fused output would triple the B a decode step
+    reads). The packed_linear post-op helpers route through
     `linear_act`, `linear_mul` and `linear_add` here (`routes_post_ops`)."""
 
     routes_post_ops = True
@@ -148,16 +149,23 @@ class LoRALinear(nn.Module):
         self.state = state
         self.parts = parts
         self.in_features, self.out_features = layer_features(base)
-        ranks = len(parts) * state.max_rank
+        shape = (state.max_loras, state.max_rank)
         zeros = dict(dtype=dtype, device=device)
-        self.register_buffer("a", torch.zeros(state.max_loras, ranks, self.in_features, **zeros), persistent=False)
-        self.register_buffer("b", torch.zeros(state.max_loras, ranks, self.out_features, **zeros), persistent=False)
+        self.register_buffer("a", torch.zeros(len(parts), *shape, self.in_features, **zeros), persistent=False)
+        for i, part in enumerate(parts):
+            self.register_buffer(f"b{i}", torch.zeros(*shape, part.out_features, **zeros), persistent=False)
+
+    def b_of(self, part: int) -> torch.Tensor:
+        """Part `part`'s B for every slot, `[max_loras, max_rank, its out features]`."""
+        return getattr(self, f"b{part}")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self.base(x)
         segments = self.state.segments(x.shape[0])
         if segments is not None:
-            add_lora(y, x, self.a, self.b, segments.starts, segments.slots)
+            for i, part in enumerate(self.parts):
+                out = y if len(self.parts) == 1 else y[:, part.out_start:part.out_start + part.out_features]
+                add_lora(out, x, self.a[i], self.b_of(i), segments.starts, segments.slots)
         return y
 
     # Post-ops: fused into the base GEMM when the step has no adapter, after the update otherwise.
@@ -215,26 +223,27 @@ class LoRAState:
             raise LoRAAdapterError(f"adapter {adapter.path} changes {unknown[0]!r}, which this model has no "
                                    f"LoRA layer for; was it loaded for another model?")
         self.clear(slot)
-        rank = self.max_rank
         for name, (a, b) in adapter.weights.items():
             target = self.targets[name]
             layer = self.layers[target.layer]
-            r, lo = a.shape[0], target.part * rank
+            r = a.shape[0]
             expected = ((r, target.in_features), (target.out_features, r))
             if (tuple(a.shape), tuple(b.shape)) != expected:
                 raise LoRAAdapterError(f"adapter {adapter.path}: {name}'s A and B have shapes {tuple(a.shape)} and "
                                        f"{tuple(b.shape)}, the model expects {expected[0]} and {expected[1]}")
-            layer.a[slot, lo:lo + r] = a.to(layer.a.dtype)
+            layer.a[target.part, slot, :r] = a.to(layer.a.dtype)
             scaled = (b.float() * adapter.scale).t()  # [r, out]: one rounding to the model dtype, after the scale
-            layer.b[slot, lo:lo + r, target.out_start:target.out_start + target.out_features] = scaled.to(layer.b.dtype)
+            part_b = layer.b_of(target.part)
+            part_b[slot, :r] = scaled.to(part_b.dtype)
 
     @torch.no_grad()
     def clear(self, slot: int) -> None:
         """Zero `slot` in every layer: its tokens then run as the base model's."""
         self._check_slot(slot)
         for layer in self.layers.values():
-            layer.a[slot].zero_()
-            layer.b[slot].zero_()
+            layer.a[:, slot].zero_()
+            for i in range(len(layer.parts)):
+                layer.b_of(i)[slot].zero_()
 
     def local_part(self, name: str, a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
         """This rank's part of checkpoint layer `name`'s A `[r, in]` and B `[out, r]`: the

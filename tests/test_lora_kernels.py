@@ -234,6 +234,7 @@ def test_add_lora_takes_the_torch_path_without_the_library_or_for_strided_column
     add_lora(y.t().contiguous().t(), x, a, b, starts, slots)  # columns not adjacent: the op needs unit stride
     assert len(calls) == 1
     monkeypatch.setattr(build, "is_loaded", lambda: False)
+    monkeypatch.setattr(lora_ops, "_loaded", False)  # as in a process that never loaded the library
     assert lora_kernel_path("cpu") == "torch"
     add_lora(y, x, a, b, starts, slots)
     assert len(calls) == 2
