@@ -158,7 +158,7 @@ class LLMEngine:
 
         `lora_request` runs it with that LoRA adapter (None: the base model); the
         adapter is loaded from its directory unless loaded already, and a bad one is
-        refused here with a `LoRAAdapterError` naming the file or field."""
+        refused here with a `RequestError` naming the file or field."""
         params = params if params is not None else SamplingParams()
         text, token_ids = self._prompt_tokens(request_id, prompt, prompt_token_ids)
         self._check_request(request_id, token_ids, params, priority)
@@ -196,14 +196,22 @@ class LLMEngine:
             raise RequestError(f"request {request_id!r} asks for LoRA adapter {lora_request.lora_name!r}, but this "
                                "engine serves no adapters; enable them with lora = {max_loras = N, max_lora_rank = R} "
                                "(LLM(model, lora={'max_loras': 4}))")
-        return self.loras.get(lora_request)
+        try:
+            return self.loras.get(lora_request)
+        except ConfigError as exc:  # the adapter's directory is wrong: this request is, not the engine
+            raise RequestError(f"request {request_id!r}: {exc}") from exc
 
     # LoRA adapters
 
     def add_lora(self, lora_request: LoRARequest) -> bool:
         """Load an adapter ahead of its requests (`LoRAAdapterError` naming what is
         wrong with its directory); True once it is loaded."""
-        self._lora_adapter("add_lora", lora_request)
+        if not isinstance(lora_request, LoRARequest):
+            raise TypeError(f"add_lora takes a kvforge.LoRARequest, got {type(lora_request).__name__}")
+        if self.loras is None:
+            raise ConfigError("this engine serves no LoRA adapters; enable them with lora = {max_loras = N} "
+                              "(LLM(model, lora={'max_loras': 4}))")
+        self.loras.get(lora_request)
         return True
 
     def remove_lora(self, lora_int_id: int) -> bool:

@@ -168,3 +168,16 @@ def test_a_bad_adapter_directory_fails_its_request_naming_the_file(adapters, exp
     good, bad = llm.generate(PROMPTS[:2], GREEDY, lora_request=[None, LoRARequest("broken", 3, str(broken))])
     assert good.outputs[0].token_ids == expected[None][0]
     assert bad.outputs[0].finish_reason == "error" and "adapter_model.safetensors" in bad.outputs[0].error
+
+
+def test_a_bad_adapter_is_the_request_s_error_and_add_lora_names_the_file(tmp_path):
+    from kvforge.core import RequestError
+    from kvforge.models.lora_adapter import LoRAAdapterError
+
+    llm = LLM("kvforge-tiny", lora={"max_loras": 1}, **FLOAT32)
+    missing = LoRARequest("missing", 9, str(tmp_path / "nowhere"))
+    with pytest.raises(RequestError, match="adapter_config.json"):
+        llm.engine.add_request("r", "x", GREEDY, lora_request=missing)
+    with pytest.raises(LoRAAdapterError, match="adapter_config.json"):
+        llm.engine.add_lora(missing)
+    assert not llm.engine.has_unfinished_requests() and llm.engine.list_loras() == []
