@@ -130,6 +130,12 @@ def ratios(runs: list[dict], subject: str) -> dict[str, dict]:
     return out
 
 
+def scenario_targets(scenario, runs: list[dict]) -> list[dict]:
+    """Each target of `scenario` checked: its own subject over its other run (a target
+    may compare two runs neither of which is the scenario's subject)."""
+    return [check_target(target, ratios(runs, target.subject)) for target in scenario.targets]
+
+
 def check_target(target: Target, ratio_table: dict[str, dict]) -> dict:
     """Measured value of a target and whether it is met; 'not measured' when a side did not run."""
     entry = ratio_table.get(target.other)
@@ -271,6 +277,6 @@ def run_scenario(scenario: Scenario, model_dir: str, out_dir: Path, *, peers: di
             entry["info"] = outcome["result"].get("info", {})
             entry["rounds_tokens_per_s"] = [metrics(o["result"])["tokens_per_s"] for o in outcomes[i]]
     summary["ratios"] = ratios(summary["runs"], scenario.subject)
-    summary["targets"] = [check_target(t, summary["ratios"]) for t in scenario.targets]
+    summary["targets"] = scenario_targets(scenario, summary["runs"])
     summary["status"] = "ok"
     return summary

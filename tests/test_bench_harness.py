@@ -70,6 +70,18 @@ def test_targets_are_met_missed_or_not_measured():
     assert report._status(missed) == "missed: 83% of the target"
 
 
+def test_a_target_compares_its_own_subject_not_the_scenario_s():
+    def run(label, tokens_per_s):
+        return {"label": label, "status": "ok", "metrics": {"tokens_per_s": tokens_per_s, "ttft_p50_s": 1.0}}
+
+    runs = [run("main", 100.0), run("base", 200.0), run("variant", 190.0)]
+    scenario = Scenario("s", [], [], "main", [Target("main vs base", "main", "base", "throughput", 1.0),
+                                              Target("variant vs base", "variant", "base", "throughput", 0.9)])
+    first, second = harness.scenario_targets(scenario, runs)
+    assert first["value"] == pytest.approx(0.5) and first["status"] == "missed"
+    assert second["value"] == pytest.approx(0.95) and second["status"] == "met"
+
+
 def test_peer_arguments_map_names_to_pythons():
     pythons = harness.peer_pythons(["transformers=/py/a", "vllm=/py/b"])
     assert pythons == {"kvforge": sys.executable, "generate": "/py/a", "generate_batch": "/py/a", "vllm": "/py/b"}
