@@ -21,7 +21,9 @@ only. So the path from the state after its first token is the rest of the
 same path: once the engine forces a path it follows it to EOS without
 recomputing, speculation sees the same masks as plain decoding at every
 position, and a preempted request (whose grammar and tokens are kept) resumes
-on the same path.
+on the same path. Between walks, a path is taken to grow by at most
+`CLOSING_SLACK` per token (the bound the slack itself assumes), so a request
+far from its budget is not walked every step.
 """
 
 from __future__ import annotations
@@ -136,26 +138,32 @@ class Closer:
         if left > self.window or left <= 0:
             return None
         history = list(request.output_token_ids) + list(draft)
-        path = self._cached(request, history)
+        path = self._remembered(request, history, left)
         if path is None:
             path = self.policy.path(grammar, history, left)
             if path is None:
                 return None
             self._paths[request] = (history, path)
-        if left > len(path) + self.slack:
+        if not path or left > len(path) + self.slack:
             return None
         self.forced_rows += 1
         return path[0]
 
-    def _cached(self, request, history: list[int]) -> list[int] | None:
-        """The rest of the request's remembered path, if `history` followed it so far."""
+    def _remembered(self, request, history: list[int], left: int) -> list[int] | None:
+        """From the request's last walk, when `history` extends the one it started from:
+        the rest of its path if `history` followed it; [] (nothing to force) while the
+        path cannot have grown to the budget left; else None (walk again)."""
         entry = self._paths.get(request)
         if entry is None:
             return None
         start, path = entry
         done = len(history) - len(start)
-        # the same tokens up to the path's start (a row after other draft tokens has
-        # another history of the same length), then the path's first `done` tokens
-        if not 0 <= done < len(path) or history[len(start):] != path[:done] or history[:len(start)] != start:
+        # the same tokens up to the walk's start (a row after other draft tokens has
+        # another history of the same length)
+        if done < 0 or history[:len(start)] != start:
             return None
-        return path[done:]
+        if done < len(path) and history[len(start):] == path[:done]:
+            return path[done:]
+        # each token since may have lengthened the path by up to `slack` (the bound the
+        # forcing itself relies on): walk again only once that could reach the budget
+        return [] if left > len(path) + (done + 1) * self.slack else None
