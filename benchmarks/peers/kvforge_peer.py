@@ -95,7 +95,8 @@ def main() -> None:
     cpu = time.process_time() - cpu  # this process's CPU time: on a crowded machine, steadier than elapsed
     spec = engine.model.kv_cache_spec(engine.kv.block_size)
     info = {"num_blocks": engine.num_blocks, "block_size": engine.kv.block_size,
-            "model_class": type(engine.model).__name__, "metrics": engine.metrics(), "cpu_s": cpu}
+            "model_class": type(engine.model).__name__, "metrics": engine.metrics(), "cpu_s": cpu,
+            "lora": engine.lora_figures()}
     common.write(out, config, "kvforge", elapsed, records, peak * spec.bytes_per_block(), info)
 
 
