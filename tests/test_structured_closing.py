@@ -6,7 +6,12 @@ corpus, over the byte-level and the multi-byte vocabulary, the closing path ends
 on EOS, the finished text is a right output for the spec, and the grammar is left
 as it was; the rest of a path is the path from after its first token (what lets the
 engine follow a path, and speculation and preemption see the same masks). A planted
-policy that never closes is caught by the same check."""
+policy that never closes is caught by the same check.
+
+The engine: a budget of just the closing path still ends on EOS and validates; the
+number kvforge-tiny never ends is cut ("length") without the option and closed
+("stop") with it; draft-model speculation across the closing point changes no greedy
+token; the conformance engine group catches an engine that never closes."""
 
 from __future__ import annotations
 
@@ -176,3 +181,18 @@ def test_close_within_max_tokens_is_a_boolean_and_reachable_from_a_request_body(
 
     body = StructuredOutputsBody.model_validate({"json": NUMBER, "close_within_max_tokens": True})
     assert structured_params(None, body) == parsed
+
+
+def test_the_conformance_engine_group_catches_an_engine_that_never_closes(monkeypatch):
+    from kvforge.conformance import check_structured_output_engine as engine_check
+    from kvforge.conformance.attention_cases import SEED_ENV
+    from kvforge.conformance.selection import QUICK_ENV
+    from kvforge.core import STRUCTURED_OUTPUT
+    from kvforge.engine.structured_closing import Closer
+
+    monkeypatch.setenv(QUICK_ENV, "1")  # a seeded sample of the corpus's JSON schemas, with some kept open
+    monkeypatch.setenv(SEED_ENV, "0")
+    monkeypatch.setattr(Closer, "forced_token", lambda self, request, grammar, draft: None)
+    registration = build_registry().get(STRUCTURED_OUTPUT, "xgrammar")
+    with pytest.raises(AssertionError, match="ended 'length' after 256 tokens: close_within_max_tokens did not close"):
+        engine_check.test_sampled_outputs_validate(registration, "plain")
