@@ -181,3 +181,18 @@ def test_a_bad_adapter_is_the_request_s_error_and_add_lora_names_the_file(tmp_pa
     with pytest.raises(LoRAAdapterError, match="adapter_config.json"):
         llm.engine.add_lora(missing)
     assert not llm.engine.has_unfinished_requests() and llm.engine.list_loras() == []
+
+
+def test_int8_base_weights_with_float_adapters(adapters):
+    """The base GEMMs in int8, the adapters in float: base requests write what the int8
+    model alone writes, beside adapter requests, and each adapter changes the output."""
+    requests, _ = adapters
+    int8 = {**FLOAT32, "quantization": {"weights": "int8_weight"}}
+    alone = tokens(LLM("kvforge-tiny", **int8).generate(PROMPTS, GREEDY))
+    llm = LLM("kvforge-tiny", lora={"max_loras": 2}, **int8)
+    loras = mixed(requests)
+    got = tokens(llm.generate(PROMPTS, GREEDY, lora_request=loras))
+    assert [g for g, r in zip(got, loras) if r is None] == [a for a, r in zip(alone, loras) if r is None]
+    assert all(g != a for g, a, r in zip(got, alone, loras) if r is not None)
+    layer = llm.engine.model.model.layers[0].self_attn.qkv_proj
+    assert type(layer.base).__name__ == "Int8Linear" and layer.a.dtype == torch.float32
