@@ -24,7 +24,7 @@ jsonschema = pytest.importorskip("jsonschema")
 
 sys.path.insert(0, str(Path(__file__).parent))
 from serve_process import openai_client, running_server  # noqa: E402
-from test_serve_tool_calls import SCHEMAS, TOOLS  # noqa: E402
+from test_serve_tool_calls import TOOLS, calls_of  # noqa: E402
 
 ANSWER_OR_CALL = (r'[A-Za-z ][A-Za-z ,.]{0,30}'
                   r'|<tool_call>\n\{"name": "get_weather", "arguments": \{"city": "[a-z]{1,8}", "days": [1-7]\}\}'
@@ -41,12 +41,6 @@ def client():
     with running_server() as server:
         yield openai_client(server)
 
-
-def calls_of(message) -> list[tuple[str, dict]]:
-    calls = [(c.function.name, json.loads(c.function.arguments)) for c in message.tool_calls or []]
-    for name, arguments in calls:
-        jsonschema.validate(arguments, SCHEMAS[name])
-    return calls
 
 
 def test_without_a_bias_the_model_answers_in_text(client):

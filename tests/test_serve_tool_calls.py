@@ -43,6 +43,15 @@ def client():
         yield client
 
 
+def calls_of(message) -> list[tuple[str, dict]]:
+    """(name, arguments) of each tool call of an `openai` client's message, every
+    call's arguments validated against its function's parameters."""
+    calls = [(c.function.name, json.loads(c.function.arguments)) for c in message.tool_calls or []]
+    for name, arguments in calls:
+        jsonschema.validate(arguments, SCHEMAS[name])
+    return calls
+
+
 def check_calls(calls, names):
     assert calls and all(c["type"] == "function" and c["id"].startswith("call_") for c in calls)
     for call in calls:

@@ -16,7 +16,7 @@ jsonschema = pytest.importorskip("jsonschema")
 
 sys.path.insert(0, str(Path(__file__).parent))
 from serve_process import openai_client, running_server  # noqa: E402
-from test_serve_tool_calls import CALL_REGEX, SCHEMAS, TOOLS  # noqa: E402
+from test_serve_tool_calls import CALL_REGEX, TOOLS, calls_of  # noqa: E402
 
 REQUEST = {"model": "kvforge-tiny", "messages": [{"role": "user", "content": "Time in Paris?"}], "tools": TOOLS,
            "max_tokens": 200, "temperature": 0, "frequency_penalty": 2.0}
@@ -27,12 +27,6 @@ def client():
     with running_server() as server:
         yield openai_client(server)
 
-
-def calls_of(message) -> list[tuple[str, dict]]:
-    calls = [(c.function.name, json.loads(c.function.arguments)) for c in message.tool_calls or []]
-    for name, arguments in calls:
-        jsonschema.validate(arguments, SCHEMAS[name])
-    return calls
 
 
 @pytest.mark.parametrize("tool_choice, extra_body", [

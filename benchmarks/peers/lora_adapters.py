@@ -49,6 +49,16 @@ def write_adapter(path: Path, config: dict, rank: int, seed: int, base_model: st
         "fan_in_fan_out": False, "modules_to_save": None, "base_model_name_or_path": base_model}))
 
 
+def run_adapters(workload: dict, options: dict) -> list[tuple[str, int, str]] | None:
+    """(name, id, directory) of each adapter of a run with `lora_adapters`
+    (`{"count": C, "rank": R}`), as both runners name them; None without."""
+    spec = options.get("lora_adapters")
+    if not spec:
+        return None
+    paths = adapter_dirs(workload["model_dir"], spec["count"], spec["rank"])
+    return [(f"adapter-{i}", i + 1, path) for i, path in enumerate(paths)]
+
+
 def adapter_dirs(model_dir: str, count: int, rank: int) -> list[str]:
     """`count` adapters of `rank` for the model in `model_dir`, built on first use
     beside the model (or under KVFORGE_BENCH_CACHE's lora/ when the model's

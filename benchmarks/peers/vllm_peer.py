@@ -41,13 +41,12 @@ def sampling_params(request: dict, structured: bool):
 
 def lora_requests(workload: dict, options: dict) -> list | None:
     """The adapters of a run with `lora_adapters`, as vLLM LoRARequests; None without."""
-    spec = options.get("lora_adapters")
-    if not spec:
+    adapters = lora_adapters.run_adapters(workload, options)
+    if adapters is None:
         return None
     from vllm.lora.request import LoRARequest
 
-    paths = lora_adapters.adapter_dirs(workload["model_dir"], spec["count"], spec["rank"])
-    return [LoRARequest(f"adapter-{i}", i + 1, path) for i, path in enumerate(paths)]
+    return [LoRARequest(*adapter) for adapter in adapters]
 
 
 def lora_config(options: dict) -> dict:
