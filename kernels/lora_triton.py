@@ -45,15 +45,21 @@ def round_to_bf16(v):
 
 
 @triton.jit
+def _segment(starts_ptr, slots_ptr, num_slots, g):
+    """Segment `g`'s slot (0 when it has none) and token span; an inactive segment
+    (slot -1, or out of range) gets an empty span, so it reads and writes nothing."""
+    slot = tl.load(slots_ptr + g)
+    active = (slot >= 0) & (slot < num_slots)
+    start = tl.load(starts_ptr + g)
+    end = tl.where(active, tl.load(starts_ptr + g + 1), start)
+    return tl.where(active, slot, 0).to(tl.int64), start, end
+
+
+@triton.jit
 def lora_shrink_kernel(x_ptr, a_ptr, buf_ptr, starts_ptr, slots_ptr, num_slots, rank, k, stride_xt,
                        BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr,
                        DOT_FP32: tl.constexpr):
-    g = tl.program_id(0)
-    slot = tl.load(slots_ptr + g)
-    active = (slot >= 0) & (slot < num_slots)
-    slot = tl.where(active, slot, 0).to(tl.int64)
-    start = tl.load(starts_ptr + g)
-    end = tl.where(active, tl.load(starts_ptr + g + 1), start)
+    slot, start, end = _segment(starts_ptr, slots_ptr, num_slots, tl.program_id(0))
     tokens = start + tl.program_id(1) * BLOCK_T + tl.arange(0, BLOCK_T)
     ranks = tl.program_id(2) * BLOCK_R + tl.arange(0, BLOCK_R)
     token_ok = tokens < end
@@ -81,12 +87,7 @@ def lora_shrink_kernel(x_ptr, a_ptr, buf_ptr, starts_ptr, slots_ptr, num_slots, 
 def lora_expand_kernel(buf_ptr, b_ptr, y_ptr, starts_ptr, slots_ptr, num_slots, rank, n, stride_yt,
                        BLOCK_T: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr,
                        Y_BF16: tl.constexpr):
-    g = tl.program_id(0)
-    slot = tl.load(slots_ptr + g)
-    active = (slot >= 0) & (slot < num_slots)
-    slot = tl.where(active, slot, 0).to(tl.int64)
-    start = tl.load(starts_ptr + g)
-    end = tl.where(active, tl.load(starts_ptr + g + 1), start)
+    slot, start, end = _segment(starts_ptr, slots_ptr, num_slots, tl.program_id(0))
     tokens = start + tl.program_id(1) * BLOCK_T + tl.arange(0, BLOCK_T)
     cols = tl.program_id(2) * BLOCK_N + tl.arange(0, BLOCK_N)
     token_ok = tokens < end
