@@ -12,7 +12,8 @@ import torch
 
 @torch.library.register_fake("kvforge_cpp::paged_attention")
 def _paged_attention_fake(query, kv_cache, query_start_loc, seq_lens, context_lens, block_table,
-                          scale, sliding_window, logit_soft_cap, alibi_slopes, out, kv_scales=None) -> None:
+                          scale, sliding_window, logit_soft_cap, alibi_slopes, out, kv_scales=None,
+                          batch_invariant=False) -> None:
     return None
 
 

@@ -76,6 +76,7 @@ struct Tile {
 struct Scratch {
   std::vector<float> q, acc, score, row_max, row_sum, keys, values;
   std::vector<float> prefill;  // the AVX-512 prefill tile's buffers, sized on its first use (prefill_tile.h)
+  std::vector<float> invariant;  // the batch-invariant tile's buffers, sized on its first use (invariant_tile.h)
   Scratch(int64_t rows, int64_t head_size, int64_t block_size)
       : q(rows * head_size), acc(rows * head_size), score(rows * std::max<int64_t>(round8(block_size), 16)),
         row_max(rows), row_sum(rows),
@@ -121,6 +122,7 @@ constexpr int64_t kTransposeRows = 16;
 namespace base {
 #include "vector_kernels.h"
 #include "attention_tile.h"
+#include "invariant_tile.h"
 }  // namespace base
 
 #ifdef KVFORGE_HAS_X86_PATHS
@@ -130,6 +132,7 @@ namespace base {
 namespace avx2 {
 #include "vector_kernels.h"
 #include "attention_tile.h"
+#include "invariant_tile.h"
 }  // namespace avx2
 #pragma GCC pop_options
 #pragma GCC push_options
@@ -145,6 +148,7 @@ namespace avx512 {
 #include "attention_tile.h"
 #include "decode_tile.h"
 #include "prefill_tile.h"
+#include "invariant_tile.h"
 
 // Per tile: the prefill tile (prefill_tile.h) for many rows of one KV head when
 // `prefill`, else the fast kernel when the problem allows it, else the generic one;
@@ -235,7 +239,7 @@ void paged_attention(const at::Tensor& query, const at::Tensor& kv_cache, const 
                      const at::Tensor& seq_lens, const at::Tensor& context_lens, const at::Tensor& block_table,
                      double scale, int64_t sliding_window, double logit_soft_cap,
                      const std::optional<at::Tensor>& alibi_slopes, const at::Tensor& out,
-                     const std::optional<at::Tensor>& kv_scales) {
+                     const std::optional<at::Tensor>& kv_scales, bool batch_invariant) {
   TORCH_CHECK(query.dim() == 3, "kvforge_cpp: query must be [num_tokens, num_heads, head_size], got ", query.sizes());
   check_cache_layout(kv_cache);
   const auto dtype = query.scalar_type();
@@ -330,10 +334,24 @@ void paged_attention(const at::Tensor& query, const at::Tensor& kv_cache, const 
             slopes.defined() ? slopes.data_ptr<float>() : nullptr, out.data_ptr(), out.stride(0), out.stride(1)};
   const int64_t rows_max = std::max(tile_tokens * group, many_seqs ? kTileRows : int64_t{0});
 #ifdef KVFORGE_HAS_X86_PATHS
+  if (batch_invariant) {
+    switch (isa()) {
+      case Isa::kAvx512: avx512::run_tiles_invariant(p, tiles, rows_max); return;
+      case Isa::kAvx2: avx2::run_tiles_invariant(p, tiles, rows_max); return;
+      case Isa::kBaseline: break;
+    }
+    base::run_tiles_invariant(p, tiles, rows_max);
+    return;
+  }
   switch (isa()) {
     case Isa::kAvx512: avx512::run_tiles_fast(p, tiles, rows_max, prefill_tile_enabled()); return;
     case Isa::kAvx2: avx2::run_tiles(p, tiles, rows_max); return;
     case Isa::kBaseline: break;
+  }
+#else
+  if (batch_invariant) {
+    base::run_tiles_invariant(p, tiles, rows_max);
+    return;
   }
 #endif
   base::run_tiles(p, tiles, rows_max);
@@ -399,7 +417,7 @@ TORCH_LIBRARY(kvforge_cpp, m) {
   m.def(
       "paged_attention(Tensor query, Tensor kv_cache, Tensor query_start_loc, Tensor seq_lens, "
       "Tensor context_lens, Tensor block_table, float scale, int sliding_window, float logit_soft_cap, "
-      "Tensor? alibi_slopes, Tensor(a!) out, Tensor? kv_scales=None) -> ()");
+      "Tensor? alibi_slopes, Tensor(a!) out, Tensor? kv_scales=None, bool batch_invariant=False) -> ()");
   m.def("write_kv(Tensor key, Tensor value, Tensor(a!) kv_cache, Tensor slot_mapping) -> ()");
   m.def("write_quantized_kv(Tensor key, Tensor value, Tensor(a!) kv_data, Tensor(b!) kv_scales, "
         "Tensor slot_mapping) -> ()");
