@@ -119,6 +119,7 @@ class _Step:
     start: int
     num_tokens: int
     num_logit_rows: int = 1  # 1: the logits of its last token are wanted
+    num_prompt_logit_rows: int = 0  # the draft model scores no prompt
     draft_token_ids: tuple = ()  # the target's drafts to verify; the draft model verifies none
 
 

@@ -27,6 +27,7 @@ from .lora_request import LoRARequest
 from .metrics import EngineMetrics, prometheus_text
 from .model_runner import ModelRunner
 from .outputs import RequestOutput, completion_of, timings_of
+from .prompt_logprobs import PromptScorer
 from .request import FinishReason, Request
 from .drafting import Drafter
 from .sampling_params import SamplingParams
@@ -128,6 +129,7 @@ class LLMEngine:
                     max_num_seqs=config.scheduler.max_num_seqs, max_model_len=int(model.max_model_len))
         self.stats = EngineMetrics()
         self.step_sampler = StepSampler(config.seed, self.stats, self.structured_outputs)
+        self.prompt_scorer = PromptScorer(None if tokenizer is None else lambda token: tokenizer.decode([token]))
         self.max_model_len = int(model.max_model_len)
         self.vocab_size = int(model.vocab_size)
         self.drafter = None
@@ -330,6 +332,7 @@ class LLMEngine:
             self.stats.num_prompt_tokens += sum(
                 max(0, min(e.request.num_prompt_tokens, e.start + e.num_tokens) - e.start) for e in plan.scheduled)
             logits = self.runner.execute(plan.scheduled, lora_slots=self._lora_slots(plan.scheduled))
+            logits = self.prompt_scorer.take(plan.scheduled, logits)
             sampled = self.step_sampler.sample(plan, logits)
             if self.loras is not None:
                 self.loras.count_tokens(plan.scheduled, sampled.tokens)
@@ -387,8 +390,10 @@ class LLMEngine:
             group.reported_tokens[i] = len(sample.output_token_ids)
             group.reported_text[i] = len(completions[-1].text)
         first = group.samples[0]
+        # once complete the list never changes again, so it is handed out, not copied
+        scored = None if first.prompt_logprobs is None or first.needs_prompt_logits else first.prompt_logprobs
         return RequestOutput(group_id, first.prompt, first.prompt_token_ids, completions,
-                             all(s.finished for s in group.samples), timings_of(group.samples))
+                             all(s.finished for s in group.samples), timings_of(group.samples), scored)
 
     # Metrics
 

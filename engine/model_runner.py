@@ -103,8 +103,8 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, scheduled: Sequence[ScheduledRequest], lora_slots: Sequence[int] | None = None) -> torch.Tensor:
-        """Run one step; float32 logits of the last `entry.num_logit_rows` new tokens
-        of every scheduled entry, entry after entry: `[sum of num_logit_rows, vocab]`.
+        """Run one step; float32 logits of the last `entry.num_prompt_logit_rows +
+        entry.num_logit_rows` new tokens of every scheduled entry, entry after entry.
         `lora_slots` gives each entry's LoRA slot (-1: the base model; None: no
         entry runs an adapter)."""
         self.apply_block_copies()
@@ -136,12 +136,12 @@ def token_slots_of(scheduled: Sequence[ScheduledRequest], lora_slots: Sequence[i
 def logit_rows(scheduled: Sequence[ScheduledRequest]) -> list[int]:
     """Rows of the step's flat batch whose logits are needed: an entry with `c`
     logit rows needs its last `c` tokens. A loop over requests (c is 1 plus its
-    drafts), not over tokens."""
+    drafts, or the prefill rows that score a prompt for prompt logprobs), not over tokens."""
     rows: list[int] = []
     end = 0
     for entry in scheduled:
         end += entry.num_tokens
-        count = entry.num_logit_rows
+        count = entry.num_logit_rows + entry.num_prompt_logit_rows
         if count:
             rows.extend(range(end - count, end))
     return rows

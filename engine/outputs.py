@@ -51,7 +51,9 @@ class CompletionOutput:
 @dataclass
 class RequestOutput:
     """One request. `.text`, `.token_ids`, `.finish_reason` and `.error` are those
-    of the first sample, for the common n == 1 case."""
+    of the first sample, for the common n == 1 case. `prompt_logprobs` (with
+    `SamplingParams.prompt_logprobs`, once the prompt is scored): None for the first
+    prompt token, then per token `{token id: Logprob}`, the token's own first."""
 
     request_id: str
     prompt: str | None
@@ -59,6 +61,7 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     finished: bool
     timings: RequestTimings
+    prompt_logprobs: list | None = None
 
     @property
     def text(self) -> str:

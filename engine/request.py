@@ -101,6 +101,8 @@ class Request:
     text: str = ""
     logprobs: list[dict[int, float]] | None = None
     cumulative_logprob: float = 0.0
+    # with params.prompt_logprobs (sample 0 only): one entry per prompt token scored so far, None for the first
+    prompt_logprobs: list | None = None
     first_token_time: float | None = None
     finish_time: float | None = None
     generator: torch.Generator | None = None
@@ -118,6 +120,8 @@ class Request:
         self.group_id = self.group_id or self.request_id
         if self.params.logprobs is not None:
             self.logprobs = []
+        if self.params.prompt_logprobs is not None and self.sample_index == 0:
+            self.prompt_logprobs = [None]
         if self.params.seed is not None:
             # Sample i of a seeded prompt gets its own stream, derived from the seed.
             self.generator = torch.Generator().manual_seed(self.params.seed + 1_000_003 * self.sample_index)
@@ -134,6 +138,21 @@ class Request:
     @property
     def all_token_ids(self) -> list[int]:
         return self.prompt_token_ids + self.output_token_ids
+
+    @property
+    def needs_prompt_logits(self) -> bool:
+        """Whether it asks for prompt logprobs and some prompt token is not scored yet
+        (then it takes no prefix-cache hits: cached tokens have no logits)."""
+        return self.prompt_logprobs is not None and len(self.prompt_logprobs) < self.num_prompt_tokens
+
+    def prompt_logit_rows(self, start: int, end: int) -> int:
+        """How many of positions `start..end-1` score a prompt token not yet scored
+        (position p scores token p + 1): the last positions of the span, or the last
+        but its sampling row."""
+        if self.prompt_logprobs is None:
+            return 0
+        first = max(start, len(self.prompt_logprobs) - 1)
+        return max(0, min(end, self.num_prompt_tokens - 1) - first)
 
     @property
     def token_view(self) -> TokenIds:

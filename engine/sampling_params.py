@@ -45,6 +45,11 @@ class SamplingParams:
       `stop` strings end it too and are cut from the text.
     * `logprobs`: also return the log-probabilities of the `logprobs` most
       likely tokens at each step (and of the chosen one); None for none.
+    * `prompt_logprobs`: also return, for every prompt token but the first, its
+      log-probability given the tokens before it (with its rank) and those of the
+      `prompt_logprobs` most likely tokens there (`RequestOutput.prompt_logprobs`);
+      None for none. Both are the model's raw distribution: before logit bias,
+      penalties, temperature and masks.
     * `n` samples per prompt; they share the prompt's KV blocks.
     * `detokenize=False` leaves the output text empty (token ids only) and skips
       the per-token decoding; `stop` strings need the text, so they need it on.
@@ -72,6 +77,7 @@ class SamplingParams:
     min_tokens: int = 0
     ignore_eos: bool = False
     logprobs: int | None = None
+    prompt_logprobs: int | None = None
     detokenize: bool = True
     speculative: bool = True
     structured_outputs: StructuredOutputsParams | None = None
@@ -124,6 +130,9 @@ class SamplingParams:
               f"stop_token_ids must be non-negative integers, got {self.stop_token_ids!r}")
         check(self.logprobs is None or (_is_int(self.logprobs) and self.logprobs >= 0),
               f"logprobs must be None or an integer >= 0 (how many top tokens), got {self.logprobs!r}")
+        check(self.prompt_logprobs is None or (_is_int(self.prompt_logprobs) and self.prompt_logprobs >= 0),
+              "prompt_logprobs must be None or an integer >= 0 (how many top tokens per prompt position), "
+              f"got {self.prompt_logprobs!r}")
         found += logit_bias_problems(self.logit_bias)
         check(isinstance(self.speculative, bool), f"speculative must be True or False, got {self.speculative!r}")
         structured = self.structured_outputs

@@ -262,7 +262,9 @@ class Scheduler:
             if victim is None:
                 return False
             self._preempt(victim, plan)
-        computed = self.kv.admit(request.request_id, request.all_token_ids, request.prefix_extra_keys())
+        # prompt logprobs need every prompt position's logits, which cached blocks do not have
+        computed = self.kv.admit(request.request_id, () if request.needs_prompt_logits else request.all_token_ids,
+                                 request.prefix_extra_keys())
         if computing and not needs_slot and self.kv.next_block_hash(request.request_id, computed) in computing:
             self.kv.free(request.request_id)
             return False

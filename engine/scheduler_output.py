@@ -34,6 +34,12 @@ class ScheduledRequest:
         """Positions whose logits the step needs: the last token and each draft when sampling."""
         return 1 + len(self.draft_token_ids) if self.samples else 0
 
+    @property
+    def num_prompt_logit_rows(self) -> int:
+        """Positions before the sampling rows whose logits score prompt tokens (a
+        request with prompt logprobs, in its prefill); see `engine/prompt_logprobs.py`."""
+        return self.request.prompt_logit_rows(self.start, self.start + self.num_tokens)
+
 
 @dataclass
 class SchedulerOutput:
