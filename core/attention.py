@@ -172,6 +172,11 @@ class AttentionBackend(Implementation):
          it if `kv_scale_granularities` holds `per_tensor`.
       7. `with_kv_scales(scales)` returns a backend for one layer's static scales
          that shares everything else with this one: a `plan` of either serves both.
+      8. A backend declaring `batch_invariant` gives every query row an output that
+         is bitwise a function of that row alone (its query, position, and the keys
+         and values it attends to): the same bits whatever other sequences share the
+         step, however its sequence's query is chunked (a prefill row equals the
+         same row as a decode), and whatever the cache's block size.
     """
 
     kind: ClassVar[str] = ATTENTION_BACKEND
@@ -192,6 +197,10 @@ class AttentionBackend(Implementation):
     block_sizes: ClassVar[frozenset[int] | None] = None  # None: any block size
     features: ClassVar[frozenset[str]] = frozenset()
     kv_layout: ClassVar[str] = NHD
+    batch_invariant: ClassVar[bool] = False
+    """Whether it keeps guarantee 8 (each row's output bitwise independent of the batch,
+    the query's chunking and the block size); an engine with `batch_invariant` on
+    selects only backends that declare it."""
 
     def __init__(self, layer: AttentionLayerSpec, cache: KVCacheSpec, device: str | torch.device = "cpu"):
         from .errors import UnsupportedConfigurationError
@@ -229,6 +238,8 @@ class AttentionBackend(Implementation):
             reasons.append(f"head size {request.head_size} not in {sorted(cls.head_sizes)}")
         if request.block_size is not None and cls.block_sizes is not None and request.block_size not in cls.block_sizes:
             reasons.append(f"block size {request.block_size} not in {sorted(cls.block_sizes)}")
+        if request.batch_invariant and not cls.batch_invariant:
+            reasons.append("does not declare batch_invariant (a row's output may depend on the rest of the batch)")
         missing = set(request.features) - set(cls.features)
         if missing:
             reasons.append(f"features {sorted(missing)} not supported (has {sorted(cls.features) or 'none'})")
@@ -247,6 +258,7 @@ class AttentionBackend(Implementation):
             "block_sizes": sorted(cls.block_sizes) if cls.block_sizes is not None else "any",
             "features": sorted(cls.features),
             "kv_layout": cls.kv_layout,
+            "batch_invariant": cls.batch_invariant,
         }
 
     @classmethod

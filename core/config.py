@@ -116,6 +116,10 @@ class SpeculativeConfig(Section):
                                           "docs/speculative.md)")
     disable_above_batch_size: int | None = Field(
         None, ge=1, description="no drafts while more requests than this run (decode is compute-bound there)")
+    draft_policy: Literal["adaptive", "fixed"] = Field(
+        "adaptive", description="adaptive: per request and step, as many drafts (up to num_tokens, maybe none) as "
+                                "maximise expected tokens per second, from the request's measured acceptance and the "
+                                "engine's measured step costs; fixed: num_tokens drafts whenever the proposer has them")
 
 
 class StructuredOutputsConfig(Section):
@@ -208,6 +212,13 @@ class EngineConfig(Section):
     keep_freed_memory: bool = Field(
         True, description="CPU, glibc: keep freed heap memory for reuse (no page faults on each step's activations); "
                           "process-wide")
+    batch_invariant: bool = Field(
+        False, description="a request's greedy tokens, seeded samples and logprobs are bitwise the same alone or in "
+                           "any batch, under any prefill chunking and with or without prefix-cache hits: every "
+                           "reduction runs in one fixed order per row (kvforge's C++ linears, RMSNorm and rotary; an "
+                           "attention backend that declares batch_invariant, cpp_batch_invariant under auto). CPU, "
+                           "float32 and bfloat16; refused with speculative decoding, LoRA, int8 weights and tensor "
+                           "or pipeline parallelism. Costs a few percent of throughput (docs/determinism.md)")
     warmup: bool = Field(
         True, description="run one throwaway step of max_num_batched_tokens tokens when the engine starts, so the "
                           "first requests do not pay for first-touch memory and new kernel shapes (vLLM does the same)")

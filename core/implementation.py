@@ -53,6 +53,7 @@ class SelectionRequest:
     kv_storage_dtype: Any = None  # torch.dtype of a quantized KV cache; None for a float one
     kv_scale_granularity: str | None = None  # a quantized KV cache's scales: per_token (also when None) or per_tensor
     structured_output_spec: StructuredOutputSpec | None = None  # a structured_output backend must compile it
+    batch_invariant: bool = False  # an attention backend must declare batch_invariant (its guarantee 8)
 
 
 class Implementation(ABC):

@@ -103,10 +103,66 @@ def select_backend(registry: Registry, config: EngineConfig, layers: list[Attent
 
     request = backend_request(layers, device.type, dtype, block_size=config.cache.block_size,
                               kv_quantizer=kv_quantizer)
-    request = dataclasses.replace(request, kv_cache_dtype=config.cache.kv_cache_dtype)
+    request = dataclasses.replace(request, kv_cache_dtype=config.cache.kv_cache_dtype,
+                                  batch_invariant=config.batch_invariant)
     # prepare=True: the C++ backend builds its kernels here, so a failed build under
     # `auto` moves on to the next backend instead of failing the first layer.
-    return registry.select(ATTENTION_BACKEND, config.attention.backend, request, prepare=True).cls
+    try:
+        return registry.select(ATTENTION_BACKEND, config.attention.backend, request, prepare=True).cls
+    except SelectionError as exc:
+        if not config.batch_invariant:
+            raise
+        declaring = [r.name for r in registry.implementations(ATTENTION_BACKEND) if r.cls.batch_invariant]
+        raise SelectionError(f"batch_invariant = true: {exc}; choose one of: {', '.join(declaring) or 'none installed'} "
+                             "(backends that declare batch_invariant), or turn batch_invariant off") from exc
+
+
+BATCH_VARIANT_LINEARS = {
+    "torch": "F.linear sums a single row another way than several (a matrix-vector path)",
+    "onednn": "oneDNN splits a deep input over threads for some row counts",
+}
+"""Linear kernels whose per-row sums change with the number of rows, and how."""
+
+
+def linear_kernel(config: EngineConfig, dtype: torch.dtype, device: torch.device) -> str:
+    """The `linear_kernel` to load the model with: the configured one, except that with
+    `batch_invariant` it must be kvforge's C++ kernels (each output sums its inputs in
+    one order whatever the row count), which `auto` then means; others are refused."""
+    if not config.batch_invariant:
+        return config.linear_kernel
+    if config.linear_kernel in BATCH_VARIANT_LINEARS:
+        raise UnsupportedConfigurationError(
+            f"batch_invariant = true needs linear_kernel 'cpp' or 'auto', not {config.linear_kernel!r}: "
+            f"{BATCH_VARIANT_LINEARS[config.linear_kernel]}")
+    from kvforge.models.cpp_linear import cpp_linear_unavailable
+
+    why_not = cpp_linear_unavailable(dtype, device)
+    if why_not is not None:
+        raise UnsupportedConfigurationError(
+            f"batch_invariant = true runs every linear layer on kvforge's C++ kernels, and {why_not}; "
+            "use a float32 or bfloat16 CPU model, or turn batch_invariant off")
+    return "cpp"
+
+
+def check_batch_invariant(config: EngineConfig) -> None:
+    """Refuse, naming each setting, what batch-invariant mode does not cover."""
+    if not config.batch_invariant:
+        return
+    refused = []
+    if config.speculative.proposer is not None:
+        refused.append(f"speculative.proposer = {config.speculative.proposer!r} (whether a request gets drafts, and "
+                       "how its random draws are spent verifying them, depends on the batch)")
+    if config.lora.enabled:
+        refused.append("lora.enabled (a step's rows are grouped by adapter for the LoRA kernels)")
+    if config.quantization.weights is not None:
+        refused.append(f"quantization.weights = {config.quantization.weights!r} (the int8 linears take another path "
+                       "for a prefill's rows than for a decode's)")
+    if config.parallel.world_size > 1:
+        refused.append(f"tensor/pipeline parallelism over {config.parallel.world_size} ranks (the ranks' layers run "
+                       "on torch's kernels)")
+    if refused:
+        raise UnsupportedConfigurationError(
+            "batch_invariant = true does not cover: " + "; ".join(refused) + "; unset these or turn batch_invariant off")
 
 
 def build_allocator(registry: Registry, config: EngineConfig, num_blocks: int):
@@ -172,6 +228,7 @@ def num_blocks(config: EngineConfig, spec, device: torch.device, max_model_len: 
 
 def check_supported(config: EngineConfig, dtype: torch.dtype) -> None:
     """Refuse, with the reason, settings the reference engine does not implement."""
+    check_batch_invariant(config)
     kv_dtype = config.cache.kv_cache_dtype  # a quantizer name is resolved by resolve_kv_quantizer
     if kv_dtype in FLOAT_DTYPES and FLOAT_DTYPES[kv_dtype] != dtype:
         raise UnsupportedConfigurationError(

@@ -14,7 +14,8 @@ import time
 
 from kvforge.benchmarks.harness import percentile
 
-from .cli_options import add_config_options, add_parallel_options, parallel_overrides, registry_from_config
+from .cli_options import (add_batch_invariant_option, add_config_options, add_parallel_options,
+                          batch_invariant_overrides, parallel_overrides, registry_from_config)
 
 
 def add_parser(commands) -> None:
@@ -31,6 +32,7 @@ def add_parser(commands) -> None:
     parser.add_argument("--stream", action="store_true", help="print tokens as they are generated")
     parser.add_argument("--jsonl", action="store_true", help="one JSON object per request on stdout")
     add_parallel_options(parser)
+    add_batch_invariant_option(parser)
     parser.add_argument("--threads", type=int, help="CPU threads for torch (default: torch's choice); 1 is often "
                         "fastest for tiny models on a busy machine")
     parser.add_argument("-v", "--verbose", action="store_true",
@@ -123,7 +125,7 @@ def run(args: argparse.Namespace) -> int:
         torch.set_num_threads(args.threads)
     sections = {"model": args.model} if args.model else {}
     check_config(args, sections)
-    llm = LLM(config_file=args.config, overrides=parallel_overrides(args), **sections)
+    llm = LLM(config_file=args.config, overrides=parallel_overrides(args) + batch_invariant_overrides(args), **sections)
     try:
         return generate(llm, prompts, args)
     finally:
@@ -136,7 +138,7 @@ def check_config(args: argparse.Namespace, sections: dict) -> None:
     can keep, prefix caching asked of an allocator without it."""
     from kvforge.core import check_implementation_names, load_config
 
-    loaded = load_config(config_file=args.config, overrides=parallel_overrides(args), **sections)
+    loaded = load_config(config_file=args.config, overrides=parallel_overrides(args) + batch_invariant_overrides(args), **sections)
     check_implementation_names(loaded.config, registry_from_config(loaded, log_errors=False))
 
 

@@ -39,6 +39,19 @@ def parallel_overrides(args: argparse.Namespace) -> list[str]:
     return overrides
 
 
+def add_batch_invariant_option(parser: argparse.ArgumentParser) -> None:
+    """`--batch-invariant`: the shorthand for `batch_invariant = true`, read back by
+    `batch_invariant_overrides`."""
+    parser.add_argument("--batch-invariant", action="store_true",
+                        help="each request's tokens and logprobs bitwise the same alone or in any batch "
+                             "(batch_invariant; vLLM's VLLM_BATCH_INVARIANT=1); costs some throughput")
+
+
+def batch_invariant_overrides(args: argparse.Namespace) -> list[str]:
+    """`batch_invariant=true` when `--batch-invariant` was given (`--set` form)."""
+    return ["batch_invariant=true"] if args.batch_invariant else []
+
+
 def add_lora_options(parser: argparse.ArgumentParser) -> None:
     """vLLM's LoRA flags: shorthands for the `lora` settings (read back by
     `lora_overrides`) and the adapters to serve (`lora_modules`)."""

@@ -12,8 +12,8 @@ import logging
 import os
 import sys
 
-from .cli_options import (add_config_options, add_lora_options, add_parallel_options, lora_modules, lora_overrides,
-                          parallel_overrides)
+from .cli_options import (add_batch_invariant_option, add_config_options, add_lora_options, add_parallel_options,
+                          batch_invariant_overrides, lora_modules, lora_overrides, parallel_overrides)
 
 log = logging.getLogger("kvforge.serve")
 
@@ -45,6 +45,7 @@ def add_parser(commands) -> None:
                              "the same replica (its prefix cache hits) unless it is much busier (default: "
                              "least_tokens)")
     add_parallel_options(parser)
+    add_batch_invariant_option(parser)
     add_lora_options(parser)
     parser.add_argument("--uvicorn-log-level", default="info", help="uvicorn's log level (default: info)")
     parser.set_defaults(run=run)
@@ -72,7 +73,7 @@ def run(args: argparse.Namespace) -> int:
 
     from .cli_generate import selection_line
 
-    args.overrides = parallel_overrides(args) + lora_overrides(args)
+    args.overrides = parallel_overrides(args) + lora_overrides(args) + batch_invariant_overrides(args)
     if args.data_parallel_size > 1:
         return _run_replicas(args, ServeSettings, serve, selection_line)
     if args.threads:

@@ -129,6 +129,11 @@ class CppAttentionBackend(AttentionBackend):
 
     def forward(self, query: torch.Tensor, kv_cache: torch.Tensor, plan: CppPlan,
                 out: torch.Tensor | None = None) -> torch.Tensor:
+        return self.attend(query, kv_cache, plan, out, batch_invariant=False)
+
+    def attend(self, query: torch.Tensor, kv_cache: torch.Tensor, plan: CppPlan, out: torch.Tensor | None,
+               batch_invariant: bool) -> torch.Tensor:
+        """`forward` on the kernel's fast tiles, or its batch-invariant one (invariant_tile.h)."""
         if query.stride(-1) != 1:
             query = query.contiguous()
         target = out if out is not None and out.stride(-1) == 1 else torch.empty_like(query)
@@ -137,7 +142,7 @@ class CppAttentionBackend(AttentionBackend):
             kv_cache, scales = self.quantized_views.views(kv_cache)
         torch.ops.kvforge_cpp.paged_attention(
             query, kv_cache, plan.query_start_loc, plan.seq_lens, plan.context_lens, plan.block_table,
-            self.scale, self.window, self.soft_cap, self.alibi, target, scales)
+            self.scale, self.window, self.soft_cap, self.alibi, target, scales, batch_invariant)
         if out is not None and target is not out:
             out.copy_(target)
             return out
