@@ -18,9 +18,12 @@ included. Only backends that declare the quantized storage dtype run those rows.
     pytest benchmarks/bench_attention.py                     # pytest-benchmark, table at the end
     python -m kvforge.benchmarks.bench_attention [--repeat N] # the table alone
     python -m kvforge.benchmarks.bench_attention --kv-dtypes --threads 1 --backend cpp
+    python -m kvforge.benchmarks.bench_attention --threads 1 --clock cpu --backend cpp --backend vllm_cpu --block-size 32
 
 Backends arrive through the registry, so a newly installed plugin shows up here
-without edits. A backend whose class sets `conformance_grid = "reduced"` (one
+without edits. A backend that owns its cache layout (`kv_layout` other than NHD,
+such as `vllm_cpu`) gets the same keys and values written into its own layout by
+its own `write_kv`, before the timing. A backend whose class sets `conformance_grid = "reduced"` (one
 that runs under an interpreter on this machine, like Triton on a CPU) is skipped:
 its timings would measure the interpreter.
 """
@@ -28,6 +31,7 @@ its timings would measure the interpreter.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import functools
 import statistics
 import time
@@ -39,6 +43,7 @@ import torch.nn.functional as F
 
 from kvforge.core import (
     ATTENTION_BACKEND,
+    FLOAT_DTYPES,
     NHD,
     QUANTIZER,
     SCALE_DTYPE,
@@ -198,12 +203,27 @@ def backend_call(cls, w: Workload, device: str):
     s = w.shape
     layer = AttentionLayerSpec(s.num_heads, s.num_kv_heads, s.head_size)
     backend = cls(layer, s.cache_spec(), device)
+    cache = w.cache if cls.kv_layout == NHD else own_layout_cache(backend, w)
     plan = backend.plan(w.batch)
     out = torch.empty_like(w.query)
 
     def call():
-        return backend.forward(w.query, w.cache, plan, out=out)
+        return backend.forward(w.query, cache, plan, out=out)
     return call
+
+
+def own_layout_cache(backend, w: Workload) -> torch.Tensor:
+    """The workload's keys and values in the cache layout of a backend that owns one
+    (`kv_layout` other than NHD), written by its own `write_kv` (outside the timing)."""
+    s = w.shape
+    cache = torch.zeros(type(backend).kv_cache_shape(w.cache.shape[0], s.cache_spec()), dtype=s.dtype,
+                        device=w.cache.device)
+    table = w.batch.block_table.long()
+    pos = torch.arange(s.seq_len, device=table.device)
+    slots = (table[:, pos // s.block_size] * s.block_size + pos % s.block_size).flatten()
+    keys, values = (x.transpose(1, 2).reshape(-1, s.num_kv_heads, s.head_size) for x in (w.keys, w.values))
+    backend.write_kv(keys, values, cache, slots)
+    return cache
 
 
 def candidates(shape: Shape, device: str) -> list:
@@ -221,8 +241,8 @@ def skip_reason(cls, shape: Shape, device: str) -> str | None:
     availability = cls.availability()
     if not availability.ok:
         return f"unavailable: {availability.reason}"
-    if cls.kv_layout != NHD:
-        return f"uses KV layout {cls.kv_layout}; this benchmark builds {NHD} caches"
+    if cls.kv_layout != NHD and shape.kv_cache_dtype != "auto":
+        return f"uses KV layout {cls.kv_layout}; this benchmark builds quantized caches in {NHD} only"
     if getattr(cls, "conformance_grid", "full") == "reduced":
         return "runs under an interpreter on this machine; its timings would measure the interpreter"
     spec = shape.cache_spec()
@@ -322,7 +342,15 @@ def main(argv=None) -> None:
                              "out the time a shared machine gives other processes; pytest: --benchmark-timer")
     parser.add_argument("--backend", action="append", default=None, metavar="NAME",
                         help=f"only this backend (repeatable; {BASELINE!r} is the unpaged floor); default: all")
+    parser.add_argument("--block-size", type=int, default=None, metavar="N",
+                        help="run every shape with this KV block size instead of its own (16)")
+    parser.add_argument("--dtype", choices=sorted(FLOAT_DTYPES), default=None,
+                        help="run the decode and prefill shapes in this dtype instead of float32 (CPU) or bfloat16 (CUDA)")
     args = parser.parse_args(argv)
+    if args.block_size is not None and args.block_size < 1:
+        parser.error(f"--block-size must be a positive number of tokens, got {args.block_size}")
+    if args.dtype is not None and args.kv_dtypes:
+        parser.error("--dtype sets the decode and prefill shapes' dtype; the --kv-dtypes rows each name their own")
     if args.threads:
         torch.set_num_threads(args.threads)
     if args.clock == "cpu" and (device_here() != "cpu" or torch.get_num_threads() > 1):
@@ -334,6 +362,10 @@ def main(argv=None) -> None:
     if unknown:
         parser.error(f"unknown backend(s) {unknown}; valid: {known}")
     for shape in kv_dtype_shapes(device) if args.kv_dtypes else shapes(device):
+        if args.block_size is not None:
+            shape = dataclasses.replace(shape, block_size=args.block_size)
+        if args.dtype is not None:
+            shape = dataclasses.replace(shape, dtype=FLOAT_DTYPES[args.dtype])
         w = workload(shape, device)
         for name in [n for n in known if args.backend is None or n in args.backend]:
             if name != BASELINE and (why := skip_reason(registry().get(ATTENTION_BACKEND, name).cls,

@@ -158,3 +158,17 @@ def test_a_planted_off_by_one_in_the_lengths_passed_is_caught():
     assert check_case(TARGET, case) is None
     problem = check_case(planted, case)
     assert problem is not None and "relative error" in problem, problem
+
+
+@needs_vllm
+@pytest.mark.parametrize("query_len, context_len", [(1, 37), (9, 0)], ids=["decode", "prefill"])
+def test_benchmark_times_it_over_the_same_data_in_its_own_layout(query_len, context_len, one_thread):
+    # bench_attention writes the workload into vllm_cpu's layout with its write_kv; the
+    # side-by-side figures mean something only if that is the same data cpp reads in NHD.
+    from kvforge.benchmarks.bench_attention import Shape, backend_call, registry, workload
+
+    shape = Shape("tiny", 3, context_len, query_len, 8, 2, 64, 32, torch.float32)
+    w = workload(shape, "cpu", seed=3)
+    ours = backend_call(VllmCpuAttentionBackend, w, "cpu")().clone()
+    cpp = backend_call(registry().get(ATTENTION_BACKEND, "cpp").cls, w, "cpu")()
+    torch.testing.assert_close(ours, cpp, rtol=1e-4, atol=1e-4)
