@@ -52,8 +52,9 @@ def add_parser(commands) -> None:
 
 def selection_request(config, registry) -> SelectionRequest:
     """What `auto` is asked for when no model is loaded: the configured device,
-    dtype, block size and, when `cache.kv_cache_dtype` names a quantizer, the
-    storage dtype it keeps the KV cache in (model shape is unknown until a model is)."""
+    dtype, block size, `batch_invariant` and, when `cache.kv_cache_dtype` names a
+    quantizer, the storage dtype it keeps the KV cache in (model shape is unknown
+    until a model is)."""
     import torch
 
     from kvforge.engine.components import resolve_kv_quantizer
@@ -64,7 +65,8 @@ def selection_request(config, registry) -> SelectionRequest:
     request = backend_request([], device, dtype, block_size=config.cache.block_size,
                               kv_quantizer=resolve_kv_quantizer(registry, config))
     return dataclasses.replace(request, kv_cache_dtype=config.cache.kv_cache_dtype,
-                               prefix_caching=config.cache.enable_prefix_caching or None)
+                               prefix_caching=config.cache.enable_prefix_caching or None,
+                               batch_invariant=config.batch_invariant)
 
 
 def report(registry, request: SelectionRequest | None, explain: bool) -> dict:
