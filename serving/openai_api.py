@@ -34,7 +34,8 @@ from .errors import APIError, bad_request, error_body
 from .metrics import ServerMetrics
 from .protocol import ChatCompletionRequest, CompletionRequest, SamplingFields
 from .replica_pool import ReplicaPool
-from .responses import SSE_DONE, TokenText, chat_logprobs, choice_index, completion_logprobs, failed, sse, usage
+from .responses import (SSE_DONE, TokenText, chat_logprobs, choice_index, completion_logprobs, echo_logprobs, failed,
+                        prompt_text_length, sse, usage)
 from .router import Router
 from .served_adapters import ServedAdapters
 from .served_model import ServedModel
@@ -122,14 +123,29 @@ class OpenAIServer:
             output = finals[rid]
             _raise_if_failed(output)
             for c in output.outputs:
-                completion_tokens += len(c.token_ids)
-                choices.append({"index": choice_index(p, prepared.n, c), "text": c.text,
-                                "logprobs": completion_logprobs(c, prepared.logprobs or 0, self.token_text, False),
-                                "finish_reason": c.finish_reason, "stop_reason": c.stop_reason})
+                choice = self._echoed(body, given[p], output, c) if body.echo else {
+                    "text": c.text, "logprobs": completion_logprobs(c, prepared.logprobs or 0, self.token_text, False),
+                    "finish_reason": c.finish_reason}
+                completion_tokens += len(c.token_ids) if body.max_tokens != 0 else 0
+                choices.append({"index": choice_index(p, prepared.n, c), **choice, "stop_reason": c.stop_reason})
         choices.sort(key=lambda choice: choice["index"])
         return JSONResponse({"id": prepared.response_id, "object": "text_completion", "created": prepared.created,
                              "model": prepared.model, "choices": choices,
                              "usage": usage(prepared.num_prompt_tokens, completion_tokens)})
+
+    def _echoed(self, body: CompletionRequest, prompt: str | list[int], output: RequestOutput, c) -> dict:
+        """A choice's text and logprobs with the prompt before them; with max_tokens 0
+        the one token the engine generated is left out."""
+        text = prompt if isinstance(prompt, str) else self.token_text.text_of(prompt)
+        generate = body.max_tokens != 0
+        logprobs = None
+        if body.logprobs is not None:
+            generated = completion_logprobs(c, body.logprobs, self.token_text, False,
+                                            prompt_text_length(output.prompt_token_ids, self.token_text))
+            logprobs = echo_logprobs(output.prompt_token_ids, output.prompt_logprobs, self.token_text,
+                                     generated if generate else None)
+        return {"text": text + c.text if generate else text, "logprobs": logprobs,
+                "finish_reason": c.finish_reason if generate else "length"}
 
     async def chat(self, request: Request, body: ChatCompletionRequest) -> Response:
         lora = self.adapters.resolve(body.model)

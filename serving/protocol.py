@@ -13,7 +13,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Annotated, Literal
 
-from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, WithJsonSchema, model_validator
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, WithJsonSchema, model_validator
 
 from kvforge.core import RequestError
 from kvforge.engine.sampling_params import LOGIT_BIAS_BOUND, SamplingParams
@@ -82,17 +82,13 @@ def needs(field: str, flag: str) -> dict:
                               {"properties": {flag: {"const": True}}, "required": [flag]}]}}
 
 
-def _no_echo(echo: bool) -> bool:
-    if echo:
-        raise ValueError("echo is not supported; leave it out or send false")
-    return echo
-
-
-# Literal[False] would also take 0 (0 == False), which the schema's `const: false` refuses.
-NoEcho = Annotated[bool, AfterValidator(_no_echo), WithJsonSchema({"type": "boolean", "const": False})]
-
 STREAM_OPTIONS_NEED_STREAM = needs("stream_options", "stream")
 TOP_LOGPROBS_NEED_LOGPROBS = needs("top_logprobs", "logprobs")
+# echo answers with the whole prompt at once, so it is not streamed; max_tokens 0 scores the prompt only
+ECHO_RULES = {"echo": {"anyOf": [{"properties": {"echo": {"const": False}}},
+                                 {"properties": {"stream": {"const": False}}}]},
+              "max_tokens": {"anyOf": [{"properties": {"max_tokens": {"not": {"const": 0}}}},
+                                       {"properties": {"echo": {"const": True}}, "required": ["echo"]}]}}
 
 
 class StreamOptions(BaseModel):
@@ -166,13 +162,39 @@ class SamplingFields(BaseModel):
 
 class CompletionRequest(SamplingFields):
     """`POST /v1/completions`. `prompt` is a string, a list of strings, a list of
-    token ids, or a list of token-id lists; each prompt gets `n` choices."""
+    token ids, or a list of token-id lists; each prompt gets `n` choices.
+
+    `echo: true` puts the prompt before each choice's text and, with `logprobs`,
+    the prompt tokens' logprobs before the generated ones' (the first token's is
+    null); `max_tokens: 0` (with echo only) scores the prompt and generates nothing,
+    as lm-evaluation-harness asks for loglikelihoods. Echo is not streamed."""
+
+    model_config = ConfigDict(json_schema_extra={"dependentSchemas": {**STREAM_OPTIONS_NEED_STREAM, **ECHO_RULES}})
 
     prompt: NonEmptyStr | Annotated[list[NonEmptyStr], Field(min_length=1)] | TokenIds | \
         Annotated[list[TokenIds], Field(min_length=1)]
-    max_tokens: integer(ge=1) | None = 16
+    max_tokens: integer(ge=0) | None = 16
     logprobs: integer(ge=0, le=MAX_LOGPROBS) | None = None
-    echo: NoEcho = False
+    echo: bool = False
+
+    @model_validator(mode="after")
+    def _echo_rules(self):
+        if self.echo and self.stream:
+            raise ValueError("echo is not supported with stream: true (the prompt comes back whole); "
+                             "send stream: false, or leave echo out")
+        if self.max_tokens == 0 and not self.echo:
+            raise ValueError("max_tokens 0 generates nothing, which only echo: true makes useful (to score the "
+                             "prompt); send max_tokens >= 1, or echo: true")
+        return self
+
+    def sampling_params(self, max_tokens: int, logprobs: int | None) -> SamplingParams:
+        """With echo and logprobs the prompt is scored too (its top `logprobs`
+        alternatives each); max_tokens 0 still generates one token in the engine,
+        which the answer leaves out (as vLLM does)."""
+        params = super().sampling_params(max(max_tokens, 1), logprobs)
+        if self.echo and logprobs is not None:
+            params = dataclasses.replace(params, prompt_logprobs=logprobs)
+        return params
 
     def prompts(self) -> list[str | list[int]]:
         prompt = self.prompt

@@ -36,6 +36,12 @@ class TokenText:
             self._cache[token_id] = text
         return text
 
+    def text_of(self, token_ids: list[int]) -> str:
+        """A token-id prompt's text (its ids' texts joined without a tokenizer)."""
+        if self.tokenizer is not None:
+            return self.tokenizer.decode(token_ids)
+        return "".join(self(t) for t in token_ids)
+
 
 def _records(completion: CompletionOutput, new_only: bool) -> list[tuple[int, dict[int, float]]]:
     """(token id, {id: logprob}) of each token, or of the tokens added by the latest step."""
@@ -61,6 +67,31 @@ def completion_logprobs(completion: CompletionOutput, k: int, token_text: TokenT
         offsets.append(text_offset)
         text_offset += len(text)
     return {"tokens": tokens, "token_logprobs": chosen, "top_logprobs": tops, "text_offset": offsets}
+
+
+def echo_logprobs(prompt_ids: list[int], prompt_logprobs: list | None, token_text: TokenText,
+                  generated: dict | None) -> dict:
+    """The legacy completions shape over the prompt (each token's own logprob and
+    its alternatives; null for the first token) and then the `generated` tokens'
+    (`completion_logprobs` from the end of the prompt's text; None: none)."""
+    tokens, chosen, tops, offsets = [], [], [], []
+    offset = 0
+    for token_id, record in zip(prompt_ids, prompt_logprobs or [None] * len(prompt_ids)):
+        text = token_text(token_id)
+        tokens.append(text)
+        chosen.append(None if record is None else record[token_id].logprob)
+        tops.append(None if record is None else {token_text(t): lp.logprob for t, lp in record.items()})
+        offsets.append(offset)
+        offset += len(text)
+    body = {"tokens": tokens, "token_logprobs": chosen, "top_logprobs": tops, "text_offset": offsets}
+    for key, values in (generated or {}).items():
+        body[key] += values
+    return body
+
+
+def prompt_text_length(prompt_ids: list[int], token_text: TokenText) -> int:
+    """Where the generated tokens' text offsets start after an echoed prompt."""
+    return sum(len(token_text(t)) for t in prompt_ids)
 
 
 def chat_logprobs(completion: CompletionOutput, k: int, token_text: TokenText, new_only: bool) -> dict | None:

@@ -72,13 +72,26 @@ def test_request_fields_map_onto_sampling_params_and_defaults_stay_the_engines()
 
 
 @pytest.mark.parametrize("fields, bad", [
-    ({"n": 0}, "n"), ({"max_tokens": 0}, "max_tokens"), ({"foo": 1}, "foo"), ({"top_p": 1.5}, "top_p"),
-    ({"echo": True}, "echo"), ({"logprobs": 21}, "logprobs"),
+    ({"n": 0}, "n"), ({"max_tokens": -1}, "max_tokens"), ({"foo": 1}, "foo"), ({"top_p": 1.5}, "top_p"),
+    ({"echo": "yes"}, "echo"), ({"logprobs": 21}, "logprobs"),
 ])
 def test_invalid_completion_fields_are_named(fields, bad):
     with pytest.raises(ValidationError) as info:
         CompletionRequest(prompt="x", **fields)
     assert [e["loc"][0] for e in info.value.errors()] == [bad]
+
+
+@pytest.mark.parametrize("fields, why", [({"echo": True, "stream": True}, "echo is not supported with stream"),
+                                         ({"max_tokens": 0}, "max_tokens 0 generates nothing")])
+def test_echo_is_not_streamed_and_max_tokens_zero_needs_echo(fields, why):
+    with pytest.raises(ValidationError, match=why):
+        CompletionRequest(prompt="x", **fields)
+
+
+def test_echo_with_logprobs_scores_the_prompt_and_max_tokens_zero_still_runs_one_token():
+    params = CompletionRequest(prompt="x", echo=True, max_tokens=0, logprobs=1).sampling_params(0, 1)
+    assert (params.prompt_logprobs, params.logprobs, params.max_tokens) == (1, 1, 1)
+    assert CompletionRequest(prompt="x", logprobs=1).sampling_params(4, 1).prompt_logprobs is None
 
 
 def test_chat_max_completion_tokens_wins_and_top_logprobs_needs_logprobs():
