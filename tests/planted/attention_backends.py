@@ -279,3 +279,34 @@ PLANTED = [
     ReadsPadding, AcceptsAnything, IgnoresScales, StoresUnscaled, QuantizedWritesMinusOne,
 ]
 
+
+
+class SplitKVByBatchSize(PerSequence):
+    """Declares `batch_invariant` but splits each row's keys into pieces of 8 x (the
+    step's sequence count), softmaxed apart and merged by their maxima and sums (a
+    split-KV decode kernel sized to fill the machine): within tolerance of the exact
+    answer, yet a row's bits change with how many sequences share its step."""
+
+    name = "split-kv-by-batch-size"
+    batch_invariant = True
+
+    def attend_one(self, query, keys, values, context, plan):
+        piece = 8 * len(plan.seq_lens)
+        group = self.layer.queries_per_kv
+        q = query.float().transpose(0, 1)  # [heads, q, d]
+        k = keys.float().repeat_interleave(group, dim=1).transpose(0, 1)
+        v = values.float().repeat_interleave(group, dim=1).transpose(0, 1)
+        scores = (q @ k.transpose(1, 2)) * self.layer.softmax_scale
+        positions = torch.arange(q.shape[1])[:, None] + context
+        scores = scores.masked_fill(torch.arange(k.shape[1])[None, :] > positions, float("-inf"))
+        total = torch.zeros_like(q)
+        norm = torch.zeros(q.shape[:2] + (1,))
+        top = scores.amax(dim=-1, keepdim=True)
+        for start in range(0, k.shape[1], piece):
+            part = scores[..., start:start + piece]
+            local = part.amax(dim=-1, keepdim=True).clamp_min(torch.finfo(torch.float32).min)
+            weights = torch.exp(part - local)
+            factor = torch.exp(local - top)
+            total += factor * (weights @ v[:, start:start + piece])
+            norm += factor * weights.sum(dim=-1, keepdim=True)
+        return (total / norm).transpose(0, 1)

@@ -1,0 +1,153 @@
+"""Batch-invariant mode (`batch_invariant = true`): a request's greedy tokens, seeded
+samples and logprobs are bitwise the same alone, in a batch, under chunked prefill and
+with prefix-cache hits; the kernels it relies on keep each row's sums in one order; the
+conformance group catches a backend that declares the guarantee and breaks it; what the
+mode does not cover is refused with the reason."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvforge import LLM, SamplingParams
+from kvforge.conformance.attention_cases import Target, check_case, make_case, make_layer
+from kvforge.conformance.check_attention_batch_invariance import run_hypothesis
+from kvforge.core import ATTENTION_BACKEND, SelectionError, UnsupportedConfigurationError, build_registry
+from tests.planted.attention_backends import SplitKVByBatchSize
+
+PROMPTS = [
+    "The capital of France is a city where many people live and work, and the river runs through it while",
+    "Once upon a time, there was a little girl who lived in a village near the forest. Every day she",
+    "def fibonacci(n):\n    if n < 2:\n        return n\n    return fibonacci(n - 1) + fibonacci(n - 2)\n",
+    "The quick brown fox jumps over the lazy dog. The quick brown fox jumps over the",
+]
+MAX_TOKENS = 16
+
+
+def cpp_backend(name: str) -> type:
+    registration = build_registry().get(ATTENTION_BACKEND, name)
+    if not registration.availability().ok:
+        pytest.skip(f"{name} unavailable here: {registration.availability().reason}")
+    return registration.cls
+
+
+# The contract and its conformance group
+
+
+def test_cpp_batch_invariant_passes_the_conformance_group():
+    run_hypothesis(Target(cpp_backend("cpp_batch_invariant"), "cpu", reduced=False), max_examples=6)
+
+
+def test_a_backend_whose_split_kv_follows_the_batch_is_caught():
+    planted = Target(SplitKVByBatchSize, "cpu", reduced=False)
+    # Right to within tolerance, so only the invariance check can tell.
+    assert check_case(planted, make_case("mixed", make_layer(64, 4), 8, torch.float32, seed=5)) is None
+    with pytest.raises(AssertionError, match="differ from alone, one step"):
+        run_hypothesis(planted, max_examples=6, shrink=False)
+
+
+def test_the_default_cpp_tiles_are_not_batch_invariant():
+    """What the mode is for: the fast tiles give a prefill row other bits than its decode."""
+    with pytest.raises(AssertionError, match="differ"):
+        run_hypothesis(Target(cpp_backend("cpp"), "cpu", reduced=False), max_examples=12, shrink=False)
+
+
+# The kernels the mode runs the model on
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_cpp_linear_and_rms_norm_rows_do_not_depend_on_the_row_count(dtype):
+    from kvforge.models.cpp_linear import CppLinear, cpp_linear_unavailable
+
+    if cpp_linear_unavailable(dtype, torch.device("cpu")) is not None:
+        pytest.skip(cpp_linear_unavailable(dtype, torch.device("cpu")))
+    gen = torch.Generator().manual_seed(0)
+    weight = (torch.randn(384, 1024, generator=gen) / 32).to(dtype)
+    x = torch.randn(300, 1024, generator=gen).to(dtype)
+    layer = CppLinear(weight, None)
+    norm_weight = torch.randn(1024, generator=gen).to(dtype)
+    batched, normed = layer(x), torch.ops.kvforge_cpp.rms_norm(x, norm_weight, 1e-6)
+    for rows in (1, 2, 3, 7, 16, 33, 100):
+        assert torch.equal(layer(x[:rows]), batched[:rows]), f"linear rows differ at {rows} rows"
+        assert torch.equal(layer(x[rows - 1:rows]), batched[rows - 1:rows])
+        assert torch.equal(torch.ops.kvforge_cpp.rms_norm(x[:rows], norm_weight, 1e-6), normed[:rows])
+
+
+# The engine
+
+
+def signature(output) -> tuple:
+    """A request's tokens and every logprob it reported, as exact floats."""
+    completion = output.outputs[0]
+    return completion.token_ids, [sorted((k, float(getattr(v, "logprob", v))) for k, v in step.items())
+                                  for step in completion.logprobs]
+
+
+def alone(llm: LLM, params: list[SamplingParams]) -> list[tuple]:
+    results = []
+    for prompt, p in zip(PROMPTS, params):
+        llm.reset_prefix_cache()
+        results.append(signature(llm.generate([prompt], p)[0]))
+    llm.reset_prefix_cache()
+    return results
+
+
+def engine(dtype: str, batch_invariant: bool = True, **settings) -> LLM:
+    return LLM("kvforge-tiny", dtype=dtype, batch_invariant=batch_invariant, warmup=False,
+               cache={"num_blocks": 128}, **settings)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_tokens_and_logprobs_are_bitwise_the_same_in_any_batch_chunking_and_cache_state(dtype):
+    greedy = [SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, logprobs=2)] * len(PROMPTS)
+    seeded = [SamplingParams(max_tokens=MAX_TOKENS, temperature=0.9, seed=11 + i, logprobs=2)
+              for i in range(len(PROMPTS))]
+    llm = engine(dtype)
+    assert llm.engine.selected[ATTENTION_BACKEND] == "cpp_batch_invariant"
+    expected = {}
+    for kind, params in (("greedy", greedy), ("seeded", seeded)):
+        expected[kind] = alone(llm, params)
+        batched = [signature(o) for o in llm.generate(PROMPTS, params)]
+        hits = [signature(o) for o in llm.generate(PROMPTS, params)]  # every prompt's full blocks are cached now
+        assert batched == expected[kind], f"{kind}: batched differs from one at a time"
+        assert hits == expected[kind], f"{kind}: a prefix-cache hit changed a request"
+    llm.engine.shutdown()
+    chunked = engine(dtype, scheduler={"max_num_batched_tokens": 7})  # every prompt prefilled in chunks of <= 7
+    for kind, params in (("greedy", greedy), ("seeded", seeded)):
+        assert [signature(o) for o in chunked.generate(PROMPTS, params)] == expected[kind], \
+            f"{kind}: chunked prefill changed a request"
+    chunked.engine.shutdown()
+
+
+def test_default_mode_changes_logprob_bits_under_chunked_prefill_here():
+    """The engine-level counterpart of the tiles' test: without the mode, chunking a
+    prompt changes some logprob's bits on this CPU (the check is vacuous elsewhere)."""
+    greedy = [SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, logprobs=2)] * len(PROMPTS)
+    whole = engine("float32", batch_invariant=False)
+    if whole.engine.selected[ATTENTION_BACKEND] != "cpp" or torch.ops.kvforge_cpp.isa() != "avx512":
+        pytest.skip("the default tiles differ between prefill and decode on the AVX-512 path, not run here")
+    unchunked = [signature(o) for o in whole.generate(PROMPTS, greedy)]
+    whole.engine.shutdown()
+    chunked = engine("float32", batch_invariant=False, scheduler={"max_num_batched_tokens": 7})
+    assert [signature(o) for o in chunked.generate(PROMPTS, greedy)] != unchunked
+    chunked.engine.shutdown()
+
+
+# What the mode refuses
+
+
+def test_a_backend_not_declaring_batch_invariant_is_refused_naming_those_that_do():
+    with pytest.raises(SelectionError, match=r"does not declare batch_invariant.*choose one of: cpp_batch_invariant"):
+        LLM("kvforge-tiny", batch_invariant=True, attention={"backend": "cpp"}, warmup=False)
+
+
+@pytest.mark.parametrize("settings, named", [
+    ({"linear_kernel": "onednn"}, "linear_kernel 'cpp' or 'auto', not 'onednn'"),
+    ({"linear_kernel": "torch"}, "linear_kernel 'cpp' or 'auto', not 'torch'"),
+    ({"speculative": {"proposer": "ngram"}}, "speculative.proposer = 'ngram'"),
+    ({"quantization": {"weights": "int8_weight"}}, "quantization.weights = 'int8_weight'"),
+    ({"lora": {"enabled": True}}, "lora.enabled"),
+])
+def test_what_the_mode_does_not_cover_is_refused_by_name(settings, named):
+    with pytest.raises(UnsupportedConfigurationError, match=f"batch_invariant = true.*{named}"):
+        LLM("kvforge-tiny", batch_invariant=True, warmup=False, **settings)
