@@ -8,9 +8,9 @@ import sys
 
 from kvforge.core import KvforgeError
 
-from . import cli_bench, cli_config, cli_conformance, cli_generate, cli_kernels, cli_plugins, cli_serve
+from . import cli_bench, cli_config, cli_conformance, cli_eval, cli_generate, cli_kernels, cli_plugins, cli_serve
 
-COMMANDS = (cli_plugins, cli_config, cli_conformance, cli_generate, cli_serve, cli_bench, cli_kernels)
+COMMANDS = (cli_plugins, cli_config, cli_conformance, cli_generate, cli_serve, cli_bench, cli_eval, cli_kernels)
 
 
 def build_parser() -> argparse.ArgumentParser:
