@@ -27,6 +27,7 @@ ALLOWED = {
     "engine": ("kvforge.core", "kvforge.models", "kvforge.kernels"),
     "conformance": ("kvforge.core",),
     "serving": ("kvforge.core", "kvforge.engine"),
+    "vllm_plugin": ("kvforge.core",),
     "distributed": ("kvforge.core", "kvforge.models", "kvforge.engine"),
     "benchmarks": ("kvforge",),  # anything but the CLI (below)
     "kvforge": ("kvforge",),  # the public facade and the CLI
