@@ -216,6 +216,22 @@ def run_one(python: str, peer: str, workload: Path, config: dict, out: Path, tim
     return {"status": "ok", "result": json.loads(out.read_text())}
 
 
+def same_output(pair: tuple[str, str], outcomes: dict[str, dict]) -> dict:
+    """Whether the two runs of `pair` (labels) generated the same tokens for every request:
+    `identical`, `differ` (with the differing request ids), `not measured` when either did
+    not run, `not recorded` when either kept no tokens."""
+    row = {"runs": list(pair)}
+    first, second = (outcomes.get(label) for label in pair)
+    if first is None or second is None or first["status"] != "ok" or second["status"] != "ok":
+        return {**row, "status": "not measured"}
+    tokens = [{r["id"]: r.get("token_ids") for r in o["result"]["requests"]} for o in (first, second)]
+    if any(ids is None for run in tokens for ids in run.values()):
+        return {**row, "status": "not recorded"}
+    differing = sorted(i for i, ids in tokens[0].items() if ids != tokens[1].get(i))
+    return {**row, "status": "differ" if differing else "identical", "requests": len(tokens[0]),
+            "differing": differing}
+
+
 def fastest(outcomes: list[dict]) -> dict:
     """The outcome with the shortest elapsed time (the least disturbed by other
     load), or the first failure."""
@@ -278,5 +294,8 @@ def run_scenario(scenario: Scenario, model_dir: str, out_dir: Path, *, peers: di
             entry["rounds_tokens_per_s"] = [metrics(o["result"])["tokens_per_s"] for o in outcomes[i]]
     summary["ratios"] = ratios(summary["runs"], scenario.subject)
     summary["targets"] = scenario_targets(scenario, summary["runs"])
+    if scenario.same_output is not None:
+        by_label = {run.label: fastest(outcomes[i]) for i, run, *_ in started}
+        summary["same_output"] = same_output(scenario.same_output, by_label)
     summary["status"] = "ok"
     return summary

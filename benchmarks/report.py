@@ -82,6 +82,8 @@ def scenario_section(summary: dict, peak_gflops: float | None = None) -> list[st
                      f"| {_num(m['tpot_p99_s'], '{:.2f}', 1e3)} | {_num(m['peak_kv_mib'])} "
                      f"| {_useful(m.get('useful_gflops'), peak_gflops)} |")
     lines.append("")
+    if summary.get("same_output"):
+        lines += [same_output_line(summary["same_output"]), ""]
     if summary.get("prefill_attention"):
         from .prefill_attention import markdown as prefill_markdown
 
@@ -91,6 +93,18 @@ def scenario_section(summary: dict, peak_gflops: float | None = None) -> list[st
 
         lines += structured_markdown(summary["structured"])
     return lines
+
+
+def same_output_line(row: dict) -> str:
+    """The scenario's greedy-output check between two of its runs, in a sentence."""
+    first, second = row["runs"]
+    if row["status"] == "identical":
+        return f"Greedy output of {first} and {second}: identical on all {row['requests']} requests."
+    if row["status"] == "differ":
+        shown = ", ".join(row["differing"][:5]) + (", ..." if len(row["differing"]) > 5 else "")
+        return (f"Greedy output of {first} and {second}: differs on {len(row['differing'])} of {row['requests']} "
+                f"requests ({shown}).")
+    return f"Greedy output of {first} and {second}: {row['status']}."
 
 
 def _useful(gflops: float | None, peak: float | None) -> str:

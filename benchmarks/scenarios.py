@@ -56,6 +56,8 @@ class Scenario:
     prefill_figures: bool = False  # the report adds the prefill attention kernel's GFLOP/s on its shapes
     # after its runs: (summary, the scenario's output folder, its model directory) -> entries added to the summary
     figures: Callable[[dict, Path, Path], dict] | None = None
+    # (run, other run) whose greedy tokens must be identical: both record them (`keep_token_ids`)
+    same_output: tuple[str, str] | None = None
 
     def longest(self) -> int:
         """Positions the longest request needs: its prompt and every generated token."""
@@ -73,18 +75,28 @@ def request(i: int, prompt: list[int], max_tokens: int, priority: int = 0, arriv
             "arrival_step": arrival_step, "cls": cls}
 
 
+VLLM = "vLLM CPU"
+VLLM_KVFORGE = "vLLM CPU + kvforge cpp"  # vLLM with its attention on kvforge's cpp backend (kvforge.vllm_plugin)
+
+
+def vllm_runs(options: dict) -> list[Run]:
+    """Stock vLLM, and vLLM with kvforge's cpp attention, both recording their tokens."""
+    options = {**options, "keep_token_ids": True}
+    return [Run(VLLM, "vllm", options), Run(VLLM_KVFORGE, "vllm", {**options, "kvforge_attention_backend": "cpp"})]
+
+
 def mixed(vocab: int, quick: bool, seed: int = 0) -> Scenario:
     rng = random.Random(seed)
     n, prompt_max, output_max = (32, 128, 64) if quick else (256, 512, 512)
     requests = [request(i, _ids(rng, rng.randint(16, prompt_max), vocab), rng.randint(16, output_max))
                 for i in range(n)]
     runs = [Run("kvforge", "kvforge"), Run("transformers generate", "generate"),
-            Run("transformers generate_batch", "generate_batch"), Run("vLLM CPU", "vllm")]
+            Run("transformers generate_batch", "generate_batch"), *vllm_runs({})]
     targets = [Target("mixed: >= 1.0x vLLM CPU output tokens/s", "kvforge", "vLLM CPU", "throughput", 1.0),
                Target("mixed: >= 3x transformers generate", "kvforge", "transformers generate", "throughput", 3.0),
                Target("mixed: >= 5x transformers generate_batch", "kvforge", "transformers generate_batch",
                       "throughput", 5.0)]
-    return Scenario("mixed", requests, runs, "kvforge", targets)
+    return Scenario("mixed", requests, runs, "kvforge", targets, same_output=(VLLM_KVFORGE, VLLM))
 
 
 def prefix(vocab: int, quick: bool, seed: int = 0) -> Scenario:
@@ -123,9 +135,11 @@ def long_prompt(vocab: int, quick: bool, seed: int = 0) -> Scenario:
     n, prompt_min, prompt_max, output = (8, 512, 2048, 8) if quick else (32, 1024, 4096, 32)
     requests = [request(i, _ids(rng, rng.randint(prompt_min, prompt_max), vocab), output) for i in range(n)]
     runs = [Run("kvforge", "kvforge", {"cache": {"enable_prefix_caching": False}}),
-            Run("vLLM CPU", "vllm", {"enable_prefix_caching": False})]
-    target = Target("long-prompt: >= 1.2x vLLM CPU output tokens/s", "kvforge", "vLLM CPU", "throughput", 1.2)
-    return Scenario("long-prompt", requests, runs, "kvforge", [target],
+            *vllm_runs({"enable_prefix_caching": False})]
+    targets = [Target("long-prompt: >= 1.2x vLLM CPU output tokens/s", "kvforge", VLLM, "throughput", 1.2),
+               Target("long-prompt: vLLM with kvforge cpp attention >= 1.0x stock vLLM CPU", VLLM_KVFORGE, VLLM,
+                      "throughput", 1.0)]
+    return Scenario("long-prompt", requests, runs, "kvforge", targets, same_output=(VLLM_KVFORGE, VLLM),
                     model="bench-llama-tiny-8k" if quick else "bench-llama-50m-8k", prefill_figures=True,
                     note="Prefix caching off in every engine; prompts of "
                          f"{prompt_min}-{prompt_max} tokens, {output} output tokens each.")

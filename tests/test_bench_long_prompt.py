@@ -34,10 +34,14 @@ def test_long_prompts_with_short_outputs_and_prefix_caching_off_everywhere(quick
     assert max(lengths) > (low + high) // 2  # the range is used, not its floor
     assert all(r["max_tokens"] <= 32 for r in s.requests)
     assert s.requests == scenarios.build("long-prompt", 512, quick).requests  # fixed by the seed
-    options = {run.peer: run.options for run in s.runs}
-    assert options == {"kvforge": {"cache": {"enable_prefix_caching": False}},
-                       "vllm": {"enable_prefix_caching": False}}
-    assert [(t.subject, t.other, t.threshold) for t in s.targets] == [("kvforge", "vLLM CPU", 1.2)]
+    options = {run.label: (run.peer, run.options) for run in s.runs}
+    vllm = {"enable_prefix_caching": False, "keep_token_ids": True}
+    assert options == {"kvforge": ("kvforge", {"cache": {"enable_prefix_caching": False}}),
+                       "vLLM CPU": ("vllm", vllm),
+                       "vLLM CPU + kvforge cpp": ("vllm", {**vllm, "kvforge_attention_backend": "cpp"})}
+    assert [(t.subject, t.other, t.threshold) for t in s.targets] == [("kvforge", "vLLM CPU", 1.2),
+                                                                      ("vLLM CPU + kvforge cpp", "vLLM CPU", 1.0)]
+    assert s.same_output == ("vLLM CPU + kvforge cpp", "vLLM CPU")
     assert s.longest() == max(len(r["prompt_token_ids"]) + r["max_tokens"] for r in s.requests)
     assert model_dirs.SYNTHETIC[s.model]["max_position_embeddings"] >= s.longest()
 

@@ -7,8 +7,9 @@ The result JSON: `label`, `peer`, `elapsed_s` (first request added to last one
 finished, load and warm-up excluded), `peak_kv_bytes` (None where the engine
 does not expose it), `info`, and per request `id`, `cls`, `output_tokens`,
 `ttft_s` (added to first token), `latency_s` (added to last token), and for a
-request that carries a `json_schema` (the structured scenario) its `token_ids`,
-so the bench can check the output against the schema.
+request that carries a `json_schema` (the structured scenario), or of every request
+of a run with the option `keep_token_ids`, its `token_ids`, so the bench can check the
+output against the schema or against another run's.
 """
 
 from __future__ import annotations
@@ -63,11 +64,12 @@ class Progress:
                 self.done[out.request_id] = (t, n)
                 self.token_ids[out.request_id] = list(out.outputs[0].token_ids)
 
-    def records(self, requests: list[dict]) -> list[dict]:
+    def records(self, requests: list[dict], token_ids: bool = False) -> list[dict]:
+        """Each request's record; with its `token_ids` too when it carries a schema or `token_ids` is set."""
         records = []
         for r in requests:
             one = record(r, self.added[r["id"]], self.first.get(r["id"]), *self.done[r["id"]])
-            if r.get("json_schema") is not None:
+            if token_ids or r.get("json_schema") is not None:
                 one["token_ids"] = self.token_ids[r["id"]]
             records.append(one)
         return records

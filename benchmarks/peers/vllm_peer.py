@@ -7,7 +7,10 @@ Options: `max_num_seqs`, `max_num_batched_tokens`, `enable_prefix_caching`, and
 `json_schema` is constrained to it (and ends when its document does). With
 `lora_adapters` (`{"count": C, "rank": R}`, and `max_loras`, `max_lora_rank`),
 request i runs adapter i mod C of `lora_adapters.adapter_dirs`, the same files
-kvforge's runner serves."""
+kvforge's runner serves. With `kvforge_attention_backend` (e.g. "cpp"), vLLM's CPU
+attention runs on that kvforge attention backend (kvforge's vLLM plugin, which must be
+installed in the vLLM environment); without it, stock vLLM runs even where
+KVFORGE_VLLM_ATTENTION_BACKEND is set. `keep_token_ids` records every request's tokens."""
 
 from __future__ import annotations
 
@@ -16,6 +19,8 @@ import time
 
 import common
 import lora_adapters
+
+ATTENTION_ENV = "KVFORGE_VLLM_ATTENTION_BACKEND"  # kvforge.vllm_plugin's; runners do not import kvforge
 
 
 def kv_usage(llm) -> float | None:
@@ -59,7 +64,23 @@ def lora_config(options: dict) -> dict:
             "max_lora_rank": options.get("max_lora_rank", spec["rank"])}
 
 
-def run(llm, requests: list[dict], structured: bool = False, loras: list | None = None
+def choose_attention(options: dict) -> str | None:
+    """Set (or clear) KVFORGE_VLLM_ATTENTION_BACKEND before vLLM loads its plugins in this
+    process; the kvforge backend's name, or None for vLLM's own attention."""
+    from importlib.metadata import entry_points
+
+    name = options.get("kvforge_attention_backend")
+    if name is None:
+        os.environ.pop(ATTENTION_ENV, None)
+        return None
+    if not any(ep.name == "kvforge" for ep in entry_points(group="vllm.general_plugins")):
+        raise SystemExit("kvforge_attention_backend needs kvforge's vLLM plugin in this environment: "
+                         "pip install -e <kvforge checkout> with this Python (docs/vllm.md)")
+    os.environ[ATTENTION_ENV] = name
+    return name
+
+
+def run(llm, requests: list[dict], structured: bool = False, loras: list | None = None, token_ids: bool = False
         ) -> tuple[float, list[dict], float | None]:
     from vllm.inputs import TokensPrompt
 
@@ -77,7 +98,7 @@ def run(llm, requests: list[dict], structured: bool = False, loras: list | None 
         usage = kv_usage(llm)
         if usage is not None:
             peak = max(peak or 0.0, usage)
-    return common.now() - start, progress.records(requests), peak
+    return common.now() - start, progress.records(requests, token_ids), peak
 
 
 def structured_config(options: dict) -> dict:
@@ -95,6 +116,7 @@ def main() -> None:
 
     workload, config, out = common.parse()
     options = config.get("options", {})
+    attention = choose_attention(options)
     llm = LLM(model=workload["model_dir"], dtype=workload["dtype"], seed=0,
               max_num_seqs=options.get("max_num_seqs", 128),
               max_num_batched_tokens=options.get("max_num_batched_tokens", 2048),
@@ -106,7 +128,7 @@ def main() -> None:
         llm.llm_engine.add_lora(lora)
     run(llm, common.warmup_requests(workload), structured, loras)
     cpu = time.process_time()
-    elapsed, records, peak = run(llm, workload["requests"], structured, loras)
+    elapsed, records, peak = run(llm, workload["requests"], structured, loras, options.get("keep_token_ids", False))
     cpu = time.process_time() - cpu  # the in-process engine's CPU time (see kvforge_peer)
     space = float(os.environ.get("VLLM_CPU_KVCACHE_SPACE", "0")) * 2**30
     peak_bytes = int(peak * space) if peak is not None and space else None
@@ -114,7 +136,7 @@ def main() -> None:
 
     common.write(out, config, "vllm", elapsed, records, peak_bytes,
                  {"vllm_version": vllm.__version__, "kv_cache_space_gib": space / 2**30, "peak_kv_fraction": peak,
-                  "cpu_s": cpu})
+                  "cpu_s": cpu, "kvforge_attention_backend": attention})
 
 
 if __name__ == "__main__":
