@@ -172,3 +172,19 @@ def test_benchmark_times_it_over_the_same_data_in_its_own_layout(query_len, cont
     ours = backend_call(VllmCpuAttentionBackend, w, "cpu")().clone()
     cpp = backend_call(registry().get(ATTENTION_BACKEND, "cpp").cls, w, "cpu")()
     torch.testing.assert_close(ours, cpp, rtol=1e-4, atol=1e-4)
+
+
+@needs_vllm
+def test_the_engine_generates_the_same_greedy_tokens_as_with_cpp():
+    # Through the model's cache allocation (kv_cache_shape), prefix reuse and decode steps.
+    from kvforge import LLM, SamplingParams
+
+    prompts = [[1 + (7 * i + 3 * j) % 250 for j in range(3 + 9 * i)] for i in range(4)]  # 3..30 tokens
+    greedy = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+
+    def tokens(backend: str) -> list[list[int]]:
+        llm = LLM("kvforge-tiny", device="cpu", dtype="float32", attention={"backend": backend},
+                  cache={"block_size": 16, "num_blocks": 64})
+        return [o.token_ids for o in llm.generate(prompt_token_ids=prompts, sampling_params=greedy)]
+
+    assert tokens("vllm_cpu") == tokens("cpp")
