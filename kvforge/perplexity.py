@@ -62,6 +62,13 @@ def perplexity(llm, token_ids: list[int], max_length: int | None = None, stride:
                progress: bool = False) -> Perplexity:
     """The perplexity of `token_ids` under `llm` (a `kvforge.LLM`). `max_length`
     defaults to the model's context, `stride` to half of `max_length`."""
+    total, count, windows = score_tokens(llm, token_ids, max_length, stride, progress)
+    return Perplexity(math.exp(-total / count), -total, count, windows)
+
+
+def score_tokens(llm, token_ids: list[int], max_length: int | None = None, stride: int | None = None,
+                 progress: bool = False) -> tuple[float, int, int]:
+    """`(sum of logprobs, tokens scored, windows)` of `token_ids` in strided windows."""
     from kvforge.engine.sampling_params import SamplingParams
 
     max_length = max_length or llm.engine.max_model_len
@@ -81,4 +88,4 @@ def perplexity(llm, token_ids: list[int], max_length: int | None = None, stride:
             token = token_ids[position]
             total += output.prompt_logprobs[position - window.begin][token].logprob
             count += 1
-    return Perplexity(math.exp(-total / count), -total, count, len(windows))
+    return total, count, len(windows)
