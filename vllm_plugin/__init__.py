@@ -9,7 +9,6 @@ nothing, so installing kvforge next to vLLM changes nothing by itself.
 
 from __future__ import annotations
 
-import logging
 import os
 
 BACKEND_ENV = "KVFORGE_VLLM_ATTENTION_BACKEND"
@@ -33,9 +32,5 @@ def register() -> None:
 
     from .selection import registration_of
 
-    registration = registration_of(name)  # raises SelectionError listing the valid names
+    registration_of(name)  # raises SelectionError listing the valid names
     register_backend(AttentionBackendEnum.CPU_ATTN, ADAPTER_PATH)
-    # a child of vLLM's logger, so the line appears in vLLM's log, formatted as its own
-    logging.getLogger("vllm.plugins.kvforge").info(
-        "vLLM's CPU attention runs on kvforge attention backend %r (%s %s), set by %s",
-        name, registration.distribution, registration.version, BACKEND_ENV)

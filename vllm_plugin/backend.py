@@ -14,6 +14,9 @@
 
 from __future__ import annotations
 
+import functools
+import logging
+import math
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -30,13 +33,23 @@ from vllm.v1.attention.backend import (
 )
 from vllm.v1.kv_cache_interface import AttentionSpec, KVCacheLayout
 
-from kvforge.core import SLIDING_WINDOW, AttentionBackend as KvforgeBackend, AttentionBatch, AttentionLayerSpec
+from kvforge.core import SLIDING_WINDOW, AttentionBackend as KvforgeBackend, AttentionBatch, AttentionLayerSpec, dtype_name
 
-from . import chosen_backend_name
+from . import BACKEND_ENV, chosen_backend_name
 from .batch import attention_batch, cache_view
 from .selection import backend_for, layer_spec, refusal, registration_of
 
 FLOAT_KV_CACHE_DTYPES = ("auto", "float16", "bfloat16", "float32")
+# a child of vLLM's logger, so the line shows in vLLM's log (configured once vLLM starts its engine)
+log = logging.getLogger("vllm.plugins.kvforge")
+
+
+@functools.cache
+def announce(name: str) -> None:
+    """Say once per process which kvforge backend computes vLLM's attention."""
+    registration = registration_of(name)
+    log.info("vLLM's CPU attention runs on kvforge attention backend %r (%s %s), set by %s", name,
+             registration.distribution, registration.version, BACKEND_ENV)
 
 
 def kvforge_class() -> type[KvforgeBackend]:
@@ -107,6 +120,11 @@ class KvforgeMetadataBuilder(AttentionMetadataBuilder[KvforgeMetadata]):
         impls = [layer.impl for layer in get_layers_from_vllm_config(vllm_config, Attention, layer_names).values()]
         self.backends = {impl.layer: impl.bind(self.block_size) for impl in impls
                          if isinstance(impl, KvforgeAttentionImpl)}
+        for backend in self.backends.values():  # vLLM's page per block must hold the backend's block exactly
+            page = math.prod(type(backend).kv_cache_shape(1, backend.cache)) * backend.cache.tensor_dtype.itemsize
+            if page != kv_cache_spec.page_size_bytes:
+                raise refusal(backend.name, f"its block of {page} bytes differs from vLLM's page of "
+                                            f"{kv_cache_spec.page_size_bytes} bytes ({kv_cache_spec})")
 
     def build(self, common_prefix_len: int, common_attn_metadata: CommonAttentionMetadata,
               fast_build: bool = False) -> KvforgeMetadata:
@@ -127,12 +145,14 @@ class KvforgeAttentionImpl(AttentionImpl[KvforgeMetadata]):
         self.num_kv_heads = num_kv_heads or num_heads
         self.kv_cache_dtype = kv_cache_dtype
         self.kv_sharing_target_layer_name = kv_sharing_target_layer_name
+        config = get_current_vllm_config()
+        self.dtype = config.model_config.dtype
         reasons = []
         if attn_type != AttentionType.DECODER:
             reasons.append(f"attention type {attn_type!r} (the adapter runs decoder self-attention only)")
-        if kv_cache_dtype not in FLOAT_KV_CACHE_DTYPES:
-            reasons.append(f"kv_cache_dtype {kv_cache_dtype!r} (the adapter keeps the KV cache in the model dtype; "
-                           "set kv_cache_dtype='auto')")
+        if kv_cache_dtype not in ("auto", dtype_name(self.dtype)):
+            reasons.append(f"kv_cache_dtype {kv_cache_dtype!r} (the adapter keeps the KV cache in the model dtype, "
+                           f"{dtype_name(self.dtype)}; set kv_cache_dtype='auto')")
         if sinks is not None:
             reasons.append("attention sinks")
         reasons += [f"{key}={value!r}" for key, value in unsupported.items() if value not in (None, False)]
@@ -140,9 +160,8 @@ class KvforgeAttentionImpl(AttentionImpl[KvforgeMetadata]):
             raise refusal(self.name, reasons)
         self.layer = layer_spec(num_heads, num_kv_heads, head_size, scale, sliding_window, logits_soft_cap,
                                 alibi_slopes)
-        config = get_current_vllm_config()
-        self.dtype = config.model_config.dtype
         self.backend = self.bind(config.cache_config.block_size)  # refused here, at start-up, if it must be
+        announce(self.name)
         self.kv_shape: tuple[int, ...] | None = None
 
     def bind(self, block_size: int) -> KvforgeBackend:
