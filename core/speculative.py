@@ -67,6 +67,11 @@ class SpeculativeProposer(Implementation):
     """
 
     kind: ClassVar[str] = SPECULATIVE_PROPOSER
+    cheap: ClassVar[bool] = False
+    """True when `propose` costs next to nothing beside a model step (it runs no
+    model). The engine's adaptive drafting then asks it every step, also for
+    requests that verify no drafts, and scores those drafts against the tokens
+    that follow; a costly proposer is asked only for drafts that will be verified."""
 
     def __init__(self, **options):
         """`options` are `speculative.options` from the config; each proposer names

@@ -4,7 +4,9 @@ Only running requests in decode (every known token computed but the last, with
 output already) are asked, and none while more requests than
 `speculative.disable_above_batch_size` run (decode is compute-bound there, so
 verifying drafts costs more than it saves). Each request's draft is cut so that
-accepting all of it could never pass its `max_tokens` or the model's context.
+accepting all of it could never pass its `max_tokens` or the model's context,
+and, under `speculative.draft_policy = "adaptive"`, to the drafts that pay
+(`draft_policy`).
 
 A proposal that breaks the proposer contract (wrong count, too many tokens, ids
 outside the vocabulary, malformed probabilities) raises `ProposerError` naming
@@ -18,9 +20,11 @@ from collections.abc import Iterable, Sequence
 
 import torch
 
-from kvforge.core import DraftProposal, KvforgeError, ProposalRequest, SpeculativeProposer
+from kvforge.core import ConfigError, DraftProposal, KvforgeError, ProposalRequest, SpeculativeProposer
 
+from .draft_policy import DRAFT_POLICIES, AdaptiveDraftPolicy
 from .request import Request
+from .scheduler_output import ScheduledRequest
 
 
 class ProposerError(KvforgeError, RuntimeError):
@@ -32,13 +36,17 @@ class Drafter:
     per-request `max_tokens` and context) and checks what it returns."""
 
     def __init__(self, proposer: SpeculativeProposer, *, num_tokens: int, disable_above_batch_size: int | None,
-                 vocab_size: int, max_model_len: int):
+                 vocab_size: int, max_model_len: int, draft_policy: str = "fixed"):
+        if draft_policy not in DRAFT_POLICIES:
+            raise ConfigError(f"speculative.draft_policy {draft_policy!r} is not one of {list(DRAFT_POLICIES)}; "
+                              "adaptive drafts per request what pays, fixed always drafts num_tokens")
         self.proposer = proposer
         self.name = proposer.name
         self.num_tokens = num_tokens
         self.disable_above_batch_size = disable_above_batch_size
         self.vocab_size = vocab_size
         self.max_model_len = max_model_len
+        self.policy = (AdaptiveDraftPolicy(cheap_proposer=proposer.cheap) if draft_policy == "adaptive" else None)
 
     def limit(self, request: Request) -> int:
         """The most draft tokens `request` may take now: all accepted plus the
@@ -62,17 +70,36 @@ class Drafter:
                     limits.append(limit)
         if not asked:
             return {}
-        num_tokens = max(limits)
+        counts = limits
+        if self.policy is not None:
+            counts, asks = self.policy.choose(asked, limits)
+            kept = [i for i, ask in enumerate(asks) if ask]
+            if not kept:
+                return {}
+            asked, limits, counts = [asked[i] for i in kept], [limits[i] for i in kept], [counts[i] for i in kept]
+        # a cheap proposer drafts to the limit, so drafts not verified are scored too
+        num_tokens = max(limits if self.proposer.cheap else counts)
         proposals = self.proposer.propose(
             [ProposalRequest(r.request_id, r.all_token_ids, r.params.temperature) for r in asked], num_tokens)
         self.check(proposals, asked, num_tokens)
         drafts = {}
-        for request, proposal, limit in zip(asked, proposals, limits):
-            if proposal.token_ids:
-                token_ids = list(proposal.token_ids[:limit])
-                probs = None if proposal.probs is None else proposal.probs[:limit]
+        for request, proposal, count, limit in zip(asked, proposals, counts, limits):
+            if self.policy is not None:
+                self.policy.proposed(request, proposal.token_ids[:limit])
+            if proposal.token_ids and count:
+                token_ids = list(proposal.token_ids[:count])
+                probs = None if proposal.probs is None else proposal.probs[:count]
                 drafts[request.request_id] = DraftProposal(token_ids, probs)
         return drafts
+
+    def observe(self, scheduled: Sequence[ScheduledRequest], seconds: float) -> None:
+        """After a step (`scheduled`, taking `seconds` from proposing to applying the
+        result): lets the adaptive policy score proposals and time the step."""
+        if self.policy is None or not scheduled:
+            return
+        decodes = all(e.num_tokens == 1 + len(e.draft_token_ids) for e in scheduled)
+        num_drafts = sum(len(e.draft_token_ids) for e in scheduled) if decodes else None
+        self.policy.observe([e.request for e in scheduled], num_drafts, seconds)
 
     def check(self, proposals, asked: Sequence[Request], num_tokens: int) -> None:
         """Raise `ProposerError` unless `proposals` keep the proposer contract."""
@@ -110,6 +137,8 @@ class Drafter:
                 fail(f"gave a draft token of request {request.request_id!r} zero probability in its own probs")
 
     def release(self, requests: Iterable[Request]) -> None:
-        """Let the proposer forget finished requests."""
+        """Let the proposer (and the adaptive policy) forget finished requests."""
         for request in requests:
             self.proposer.release(request.request_id)
+            if self.policy is not None:
+                self.policy.release(request.request_id)

@@ -88,6 +88,7 @@ class NgramProposer(SpeculativeProposer):
     """
 
     name = "ngram"
+    cheap = True  # a lookup, no model: adaptive drafting may ask it every step
     priority = 10  # `auto`'s choice: it serves any target, where draft_model needs a draft of the same vocabulary
 
     def __init__(self, *, min_n: int = 2, max_n: int = 4, **unknown):

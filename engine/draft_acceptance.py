@@ -1,0 +1,138 @@
+"""How likely each request's drafts are to be accepted, learned from its own recent proposals.
+
+Every proposal a request gets is scored once the tokens it guessed are known:
+how many of its leading drafts equal the tokens the request then emitted. That
+is exactly what verification accepts for drafts it verified (greedy rows accept
+while a draft equals the target's token; under rejection sampling a draft is
+kept exactly when the emitted token equals it), and for drafts it did not verify
+(a proposal cut short, or not verified at all: *shadow* drafts) it is an unbiased
+stand-in: a deterministic draft `x` is accepted with probability `p(x)`, the
+chance the target emits `x`. So a request that drafts nothing can still be seen
+to become predictable again, at no verification cost.
+
+Per request and draft position `j` it keeps decayed counts of drafts scored and
+accepted given the `j - 1` before were. A request's rate at `j` is pulled toward
+the engine's rate there (every request's outcomes, fading slower), which is pulled
+toward one half: a new request starts from what the others saw, and its own
+outcomes take over within a few proposals. A request's counts fade by `decay`
+per scored proposal (about one per step), so a request that changes character is
+followed within about ten proposals.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from .request import Request, token_slice
+
+PRIOR_RATE = 0.5  # the engine's rate before any evidence
+PRIOR_WEIGHT = 2.0  # pseudo-drafts pulling a rate toward its prior
+
+
+@dataclass
+class _Pending:
+    start: int  # the request's token count when proposed: draft i guesses token start + i
+    token_ids: list[int]
+    fresh: bool  # its outcome starts the request's counts afresh (a probe after a long pause)
+
+
+@dataclass
+class RequestAcceptance:
+    """One request's decayed counts per draft position and its proposals not yet scored."""
+
+    scored: list[float] = field(default_factory=list)  # drafts at position j+1 scored (earlier ones accepted)
+    accepted: list[float] = field(default_factory=list)  # of those, accepted
+    pending: list[_Pending] = field(default_factory=list)
+    hits: int = 0  # scored proposals whose first draft was accepted
+
+    def count(self, num_accepted: int, num_scored: int, decay: float) -> None:
+        """One proposal's outcome: its first `num_accepted` of `num_scored` drafts matched
+        (the one after them, if scored, did not); earlier outcomes fade by `decay`."""
+        self.hits += num_accepted > 0
+        self.scored = [s * decay for s in self.scored]
+        self.accepted = [a * decay for a in self.accepted]
+        grow = num_scored - len(self.scored)
+        if grow > 0:
+            self.scored += [0.0] * grow
+            self.accepted += [0.0] * grow
+        for j in range(num_scored):
+            self.scored[j] += 1
+            if j < num_accepted:
+                self.accepted[j] += 1
+
+    def rates(self, num_positions: int, prior: Sequence[float]) -> list[float]:
+        """Estimated chance that draft j + 1 is accepted given the j before it were,
+        pulled toward `prior[j]` (what all requests saw there)."""
+        rates = []
+        for j in range(num_positions):
+            scored = self.scored[j] if j < len(self.scored) else 0.0
+            accepted = self.accepted[j] if j < len(self.accepted) else 0.0
+            rates.append((accepted + prior[j] * PRIOR_WEIGHT) / (scored + PRIOR_WEIGHT))
+        return rates
+
+    def gains(self, num_positions: int, prior: Sequence[float]) -> list[float]:
+        """Expected tokens draft j + 1 adds: the chance the first j + 1 are all accepted
+        (non-increasing in j)."""
+        gains, together = [], 1.0
+        for rate in self.rates(num_positions, prior):
+            together *= rate
+            gains.append(together)
+        return gains
+
+
+class AcceptanceTracker:
+    """Every running request's `RequestAcceptance`, by request id."""
+
+    def __init__(self, decay: float = 0.9, engine_decay: float = 0.98):
+        self.decay = decay
+        self.requests: dict[str, RequestAcceptance] = {}
+        self.engine = RequestAcceptance()  # every request's outcomes, fading slower: the prior of each
+        self.engine_decay = engine_decay
+        self.changes = 0  # proposals scored so far: estimates change only when it grows
+
+    def gains(self, request_id: str, num_positions: int) -> list[float]:
+        """The request's expected tokens per draft position (`RequestAcceptance.gains`)."""
+        prior = self.engine.rates(num_positions, [PRIOR_RATE] * num_positions)
+        return self.of(request_id).gains(num_positions, prior)
+
+    def of(self, request_id: str) -> RequestAcceptance:
+        state = self.requests.get(request_id)
+        if state is None:
+            state = self.requests[request_id] = RequestAcceptance()
+        return state
+
+    def propose(self, request_id: str, start: int, token_ids: Sequence[int], fresh: bool = False) -> None:
+        """Remember a proposal made when the request had `start` tokens, to score it
+        later; a `fresh` one's outcome replaces what was counted before (evidence from
+        before a long pause says little about the text now)."""
+        if token_ids:
+            self.of(request_id).pending.append(_Pending(start, list(token_ids), fresh))
+
+    def score(self, request: Request) -> None:
+        """Score the request's pending proposals against its tokens now; those not
+        decided yet stay pending."""
+        state = self.requests.get(request.request_id)
+        if state is None or not state.pending:
+            return
+        known = request.num_tokens
+        still = []
+        for proposal in state.pending:
+            drafts = proposal.token_ids
+            seen = min(len(drafts), known - proposal.start)
+            actual = token_slice(request, proposal.start, proposal.start + seen) if seen > 0 else []
+            matched = 0
+            while matched < seen and drafts[matched] == actual[matched]:
+                matched += 1
+            if matched < seen or seen == len(drafts):  # decided (a mismatch: the rest is never reached)
+                if proposal.fresh:
+                    state.scored, state.accepted = [], []
+                state.count(matched, min(matched + 1, len(drafts)), self.decay)
+                self.engine.count(matched, min(matched + 1, len(drafts)), self.engine_decay)
+                self.changes += 1
+            else:
+                still.append(proposal)
+        state.pending = still
+
+    def release(self, request_id: str) -> None:
+        self.requests.pop(request_id, None)

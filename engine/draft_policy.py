@@ -1,0 +1,146 @@
+"""How many drafts each request verifies this step: `fixed` (as many as allowed) or
+`adaptive` (as many as pay, per request, from measured acceptance and step costs).
+
+Adaptive drafting, each step:
+
+1. every request that may draft has its expected gain per draft position from
+   its own recent proposals (`draft_acceptance`);
+2. the engine's measured step costs (`draft_costs.StepCostModel`, fitted to the
+   seconds of the pure-decode steps it ran) say what the step costs with D drafts;
+3. `best_draft_counts` picks the drafts that maximise expected tokens per second,
+   which may be none for some requests, or for all.
+
+While the cost fit lacks steps without drafts (a new engine speculates on every
+step), one step in `WARMUP_EVERY` drafts nothing, so the fit learns what a plain
+step costs; until it has both kinds, requests draft as many as allowed.
+
+A request that drafts nothing must be able to start again when its text becomes
+predictable, so it keeps being *probed*, at waits that double while drafting
+does not pay (and start short again when it does, or when one of its unverified
+drafts would have been accepted):
+
+* a cheap proposer (`SpeculativeProposer.cheap`, e.g. `ngram`) is asked for it
+  every 1, 2, 4, then `SHADOW_AFTER_MAX` steps, and its would-be drafts are scored
+  against the tokens that follow (shadow drafts): no verification cost;
+* a proposer that runs a model is not asked for it, except that after 8, 16, ...
+  up to `PROBE_AFTER_MAX` steps it verifies a full draft once, whose outcome
+  replaces the request's old estimate.
+
+A request's first step probes at once, so it has evidence of its own from the start.
+
+A seeded sampled request (`SamplingParams.seed`) drafts as under `fixed`: its
+random draws depend on how many drafts it verifies, and counts chosen from
+measured times would make its output differ from run to run.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from .draft_acceptance import AcceptanceTracker
+from .draft_costs import StepCostModel, best_draft_counts
+from .request import Request
+
+DRAFT_POLICIES = ("adaptive", "fixed")
+WARMUP_EVERY = 4
+SHADOW_AFTER_MAX = 8
+PROBE_AFTER = 8
+PROBE_AFTER_MAX = 128
+
+
+@dataclass
+class _Pause:
+    """When a request that drafts nothing is next asked for drafts."""
+
+    last_asked: int
+    wait: int
+    hits: int = 0  # its acceptance's `hits` when last seen: a new hit shortens the wait
+
+
+class AdaptiveDraftPolicy:
+    """Per-request draft counts from acceptance and measured cost (module docstring)."""
+
+    def __init__(self, *, cheap_proposer: bool):
+        self.cheap_proposer = cheap_proposer
+        self.acceptance = AcceptanceTracker()
+        self.costs = StepCostModel()
+        self.pauses: dict[str, _Pause] = {}
+        self.step = 0
+        self.probing: set[str] = set()  # request ids whose proposal this step restarts their estimate
+        self._last_key: tuple | None = None
+        self._last_counts: list[int] = []
+
+    def choose(self, requests: Sequence[Request], limits: Sequence[int]) -> tuple[list[int], list[bool]]:
+        """Drafts each request verifies this step (at most its limit), and whether the
+        proposer is asked for it (also to score drafts nobody verifies, or to probe)."""
+        self.probing = set()
+        if not self.costs.ready:
+            if self.costs.needs_steps_without_drafts() and self.step % WARMUP_EVERY == WARMUP_EVERY - 1:
+                counts, asks = [0] * len(requests), [self.cheap_proposer] * len(requests)
+            else:
+                counts, asks = list(limits), [True] * len(requests)
+        else:
+            counts = self._best_counts(requests, limits)
+            asks = []
+            for i, (request, limit) in enumerate(zip(requests, limits)):
+                ask = self._ask(request.request_id, counts[i])
+                if ask and not counts[i] and not self.cheap_proposer:
+                    counts[i] = limit  # a probe: verified, and its outcome replaces the old estimate
+                    self.probing.add(request.request_id)
+                asks.append(ask)
+        for i, request in enumerate(requests):
+            if request.generator is not None and not request.params.greedy:
+                # A seeded sample's draws depend on its drafts; drafts chosen from measured
+                # times would make its output differ run to run. It drafts as under `fixed`.
+                counts[i], asks[i] = limits[i], True
+        return counts, asks
+
+    @property
+    def _shortest_wait(self) -> int:
+        return 1 if self.cheap_proposer else PROBE_AFTER
+
+    def _best_counts(self, requests: Sequence[Request], limits: Sequence[int]) -> list[int]:
+        """`best_draft_counts` for these requests; the last answer again while neither the
+        requests, nor their limits, nor any estimate changed (most steps: it costs tens of µs)."""
+        key = (tuple(r.request_id for r in requests), tuple(limits), self.acceptance.changes, self.costs.fits)
+        if key != self._last_key:
+            gains = [self.acceptance.gains(r.request_id, limit) for r, limit in zip(requests, limits)]
+            self._last_key, self._last_counts = key, best_draft_counts(gains, self.costs.costs(len(requests)))
+        return list(self._last_counts)
+
+    def _ask(self, request_id: str, count: int) -> bool:
+        shortest = self._shortest_wait
+        pause = self.pauses.get(request_id)
+        if pause is None:
+            pause = self.pauses[request_id] = _Pause(self.step - shortest, shortest)
+        if count:
+            pause.last_asked, pause.wait = self.step, shortest
+            return True
+        if self.step - pause.last_asked < pause.wait:
+            return False
+        pause.last_asked = self.step
+        pause.wait = min(2 * pause.wait, SHADOW_AFTER_MAX if self.cheap_proposer else PROBE_AFTER_MAX)
+        return True
+
+    def proposed(self, request: Request, token_ids: Sequence[int]) -> None:
+        """The proposer's drafts for `request` this step (all it proposed, verified or not)."""
+        self.acceptance.propose(request.request_id, request.num_tokens, token_ids,
+                                fresh=request.request_id in self.probing)
+
+    def observe(self, requests: Sequence[Request], num_drafts: int | None, seconds: float) -> None:
+        """After a step: score proposals against the tokens now known, and, for a step of
+        pure decodes (`num_drafts` not None), its seconds against its drafts."""
+        for request in requests:
+            self.acceptance.score(request)
+            pause, state = self.pauses.get(request.request_id), self.acceptance.requests.get(request.request_id)
+            if pause is not None and state is not None and state.hits > pause.hits:
+                # a draft it did not verify would have been accepted: look again soon
+                pause.hits, pause.wait = state.hits, self._shortest_wait
+        if num_drafts is not None:
+            self.costs.observe(len(requests), num_drafts, seconds)
+        self.step += 1
+
+    def release(self, request_id: str) -> None:
+        self.acceptance.release(request_id)
+        self.pauses.pop(request_id, None)
