@@ -60,6 +60,30 @@ def leading_true(mask: torch.Tensor) -> torch.Tensor:
     return mask.to(torch.int64).cumprod(dim=1).sum(dim=1)
 
 
+def plain_greedy(request: Request) -> bool:
+    """Greedy, and nothing edits its logits at any draft position (no logit bias,
+    penalties, or `min_tokens` still to reach: drafts only lengthen the output)."""
+    params = request.params
+    return (params.greedy and not params.logit_bias and not params.uses_penalties
+            and len(request.output_token_ids) >= params.min_tokens)
+
+
+def verify_plain_greedy(logits: torch.Tensor, drafts: Sequence[list[int]]) -> Verified:
+    """Greedy verification when every row is the raw logits (`plain_greedy`): one
+    argmax over all rows and one copy to the host, then the draft-by-draft compare
+    on at most k ints per request; no per-position bookkeeping."""
+    target = row_argmax(logits.float()).tolist()
+    emitted, start = [], 0
+    for draft in drafts:
+        row = target[start: start + len(draft) + 1]
+        accepted = 0
+        while accepted < len(draft) and draft[accepted] == row[accepted]:
+            accepted += 1
+        emitted.append(draft[:accepted] + [row[accepted]])
+        start += len(draft) + 1
+    return Verified(emitted)
+
+
 class RejectionSampler:
     """Verifies drafts; shares the sampler's engine-wide random stream."""
 
@@ -71,6 +95,8 @@ class RejectionSampler:
         """`logits` float32 `[sum(len(d) + 1), vocab]`: request after request, its
         rows for positions 0..d. Every request has at least one draft. `mask`, if
         given, edits the processed logits in place (the grammars' bitmasks)."""
+        if mask is None and all(plain_greedy(r) for r in requests):
+            return verify_plain_greedy(logits, drafts)
         device, vocab = logits.device, logits.shape[-1]
         counts = torch.tensor([len(d) + 1 for d in drafts], dtype=torch.int64)
         num_drafts = (counts - 1).to(device)

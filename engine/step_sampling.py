@@ -82,7 +82,8 @@ class StepSampler:
     def _verify(self, speculated: list[tuple[ScheduledRequest, int]], logits: torch.Tensor) -> dict[str, SampledTokens]:
         """Verify the drafts of every speculating request in one batch."""
         flat = [r for entry, first in speculated for r in range(first, first + entry.num_logit_rows)]
-        logits = logits[torch.tensor(flat, device=logits.device)]
+        if len(flat) != logits.shape[0]:  # flat rows only increase: as many as logits means all, in order
+            logits = logits[torch.tensor(flat, device=logits.device)]
         entries = [entry for entry, _ in speculated]
         requests, drafts = [e.request for e in entries], [e.draft_token_ids for e in entries]
         verified = self.verifier(logits, requests, drafts, [e.draft_probs for e in entries],
