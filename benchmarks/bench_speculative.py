@@ -1,15 +1,22 @@
 """Speculative decoding figures: every proposer against none, on the same model
-and requests, measured back to back in one process (1 thread), greedy:
+and requests, measured back to back in one process (1 thread):
 
-* output tokens/s with and without speculation, and their ratio (the speedup);
-* drafts proposed, accepted, the acceptance rate and the mean tokens a
-  verification step emits;
+* output tokens per second with and without speculation, and their ratio (the speedup);
+* drafts verified, accepted, the acceptance rate and the mean drafts accepted per
+  verification;
 * whether greedy output is token for token the same as without speculation;
 
-at batch 1 (one request at a time, where decode reads every weight for one token)
-and batch 32 (with `disable_above_batch_size` set below 32, so speculation turns
-itself off, and without it), on repetitive text (the output repeats or edits
-what came before: what prompt lookup feeds on) and on free text.
+for each proposer with adaptive drafting (`speculative.draft_policy = "adaptive"`,
+the default) and with fixed drafting (`"fixed"`, always `num_tokens`), at batch 1
+(one request at a time, where decode reads every weight for one token) and batch
+32 (also fixed with `disable_above_batch_size` set below 32, so speculation turns
+itself off), on three kinds of text: repetitive (the output repeats or edits what
+came before: what prompt lookup feeds on), free (greedy continuations of
+ordinary openings) and unpredictable (the free openings sampled at temperature
+1.0, unseeded: output the drafts seldom guess; "identical" does not apply).
+
+With `KVFORGE_BENCH_CLOCK=cpu` the time is the process's CPU time (one thread),
+steadier than wall time on a machine shared with other work.
 
     python -m kvforge.benchmarks.bench_speculative --model kvforge-tiny --model bench-llama-50m
 """
@@ -55,6 +62,9 @@ def prompts(model: str, tokenizer, vocab: int, repetitive: bool, count: int, see
     return [[rng.randrange(3, vocab) for _ in range(64)] for _ in range(count)]
 
 
+TEXTS = ("repetitive", "free", "unpredictable")
+
+
 def engine_for(model: str, batch: int, speculative: dict):
     from kvforge import LLMEngine
     from kvforge.core import load_config
@@ -64,30 +74,42 @@ def engine_for(model: str, batch: int, speculative: dict):
     return LLMEngine(config)
 
 
-def run(engine, requests: list[list[int]], tokens: int) -> tuple[float, list[list[int]]]:
+def run(engine, requests: list[list[int]], tokens: int, temperature: float = 0.0) -> tuple[float, list[list[int]]]:
     from kvforge import LLM, SamplingParams
 
-    params = SamplingParams(max_tokens=tokens, temperature=0.0, ignore_eos=True, detokenize=False)
-    start = time.perf_counter()
+    from .peers.common import clock
+
+    now = clock()
+    params = SamplingParams(max_tokens=tokens, temperature=temperature, ignore_eos=True, detokenize=False)
+    start = now()
     outputs = LLM.from_engine(engine).generate(prompt_token_ids=requests, sampling_params=params)
-    return time.perf_counter() - start, [list(out.outputs[0].token_ids) for out in outputs]
+    return now() - start, [list(out.outputs[0].token_ids) for out in outputs]
 
 
 def draft_metrics(engine) -> dict:
     return {k: v for k, v in engine.metrics().items() if k.startswith("spec_")}
 
 
-def measure(model: str, path: str, *, batch: int, repetitive: bool, tokens: int, num_tokens: int,
+def settings_for(batch: int, num_tokens: int) -> list[tuple[str, dict]]:
+    """(label, speculative section) of every configuration measured at `batch`."""
+    settings = [("none", {})]
+    for name in proposers():
+        settings += [(name, {"proposer": name, "num_tokens": num_tokens}),
+                     (f"{name}, fixed", {"proposer": name, "num_tokens": num_tokens, "draft_policy": "fixed"})]
+    if batch > 1:
+        settings += [(f"{name}, fixed, off above {batch // 2}",
+                      {"proposer": name, "num_tokens": num_tokens, "draft_policy": "fixed",
+                       "disable_above_batch_size": batch // 2}) for name in proposers()]
+    return settings
+
+
+def measure(model: str, path: str, *, batch: int, text: str, tokens: int, num_tokens: int,
             repeats: int = 3) -> list[dict]:
-    """Every proposer against none for one (model, text, batch): all engines built
+    """Every configuration against none for one (model, text, batch): all engines built
     first, then run in turn `repeats` times, each keeping its fastest run (the one
     least disturbed by whatever else shares the machine)."""
-    settings = [("none", {})] + [(name, {"proposer": name, "num_tokens": num_tokens}) for name in proposers()]
-    if batch > 1:
-        settings += [(f"{name}, off above {batch // 2}",
-                      {"proposer": name, "num_tokens": num_tokens, "disable_above_batch_size": batch // 2})
-                     for name in proposers()]
-    row = {"model": model, "text": "repetitive" if repetitive else "free", "batch": batch}
+    settings = settings_for(batch, num_tokens)
+    row = {"model": model, "text": text, "batch": batch}
     engines, rows = {}, []
     for label, speculative in settings:
         try:
@@ -95,34 +117,41 @@ def measure(model: str, path: str, *, batch: int, repetitive: bool, tokens: int,
         except Exception as exc:  # noqa: BLE001 - a proposer that cannot serve this model is reported, not fatal
             rows.append({**row, "proposer": label, "error": f"{type(exc).__name__}: {exc}"[:200]})
     probe = engines["none"]
-    requests = prompts(model, probe.tokenizer, int(probe.model.vocab_size), repetitive, 4 if batch == 1 else batch)
+    requests = prompts(model, probe.tokenizer, int(probe.model.vocab_size), text == "repetitive",
+                       4 if batch == 1 else batch)
+    temperature = 1.0 if text == "unpredictable" else 0.0
     best, outputs = {}, {}
     for engine in engines.values():
         run(engine, requests[:1], 4)  # first-call costs
-        engine.stats = type(engine.stats)()  # the draft counts of the timed runs only (a lone warm-up speculates)
+    for engine in engines.values():
+        engine.stats.__init__()  # in place (the sampler holds it): the draft counts of the timed runs only
     for _ in range(repeats):
         for label, engine in engines.items():
-            seconds, outputs[label] = run(engine, requests, tokens)
+            seconds, outputs[label] = run(engine, requests, tokens, temperature)
             best[label] = min(best.get(label, seconds), seconds)
     for label, engine in engines.items():
+        identical = outputs[label] == outputs["none"] if not temperature else None
         rows.append({**row, "proposer": label, "tokens_per_s": len(requests) * tokens / best[label],
-                     "speedup": best["none"] / best[label], "identical": outputs[label] == outputs["none"],
-                     **draft_metrics(engine)})
+                     "speedup": best["none"] / best[label], "identical": identical, **draft_metrics(engine)})
     return sorted(rows, key=lambda r: [label for label, _ in settings].index(r["proposer"]))
 
 
 def markdown(rows: list[dict]) -> str:
-    lines = ["| model | text | batch | proposer | tok/s | speedup | acceptance | accepted per verification | identical |",
-             "|---|---|---:|---|---:|---:|---:|---:|---|"]
+    lines = ["| model | text | batch | proposer | tok/s | speedup | drafts verified | acceptance | "
+             "accepted per verification | identical |",
+             "|---|---|---:|---|---:|---:|---:|---:|---:|---|"]
     for r in rows:
         if "error" in r:
             why = r["error"] if len(r["error"]) <= 100 else r["error"][:100] + "…"
-            lines.append(f"| {r['model']} | {r['text']} | {r['batch']} | {r['proposer']} | {why} | | | | |")
+            lines.append(f"| {r['model']} | {r['text']} | {r['batch']} | {r['proposer']} | {why} | | | | | |")
             continue
         rate, per_step = r.get("spec_acceptance_rate"), r.get("spec_mean_accepted_tokens")
+        drafted = r.get("spec_draft_tokens")
+        identical = "n/a" if r.get("identical") is None else r["identical"]
         lines.append(f"| {r['model']} | {r['text']} | {r['batch']} | {r['proposer']} | {r['tokens_per_s']:.1f} | "
-                     f"{r.get('speedup', 1.0):.2f}x | {'' if rate is None else f'{rate:.2f}'} | "
-                     f"{'' if per_step is None else f'{per_step:.2f}'} | {r.get('identical', '')} |")
+                     f"{r.get('speedup', 1.0):.2f}x | {'' if not drafted else drafted} | "
+                     f"{'' if not drafted else f'{rate:.2f}'} | {'' if not drafted else f'{per_step:.2f}'} | "
+                     f"{identical} |")
     return "\n".join(lines)
 
 
@@ -134,6 +163,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--tokens", type=int, default=64, help="output tokens per request")
     parser.add_argument("--num-tokens", type=int, default=4, help="draft tokens per step (speculative.num_tokens)")
     parser.add_argument("--batch", type=int, action="append", help="default: 1 and 32")
+    parser.add_argument("--text", action="append", choices=TEXTS, help="default: all three")
     parser.add_argument("--repeats", type=int, default=3, help="runs per configuration, fastest kept (default: 3)")
     parser.add_argument("--json", help="also write the rows here")
     args = parser.parse_args(argv)
@@ -141,9 +171,9 @@ def main(argv: list[str] | None = None) -> None:
     rows = []
     for model in args.model or ["kvforge-tiny", "bench-llama-50m"]:
         path = str(model_dir(model))
-        for repetitive in (True, False):
+        for text in args.text or TEXTS:
             for batch in args.batch or [1, 32]:
-                found = measure(model, path, batch=batch, repetitive=repetitive, tokens=args.tokens,
+                found = measure(model, path, batch=batch, text=text, tokens=args.tokens,
                                 num_tokens=args.num_tokens, repeats=args.repeats)
                 print("\n".join(markdown(found).splitlines()[2:]), flush=True)
                 rows += found
@@ -162,16 +192,16 @@ if __name__ == "__main__":
 def pytest_generate_tests(metafunc):
     if "batch" in metafunc.fixturenames:
         metafunc.parametrize("batch", [1, 32])
-        metafunc.parametrize("repetitive", [True, False], ids=["repetitive", "free"])
+        metafunc.parametrize("text", TEXTS)
 
 
-def test_every_proposer_against_none(benchmark, batch, repetitive):
+def test_every_proposer_against_none(benchmark, batch, text):
     """The rows of `measure` in extra_info; times the whole comparison."""
     import os
 
     from kvforge.benchmarks.model_dirs import model_dir
 
     model = os.environ.get("BENCH_MODEL", "kvforge-tiny")
-    rows = benchmark.pedantic(lambda: measure(model, str(model_dir(model)), batch=batch, repetitive=repetitive,
+    rows = benchmark.pedantic(lambda: measure(model, str(model_dir(model)), batch=batch, text=text,
                                               tokens=32, num_tokens=4, repeats=1), rounds=1, iterations=1)
     benchmark.extra_info["rows"] = rows
