@@ -122,6 +122,10 @@ class VllmCpuAttentionBackend(AttentionBackend):
         self.alibi_slopes = (torch.tensor(layer.alibi_slopes, dtype=torch.float32)
                              if layer.alibi_slopes is not None else None)
 
+    def kv_views(self, kv_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        keys, values = unpacked_kv(kv_cache, self.isa)
+        return keys.transpose(1, 2), values.transpose(1, 2)
+
     def scheduler_metadata(self, query_start_loc: torch.Tensor, seq_lens: torch.Tensor) -> torch.Tensor:
         """vLLM's split of one step's work over this process's current thread count."""
         return self.ops.get_scheduler_metadata(

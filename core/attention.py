@@ -269,6 +269,16 @@ class AttentionBackend(Implementation):
             return (num_blocks, cache.layer_block_bytes())
         return (num_blocks, 2, cache.block_size, cache.num_kv_heads, cache.head_size)
 
+    def kv_views(self, kv_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """One layer's float cache as (keys, values), each a view `[num_blocks, block_size,
+        num_kv_heads, head_size]` (writing through them writes the cache), whatever the
+        layout: how the conformance suite reads what `write_kv` stored. A backend with
+        its own `kv_layout` overrides it; a quantized cache is read with `quantized_kv_views`."""
+        if self.kv_layout != NHD:
+            raise NotImplementedError(f"{type(self).__name__} declares kv_layout {self.kv_layout!r} "
+                                      "but does not say how to read it: override kv_views")
+        return kv_cache[:, 0], kv_cache[:, 1]
+
     def with_kv_scales(self, kv_scales: tuple[float, float]) -> "AttentionBackend":
         """This backend for a layer whose static-scale KV cache has `kv_scales` (key
         scale, value scale). The default is a shallow copy with only `cache` replaced,

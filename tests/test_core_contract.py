@@ -50,3 +50,28 @@ def test_attention_batch_csr_view_uses_the_same_derivation():
 def test_kv_cache_spec_counts_keys_values_and_layers():
     spec = KVCacheSpec(block_size=16, num_kv_heads=2, head_size=64, dtype=torch.bfloat16, num_layers=3)
     assert spec.bytes_per_block() == 2 * 16 * 2 * 64 * 2 * 3
+
+
+def test_kv_views_reads_the_nhd_layout_and_asks_other_layouts_to_say_how():
+    from kvforge.backends.reference import ReferenceAttentionBackend
+    from kvforge.core import AttentionLayerSpec
+
+    spec = KVCacheSpec(4, 2, 8, torch.float32)
+    backend = ReferenceAttentionBackend(AttentionLayerSpec(4, 2, 8), spec)
+    cache = torch.zeros(ReferenceAttentionBackend.kv_cache_shape(3, spec))
+    key, value = torch.randn(1, 2, 8), torch.randn(1, 2, 8)
+    backend.write_kv(key, value, cache, torch.tensor([6]))  # block 1, offset 2
+    keys, values = backend.kv_views(cache)
+    assert keys.shape == values.shape == (3, 4, 2, 8)
+    assert torch.equal(keys[1, 2], key[0]) and torch.equal(values[1, 2], value[0])
+    assert keys.count_nonzero() == key.count_nonzero()
+
+    class OwnLayout(ReferenceAttentionBackend):
+        kv_layout = "mine"
+
+    try:
+        OwnLayout(AttentionLayerSpec(4, 2, 8), spec).kv_views(cache)
+    except NotImplementedError as exc:
+        assert "override kv_views" in str(exc)
+    else:
+        raise AssertionError("a backend with its own layout must say how to read it")
