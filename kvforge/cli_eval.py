@@ -61,8 +61,10 @@ def run_perplexity(args: argparse.Namespace) -> int:
         result = perplexity(llm, token_ids, args.max_length, args.stride, progress=not args.no_progress)
     finally:
         llm.engine.shutdown()
-    figures = {"model": args.model, "file": str(path), "kv_cache_dtype": llm.config.cache.kv_cache_dtype,
-               "weights": llm.config.quantization.weights, "perplexity": result.perplexity,
+    config = llm.config
+    figures = {"model": args.model, "file": str(path), "kv_cache_dtype": config.cache.kv_cache_dtype,
+               "kv_scales": config.cache.kv_scales, "weights": config.quantization.weights,
+               "activations": config.quantization.activations, "perplexity": result.perplexity,
                "bits_per_token": result.bits_per_token, "scored_tokens": result.num_scored_tokens,
                "windows": result.num_windows}
     if args.json:
