@@ -236,10 +236,15 @@ inline __m512 scales16(const float* scales, int64_t heads, int64_t n, float unit
 // folded in per group of 16 keys, not per element: each row's 16 scores are
 // multiplied by the keys' scales, and its 16 softmax weights (after the row's
 // sum took them) by the values' scales.
-template <typename K, bool Fetch>
+// With Aligned (and a block size that is a multiple of 16), the groups of 16
+// keys start at multiples of 16 whatever the tile's first key (a sliding
+// window's start): a row's arithmetic then depends on the row alone, not on the
+// other rows of its tile, which is what the batch-invariant kernel needs.
+template <typename K, bool Fetch, bool Aligned = false>
 void attend_tile_fast(const Problem& p, const Tile& tile, Scratch& s, const Tile* after = nullptr) {
   const TileRows t(p, tile);
-  const int64_t group = t.group, head_rows = t.head_rows, pos0 = t.pos0, last = t.last, first = t.first;
+  const int64_t group = t.group, head_rows = t.head_rows, pos0 = t.pos0, last = t.last;
+  const int64_t first = Aligned ? t.first / 16 * 16 : t.first;  // keys before a row's window are masked
   const int64_t hs = p.head_size;
   const int64_t bs = p.block_size;
   begin_rows(p, t, s);

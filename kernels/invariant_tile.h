@@ -9,20 +9,28 @@
 // decode), and the prefill tile computes its exponentials another way. Here a
 // row's softmax walks its keys in steps of kInvariantKeys at fixed absolute
 // positions (0-15, 16-31, ...): each key's score is summed over head_size in one
-// fixed order, its exponential sits in lane `position % 16` of the step's sum
-// (keys the row does not see give exactly 0, so the same lanes hold the same
-// values however many keys the tile loaded), and the weighted values are added
-// key by key in position order. Rows still share each step's converted keys and
-// values, so a prefill reads the cache once per tile, not once per row.
+// fixed order (the `scores` micro-kernel, whose arithmetic per row and key does
+// not depend on how many rows it runs at once), its exponential sits in lane
+// `position % 16` of the step's sum (keys the row does not see give exactly 0,
+// so the same lanes hold the same values however many keys the tile loaded), and
+// the weighted values are added key by key in position order (`accumulate`; a
+// key the row does not see adds an exact zero). Rows still share each step's
+// keys and values, so a prefill reads the cache once per tile, not once per row.
 //
 // Included by paged_attention.cpp in each ISA namespace after attention_tile.h;
 // it includes nothing itself and holds no state.
 
 constexpr int64_t kInvariantKeys = 16;  // keys per softmax step, at fixed absolute positions
 
-// The tile's softmax steps: step `c` covers key positions [16 c, 16 c + 16).
-// s.invariant holds one KV head's keys of a step transposed (kt[d * 16 + j]) and
-// its values (values[j * head_size + d]), as float32 (dequantized when scaled).
+// One stretch of a step's keys that lies in one block: `count` slots from step
+// lane `lane` on, read as float32 rows `stride` apart (the cache itself for a
+// float32 cache, else converted into the tile's buffers).
+struct KeyRun {
+  int64_t lane, count, k_stride, v_stride;
+  const float* keys;
+  const float* values;
+};
+
 template <typename K>
 void attend_tile_invariant(const Problem& p, const Tile& tile, Scratch& s) {
   constexpr float kNegInf = -std::numeric_limits<float>::infinity();
@@ -33,68 +41,72 @@ void attend_tile_invariant(const Problem& p, const Tile& tile, Scratch& s) {
   const int64_t slot_stride = heads * hs;
   begin_rows(p, t, s);
   if (static_cast<int64_t>(s.invariant.size()) < 2 * kKeys * hs) s.invariant.resize(2 * kKeys * hs);
-  float* kt = s.invariant.data();
-  float* values = kt + kKeys * hs;
+  float* key_buffer = s.invariant.data();  // [16, head_size]: a step's keys of one KV head, when converted
+  float* value_buffer = key_buffer + kKeys * hs;
   float* q = s.q.data();
   float* acc = s.acc.data();
+  float* weights = s.score.data();  // [head_rows, 16]: scores, then each row's exponentials
+  KeyRun runs[kKeys];
 
   for (int64_t c0 = first / kKeys * kKeys; c0 <= last; c0 += kKeys) {
     const int64_t load0 = std::max(c0, first), load1 = std::min(c0 + kKeys, last + 1);  // keys any row sees
     for (int64_t h = 0; h < tile.kv_heads; ++h) {
-      std::fill(kt, kt + kKeys * hs, 0.f);  // lanes not loaded stay finite; they are masked below
-      for (int64_t key_pos = load0; key_pos < load1; ++key_pos) {
-        const int64_t j = key_pos - c0, logical = key_pos / bs, offset = key_pos % bs;
-        const K* slot = page_of<K>(p, tile, logical) + offset * slot_stride + h * hs;
-        float key_scale = 1.f, value_scale = 1.f;
-        if constexpr (kScaled<K>) {
-          const float* scales = scales_of(p, tile, logical) + offset * heads + tile.kv_head + h;
-          key_scale = scales[0];
-          value_scale = scales[bs * heads];
-        }
-        for (int64_t d = 0; d < hs; ++d) kt[d * kKeys + j] = stored_value(slot[d]) * key_scale;
-        to_float(values + j * hs, slot + bs * slot_stride, hs, value_scale);
+      const int64_t r0 = h * head_rows;
+      int64_t num_runs = 0;
+      for (int64_t key_pos = load0; key_pos < load1;) {
+        const int64_t logical = key_pos / bs, offset = key_pos % bs;
+        const int64_t count = std::min(load1 - key_pos, bs - offset), lane = key_pos - c0;
+        const K* slots = page_of<K>(p, tile, logical) + offset * slot_stride + h * hs;
+        const float* key_scales = nullptr;
+        if constexpr (kScaled<K>) key_scales = scales_of(p, tile, logical) + offset * heads + tile.kv_head + h;
+        KeyRun& run = runs[num_runs++];
+        run.lane = lane;
+        run.count = count;
+        run.keys = rows_as_float(slots, count, slot_stride, hs, key_scales, heads, key_buffer + lane * hs,
+                                 run.k_stride);
+        run.values = rows_as_float(slots + bs * slot_stride, count, slot_stride, hs,
+                                   kScaled<K> ? key_scales + bs * heads : nullptr, heads, value_buffer + lane * hs,
+                                   run.v_stride);
+        for_row_groups(head_rows, [&](auto group_rows, int64_t r) {
+          scores<decltype(group_rows)::value>(q + (r0 + r) * hs, hs, run.keys, run.k_stride, count,
+                                              weights + r * kKeys + lane, kKeys);
+        });
+        key_pos += count;
       }
       for (int64_t rr = 0; rr < head_rows; ++rr) {
-        const int64_t r = h * head_rows + rr;
+        const int64_t r = r0 + rr;
         const int64_t pos = pos0 + rr / group;
         const int64_t seen0 = std::max(c0, p.window > 0 ? pos - p.window + 1 : int64_t{0});
         const int64_t seen1 = std::min(c0 + kKeys, pos + 1);
-        if (seen0 >= seen1) continue;  // this row sees none of the step's keys
-        const float* qr = q + r * hs;
-        vf8 lo{}, hi{};
-        for (int64_t d = 0; d < hs; ++d) {
-          lo += qr[d] * load8(kt + d * kKeys);
-          hi += qr[d] * load8(kt + d * kKeys + 8);
+        float* w = weights + rr * kKeys;
+        if (seen0 >= seen1) {  // this row sees none of the step's keys: it adds zeros below
+          std::fill(w, w + kKeys, 0.f);
+          continue;
         }
-        float score[kKeys];
-        store8(score, lo);
-        store8(score + 8, hi);
         float best = kNegInf;
         for (int64_t j = 0; j < kKeys; ++j) {
           const int64_t key_pos = c0 + j;
-          float v = score[j];
+          float v = w[j];
           if (p.soft_cap > 0.f) v = p.soft_cap * std::tanh(v / p.soft_cap);
           if (p.alibi != nullptr) v += p.alibi[t.head_of(r)] * static_cast<float>(key_pos - pos);
-          score[j] = key_pos >= seen0 && key_pos < seen1 ? v : kNegInf;
-          best = std::max(best, score[j]);
+          w[j] = key_pos >= seen0 && key_pos < seen1 ? v : kNegInf;  // lanes never loaded are masked here too
+          best = std::max(best, w[j]);
         }
         const float new_max = std::max(s.row_max[r], best);
         const float rescale = std::exp(s.row_max[r] - new_max);  // 0 while the row was empty
-        float* ar = acc + r * hs;
-        if (rescale != 1.f) scale_in_place(ar, rescale, hs);
-        const vf8 e_lo = exp8(load8(score) - splat(new_max)), e_hi = exp8(load8(score + 8) - splat(new_max));
-        store8(score, e_lo);
-        store8(score + 8, e_hi);
+        if (rescale != 1.f) scale_in_place(acc + r * hs, rescale, hs);
+        const vf8 e_lo = exp8(load8(w) - splat(new_max)), e_hi = exp8(load8(w + 8) - splat(new_max));
+        store8(w, e_lo);
+        store8(w + 8, e_hi);
         s.row_sum[r] = s.row_sum[r] * rescale + hsum(e_lo + e_hi);
         s.row_max[r] = new_max;
-        for (int64_t key_pos = seen0; key_pos < seen1; ++key_pos) {
-          const int64_t j = key_pos - c0;
-          const float w = score[j];
-          const float* v = values + j * hs;
-          int64_t d = 0;
-          for (; d + 8 <= hs; d += 8) store8(ar + d, load8(ar + d) + w * load8(v + d));
-          for (; d < hs; ++d) ar[d] += w * v[d];
-        }
+      }
+      for (int64_t i = 0; i < num_runs; ++i) {
+        const KeyRun& run = runs[i];
+        for_row_groups(head_rows, [&](auto group_rows, int64_t r) {
+          accumulate<decltype(group_rows)::value>(acc + (r0 + r) * hs, hs, weights + r * kKeys + run.lane, kKeys,
+                                                  run.values, run.v_stride, run.count);
+        });
       }
     }
   }

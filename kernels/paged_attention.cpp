@@ -175,6 +175,28 @@ inline void run_tiles_fast(const Problem& p, const std::vector<Tile>& tiles, int
       },
       fetches_ahead);
 }
+
+// The batch-invariant kernel where the fast tile serves it (no soft-cap or ALiBi,
+// a head size and block size that are multiples of 16): every tile on the fast
+// tile with its groups of keys at fixed positions, never the prefill tile (whose
+// rows sum in another order than a decode's). Bit-identical to a decode's row.
+inline bool invariant_fast_fits(const Problem& p) {
+  return p.soft_cap <= 0.f && p.alibi == nullptr && p.head_size % 16 == 0 && p.block_size % 16 == 0;
+}
+inline void run_tiles_invariant_fast(const Problem& p, const std::vector<Tile>& tiles, int64_t rows_max) {
+  const auto fetches_ahead = [&](const Tile& tile) { return TileRows(p, tile).head_rows <= kFetchRows; };
+  run_tiles_with(
+      p, tiles, rows_max,
+      [&](const Tile& tile, Scratch& s, auto type, const Tile* after) {
+        using K = typename decltype(type)::type;
+        if (fetches_ahead(tile)) {
+          attend_tile_fast<K, true, true>(p, tile, s, after);
+        } else {
+          attend_tile_fast<K, false, true>(p, tile, s);
+        }
+      },
+      fetches_ahead);
+}
 }  // namespace avx512
 #pragma GCC pop_options
 #undef KVFORGE_F16C
@@ -336,7 +358,13 @@ void paged_attention(const at::Tensor& query, const at::Tensor& kv_cache, const 
 #ifdef KVFORGE_HAS_X86_PATHS
   if (batch_invariant) {
     switch (isa()) {
-      case Isa::kAvx512: avx512::run_tiles_invariant(p, tiles, rows_max); return;
+      case Isa::kAvx512:
+        if (avx512::invariant_fast_fits(p)) {
+          avx512::run_tiles_invariant_fast(p, tiles, rows_max);
+        } else {
+          avx512::run_tiles_invariant(p, tiles, rows_max);
+        }
+        return;
       case Isa::kAvx2: avx2::run_tiles_invariant(p, tiles, rows_max); return;
       case Isa::kBaseline: break;
     }
