@@ -46,6 +46,9 @@ def add_parser(commands) -> None:
                         help="model and activation dtype of every engine (default: float32; bfloat16 where the CPU "
                              "has it). The machine figures (GEMM peak, MFU) stay float32")
     parser.add_argument("--kv-cache-gib", type=float, default=None, help="KV cache of every engine, GiB (default: 0.5 quick, 2 full)")
+    parser.add_argument("--batch-invariant", action="store_true",
+                        help="also run each scenario's kvforge subject with batch_invariant on (labelled "
+                             "'<subject> batch_invariant'), its cost measured against the subject")
     parser.add_argument("--timeout", type=float, default=3600, help="seconds one configuration may run (default: 3600)")
     parser.add_argument("--threads", type=int, default=1,
                         help="OpenMP/torch threads of every engine and of the machine figures (default: 1; 0 leaves "
@@ -70,9 +73,11 @@ def add_parser(commands) -> None:
 
 def bench(scenario_names: list[str], *, quick: bool, out: Path, peers: dict[str, str], model: str,
           machine_model: str | None, kv_cache_gib: float, timeout: float, command: str, threads: int = 1,
-          repeats: int = 1, max_requests: int | None = None, dtype: str = "float32", log=print) -> dict:
+          repeats: int = 1, max_requests: int | None = None, dtype: str = "float32", batch_invariant: bool = False,
+          log=print) -> dict:
     """Run the scenarios and the machine measurements; write results.json,
-    report.md and one PNG per scenario under `out`; return the results."""
+    report.md and one PNG per scenario under `out`; return the results.
+    `batch_invariant` adds `with_batch_invariant_run` to every scenario."""
     from kvforge.benchmarks import harness, report, scenarios
 
     out.mkdir(parents=True, exist_ok=True)
@@ -97,6 +102,8 @@ def bench(scenario_names: list[str], *, quick: bool, out: Path, peers: dict[str,
         scenario = scenarios.build(name, vocab, quick)
         if max_requests is not None:
             scenario.requests = scenario.requests[:max_requests]
+        if batch_invariant:
+            with_batch_invariant_run(scenario)
         scenario_path = scenario_model_dir(scenario, model, path)
         summary = harness.run_scenario(scenario, str(scenario_path), out, peers=peers, dtype=dtype,
                                        kv_cache_gib=kv_cache_gib, timeout=timeout, threads=threads,
@@ -115,6 +122,25 @@ def bench(scenario_names: list[str], *, quick: bool, out: Path, peers: dict[str,
     (out / "report.md").write_text(text + "\n")
     results["plots"] = [str(p) for p in report.plots(results, out)]
     return results
+
+
+BATCH_INVARIANT_COST = 1.15  # the mode may cost at most 15% of the subject's throughput
+
+
+def with_batch_invariant_run(scenario) -> None:
+    """Add to `scenario` its kvforge subject again with `batch_invariant` on, and a
+    target: at least 1 / BATCH_INVARIANT_COST of the subject's throughput. A scenario
+    whose subject is not a kvforge run is left as it is."""
+    from kvforge.benchmarks.scenarios import Run, Target
+
+    subject = next((run for run in scenario.runs if run.label == scenario.subject and run.peer == "kvforge"), None)
+    if subject is None:
+        return
+    label = f"{subject.label} batch_invariant"
+    scenario.runs.append(Run(label, "kvforge", {**subject.options, "batch_invariant": True}))
+    scenario.targets.append(Target(f"{scenario.name}: batch_invariant >= {1 / BATCH_INVARIANT_COST:.2f}x "
+                                   f"{subject.label} throughput", label, subject.label, "throughput",
+                                   round(1 / BATCH_INVARIANT_COST, 2)))
 
 
 def prefill_figures(scenario, path: Path, dtype: str, threads: int) -> dict:
@@ -154,6 +180,7 @@ def run(args: argparse.Namespace) -> int:
                     machine_model=None if args.no_machine else args.machine_model,
                     kv_cache_gib=args.kv_cache_gib or (0.5 if args.quick else 2.0), timeout=args.timeout,
                     threads=args.threads, repeats=args.repeats, max_requests=args.max_requests, dtype=args.dtype,
+                    batch_invariant=args.batch_invariant,
                     command="kvforge bench " + shlex.join(sys.argv[2:] if sys.argv[1:2] == ["bench"] else names),
                     log=lambda line: print(line, file=sys.stderr))
     print(f"wrote {out / 'results.json'}, {out / 'report.md'} and {len(results['plots'])} plot(s)", file=sys.stderr)
