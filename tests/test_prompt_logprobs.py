@@ -155,3 +155,18 @@ def test_requests_without_prompt_logprobs_get_none_and_keep_their_tokens(llm):
 def test_invalid_prompt_logprobs_are_refused_naming_the_field(bad):
     with pytest.raises(RequestError, match="prompt_logprobs must be None or an integer >= 0"):
         SamplingParams(prompt_logprobs=bad)
+
+
+def test_preempted_requests_keep_the_prompt_logprobs_of_a_solo_run(llm):
+    """A cache too small for three requests preempts them mid-prefill and mid-decode;
+    each is recomputed, and none scores a prompt token twice or misses one."""
+    prompts = [f"Once upon a time there was a little girl who lived near forest number {i}." for i in range(3)]
+    params = SamplingParams(max_tokens=40, temperature=0, prompt_logprobs=1, ignore_eos=True)
+    crowded = tiny(cache={"num_blocks": 16, "block_size": 8}, scheduler={"max_num_batched_tokens": 16})
+    outputs = crowded.generate(prompts, params)
+    assert crowded.engine.scheduler.num_preemptions > 0
+    for prompt, output in zip(prompts, outputs):
+        (solo,) = llm.generate([prompt], params)
+        assert len(output.prompt_logprobs) == len(solo.prompt_logprobs)
+        assert own_logprobs(output) == pytest.approx(own_logprobs(solo), abs=TOLERANCE)
+        assert output.outputs[0].token_ids == solo.outputs[0].token_ids
