@@ -7,11 +7,10 @@ a repetition when they run into the end of the tokens. It costs no
 model, and pays off wherever the output repeats its input: code edits, quoted
 text, summaries, retrieval answers.
 
-Per step and request the work is `max_n` vectorized comparisons over the
-request's tokens (`O(len · max_n)` element compares in numpy, no Python loop
-over tokens; numpy rather than torch because at these sizes the per-call
-overhead dominates); the tokens are kept per request and only the new ones are
-copied in each step.
+Each request keeps, for every n, the most recent position of each n-gram of its
+tokens that has a token after it; a step adds the new tokens to that index and
+reads it `max_n - min_n + 1` times, so proposing costs microseconds per request
+whatever its length (`ngram_lookup` is the same lookup as one scan of the tokens).
 """
 
 from __future__ import annotations
@@ -24,25 +23,41 @@ from kvforge.core import ConfigError, DraftProposal, ProposalRequest, Speculativ
 
 
 class _History:
-    """One request's tokens as a growing int64 array (amortized O(1) per token)."""
+    """One request's tokens, and for each n the most recent end of every n-gram that
+    has a token after it: the suffix lookup is then `max_n - min_n + 1` dict reads,
+    and each new token adds as many entries (O(1) per token and step, where a scan
+    of the tokens costs O(length) per step)."""
 
-    def __init__(self) -> None:
-        self.buffer = np.empty(64, dtype=np.int64)
-        self.length = 0
+    def __init__(self, min_n: int, max_n: int) -> None:
+        self.min_n, self.max_n = min_n, max_n
+        self.tokens: list[int] = []
+        self.ends: dict[int, dict[tuple[int, ...], int]] = {n: {} for n in range(min_n, max_n + 1)}
 
-    def sync(self, token_ids: Sequence[int]) -> np.ndarray:
-        """The tokens of `token_ids` as an array, copying in only those not seen yet."""
-        n = len(token_ids)
-        if n < self.length or (self.length and self.buffer[self.length - 1] != token_ids[self.length - 1]):
-            self.length = 0  # not the sequence we followed (an id reused): start over
-        if n > self.buffer.size:
-            grown = np.empty(max(n, 2 * self.buffer.size), dtype=np.int64)
-            grown[: self.length] = self.buffer[: self.length]
-            self.buffer = grown
-        if n > self.length:
-            self.buffer[self.length: n] = token_ids[self.length: n]
-            self.length = n
-        return self.buffer[:n]
+    def sync(self, token_ids: Sequence[int]) -> None:
+        """Take in the tokens of `token_ids` not seen yet."""
+        known = len(self.tokens)
+        if len(token_ids) < known or (known and token_ids[known - 1] != self.tokens[known - 1]):
+            self.__init__(self.min_n, self.max_n)  # not the sequence we followed (an id reused): start over
+            known = 0
+        for token in token_ids[known:]:
+            self.tokens.append(token)
+            end = len(self.tokens) - 2  # the n-grams ending here now have a token after them
+            for n, ends in self.ends.items():
+                if end - n + 1 >= 0:
+                    ends[tuple(self.tokens[end - n + 1: end + 1])] = end
+
+    def lookup(self, k: int) -> list[int]:
+        """`ngram_lookup(tokens, min_n, max_n, k)`, from the index."""
+        tokens = self.tokens
+        if k <= 0:
+            return []
+        for n in range(self.max_n, self.min_n - 1, -1):
+            if n < len(tokens):
+                end = self.ends[n].get(tuple(tokens[len(tokens) - n:]))
+                if end is not None:
+                    follow = tokens[end + 1:]
+                    return (follow * cdiv(k, len(follow)))[:k]
+        return []
 
 
 def ngram_lookup(tokens: np.ndarray | Sequence[int], min_n: int, max_n: int, k: int) -> list[int]:
@@ -108,9 +123,11 @@ class NgramProposer(SpeculativeProposer):
     def propose(self, requests: Sequence[ProposalRequest], num_tokens: int) -> list[DraftProposal]:
         proposals = []
         for request in requests:
-            history = self.histories.setdefault(request.request_id, _History())
-            tokens = history.sync(request.token_ids)
-            proposals.append(DraftProposal(ngram_lookup(tokens, self.min_n, self.max_n, num_tokens)))
+            history = self.histories.get(request.request_id)
+            if history is None:
+                history = self.histories[request.request_id] = _History(self.min_n, self.max_n)
+            history.sync(request.token_ids)
+            proposals.append(DraftProposal(history.lookup(num_tokens)))
         return proposals
 
     def release(self, request_id: str) -> None:
