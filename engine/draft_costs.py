@@ -5,7 +5,7 @@ token plus its drafts) as
 
     seconds = fixed + per_request * requests + per_draft * drafts + verify * (drafts > 0)
 
-by least squares over recent steps (a step slower than 1.5 times the fit's
+by least squares over recent steps (timed by `step_clock`; a step slower than 1.5 times the fit's
 expectation counts as that: other work on the machine stalls steps now and then,
 and least squares would chase the stalls): `verify` is what a step pays once for
 verifying any drafts at all (the rejection sampler, the multi-token attention
@@ -25,12 +25,23 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import time
+
 import numpy as np
+import torch
 
 DECAY = 0.98  # per step of the same kind: about the last 50 steps of each kind count
 MIN_WEIGHT = 2.0  # steps of each kind (decayed) before the fit is trusted
 OUTLIER = 1.5
 REFIT_EVERY = 8  # steps between solving the fit again (it moves slowly; solving costs tens of µs)
+
+
+def step_clock(device: torch.device):
+    """The clock steps are timed with: on CPU the process's CPU time, so a step
+    that other work on the machine held up is not charged for the wait (with one
+    torch thread it is the step's own work; with more, all of theirs); on an
+    accelerator wall time, which is what its steps cost."""
+    return time.process_time if torch.device(device).type == "cpu" else time.perf_counter
 
 
 def _outer(x: Sequence[float]) -> list[float]:

@@ -22,6 +22,7 @@ import torch
 
 from kvforge.core import ConfigError, DraftProposal, KvforgeError, ProposalRequest, SpeculativeProposer
 
+from .draft_costs import step_clock
 from .draft_policy import DRAFT_POLICIES, AdaptiveDraftPolicy
 from .request import Request
 from .scheduler_output import ScheduledRequest
@@ -36,7 +37,7 @@ class Drafter:
     per-request `max_tokens` and context) and checks what it returns."""
 
     def __init__(self, proposer: SpeculativeProposer, *, num_tokens: int, disable_above_batch_size: int | None,
-                 vocab_size: int, max_model_len: int, draft_policy: str = "fixed"):
+                 vocab_size: int, max_model_len: int, draft_policy: str = "fixed", device="cpu"):
         if draft_policy not in DRAFT_POLICIES:
             raise ConfigError(f"speculative.draft_policy {draft_policy!r} is not one of {list(DRAFT_POLICIES)}; "
                               "adaptive drafts per request what pays, fixed always drafts num_tokens")
@@ -47,6 +48,8 @@ class Drafter:
         self.vocab_size = vocab_size
         self.max_model_len = max_model_len
         self.policy = (AdaptiveDraftPolicy(cheap_proposer=proposer.cheap) if draft_policy == "adaptive" else None)
+        self.clock = step_clock(device)
+        self._step_started = 0.0
 
     def limit(self, request: Request) -> int:
         """The most draft tokens `request` may take now: all accepted plus the
@@ -57,7 +60,9 @@ class Drafter:
         return min(self.num_tokens, output_left, context_left)
 
     def propose(self, running: Sequence[Request]) -> dict[str, DraftProposal]:
-        """Drafts for the running requests that speculate this step, by request id."""
+        """Drafts for the running requests that speculate this step, by request id.
+        Called first thing in a step: the step's time is counted from here (`observe`)."""
+        self._step_started = self.clock()
         if self.disable_above_batch_size is not None and len(running) > self.disable_above_batch_size:
             return {}
         asked, limits = [], []
@@ -92,11 +97,12 @@ class Drafter:
                 drafts[request.request_id] = DraftProposal(token_ids, probs)
         return drafts
 
-    def observe(self, scheduled: Sequence[ScheduledRequest], seconds: float) -> None:
-        """After a step (`scheduled`, taking `seconds` from proposing to applying the
-        result): lets the adaptive policy score proposals and time the step."""
+    def observe(self, scheduled: Sequence[ScheduledRequest]) -> None:
+        """After a step has applied its result (`scheduled`): lets the adaptive policy
+        score proposals against the new tokens, and time the step since `propose`."""
         if self.policy is None or not scheduled:
             return
+        seconds = self.clock() - self._step_started
         decodes = all(e.num_tokens == 1 + len(e.draft_token_ids) for e in scheduled)
         num_drafts = sum(len(e.draft_token_ids) for e in scheduled) if decodes else None
         self.policy.observe([e.request for e in scheduled], num_drafts, seconds)
