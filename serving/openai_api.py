@@ -278,6 +278,7 @@ class OpenAIServer:
     async def _completion_events(self, prepared: _Prepared, body: CompletionRequest,
                                  outputs: AsyncIterator[RequestOutput]) -> AsyncIterator[str]:
         index_of = {rid: p for p, (rid, _, _) in enumerate(prepared.requests)}
+        given = body.prompts() if body.echo else []
         tokens: dict[int, int] = {}  # choice index: its tokens so far
         offsets: dict[int, int] = {}  # choice index: its text length so far (logprobs' text_offset)
         done: set[int] = set()  # choices whose finish was sent
@@ -289,11 +290,16 @@ class OpenAIServer:
                 index = choice_index(index_of[output.request_id], prepared.n, c)
                 if index in done or not (c.new_text or c.new_token_ids or c.finished):
                     continue
-                logprobs = completion_logprobs(c, prepared.logprobs or 0, self.token_text, True, offsets.get(index, 0))
-                offsets[index] = offsets.get(index, 0) + len(c.new_text)
-                tokens[index] = len(c.token_ids)
-                chunk = {**head, "choices": [{"index": index, "text": c.new_text, "logprobs": logprobs,
-                                              "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}]}
+                if body.echo and index not in offsets:  # a choice's first chunk carries the prompt, as vLLM's
+                    choice = self._echoed(body, given[index_of[output.request_id]], output, c)
+                    offsets[index] = prompt_text_length(output.prompt_token_ids, self.token_text) + len(c.new_text)
+                else:
+                    choice = {"text": c.new_text, "finish_reason": c.finish_reason,
+                              "logprobs": completion_logprobs(c, prepared.logprobs or 0, self.token_text, True,
+                                                              offsets.get(index, 0))}
+                    offsets[index] = offsets.get(index, 0) + len(c.new_text)
+                tokens[index] = len(c.token_ids) if body.max_tokens != 0 else 0
+                chunk = {**head, "choices": [{"index": index, **choice, "stop_reason": c.stop_reason}]}
                 if body.continuous_usage:
                     chunk["usage"] = usage(prepared.num_prompt_tokens, sum(tokens.values()))
                 if c.finished:

@@ -84,11 +84,9 @@ def needs(field: str, flag: str) -> dict:
 
 STREAM_OPTIONS_NEED_STREAM = needs("stream_options", "stream")
 TOP_LOGPROBS_NEED_LOGPROBS = needs("top_logprobs", "logprobs")
-# echo answers with the whole prompt at once, so it is not streamed; max_tokens 0 scores the prompt only
-ECHO_RULES = {"echo": {"anyOf": [{"properties": {"echo": {"const": False}}},
-                                 {"properties": {"stream": {"const": False}}}]},
-              "max_tokens": {"anyOf": [{"properties": {"max_tokens": {"not": {"const": 0}}}},
-                                       {"properties": {"echo": {"const": True}}, "required": ["echo"]}]}}
+# max_tokens 0 generates nothing, which only echo makes useful: it scores the prompt
+MAX_TOKENS_ZERO_NEEDS_ECHO = {"max_tokens": {"anyOf": [{"properties": {"max_tokens": {"not": {"const": 0}}}},
+                                                       {"properties": {"echo": {"const": True}}, "required": ["echo"]}]}}
 
 
 class StreamOptions(BaseModel):
@@ -167,9 +165,11 @@ class CompletionRequest(SamplingFields):
     `echo: true` puts the prompt before each choice's text and, with `logprobs`,
     the prompt tokens' logprobs before the generated ones' (the first token's is
     null); `max_tokens: 0` (with echo only) scores the prompt and generates nothing,
-    as lm-evaluation-harness asks for loglikelihoods. Echo is not streamed."""
+    as lm-evaluation-harness asks for loglikelihoods. Streamed, each choice's
+    first chunk carries the prompt."""
 
-    model_config = ConfigDict(json_schema_extra={"dependentSchemas": {**STREAM_OPTIONS_NEED_STREAM, **ECHO_RULES}})
+    model_config = ConfigDict(json_schema_extra={"dependentSchemas": {**STREAM_OPTIONS_NEED_STREAM,
+                                                                      **MAX_TOKENS_ZERO_NEEDS_ECHO}})
 
     prompt: NonEmptyStr | Annotated[list[NonEmptyStr], Field(min_length=1)] | TokenIds | \
         Annotated[list[TokenIds], Field(min_length=1)]
@@ -178,10 +178,7 @@ class CompletionRequest(SamplingFields):
     echo: bool = False
 
     @model_validator(mode="after")
-    def _echo_rules(self):
-        if self.echo and self.stream:
-            raise ValueError("echo is not supported with stream: true (the prompt comes back whole); "
-                             "send stream: false, or leave echo out")
+    def _max_tokens_zero_needs_echo(self):
         if self.max_tokens == 0 and not self.echo:
             raise ValueError("max_tokens 0 generates nothing, which only echo: true makes useful (to score the "
                              "prompt); send max_tokens >= 1, or echo: true")

@@ -1,7 +1,8 @@
 """`echo` in /v1/completions through the official `openai` client against a real
 `kvforge serve kvforge-tiny`: the prompt before the text, the legacy logprobs over
 prompt and generated tokens (null for the first), `max_tokens: 0` scoring the prompt
-alone, and echo with stream refused with a 400 naming it."""
+alone, a streamed echo adding up to the same answer, and `max_tokens: 0` without
+echo refused with a 400 naming it."""
 
 from __future__ import annotations
 
@@ -87,8 +88,20 @@ def test_echo_without_logprobs_echoes_the_text_only(client):
     assert reply.choices[0].text.startswith(PROMPT) and reply.choices[0].logprobs is None
 
 
-@pytest.mark.parametrize("extra, named", [({"echo": True, "stream": True}, "stream"),
-                                          ({"max_tokens": 0}, "max_tokens 0")])
-def test_echo_with_stream_and_max_tokens_zero_without_echo_are_refused(server, extra, named):
-    status, _, body = server.post_json("/v1/completions", {"model": "kvforge-tiny", "prompt": PROMPT, **extra})
-    assert status == 400 and named in body["error"]["message"]
+@pytest.mark.parametrize("max_tokens", [0, 4])
+def test_a_streamed_echo_adds_up_to_the_whole_answer(client, max_tokens):
+    """The first chunk of a choice carries the prompt (and its logprobs), the later
+    ones the generated tokens; together they are the non-streamed answer."""
+    request = dict(model="kvforge-tiny", prompt=PROMPT, max_tokens=max_tokens, temperature=0, echo=True, logprobs=1)
+    whole = client.completions.create(**request).choices[0]
+    chunks = [chunk.choices[0] for chunk in client.completions.create(**request, stream=True) if chunk.choices]
+    assert "".join(c.text for c in chunks) == whole.text
+    assert chunks[0].text.startswith(PROMPT) and chunks[-1].finish_reason == whole.finish_reason
+    streamed = [lp for c in chunks if c.logprobs for lp in c.logprobs.token_logprobs]
+    assert streamed[0] is None and streamed[1:] == pytest.approx(whole.logprobs.token_logprobs[1:], abs=TOLERANCE)
+    assert [o for c in chunks if c.logprobs for o in c.logprobs.text_offset] == whole.logprobs.text_offset
+
+
+def test_max_tokens_zero_without_echo_is_refused_naming_it(server):
+    status, _, body = server.post_json("/v1/completions", {"model": "kvforge-tiny", "prompt": PROMPT, "max_tokens": 0})
+    assert status == 400 and "max_tokens 0" in body["error"]["message"]
