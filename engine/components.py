@@ -153,13 +153,14 @@ def check_batch_invariant(config: EngineConfig) -> None:
         refused.append(f"speculative.proposer = {config.speculative.proposer!r} (whether a request gets drafts, and "
                        "how its random draws are spent verifying them, depends on the batch)")
     if config.lora.enabled:
-        refused.append("lora.enabled (a step's rows are grouped by adapter for the LoRA kernels)")
+        refused.append("lora.enabled (the LoRA kernels, which group a step's rows by adapter, are not verified "
+                       "batch-invariant)")
     if config.quantization.weights is not None:
         refused.append(f"quantization.weights = {config.quantization.weights!r} (the int8 linears take another path "
                        "for a prefill's rows than for a decode's)")
     if config.parallel.world_size > 1:
-        refused.append(f"tensor/pipeline parallelism over {config.parallel.world_size} ranks (the ranks' layers run "
-                       "on torch's kernels)")
+        refused.append(f"tensor/pipeline parallelism over {config.parallel.world_size} ranks (the mode is verified "
+                       "on one rank: the ranks' sums and collectives are not)")
     if refused:
         raise UnsupportedConfigurationError(
             "batch_invariant = true does not cover: " + "; ".join(refused) + "; unset these or turn batch_invariant off")
