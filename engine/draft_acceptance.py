@@ -28,6 +28,7 @@ from .request import Request, token_slice
 
 PRIOR_RATE = 0.5  # the engine's rate before any evidence
 PRIOR_WEIGHT = 2.0  # pseudo-drafts pulling a rate toward its prior
+PRIOR_REFRESH = 32  # scored proposals between reading the engine's rates again
 
 
 @dataclass
@@ -45,11 +46,15 @@ class RequestAcceptance:
     accepted: list[float] = field(default_factory=list)  # of those, accepted
     pending: list[_Pending] = field(default_factory=list)
     hits: int = 0  # scored proposals whose first draft was accepted
+    counted: int = 0  # scored proposals: its rates change only when this grows
+    cached_key: tuple | None = None  # what `cached_gains` were computed from
+    cached_gains: list[float] = field(default_factory=list)
 
     def count(self, num_accepted: int, num_scored: int, decay: float) -> None:
         """One proposal's outcome: its first `num_accepted` of `num_scored` drafts matched
         (the one after them, if scored, did not); earlier outcomes fade by `decay`."""
         self.hits += num_accepted > 0
+        self.counted += 1
         self.scored = [s * decay for s in self.scored]
         self.accepted = [a * decay for a in self.accepted]
         grow = num_scored - len(self.scored)
@@ -90,11 +95,20 @@ class AcceptanceTracker:
         self.engine = RequestAcceptance()  # every request's outcomes, fading slower: the prior of each
         self.engine_decay = engine_decay
         self.changes = 0  # proposals scored so far: estimates change only when it grows
+        self._prior: list[float] | None = None  # the engine's rates, refreshed every PRIOR_REFRESH scores
+        self._prior_version = 0
 
     def gains(self, request_id: str, num_positions: int) -> list[float]:
-        """The request's expected tokens per draft position (`RequestAcceptance.gains`)."""
-        prior = self.engine.rates(num_positions, [PRIOR_RATE] * num_positions)
-        return self.of(request_id).gains(num_positions, prior)
+        """The request's expected tokens per draft position (`RequestAcceptance.gains`),
+        computed again only when its counts or the engine's prior changed."""
+        state = self.of(request_id)
+        if self._prior is None or len(self._prior) < num_positions:
+            self._prior = self.engine.rates(num_positions, [PRIOR_RATE] * num_positions)
+            self._prior_version += 1
+        key = (num_positions, self._prior_version, state.counted)
+        if state.cached_key != key:
+            state.cached_key, state.cached_gains = key, state.gains(num_positions, self._prior)
+        return state.cached_gains
 
     def of(self, request_id: str) -> RequestAcceptance:
         state = self.requests.get(request_id)
@@ -130,6 +144,8 @@ class AcceptanceTracker:
                 state.count(matched, min(matched + 1, len(drafts)), self.decay)
                 self.engine.count(matched, min(matched + 1, len(drafts)), self.engine_decay)
                 self.changes += 1
+                if self.changes % PRIOR_REFRESH == 0:
+                    self._prior = None
             else:
                 still.append(proposal)
         state.pending = still
