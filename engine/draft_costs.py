@@ -30,7 +30,7 @@ import time
 import numpy as np
 import torch
 
-DECAY = 0.98  # per step of the same kind: about the last 50 steps of each kind count
+DECAY = 0.995  # per step of the same kind: about the last 200 steps of each kind count (steps are noisy)
 MIN_WEIGHT = 2.0  # steps of each kind (decayed) before the fit is trusted
 OUTLIER = 1.5
 REFIT_EVERY = 8  # steps between solving the fit again (it moves slowly; solving costs tens of µs)
