@@ -268,6 +268,19 @@ def test_greedy_output_with_the_reference_backend_equals_stock_vllm(generations,
 
 
 @needs_vllm
+def test_the_adapter_asks_vllm_for_kvforge_block_size_and_reports_the_backend_capabilities(monkeypatch):
+    from kvforge.vllm_plugin.backend import KvforgeAttentionBackend
+
+    monkeypatch.setenv(BACKEND_ENV, "cpp")
+    assert KvforgeAttentionBackend.get_supported_kernel_block_sizes() == [16]  # kvforge's cache.block_size default
+    assert KvforgeAttentionBackend.supports_sliding_window() and KvforgeAttentionBackend.supports_dtype(torch.bfloat16)
+    assert not KvforgeAttentionBackend.supports_kv_cache_dtype("fp8")
+    monkeypatch.setenv(BACKEND_ENV, "flashinfer")
+    assert KvforgeAttentionBackend.get_supported_head_sizes() == [64, 128, 256]
+    assert not KvforgeAttentionBackend.supports_dtype(torch.float32)
+
+
+@needs_vllm
 def test_stock_backend_in_use_without_the_variable_and_the_adapter_with_it(generations):
     for case in CASES:
         assert generations["stock"][case]["impls"] == ["vllm.v1.attention.backends.cpu_attn.CPUAttentionBackendImpl"]

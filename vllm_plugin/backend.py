@@ -34,6 +34,7 @@ from vllm.v1.attention.backend import (
 from vllm.v1.kv_cache_interface import AttentionSpec, KVCacheLayout
 
 from kvforge.core import SLIDING_WINDOW, AttentionBackend as KvforgeBackend, AttentionBatch, AttentionLayerSpec, dtype_name
+from kvforge.core.config import CacheConfig
 
 from . import BACKEND_ENV, chosen_backend_name
 from .batch import attention_batch, cache_view
@@ -76,8 +77,10 @@ class KvforgeAttentionBackend(AttentionBackend):
 
     @staticmethod
     def get_supported_kernel_block_sizes(kv_cache_spec=None) -> list[int | MultipleOf]:
-        sizes = kvforge_class().block_sizes
-        return sorted(sizes) if sizes is not None else [MultipleOf(1)]
+        # kvforge's own block size (cache.block_size's default) where the backend takes it: vLLM then
+        # splits each of its blocks (128 tokens on the CPU) into blocks of that size for the kernel
+        sizes, native = kvforge_class().block_sizes, CacheConfig().block_size
+        return [native] if sizes is None or native in sizes else sorted(sizes)
 
     @classmethod
     def get_supported_head_sizes(cls) -> list[int]:
