@@ -218,7 +218,8 @@ class EngineConfig(Section):
                            "reduction runs in one fixed order per row (kvforge's C++ linears, RMSNorm and rotary; an "
                            "attention backend that declares batch_invariant, cpp_batch_invariant under auto). CPU, "
                            "float32 and bfloat16; refused with speculative decoding, LoRA, int8 weights and tensor "
-                           "or pipeline parallelism. Costs a few percent of throughput (docs/determinism.md)")
+                           "or pipeline parallelism. Decodes cost the same; prompts' attention runs slower "
+                           "(docs/determinism.md)")
     warmup: bool = Field(
         True, description="run one throwaway step of max_num_batched_tokens tokens when the engine starts, so the "
                           "first requests do not pay for first-touch memory and new kernel shapes (vLLM does the same)")
