@@ -16,8 +16,8 @@ step costs; until it has both kinds, requests draft as many as allowed.
 
 A request that drafts nothing must be able to start again when its text becomes
 predictable, so it keeps being *probed*, at waits that double while drafting
-does not pay (and start short again when it does, or when one of its unverified
-drafts would have been accepted):
+does not pay (start short again when it does, and halve when one of its
+unverified drafts would have been accepted):
 
 * a cheap proposer (`SpeculativeProposer.cheap`, e.g. `ngram`) is asked for it
   every 1, 2, 4, then `SHADOW_AFTER_MAX` steps, and its would-be drafts are scored
@@ -135,8 +135,8 @@ class AdaptiveDraftPolicy:
             self.acceptance.score(request)
             pause, state = self.pauses.get(request.request_id), self.acceptance.requests.get(request.request_id)
             if pause is not None and state is not None and state.hits > pause.hits:
-                # a draft it did not verify would have been accepted: look again soon
-                pause.hits, pause.wait = state.hits, self._shortest_wait
+                # a draft it did not verify would have been accepted: look again sooner
+                pause.hits, pause.wait = state.hits, max(self._shortest_wait, pause.wait // 2)
         if num_drafts is not None:
             self.costs.observe(len(requests), num_drafts, seconds)
         self.step += 1
