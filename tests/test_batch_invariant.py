@@ -151,3 +151,46 @@ def test_a_backend_not_declaring_batch_invariant_is_refused_naming_those_that_do
 def test_what_the_mode_does_not_cover_is_refused_by_name(settings, named):
     with pytest.raises(UnsupportedConfigurationError, match=f"batch_invariant = true.*{named}"):
         LLM("kvforge-tiny", batch_invariant=True, warmup=False, **settings)
+
+
+# The command line and the bench
+
+
+def test_generate_and_serve_flags_set_batch_invariant():
+    import argparse
+
+    from kvforge.cli_options import add_batch_invariant_option, batch_invariant_overrides
+
+    parser = argparse.ArgumentParser()
+    add_batch_invariant_option(parser)
+    assert batch_invariant_overrides(parser.parse_args(["--batch-invariant"])) == ["batch_invariant=true"]
+    assert batch_invariant_overrides(parser.parse_args([])) == []
+
+
+def test_plugins_explain_picks_the_declaring_backend_under_the_mode():
+    from kvforge.cli_plugins import report, selection_request
+    from kvforge.core import load_config
+
+    config = load_config(overrides=["batch_invariant=true"], device="cpu").config
+    registry = build_registry()
+    verdict = report(registry, selection_request(config, registry), explain=True)["explain"][ATTENTION_BACKEND]
+    usable = {c["name"] for c in verdict["candidates"] if c["usable"]}
+    assert "cpp" not in usable and "sdpa" not in usable
+    if build_registry().get(ATTENTION_BACKEND, "cpp_batch_invariant").availability().ok:
+        assert verdict["chosen"] == "cpp_batch_invariant"
+
+
+def test_bench_adds_the_subject_with_batch_invariant_and_its_cost_target():
+    from kvforge.benchmarks import scenarios
+    from kvforge.cli_bench import with_batch_invariant_run
+
+    scenario = scenarios.build("mixed", 512, quick=True)
+    with_batch_invariant_run(scenario)
+    added = scenario.runs[-1]
+    assert (added.label, added.peer, added.options) == ("kvforge batch_invariant", "kvforge", {"batch_invariant": True})
+    target = scenario.targets[-1]
+    assert (target.subject, target.other, target.metric, target.threshold) == (
+        "kvforge batch_invariant", "kvforge", "throughput", 0.87)
+    prompts = scenarios.build("long-prompt", 512, quick=True)
+    with_batch_invariant_run(prompts)
+    assert prompts.runs[-1].options == {"cache": {"enable_prefix_caching": False}, "batch_invariant": True}
