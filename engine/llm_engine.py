@@ -89,7 +89,8 @@ class LLMEngine:
                 model = self.executor.model
             else:
                 model = load_model(config.model, dtype=self.dtype, device=self.device, attention_backend=backend,
-                                   linear_kernel=config.linear_kernel, kv_quantizer=kv_quantizer,
+                                   linear_kernel=components.linear_kernel(config, self.dtype, self.device),
+                                   kv_quantizer=kv_quantizer,
                                    weight_quantizer=weight_quantizer,
                                    weight_activations=config.quantization.activations,
                                    lora=config.lora if config.lora.enabled else None)
@@ -139,7 +140,8 @@ class LLMEngine:
             spec = config.speculative
             self.drafter = Drafter(proposer, num_tokens=spec.num_tokens,
                                    disable_above_batch_size=spec.disable_above_batch_size,
-                                   vocab_size=self.vocab_size, max_model_len=self.max_model_len)
+                                   vocab_size=self.vocab_size, max_model_len=self.max_model_len,
+                                   draft_policy=spec.draft_policy, device=self.device)
         self.selected = components.selected_names(model, allocator, policy, kv_quantizer, weight_quantizer, proposer)
         log.info("%s", components.describe_selection(self.selected))
         self.groups: dict[str, _Group] = {}
@@ -342,6 +344,7 @@ class LLMEngine:
             touched.update(dict.fromkeys(r.group_id for r in update.progressed))
             finished += update.finished
         if self.drafter is not None:
+            self.drafter.observe(plan.scheduled)
             self.drafter.release(finished)
         self.stats.num_steps += 1
         outputs = []
