@@ -16,7 +16,7 @@ class FreeStackAllocator(BlockAllocator):
     `cache.enable_prefix_caching = false`."""
 
     name = "free-stack"
-    api_version = (1, 3)
+    api_version = (1, 4)
     supports_prefix_caching = False
 
     def __init__(self, num_blocks: int, block_size: int, **hashing):

@@ -37,7 +37,7 @@ class PlainTorchAttentionBackend(AttentionBackend):
     the reason, and `reference` serves them."""
 
     name = "plain-torch"
-    api_version = (1, 3)
+    api_version = (1, 4)
     devices = frozenset({"cpu", "cuda"})
     quantized_kv_dtypes = frozenset({torch.int8})
     quantized_kv_note = "for an fp8 KV cache choose attention.backend=reference or sdpa"

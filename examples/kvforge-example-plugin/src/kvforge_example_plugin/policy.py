@@ -11,7 +11,7 @@ class ShortestPromptPolicy(SchedulerPolicy):
     lowers mean time to first token under mixed loads."""
 
     name = "shortest-prompt"
-    api_version = (1, 3)
+    api_version = (1, 4)
 
     def waiting_key(self, request: RequestView) -> tuple:
         return (request.num_prompt_tokens, request.arrival_index)

@@ -12,7 +12,7 @@ class LastFollowerProposer(SpeculativeProposer):
     to search (default 256)."""
 
     name = "last-follower"
-    api_version = (1, 3)
+    api_version = (1, 4)
 
     def __init__(self, **options):
         self.window = options.pop("window", 256)

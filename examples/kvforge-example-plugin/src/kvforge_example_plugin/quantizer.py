@@ -14,7 +14,7 @@ class Int4UnpackedQuantizer(Quantizer):
     `cache.kv_cache_dtype = "int4_unpacked"` unchanged."""
 
     name = "int4_unpacked"
-    api_version = (1, 3)
+    api_version = (1, 4)
     storage_dtype = torch.int8
     granularity = PER_TOKEN
     error_bound = 1 / 13  # half a step is 1/14 of the group max; the rest is float32 rounding

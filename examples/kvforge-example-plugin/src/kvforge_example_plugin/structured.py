@@ -66,7 +66,7 @@ class ChoiceBackend(StructuredOutputBackend):
     """Compiles `choice` specs (the output is exactly one of the given strings); refuses the other kinds."""
 
     name = "choices"
-    api_version = (1, 3)
+    api_version = (1, 4)
     spec_kinds = frozenset({"choice"})  # one of kvforge.core.SPEC_KINDS
 
     def compile(self, spec):
