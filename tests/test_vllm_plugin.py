@@ -212,12 +212,16 @@ def vllm_env(backend: str | None) -> dict[str, str]:
     return env
 
 
-def start_runs(tmp: Path, label: str, backend: str | None, runs: list[dict]) -> tuple[subprocess.Popen, Path]:
+def start_runs(tmp: Path, label: str, backend: str | None, runs: list[dict],
+               extra_path: Path | None = None) -> tuple[subprocess.Popen, Path]:
     spec, out = tmp / f"{label}.spec.json", tmp / f"{label}.json"
     spec.write_text(json.dumps({"runs": runs}))
     log = open(tmp / f"{label}.log", "w")
+    env = vllm_env(backend)
+    if extra_path is not None:  # where a third-party kvforge plugin is installed
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(extra_path), env.get("PYTHONPATH")]))
     proc = subprocess.Popen([sys.executable, str(ROOT / "tests" / "vllm_greedy_run.py"), str(spec), str(out)],
-                            stdout=log, stderr=subprocess.STDOUT, env=vllm_env(backend))
+                            stdout=log, stderr=subprocess.STDOUT, env=env)
     return proc, out
 
 
@@ -265,6 +269,27 @@ def test_greedy_output_with_the_reference_backend_equals_stock_vllm(generations,
     stock, reference = generations["stock"][(model, dtype)], generations["reference"][(model, dtype)]
     assert "error" not in reference, reference.get("error")
     assert_same_greedy_tokens(stock, reference, dtype)
+
+
+@needs_vllm
+def test_a_third_party_plugin_backend_runs_inside_vllm_with_stock_tokens(model_dirs, generations, tmp_path):
+    # kvforge's example plugin, pip-installed apart from kvforge: its `plain-torch` backend reaches
+    # vLLM through kvforge's registry like a built-in one
+    site = tmp_path / "site"
+    installed = subprocess.run([sys.executable, "-m", "pip", "install", "--quiet", "--no-deps", "--no-build-isolation",
+                                "--target", str(site), str(ROOT / "examples" / "kvforge-example-plugin")],
+                               capture_output=True, text=True, timeout=300)
+    assert installed.returncode == 0, installed.stderr
+    proc, out = start_runs(tmp_path, "plugin", "plain-torch", [
+        {"model": str(model_dirs["llama"]), "dtype": "float32", "prompts": prompts(), "max_tokens": MAX_TOKENS}],
+        extra_path=site)
+    proc.wait(timeout=RUN_TIMEOUT_S)
+    assert out.is_file(), (tmp_path / "plugin.log").read_text()[-4000:]
+    (result,) = json.loads(out.read_text())["runs"]
+    assert "error" not in result, result["error"]
+    assert result["impls"] == ["kvforge.vllm_plugin.backend.KvforgeAttentionImpl"]
+    assert_same_greedy_tokens(generations["stock"][("llama", "float32")], result, "float32")
+    assert "kvforge attention backend 'plain-torch'" in (tmp_path / "plugin.log").read_text()
 
 
 @needs_vllm
