@@ -30,7 +30,10 @@ from .scenarios import Scenario, Target, write_workload
 
 PEERS_DIR = Path(__file__).resolve().parent / "peers"
 RUNNERS = {"kvforge": "kvforge_peer.py", "generate": "hf_generate.py", "generate_batch": "hf_generate_batch.py",
-           "vllm": "vllm_peer.py"}
+           "vllm": "vllm_peer.py", "llama.cpp": "llama_cpp_peer.py"}
+# Peers given a program rather than a Python (--peer llama.cpp=BIN_DIR): their runner runs with
+# this Python and finds the program from `peer_path` in its config.
+PROGRAM_PEERS = ("llama.cpp",)
 ALIASES = {"transformers": ("generate", "generate_batch")}  # --peer transformers=PY sets both
 # transformers is a dependency of kvforge, so its peers can run with this very Python out of the box.
 DEFAULT_PEERS = ("kvforge", "generate", "generate_batch")
@@ -62,10 +65,21 @@ def peer_pythons(pairs: list[str] | None) -> dict[str, str | None]:
                                   "turned off; give kvforge=PATH/TO/python to run it with another Python")
             path = None
         elif os.sep in path:  # peers run from their output folder: a relative path must not move with them
-            path = os.path.abspath(path)
+            path = os.path.abspath(os.path.expanduser(path))
         for one in names:
             pythons[one] = path
     return pythons
+
+
+def program_missing(path: str) -> str | None:
+    """Why llama.cpp cannot run from `path` (its bin directory or llama-bench), or None when it can."""
+    from .peers.llama_cpp_peer import locate
+
+    try:
+        locate(path)
+    except ValueError as exc:
+        return f"llama.cpp: {exc}"
+    return None
 
 
 def percentile(values: list[float], q: float) -> float | None:
@@ -265,6 +279,8 @@ def run_scenario(scenario: Scenario, model_dir: str, out_dir: Path, *, peers: di
             entry["status"] = "not run: no --peer given"
         elif python is None:
             entry["status"] = f"not run: turned off (--peer {run.peer}={OFF})"
+        elif run.peer in PROGRAM_PEERS and (missing := program_missing(python)):
+            entry["status"] = f"not run: {missing}"
         else:
             started.append((i, run, entry, python))
         summary["runs"].append(entry)
@@ -279,6 +295,8 @@ def run_scenario(scenario: Scenario, model_dir: str, out_dir: Path, *, peers: di
             which = f" (round {round_ + 1} of {rounds})" if rounds > 1 else ""
             log(f"[{scenario.name}] {run.label}{which} ...")
             config = {"label": run.label, "options": run.options}
+            if run.peer in PROGRAM_PEERS:
+                python, config["peer_path"] = sys.executable, python
             outcome = run_one(python, run.peer, workload, config, out_dir / f"run{i}.json", timeout, kv_cache_gib,
                               threads)
             outcomes[i].append(outcome)

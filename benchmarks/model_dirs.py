@@ -23,6 +23,9 @@ SYNTHETIC = {
                              num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048),
     "bench-llama-50m": dict(vocab_size=16384, hidden_size=512, intermediate_size=1536, num_hidden_layers=10,
                             num_attention_heads=8, num_key_value_heads=4, max_position_embeddings=2048),
+    # 24.65M: 8 layers of 512 (23.6M) + untied 1k embeddings (1.05M); the batch1 scenario's model, beside llama.cpp.
+    "bench-llama-25m": dict(vocab_size=1024, hidden_size=512, intermediate_size=1408, num_hidden_layers=8,
+                            num_attention_heads=8, num_key_value_heads=4, max_position_embeddings=2048),
 }
 # The same models with room for the long-prompt scenario's 4k-token prompts.
 SYNTHETIC["bench-llama-tiny-8k"] = {**SYNTHETIC["bench-llama-tiny"], "max_position_embeddings": 8192}
@@ -65,9 +68,12 @@ def scenario_model_dir(scenario, model: str, path: Path) -> Path:
     """The model directory `scenario` runs: `path` (of `model`) when it holds the
     longest request of a scenario that names its own model (long-prompt), or
     for any other scenario; else, for a default bench model, the scenario's own
-    model (the same one with more positions); else a ConfigError."""
+    model (the same one with more positions); else a ConfigError. A scenario
+    with a `default_model` runs it in place of the full default bench model."""
     from kvforge.core import ConfigError
 
+    if scenario.default_model is not None and model == FULL_MODEL:
+        return model_dir(scenario.default_model)
     need, limit = scenario.longest(), max_positions(path)
     if scenario.model is None or limit is None or need <= limit:  # the others run as they always did
         return path

@@ -88,6 +88,10 @@ def scenario_section(summary: dict, peak_gflops: float | None = None) -> list[st
         from .prefill_attention import markdown as prefill_markdown
 
         lines += prefill_markdown(summary["prefill_attention"])
+    if summary.get("batch1"):
+        from .batch1 import markdown as batch1_markdown
+
+        lines += batch1_markdown(summary["batch1"])
     if summary.get("structured"):
         from .structured import markdown as structured_markdown
 

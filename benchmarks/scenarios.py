@@ -18,7 +18,7 @@ from pathlib import Path
 
 from kvforge.core import QUANTIZER, SPECULATIVE_PROPOSER
 
-NAMES = ("mixed", "prefix", "speculative", "priority", "kv-quant", "long-prompt", "structured", "lora")
+NAMES = ("mixed", "prefix", "speculative", "priority", "kv-quant", "long-prompt", "structured", "lora", "batch1")
 
 
 @dataclass
@@ -26,7 +26,7 @@ class Run:
     """One configuration of a scenario: which peer runs it, and its options."""
 
     label: str
-    peer: str  # kvforge | generate | generate_batch | vllm
+    peer: str  # kvforge | generate | generate_batch | vllm | llama.cpp
     options: dict = field(default_factory=dict)
 
 
@@ -52,6 +52,8 @@ class Scenario:
     unavailable: str | None = None  # why the scenario cannot run here
     # The default model when its own does not hold the longest request (see model_dirs.SYNTHETIC).
     model: str | None = None
+    # The model it runs instead of the default full-size bench model (when --model is not given).
+    default_model: str | None = None
     note: str | None = None  # said under the scenario's heading in the report
     prefill_figures: bool = False  # the report adds the prefill attention kernel's GFLOP/s on its shapes
     # after its runs: (summary, the scenario's output folder, its model directory) -> entries added to the summary
@@ -208,6 +210,10 @@ def build(name: str, vocab: int, quick: bool, seed: int = 0) -> Scenario:
         from .lora import scenario as lora_scenario
 
         return lora_scenario(vocab, quick, seed)
+    if name == "batch1":
+        from .batch1 import scenario as batch1_scenario
+
+        return batch1_scenario(vocab, quick, seed)
     from kvforge.core import ConfigError
 
     raise ConfigError(f"unknown scenario {name!r}; choose from: {', '.join(NAMES)}")

@@ -36,7 +36,8 @@ def add_parser(commands) -> None:
                         help="run peer NAME (vllm, generate, generate_batch; transformers = both) with this "
                              "Python, or not at all with NAME=none (repeatable). Default: both transformers "
                              "peers run with this Python (--peer transformers=none turns them off); vllm runs "
-                             "only when given, e.g. vllm=~/venvs/vllm/bin/python")
+                             "only when given, e.g. vllm=~/venvs/vllm/bin/python; llama.cpp (batch1) takes "
+                             "llama.cpp's bin directory or its llama-bench instead of a Python")
     parser.add_argument("--model", help=f"a local HF directory, a built-in name, or {QUICK_MODEL} / {FULL_MODEL} "
                                         f"(random weights, built on first use; default: {QUICK_MODEL} with --quick, "
                                         f"else {FULL_MODEL})")
@@ -83,7 +84,7 @@ def bench(scenario_names: list[str], *, quick: bool, out: Path, peers: dict[str,
     out.mkdir(parents=True, exist_ok=True)
     path = model_dir(model)
     vocab = json.loads((path / "config.json").read_text())["vocab_size"]
-    missing = sorted({"generate", "generate_batch", "vllm"} - set(peers))
+    missing = sorted({"generate", "generate_batch", "vllm", "llama.cpp"} - set(peers))
     if missing:
         log(f"peers not given, not run: {', '.join(missing)} (--peer NAME=PATH/TO/python)")
     off = sorted(name for name, python in peers.items() if python is None)

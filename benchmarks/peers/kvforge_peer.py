@@ -1,6 +1,7 @@
 """kvforge's reference engine on a workload: requests are added at their
 `arrival_step`, the engine is stepped until all finish. Options are engine
-config sections (`{"cache": {...}, "scheduler": {...}}`); with a
+config sections (`{"cache": {...}, "scheduler": {...}}`), and `dtype` (the run's
+own, instead of the workload's); with a
 `structured_outputs` section, a request that carries a `json_schema` is
 constrained to it (and ends when its document does, EOS not ignored). With
 `lora_adapters` (`{"count": C, "rank": R}`, beside a `lora` section), request i
@@ -29,13 +30,14 @@ def engine_for(workload: dict, options: dict):
     from kvforge.core import load_config
 
     options = {name: value for name, value in options.items() if name != "lora_adapters"}
+    dtype = options.pop("dtype", workload["dtype"])  # a run of its own weight dtype (the batch1 scenario)
     budget = int(workload["kv_cache_gib"] * 2**30)
     if "kv_tokens_float32" in options:  # one budget in bytes for every KV dtype of a scenario
         budget = options.pop("kv_tokens_float32") * float32_kv_bytes_per_token(workload["model_dir"])
     sections = {"cache": {"memory_budget": budget}, "scheduler": {}}
     for name, values in options.items():
         sections[name] = {**sections.get(name, {}), **values} if isinstance(values, dict) else values
-    config = load_config(model=workload["model_dir"], device="cpu", dtype=workload["dtype"], **sections).config
+    config = load_config(model=workload["model_dir"], device="cpu", dtype=dtype, **sections).config
     return LLMEngine(config)
 
 
