@@ -12,7 +12,9 @@ beside llama.cpp, per weight format.
   same model to GGUF f32, bf16 and Q8_0 with its own converter and runs
   `llama-bench -p P -n N`: its pp and tg tests. Its tg test decodes from an
   empty context; kvforge's decode steps follow the prompt, so they attend to
-  P..P+N positions (the harder case).
+  P..P+N positions (the harder case): the ratios and targets are against tg
+  as llama-bench reports it, and llama.cpp's tg after a P-token context
+  (`-d P`) is reported beside them.
 * After the runs (`figures`): each pair's ratios, kvforge over llama.cpp, and
   the targets: decode >= 1.0x llama.cpp per format (stretch: 1.2x), prefill
   >= 1.5x.
@@ -108,7 +110,10 @@ def figures(summary: dict, prompt: int) -> dict:
                     target_row(f"batch1 {fmt}: prefill >= {PREFILL_TARGET:.1f}x {theirs}", prefill, PREFILL_TARGET)]
     batched = {label: run["info"].get("batched") for label, run in by_label.items()
                if run.get("info", {}).get("batched") is not None}
-    return {"batch1": {"prompt": prompt, "runs": runs, "clocks": clocks, "pairs": pairs, "batched": batched},
+    after_prompt = {label: run["info"]["tg_after_prompt_tps"] for label, run in by_label.items()
+                    if run.get("info", {}).get("tg_after_prompt_tps")}
+    return {"batch1": {"prompt": prompt, "runs": runs, "clocks": clocks, "pairs": pairs, "batched": batched,
+                       "tg_after_prompt": after_prompt},
             "targets": targets}
 
 
@@ -129,6 +134,9 @@ def markdown(figures: dict) -> list[str]:
     lines += ["", f"Medians over the requests (kvforge) and llama-bench's repetitions (llama.cpp); clocks: "
               + ", ".join(f"{label} {clock}" for label, clock in clocks.items() if runs.get(label))
               + (". Mixed clocks: compare with KVFORGE_BENCH_CLOCK unset." if len(used) > 1 else "."), ""]
+    for label, tps in figures.get("tg_after_prompt", {}).items():
+        lines += [f"{label} tg after a {figures['prompt']}-token context (`llama-bench -d {figures['prompt']}`, the "
+                  f"context kvforge's decode steps see): {tps:.1f} tok/s.", ""]
     for label, rows in figures.get("batched", {}).items():
         if isinstance(rows, str):
             lines += [f"{label} llama-batched-bench: {rows}", ""]

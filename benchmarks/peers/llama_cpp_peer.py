@@ -1,8 +1,9 @@
 """llama.cpp on the `batch1` workload: the bench model converted to GGUF by
 llama.cpp's own converter (llama_cpp_convert.py), then `llama-bench -p P -n N
 -t THREADS -o json` (P: the workload's prompt length, N: its decode tokens),
-and, with the option `batched` (sequence counts), `llama-batched-bench` on the
-same shapes.
+and `llama-bench -p 0 -n N -d P` (tg after a P-token context, recorded in
+`info.tg_after_prompt_tps`); with the option `batched` (sequence counts),
+`llama-batched-bench` on the same shapes.
 
 Run it with a Python that has torch and transformers (the harness runs it with
 kvforge's); `--config` carries `peer_path`: llama.cpp's bin directory or its
@@ -97,8 +98,11 @@ def threads() -> int | None:
     return int(value) if value else None
 
 
-def run_bench(binary: str, gguf: Path, prompt: int, gen: int, repetitions: int) -> list[dict]:
+def run_bench(binary: str, gguf: Path, prompt: int, gen: int, repetitions: int, depth: int = 0) -> list[dict]:
+    """llama-bench's JSON report; with `depth`, its tests start after that many tokens in the context."""
     command = [binary, "-m", str(gguf), "-p", str(prompt), "-n", str(gen), "-r", str(repetitions), "-o", "json"]
+    if depth:
+        command += ["-d", str(depth)]
     if threads():
         command += ["-t", str(threads())]
     proc = subprocess.run(command, capture_output=True, text=True)
@@ -138,6 +142,9 @@ def main() -> None:
     info = {"clock": "wall", "outtype": options.get("outtype", "f32"), "gguf_bytes": gguf.stat().st_size,
             "threads": threads(), "llama_bench": {k: tests[k]["avg_ts"] for k in tests},
             "build_commit": tests["pp"].get("build_commit"), "cpu_info": tests["pp"].get("cpu_info")}
+    # tg again after the prompt (-d P): the context kvforge's decode steps see
+    deep = run_bench(found["bench"], gguf, 0, gen, max(2, len(workload["requests"])), depth=prompt)
+    info["tg_after_prompt_tps"] = next((e["avg_ts"] for e in deep if e["n_gen"] > 0), None)
     if options.get("batched"):
         if found["batched"] is None:
             info["batched"] = f"not run: no {BATCHED} beside {found['bench']}"

@@ -1,0 +1,183 @@
+"""The `batch1` scenario (kvforge beside llama.cpp, one sequence at a time)
+without llama.cpp: kvforge's side on a tiny model, the llama.cpp peer skipped
+with its reason, and llama-bench's JSON (a recorded sample) read into the
+speeds the report compares. No timing is asserted."""
+
+from __future__ import annotations
+
+import json
+import os
+import stat
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from kvforge.benchmarks import batch1, harness, report
+from kvforge.benchmarks.peers import llama_cpp_peer
+
+transformers = pytest.importorskip("transformers")
+
+SAMPLE = Path(__file__).parent / "data" / "llama_bench_sample.json"
+
+
+@pytest.fixture(scope="module")
+def tiny_model(tmp_path_factory) -> str:
+    config = transformers.LlamaConfig(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                      num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=256,
+                                      bos_token_id=1, eos_token_id=2, pad_token_id=0)
+    torch.manual_seed(0)
+    path = tmp_path_factory.mktemp("bench-llama")
+    transformers.LlamaForCausalLM(config).save_pretrained(path)
+    return str(path)
+
+
+def test_requests_arrive_one_at_a_time_with_the_prompt_and_decode_lengths():
+    scenario = batch1.scenario(vocab=128, quick=False)
+    prompt, decode, count = batch1.sizes(quick=False)
+    assert (prompt, decode) == (512, 128)
+    assert [len(r["prompt_token_ids"]) for r in scenario.requests] == [prompt] * count
+    assert {r["max_tokens"] for r in scenario.requests} == {decode + 1}  # the first token comes from the prefill
+    steps = [r["arrival_step"] for r in scenario.requests]
+    # each arrives after the previous one's prefill (at most `prompt` steps) and decode steps are done
+    assert all(b - a > prompt + decode for a, b in zip(steps, steps[1:]))
+    assert scenario.default_model == batch1.MODEL
+    assert {run.label for run in scenario.runs} == set(batch1.KVFORGE) | set(batch1.LLAMA_CPP)
+
+
+def test_the_bench_model_has_the_24_65m_shape():
+    from kvforge.benchmarks.model_dirs import SYNTHETIC
+
+    c = SYNTHETIC[batch1.MODEL]
+    layer = 2 * c["hidden_size"] ** 2 * (1 + c["num_key_value_heads"] / c["num_attention_heads"]) \
+        + 3 * c["hidden_size"] * c["intermediate_size"] + 2 * c["hidden_size"]
+    total = c["num_hidden_layers"] * layer + 2 * c["vocab_size"] * c["hidden_size"] + c["hidden_size"]
+    assert total == 24_650_240
+
+
+def make_program(path: Path, executable: bool) -> Path:
+    path.mkdir(parents=True, exist_ok=True)
+    program = path / "llama-bench"
+    program.write_text("#!/bin/sh\nexit 0\n")
+    mode = program.stat().st_mode
+    program.chmod(mode | stat.S_IXUSR if executable else mode & ~(stat.S_IXUSR | stat.S_IXGRP | stat.S_IXOTH))
+    return program
+
+
+def test_the_peer_is_skipped_with_its_reason_when_llama_bench_is_absent_or_not_executable(tmp_path):
+    assert "no llama-bench at" in harness.program_missing(str(tmp_path / "nowhere"))
+    program = make_program(tmp_path / "src" / "build" / "bin", executable=False)
+    if os.access(program, os.X_OK):
+        pytest.skip("running as a user who may execute any file")
+    assert "is not executable" in harness.program_missing(str(program.parent))
+    program.chmod(program.stat().st_mode | stat.S_IXUSR)
+    # executable, but outside a llama.cpp tree: no converter to make its GGUF
+    assert "no convert_hf_to_gguf.py" in harness.program_missing(str(program.parent))
+    (tmp_path / "src" / "convert_hf_to_gguf.py").write_text("")
+    assert harness.program_missing(str(program)) is None
+    found = llama_cpp_peer.locate(str(program.parent))
+    assert found["source"] == str((tmp_path / "src").resolve()) and found["batched"] is None
+
+
+def test_a_peer_path_with_a_tilde_is_expanded():
+    peers = harness.peer_pythons(["llama.cpp=~/llama.cpp/build/bin"])
+    assert peers["llama.cpp"] == os.path.expanduser("~/llama.cpp/build/bin")
+
+
+def speeds_of(parse, sample: list[dict]) -> list[tuple[float, float]]:
+    """(pp tok/s, tg tok/s) of each repetition as the bench reads them: records through the harness's metrics."""
+    tests = parse(sample)
+    prompt = tests["pp"]["n_prompt"]
+    out = []
+    for record in llama_cpp_peer.records(tests):
+        m = harness.metrics({"elapsed_s": record["latency_s"], "requests": [record]})
+        out.append((prompt / m["ttft_p50_s"], 1 / m["tpot_p50_s"] if m["tpot_p50_s"] else 0.0))
+    return out
+
+
+def parse_mismatches(parse) -> list[str]:
+    """Where `parse` reads the recorded sample into speeds other than llama-bench's own per-repetition tok/s
+    (`samples_ts`, which llama-bench rounds to two decimals)."""
+    sample = json.loads(SAMPLE.read_text())
+    pp = next(e for e in sample if e["n_gen"] == 0)
+    tg = next(e for e in sample if e["n_prompt"] == 0)
+    wrong = []
+    speeds = speeds_of(parse, sample)
+    if len(speeds) != len(pp["samples_ts"]):
+        wrong.append(f"{len(speeds)} repetitions, recorded {len(pp['samples_ts'])}")
+    for i, ((prefill, decode), pp_ts, tg_ts) in enumerate(zip(speeds, pp["samples_ts"], tg["samples_ts"])):
+        if prefill != pytest.approx(pp_ts, rel=1e-4):
+            wrong.append(f"repetition {i}: pp {prefill:.1f} tok/s, llama-bench says {pp_ts:.1f}")
+        if decode != pytest.approx(tg_ts, rel=1e-4):
+            wrong.append(f"repetition {i}: tg {decode:.1f} tok/s, llama-bench says {tg_ts:.1f}")
+    return wrong
+
+
+def test_a_recorded_llama_bench_report_reads_as_its_own_tok_per_s():
+    assert parse_mismatches(llama_cpp_peer.bench_tests) == []
+
+
+def test_a_planted_wrong_parse_is_caught():
+    def swapped(report: list[dict]) -> dict:  # pp and tg the wrong way round
+        tests = llama_cpp_peer.bench_tests(report)
+        return {"pp": tests["tg"], "tg": tests["pp"]}
+
+    def first_sample_only(report: list[dict]) -> dict:  # one repetition taken for all
+        tests = llama_cpp_peer.bench_tests(report)
+        return {k: {**v, "samples_ns": v["samples_ns"][:1] * len(v["samples_ns"])} for k, v in tests.items()}
+
+    assert parse_mismatches(swapped)
+    assert parse_mismatches(first_sample_only)
+
+
+def test_a_report_without_a_tg_test_is_refused():
+    sample = [e for e in json.loads(SAMPLE.read_text()) if e["n_gen"] == 0]
+    with pytest.raises(ValueError, match="no tg test"):
+        llama_cpp_peer.bench_tests(sample)
+
+
+def test_quick_run_measures_kvforge_and_skips_llama_cpp_with_its_reason(tmp_path, tiny_model):
+    scenario = batch1.scenario(vocab=128, quick=True)
+    # two of the kvforge runs (their process start dominates this test's time) and one llama.cpp run
+    keep = {"kvforge float32", "kvforge int8_weight W8A8", "llama.cpp f32", "llama.cpp Q8_0"}
+    scenario.runs = [run for run in scenario.runs if run.label in keep]
+    peers = {"kvforge": sys.executable, "llama.cpp": str(tmp_path / "no-llama")}
+    summary = harness.run_scenario(scenario, tiny_model, tmp_path, peers=peers, kv_cache_gib=0.05, timeout=300,
+                                   log=lambda line: None)
+    summary.update(scenario.figures(summary, tmp_path / "batch1", Path(tiny_model)))
+    runs = {run["label"]: run for run in summary["runs"]}
+    assert runs["kvforge float32"]["status"] == "ok", runs["kvforge float32"]["status"]
+    assert runs["kvforge int8_weight W8A8"]["status"] == "ok", runs["kvforge int8_weight W8A8"]["status"]
+    assert runs["llama.cpp f32"]["status"].startswith("not run: llama.cpp: no llama-bench at")
+    prompt, decode, count = batch1.sizes(quick=True)
+    m = runs["kvforge float32"]["metrics"]
+    assert m["requests"] == count and m["output_tokens"] == count * (decode + 1)
+    speeds = summary["batch1"]["runs"]["kvforge float32"]
+    assert speeds["prefill_tps"] == pytest.approx(prompt / m["ttft_p50_s"])
+    assert speeds["decode_tps"] == pytest.approx(1 / m["tpot_p50_s"])
+    assert summary["batch1"]["runs"]["llama.cpp f32"] is None
+    pair = summary["batch1"]["pairs"]["float32"]
+    assert pair["decode"] is None and pair["prefill"] is None
+    targets = {t["target"]: t for t in summary["targets"]}
+    assert len(targets) == 3 * len(batch1.PAIRS)
+    assert {t["status"] for t in targets.values()} == {"not measured"}
+    text = "\n".join(report.scenario_section({**summary, "status": "ok"}))
+    assert "| float32 | kvforge float32 |" in text and "no llama-bench at" in text
+
+
+def test_targets_are_the_ratios_of_each_pair():
+    def run(label, peer, ttft, tpot):
+        return {"label": label, "peer": peer, "status": "ok", "info": {},
+                "metrics": {"ttft_p50_s": ttft, "tpot_p50_s": tpot}}
+
+    summary = {"targets": [], "runs": [run("kvforge float32", "kvforge", 0.1, 0.004),
+                                       run("llama.cpp f32", "llama.cpp", 0.2, 0.005)]}
+    figures = batch1.figures(summary, prompt=512)
+    pair = figures["batch1"]["pairs"]["float32"]
+    assert pair["prefill"] == pytest.approx(2.0) and pair["decode"] == pytest.approx(1.25)
+    status = {t["target"]: t["status"] for t in figures["targets"]}
+    assert status["batch1 float32: decode >= 1.0x llama.cpp f32"] == "met"
+    assert status["batch1 float32: decode >= 1.2x llama.cpp f32 (stretch)"] == "met"
+    assert status["batch1 float32: prefill >= 1.5x llama.cpp f32"] == "met"
+    assert status["batch1 bfloat16: decode >= 1.0x llama.cpp bf16"] == "not measured"
