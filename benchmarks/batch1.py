@@ -60,6 +60,10 @@ def sizes(quick: bool) -> tuple[int, int, int]:
 
 
 def scenario(vocab: int, quick: bool, seed: int = 0) -> Scenario:
+    from .model_dirs import SYNTHETIC
+
+    # ids every model it may run can read: `vocab` is the default model's, which MODEL replaces
+    vocab = min(vocab, SYNTHETIC[MODEL]["vocab_size"])
     rng = random.Random(seed + 8)
     prompt, decode, count = sizes(quick)
     # Far enough apart that each arrives after the previous one finished (prefill takes at most
@@ -103,7 +107,9 @@ def figures(summary: dict, prompt: int) -> dict:
     for fmt, (ours, theirs) in PAIRS.items():
         a, b = runs.get(ours), runs.get(theirs)
         decode, prefill = _ratio(a, b, "decode_tps"), _ratio(a, b, "prefill_tps")
-        pairs[fmt] = {"kvforge": ours, "llama.cpp": theirs, "decode": decode, "prefill": prefill}
+        deep = by_label.get(theirs, {}).get("info", {}).get("tg_after_prompt_tps")
+        pairs[fmt] = {"kvforge": ours, "llama.cpp": theirs, "decode": decode, "prefill": prefill,
+                      "decode_after_prompt": a["decode_tps"] / deep if a and deep else None}
         targets += [target_row(f"batch1 {fmt}: decode >= {DECODE_TARGET:.1f}x {theirs}", decode, DECODE_TARGET),
                     target_row(f"batch1 {fmt}: decode >= {DECODE_STRETCH:.1f}x {theirs} (stretch)", decode,
                                DECODE_STRETCH),
@@ -114,6 +120,7 @@ def figures(summary: dict, prompt: int) -> dict:
                     if run.get("info", {}).get("tg_after_prompt_tps")}
     return {"batch1": {"prompt": prompt, "runs": runs, "clocks": clocks, "pairs": pairs, "batched": batched,
                        "tg_after_prompt": after_prompt},
+            "model_reason": "the scenario's own: the 24.65M Llama it compares with llama.cpp on",
             "targets": targets}
 
 
@@ -123,26 +130,31 @@ def _num(value, fmt="{:.1f}") -> str:
 
 def markdown(figures: dict) -> list[str]:
     runs, clocks = figures["runs"], figures["clocks"]
+    deep = figures.get("tg_after_prompt", {})
     lines = ["| weight format | kvforge run | prefill tok/s | decode tok/s | llama.cpp run | pp tok/s | tg tok/s "
-             "| prefill × | decode × |", "|---|---|---:|---:|---|---:|---:|---:|---:|"]
+             f"| tg tok/s after {figures['prompt']} | prefill × | decode × | decode × tg after {figures['prompt']} |",
+             "|---|---|---:|---:|---|---:|---:|---:|---:|---:|---:|"]
     for fmt, pair in figures["pairs"].items():
         a, b = runs.get(pair["kvforge"]) or {}, runs.get(pair["llama.cpp"]) or {}
         lines.append(f"| {fmt} | {pair['kvforge']} | {_num(a.get('prefill_tps'))} | {_num(a.get('decode_tps'))} "
                      f"| {pair['llama.cpp']} | {_num(b.get('prefill_tps'))} | {_num(b.get('decode_tps'))} "
-                     f"| {_num(pair['prefill'], '{:.2f}')} | {_num(pair['decode'], '{:.2f}')} |")
+                     f"| {_num(deep.get(pair['llama.cpp']))} | {_num(pair['prefill'], '{:.2f}')} "
+                     f"| {_num(pair['decode'], '{:.2f}')} | {_num(pair.get('decode_after_prompt'), '{:.2f}')} |")
     used = sorted({clocks[label] for label, speed in runs.items() if speed})
-    lines += ["", f"Medians over the requests (kvforge) and llama-bench's repetitions (llama.cpp); clocks: "
-              + ", ".join(f"{label} {clock}" for label, clock in clocks.items() if runs.get(label))
-              + (". Mixed clocks: compare with KVFORGE_BENCH_CLOCK unset." if len(used) > 1 else "."), ""]
-    for label, tps in figures.get("tg_after_prompt", {}).items():
-        lines += [f"{label} tg after a {figures['prompt']}-token context (`llama-bench -d {figures['prompt']}`, the "
-                  f"context kvforge's decode steps see): {tps:.1f} tok/s.", ""]
+    clock = (f"clock: {used[0]} time on every run" if len(used) == 1 else
+             "clocks: " + ", ".join(f"{label} {clocks[label]}" for label in runs if runs[label])
+             + " (mixed: llama-bench times wall clock only; run with KVFORGE_BENCH_CLOCK unset to compare)")
+    lines += ["", f"Medians over the requests (kvforge) and llama-bench's repetitions (llama.cpp); {clock}.", ""]
+    if deep:
+        lines += [f"`tg after {figures['prompt']}`: llama-bench's tg after a {figures['prompt']}-token context "
+                  f"(`-d {figures['prompt']}`), the context kvforge's decode steps see; the targets take tg as "
+                  "llama-bench reports it, from an empty context.", ""]
     for label, rows in figures.get("batched", {}).items():
         if isinstance(rows, str):
             lines += [f"{label} llama-batched-bench: {rows}", ""]
             continue
         lines += [f"{label}, llama-batched-bench: " + "; ".join(
-            f"{row.get('pl')} sequences: prompt {_num(row.get('speed_pp'))} tok/s, decode {_num(row.get('speed_tg'))} tok/s"
+            f"{row.get('pl')} at once: prompt {_num(row.get('speed_pp'))} tok/s, decode {_num(row.get('speed_tg'))} tok/s"
             for row in rows), ""]
     return lines
 

@@ -65,7 +65,8 @@ def scenario_section(summary: dict, peak_gflops: float | None = None) -> list[st
     if summary.get("note"):
         lines += [summary["note"], ""]
     if summary.get("model_dir"):
-        lines += [f"Model of this scenario: `{Path(summary['model_dir']).name}` (the default one holds too few positions).", ""]
+        why = summary.get("model_reason", "the default one holds too few positions")
+        lines += [f"Model of this scenario: `{Path(summary['model_dir']).name}` ({why}).", ""]
     cls = summary.get("latency_class")
     if cls:
         lines += [f"TTFT and TPOT of the `{cls}` requests only.", ""]
