@@ -81,7 +81,8 @@ async def validation_error_handler(request: Request, exc: RequestValidationError
             return bad_request(f"the request body is not valid JSON ({detail}); send a JSON object",
                                code="invalid_json").response()
         loc = error.get("loc", ())
-        field = _field_name(loc)
+        # a rule across fields is raised on the body; its ctx names the field to fix
+        field = _field_name(loc) or (error.get("ctx") or {}).get("param")
         union = _union_field(loc)
         if union is not None:  # one line for the field, not one per form it might have taken
             param = param or union

@@ -14,6 +14,7 @@ import dataclasses
 from typing import Annotated, Literal
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, WithJsonSchema, model_validator
+from pydantic_core import PydanticCustomError
 
 from kvforge.core import RequestError
 from kvforge.engine.sampling_params import LOGIT_BIAS_BOUND, SamplingParams
@@ -180,8 +181,9 @@ class CompletionRequest(SamplingFields):
     @model_validator(mode="after")
     def _max_tokens_zero_needs_echo(self):
         if self.max_tokens == 0 and not self.echo:
-            raise ValueError("max_tokens 0 generates nothing, which only echo: true makes useful (to score the "
-                             "prompt); send max_tokens >= 1, or echo: true")
+            raise PydanticCustomError(  # ctx param: the 400 names the field (serving/errors.py)
+                "max_tokens_zero_needs_echo", "max_tokens 0 generates nothing, which only echo: true makes useful "
+                "(to score the prompt); send max_tokens >= 1, or echo: true", {"param": "max_tokens"})
         return self
 
     def sampling_params(self, max_tokens: int, logprobs: int | None) -> SamplingParams:

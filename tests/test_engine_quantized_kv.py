@@ -29,12 +29,13 @@ from kvforge.core import (
 from kvforge.engine.model_runner import ModelRunner
 
 KV_QUANTIZERS = ("int8", "fp8_e4m3", "fp8_e5m2")
+BLOCK_SIZE = 8  # small blocks, so the short prompts below span several (and preemption frees some)
 MIN_GREEDY_AGREEMENT = 0.75  # measured 2026-11-30: see docs/kv_cache.md
 
 
 def cpu_backends_reading(quantizer: str) -> list[str]:
     storage = build_registry().select(QUANTIZER, quantizer).cls.storage_dtype
-    request = SelectionRequest(device="cpu", dtype=torch.float32, kv_storage_dtype=storage)
+    request = SelectionRequest(device="cpu", dtype=torch.float32, kv_storage_dtype=storage, block_size=BLOCK_SIZE)
     return [c.registration.name for c in build_registry().candidates(ATTENTION_BACKEND, request) if c.usable]
 
 
@@ -45,7 +46,7 @@ GREEDY = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
 
 def tiny(kv_cache_dtype: str, backend: str = "sdpa", warmup: bool = True, **cache) -> LLM:
     return LLM("kvforge-tiny", device="cpu", dtype="float32", warmup=warmup, attention={"backend": backend},
-               cache={"block_size": 8, "num_blocks": 96, "kv_cache_dtype": kv_cache_dtype, **cache})
+               cache={"block_size": BLOCK_SIZE, "num_blocks": 96, "kv_cache_dtype": kv_cache_dtype, **cache})
 
 
 def tokens(outputs) -> list[list[int]]:
