@@ -41,7 +41,7 @@ HEADERS = [HERE / "cpu_isa.h", HERE / "vector_kernels.h", HERE / "vector_exp.h",
            HERE / "int8_linear_tile.h", HERE / "int8_linear_bf16.h", HERE / "bf16_vectors.h",
            HERE / "linear_tile.h", HERE / "bf16_linear_dpbf16.h", HERE / "rms_norm_rotary_rows.h",
            HERE / "f32_packed_rows.h", HERE / "int8_rows.h", HERE / "int8_linear_common.h", HERE / "lora_tile.h",
-           HERE / "invariant_tile.h", HERE / "narrow_rows.h"]
+           HERE / "invariant_tile.h"]
 CACHE_ENV = "KVFORGE_CACHE_DIR"
 # -O3 vectorises the inner loops; the AVX2+FMA variant is chosen at run time
 # inside the library, so no -march=native (the build must run on any x86-64).

@@ -83,25 +83,3 @@ template void prefill_values_bf16<1, 8>(float*, const uint32_t*, const uint32_t*
 template void prefill_values_bf16<2, 8>(float*, const uint32_t*, const uint32_t*, int64_t, int64_t);
 template void prefill_values_bf16<3, 4>(float*, const uint32_t*, const uint32_t*, int64_t, int64_t);
 template void prefill_values_bf16<4, 4>(float*, const uint32_t*, const uint32_t*, int64_t, int64_t);
-
-// The few-row path of the invariant prefill tile (narrow_rows.h) with bfloat16
-// pairs: scores from the keys' words where they lie, value sums from pt2 and vt2
-// as prefill_values_bf16 forms them.
-void narrow_scores_bf16(const uint32_t* qt2, int64_t hs, const c10::BFloat16* const* keys, int64_t rows, float* kt,
-                        float* st) {
-  const float* words[16];
-  for (int j = 0; j < 16; ++j) words[j] = reinterpret_cast<const float*>(keys[j]);
-  narrow_scores_with(reinterpret_cast<const float*>(qt2), hs / 2, words, rows, kt, st, kPairLanes,
-                     [](__m512 s, __m512 q, __m512 k) { return _mm512_dpbf16_ps(s, (__m512bh)q, (__m512bh)k); });
-}
-
-void narrow_values_bf16(float* acc, const uint32_t* pt2, const uint32_t* vt2, int64_t hs, int64_t rows,
-                        int64_t pairs) {
-  narrow_values_with(
-      acc, hs, rows, pairs,
-      [&](int64_t jp, int64_t r) {
-        return _mm512_castsi512_ps(_mm512_set1_epi32(static_cast<int32_t>(pt2[jp * kPairLanes + r])));
-      },
-      [&](int64_t jp, int64_t d) { return _mm512_castsi512_ps(_mm512_loadu_si512(vt2 + jp * hs + d)); },
-      [](__m512 a, __m512 w, __m512 v) { return _mm512_dpbf16_ps(a, (__m512bh)w, (__m512bh)v); });
-}

@@ -36,7 +36,6 @@ constexpr float kMaxSlack = 8.f;  // how far a score may pass its row's running 
 
 inline int64_t pad_keys(int64_t n) { return (n + kKeyPad - 1) / kKeyPad * kKeyPad; }
 constexpr int64_t kLanes = 64;  // lanes of every transposed row: the tile's rows, padded
-constexpr int64_t kNarrowRows = 8;  // with Aligned, tiles of at most this many rows take narrow_rows.h
 
 // st[j][lanes] = qt . key_j for J keys (float32 rows at keys[j]) and RV row vectors.
 template <int RV, int J>
@@ -225,13 +224,8 @@ inline void with_row_vectors(int64_t count, F&& f) {
 }
 
 // The tile of attend_tile (same contract) for one KV head and 16..kLanes rows,
-// head size a multiple of 16. With Aligned its key tiles start at multiples of
-// kKeyTile whatever the tile's first key (a sliding window's start): every lane's
-// arithmetic (its scores down the head dims, its maxima, rescales, exponentials
-// and sums per key tile, masked keys adding exact zeros) then depends on its row
-// alone, not on the other lanes or the tile's extent, so a row gives the same
-// bits in any tile of 1..kLanes rows (the batch-invariant kernel).
-template <typename K, bool Aligned = false>
+// head size a multiple of 16.
+template <typename K>
 void attend_tile_prefill(const Problem& p, const Tile& tile, Scratch& scratch) {
   constexpr float kNegInf = -std::numeric_limits<float>::infinity();
   const TileRows t(p, tile);
@@ -266,13 +260,6 @@ void attend_tile_prefill(const Problem& p, const Tile& tile, Scratch& scratch) {
   if (pairs) std::fill(qt2, zero_words, 0u);
   const K* key_rows[kKeyTile];
   const K* value_rows[kKeyTile];
-  if (Aligned) std::fill(key_rows, key_rows + kKeyTile, zero_row);  // narrow reads keys 16 at a time
-  // Few rows (Aligned only): scores and value sums by narrow_rows.h, its keys
-  // transposed into `narrow_keys` [hs][16], the accumulators row-major (acct[r * hs + d]).
-  const bool narrow = Aligned && rows <= kNarrowRows;
-  std::vector<float>& narrow_buffer = scratch.invariant;
-  if (narrow) narrow_buffer.resize(std::max<size_t>(narrow_buffer.size(), 16 * hs));
-  float* narrow_keys = narrow_buffer.data();
   const bool by_rows = pairs || kInPlace;  // load_key_tile fills key_rows and value_rows
   // The float32 rows the scores and value sums read: the cache's own, or the tiles'.
   const float* tile_key_rows[kKeyTile];
@@ -331,8 +318,7 @@ void attend_tile_prefill(const Problem& p, const Tile& tile, Scratch& scratch) {
   const __m512 max_slack = _mm512_set1_ps(kMaxSlack);
   const bool capped = p.soft_cap > 0.f, has_alibi = p.alibi != nullptr;
 
-  const int64_t first = Aligned ? t.first / kKeyTile * kKeyTile : t.first;  // keys before a lane's window are masked
-  for (int64_t k0 = first; k0 <= t.last; k0 += kKeyTile) {
+  for (int64_t k0 = t.first; k0 <= t.last; k0 += kKeyTile) {
     const int64_t n = std::min<int64_t>(kKeyTile, t.last + 1 - k0);
     // The row vectors some lane of which sees a key of [k0, k0 + n): a contiguous
     // run, positions growing with the lane.
@@ -352,32 +338,19 @@ void attend_tile_prefill(const Problem& p, const Tile& tile, Scratch& scratch) {
       if (pairs) pair_value_rows(value_rows, pad_keys(n) / 2, hs, vt2);
     }
     const int64_t lane0 = 16 * v_lo;
-    if (narrow) {
-      for (int64_t j = 0; j < n; j += 16) {
+    with_row_vectors(v_hi - v_lo, [&](auto count) {
+      constexpr int RV = decltype(count)::value;
+      constexpr int J = kScoreKeys<RV>;
+      for (int64_t j = 0; j < n; j += J) {
         if constexpr (kBf16) {
           if (pairs) {
-            avx512bf16::narrow_scores_bf16(qt2, hs, key_rows + j, rows, narrow_keys, st + j * kLanes);
+            avx512bf16::prefill_scores_bf16<RV, J>(qt2 + lane0, hs, key_rows + j, st + j * kLanes + lane0);
             continue;
           }
         }
-        narrow_scores_with(qt, hs, float_keys + j, rows, narrow_keys, st + j * kLanes, kLanes,
-                           [](__m512 s, __m512 q, __m512 k) { return _mm512_fmadd_ps(q, k, s); });
+        prefill_scores<RV, J>(qt + lane0, hs, float_keys + j, st + j * kLanes + lane0);
       }
-    } else {
-      with_row_vectors(v_hi - v_lo, [&](auto count) {
-        constexpr int RV = decltype(count)::value;
-        constexpr int J = kScoreKeys<RV>;
-        for (int64_t j = 0; j < n; j += J) {
-          if constexpr (kBf16) {
-            if (pairs) {
-              avx512bf16::prefill_scores_bf16<RV, J>(qt2 + lane0, hs, key_rows + j, st + j * kLanes + lane0);
-              continue;
-            }
-          }
-          prefill_scores<RV, J>(qt + lane0, hs, float_keys + j, st + j * kLanes + lane0);
-        }
-      });
-    }
+    });
     for (int64_t v = v_lo; v < v_hi; ++v) {
       const __m512i lane_pos = _mm512_load_si512(pos + 16 * v);
       const __m512i lane_floor = _mm512_sub_epi32(lane_pos, _mm512_set1_epi32(window));  // keys above it are in the window
@@ -436,35 +409,12 @@ void attend_tile_prefill(const Problem& p, const Tile& tile, Scratch& scratch) {
       row_sum[v] = sum;
       row_max[v] = best;
       if (pairs) avx512bf16::probability_pairs(st, pt2, 16 * v, pad_keys(n) / 2);
-      if (narrow) {  // row r's accumulator times its lane's factor, as the lanes do below
-        alignas(64) float factors[16];
-        _mm512_store_ps(factors, factor);
-        for (int64_t r = 0; r < rows; ++r) {
-          if (factors[r] == 1.f) continue;
-          for (int64_t d = 0; d < hs; d += 16) {
-            float* a = acct + r * hs + d;
-            _mm512_storeu_ps(a, _mm512_mul_ps(_mm512_loadu_ps(a), _mm512_set1_ps(factors[r])));
-          }
-        }
-      } else if (_mm512_cmp_ps_mask(factor, _mm512_set1_ps(1.f), _CMP_NEQ_UQ) != 0) {
+      if (_mm512_cmp_ps_mask(factor, _mm512_set1_ps(1.f), _CMP_NEQ_UQ) != 0) {
         for (int64_t d = 0; d < hs; ++d) {
           float* a = acct + d * kLanes + 16 * v;
           _mm512_storeu_ps(a, _mm512_mul_ps(_mm512_loadu_ps(a), factor));
         }
       }
-    }
-    if (narrow) {
-      if constexpr (kBf16) {
-        if (pairs) {
-          avx512bf16::narrow_values_bf16(acct, pt2, vt2, hs, rows, pad_keys(n) / 2);
-          continue;
-        }
-      }
-      narrow_values_with(
-          acct, hs, rows, pad_keys(n), [&](int64_t j, int64_t r) { return _mm512_set1_ps(st[j * kLanes + r]); },
-          [&](int64_t j, int64_t d) { return _mm512_loadu_ps(float_values[j] + d); },
-          [](__m512 a, __m512 w, __m512 v) { return _mm512_fmadd_ps(w, v, a); });
-      continue;
     }
     with_row_vectors(v_hi - v_lo, [&](auto count) {
       constexpr int RV = decltype(count)::value;
@@ -494,10 +444,8 @@ void attend_tile_prefill(const Problem& p, const Tile& tile, Scratch& scratch) {
   alignas(64) float row[1024];
   for (int64_t r = 0; r < rows; ++r) {
     const __m512 scale = _mm512_set1_ps(inv[r]);
-    for (int64_t d = 0; d < hs; d += 16) {  // 16 head dims of row r, kLanes apart in acct (narrow: in a row)
-      const __m512 a = narrow ? _mm512_loadu_ps(acct + r * hs + d)
-                              : _mm512_i32gather_ps(kDownOneLane, acct + d * kLanes + r, 4);
-      _mm512_store_ps(row + d, _mm512_mul_ps(a, scale));
+    for (int64_t d = 0; d < hs; d += 16) {  // 16 head dims of row r, kLanes apart in acct
+      _mm512_store_ps(row + d, _mm512_mul_ps(_mm512_i32gather_ps(kDownOneLane, acct + d * kLanes + r, 4), scale));
     }
     const int64_t offset = (t.q_row0 + t.token_of(r)) * p.o_token_stride + t.head_of(r) * p.o_head_stride;
     switch (p.dtype) {
