@@ -86,7 +86,8 @@ def bench(scenario_names: list[str], *, quick: bool, out: Path, peers: dict[str,
     vocab = json.loads((path / "config.json").read_text())["vocab_size"]
     missing = sorted({"generate", "generate_batch", "vllm", "llama.cpp"} - set(peers))
     if missing:
-        log(f"peers not given, not run: {', '.join(missing)} (--peer NAME=PATH/TO/python)")
+        log(f"peers not given, not run: {', '.join(missing)} (--peer NAME=PATH/TO/python; "
+            "llama.cpp=PATH/TO/llama.cpp/build/bin)")
     off = sorted(name for name, python in peers.items() if python is None)
     if off:
         log(f"peers turned off, not run: {', '.join(off)}")

@@ -180,7 +180,7 @@ def test_cli_writes_json_and_markdown_and_reports_missing_plugin_kinds(tmp_path,
             assert summary["status"] == f"not available: needs a {kind} plugin"
     assert (tmp_path / "report.md").read_text().startswith("# kvforge bench")
     err = capsys.readouterr().err
-    assert "not given, not run: vllm" in err
+    assert "peers not given, not run: llama.cpp, vllm" in err
     for run in results["scenarios"][0]["runs"]:  # draft_model without a draft of this model's vocabulary fails
         if run["status"].startswith("failed"):
             assert f"note: speculative: configuration {run['label']!r} failed" in err
