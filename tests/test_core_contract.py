@@ -75,3 +75,44 @@ def test_kv_views_reads_the_nhd_layout_and_asks_other_layouts_to_say_how():
         assert "override kv_views" in str(exc)
     else:
         raise AssertionError("a backend with its own layout must say how to read it")
+
+
+def _head_major(wrong_write: bool):
+    """A backend keeping its cache `[num_blocks, 2, num_kv_heads, block_size, head_size]`, read
+    through `kv_views`; with `wrong_write`, its write forgets the layout and stores NHD-ordered."""
+    from kvforge.backends.reference import ReferenceAttentionBackend
+
+    class HeadMajor(ReferenceAttentionBackend):
+        kv_layout = "head_major"
+
+        @classmethod
+        def kv_cache_shape(cls, num_blocks, cache):
+            return (num_blocks, 2, cache.num_kv_heads, cache.block_size, cache.head_size)
+
+        def kv_views(self, kv_cache):
+            return kv_cache[:, 0].transpose(1, 2), kv_cache[:, 1].transpose(1, 2)
+
+        def write_kv(self, key, value, kv_cache, slot_mapping):
+            if wrong_write:
+                flat = kv_cache.view(kv_cache.shape[0], 2, kv_cache.shape[3], kv_cache.shape[2], kv_cache.shape[4])
+                super().write_kv(key, value, flat, slot_mapping)
+                return
+            keys, values = self.kv_views(kv_cache)
+            keep = slot_mapping >= 0
+            blocks, offsets = slot_mapping[keep] // keys.shape[1], slot_mapping[keep] % keys.shape[1]
+            keys[blocks, offsets] = key[keep].to(keys.dtype)
+            values[blocks, offsets] = value[keep].to(values.dtype)
+
+    return HeadMajor
+
+
+def test_the_kv_write_check_reads_an_own_layout_through_kv_views_and_catches_a_wrong_write():
+    import types
+
+    from kvforge.conformance.check_attention_kv_write import write_once
+
+    for wrong_write, fails in ((False, False), (True, True)):
+        tgt = types.SimpleNamespace(cls=_head_major(wrong_write), device="cpu")
+        problems = [write_once(tgt, torch.float32, block_size, 32, seed, skipped=1)
+                    for seed, block_size in enumerate((4, 16))]
+        assert any(problems) == fails, problems
