@@ -34,3 +34,17 @@ def save_llama(path, tied: bool):
     torch.manual_seed(0)
     transformers.LlamaForCausalLM(config).save_pretrained(path)
     return path
+
+
+def save_bench_llama(path, *, vocab: int, hidden: int, positions: int):
+    """A one-layer GQA Llama with seeded random weights and the bench's special ids (bos 1,
+    eos 2, pad 0), saved under `path`: the smallest model a `kvforge bench` run accepts."""
+    import transformers
+
+    config = transformers.LlamaConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden,
+                                      num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1,
+                                      max_position_embeddings=positions, bos_token_id=1, eos_token_id=2,
+                                      pad_token_id=0)
+    torch.manual_seed(0)
+    transformers.LlamaForCausalLM(config).save_pretrained(path)
+    return str(path)

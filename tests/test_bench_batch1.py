@@ -16,6 +16,8 @@ import torch
 
 from kvforge.benchmarks import batch1, harness, report
 from kvforge.benchmarks.peers import llama_cpp_peer
+sys.path.insert(0, str(Path(__file__).parent))  # the test-local helpers sit beside this file
+from model_driver import save_bench_llama  # noqa: E402
 
 transformers = pytest.importorskip("transformers")
 
@@ -24,13 +26,7 @@ SAMPLE = Path(__file__).parent / "data" / "llama_bench_sample.json"
 
 @pytest.fixture(scope="module")
 def tiny_model(tmp_path_factory) -> str:
-    config = transformers.LlamaConfig(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-                                      num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=256,
-                                      bos_token_id=1, eos_token_id=2, pad_token_id=0)
-    torch.manual_seed(0)
-    path = tmp_path_factory.mktemp("bench-llama")
-    transformers.LlamaForCausalLM(config).save_pretrained(path)
-    return str(path)
+    return save_bench_llama(tmp_path_factory.mktemp("bench-llama"), vocab=128, hidden=32, positions=256)
 
 
 def test_requests_arrive_one_at_a_time_with_the_prompt_and_decode_lengths():

@@ -15,19 +15,15 @@ import torch
 from kvforge.benchmarks import harness, report, scenarios, work
 from kvforge.benchmarks.scenarios import Run, Scenario, Target
 from kvforge.core import QUANTIZER, SPECULATIVE_PROPOSER, ConfigError, build_registry
+sys.path.insert(0, str(Path(__file__).parent))  # the test-local helpers sit beside this file
+from model_driver import save_bench_llama  # noqa: E402
 
 transformers = pytest.importorskip("transformers")
 
 
 @pytest.fixture(scope="module")
 def tiny_model(tmp_path_factory) -> str:
-    config = transformers.LlamaConfig(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
-                                      num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=128,
-                                      bos_token_id=1, eos_token_id=2, pad_token_id=0)
-    torch.manual_seed(0)
-    path = tmp_path_factory.mktemp("bench-llama")
-    transformers.LlamaForCausalLM(config).save_pretrained(path)
-    return str(path)
+    return save_bench_llama(tmp_path_factory.mktemp("bench-llama"), vocab=64, hidden=16, positions=128)
 
 
 def result(elapsed: float, requests: list[tuple[int, float, float, str | None]], peak=None) -> dict:
