@@ -2,7 +2,7 @@
 
 `scripts/bootstrap.sh` (or `kvforge build-kernels`) compiles `paged_attention.cpp`,
 `int8_linear.cpp`, `int8_dynamic_linear.cpp`, `linear.cpp`, `rms_norm_rotary.cpp`,
-`inverse_cdf.cpp` and `lora.cpp` into one library with `torch.utils.cpp_extension.load`,
+`inverse_cdf.cpp`, `lora.cpp` and `decoder_stack.cpp` into one library with `torch.utils.cpp_extension.load`,
 into a build directory keyed by the torch and Python versions and the sources'
 digest; every later process finds the library there and only loads it (about
 2 s). A process that must build it (no set-up build, or changed sources) says on
@@ -35,10 +35,12 @@ from .build_messages import ESTIMATE, BuildProgress, failure_summary
 NAME = "kvforge_cpp_attention"
 HERE = Path(__file__).resolve().parent
 SOURCES = [HERE / "paged_attention.cpp", HERE / "int8_linear.cpp", HERE / "int8_dynamic_linear.cpp",
-           HERE / "linear.cpp", HERE / "rms_norm_rotary.cpp", HERE / "inverse_cdf.cpp", HERE / "lora.cpp"]
+           HERE / "linear.cpp", HERE / "rms_norm_rotary.cpp", HERE / "inverse_cdf.cpp", HERE / "lora.cpp",
+           HERE / "decoder_stack.cpp"]
 HEADERS = [HERE / "cpu_isa.h", HERE / "vector_kernels.h", HERE / "vector_exp.h", HERE / "attention_tile.h",
            HERE / "decode_tile.h", HERE / "prefill_tile.h", HERE / "prefill_bf16.h", HERE / "quantized_write.h",
            HERE / "int8_linear_tile.h", HERE / "int8_linear_bf16.h", HERE / "bf16_vectors.h",
+           HERE / "decoder_stack_ops.h",
            HERE / "linear_tile.h", HERE / "bf16_linear_dpbf16.h", HERE / "rms_norm_rotary_rows.h",
            HERE / "f32_packed_rows.h", HERE / "int8_rows.h", HERE / "int8_linear_common.h", HERE / "lora_tile.h",
            HERE / "invariant_tile.h"]

@@ -113,6 +113,10 @@ class LlamaForCausalLM(CausalLM):
     qk_norm = False
     tied_keys = ("lm_head.weight",)
     computes_output_rows_only = True
+    # Every layer of a step in one C++ call, set by the loader when the layers allow it
+    # (cpp_decoder_stack.py; `decoder_stack_reason` says why not otherwise).
+    decoder_stack = None
+    decoder_stack_reason: str | None = "not loaded by load_model"
 
     def __init__(self, config: ModelConfig):
         super().__init__(config)
@@ -151,6 +155,9 @@ class LlamaForCausalLM(CausalLM):
                 plan: ModelPlan) -> torch.Tensor:
         x = self.model.embed_tokens(input_ids)
         cos_sin = self.rotary(positions, x.dtype)
+        stack = self.decoder_stack
+        if stack is not None and stack.refusal(plan) is None:
+            return self.model.norm(stack(x, cos_sin, kv_caches, plan))
         last = len(self.model.layers) - 1
         for i, (layer, kv_cache) in enumerate(zip(self.model.layers, kv_caches)):
             x = layer(x, cos_sin, kv_cache, plan.for_last_layer() if i == last else plan)

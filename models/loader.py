@@ -21,6 +21,7 @@ from kvforge.core import FLOAT_DTYPES, AttentionBackend, AttentionLayerSpec, Qua
 from kvforge.core.errors import ConfigError, UnsupportedConfigurationError
 
 from .base import CausalLM, ModelConfig
+from .cpp_decoder_stack import attach_decoder_stack
 from .cpp_linear import cpp_linear_pays, cpp_linear_unavailable, use_cpp_linears
 from .cpp_norms import cpp_norms_unavailable, use_cpp_norms
 from .lora_layers import enable_lora
@@ -220,6 +221,7 @@ def load_model(name_or_path: str | Path, *, dtype: torch.dtype | str = torch.flo
     model.set_kv_quantizer(kv_quantizer)
     if attention_backend is not None:
         model.set_attention_backend(attention_backend)
+    attach_decoder_stack(model, sharded=shard is not None)
     return model
 
 

@@ -1,0 +1,209 @@
+// A Llama-family model's decoder layers for one step, in C++: a torch custom
+// class that holds each layer's weights (registered once at load by
+// models/cpp_decoder_stack.py) and runs every layer of a step in one call.
+//
+//   stack = torch.classes.kvforge_cpp.DecoderStack()
+//   stack.add_layer(tensors, ints, floats)          # once per layer, in order
+//   x = stack.forward(x, cos, sin, kv_caches, plans, slot_mapping, rows, last_plan, batch_invariant)
+//
+// Each layer calls the same C++ functions the per-layer torch ops run
+// (decoder_stack_ops.h) in the same order with the same arguments, so its
+// output is bitwise the per-layer path's; what it saves is the Python and the
+// dispatch around some ten ops per layer. The layer (models/llama.py's
+// LlamaDecoderLayer with C++ linears, RMSNorm, rotary and the cpp attention
+// backend over a float cache):
+//
+//   h = rms_norm(x); qkv = linear(h); q, k = rotary(q, k) (q/k RMSNorm first when set)
+//   write_kv(k, v); a = paged_attention(q[rows])
+//   x = o_proj(a) + x[rows]; h = rms_norm(x); x = down(silu(gate(h)) * up(h)) + x
+//
+// `rows` (the step's output rows, or None) applies to the last layer only:
+// it writes every token's keys and values, then computes those rows alone with
+// `last_plan`'s attention metadata.
+
+#include <ATen/ATen.h>
+#include <torch/custom_class.h>
+#include <torch/library.h>
+
+#include <cstdint>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "decoder_stack_ops.h"
+
+namespace kvforge_cpp {
+
+namespace {
+
+// How a linear layer's weight is held (models/cpp_decoder_stack.py's LINEAR_KINDS).
+enum LinearKind : int64_t {
+  kPacked = 0,      // cpp_linear.CppLinear / CppGateUp: f32_linear or bf16_linear by the weight's dtype
+  kInt8Weight = 1,  // quantized_linear.Int8Linear, activations "none": int8_weight_linear
+  kInt8Dynamic = 2, // quantized_linear.Int8Linear, activations "int8" (W8A8): int8_dynamic_linear
+};
+
+struct Linear {
+  int64_t kind = kPacked, out_features = 0;
+  at::Tensor weight, scale;
+  std::optional<at::Tensor> bias;
+
+  // x W^T + b, then "add" (+ other, a residual) or "silu_mul" (packed gate and up only).
+  at::Tensor operator()(const at::Tensor& x, const char* epilogue = "none",
+                        const std::optional<at::Tensor>& other = std::nullopt) const {
+    if (kind == kPacked) {
+      if (weight.scalar_type() == at::kFloat) return f32_linear(x, weight, out_features, bias, epilogue, other);
+      return bf16_linear(x, weight, out_features, bias, epilogue, other, false);
+    }
+    // Int8Linear: the fused post-ops of the packed layers run as in-place torch ops
+    // (packed_linear.linear_add: `layer(x).add_(other)`).
+    at::Tensor y = kind == kInt8Weight ? int8_weight_linear(x, weight, scale, bias)
+                                       : int8_dynamic_linear(x, weight, scale, bias);
+    if (other.has_value()) y.add_(*other);
+    return y;
+  }
+};
+
+struct Layer {
+  at::Tensor input_norm, post_norm, q_norm, k_norm;
+  double input_eps, post_eps, q_eps, k_eps, scale, soft_cap;
+  int64_t heads, kv_heads, head, window, plan_index;
+  bool qk_norm, fused_gate_up;
+  Linear qkv, o, gate, up, down;  // gate: the packed gate-and-up when fused_gate_up (up unused)
+};
+
+// The step's attention metadata for one layer spec: CppPlan's four int32 tensors.
+struct Meta {
+  const at::Tensor *query_start, *seq_lens, *context_lens, *block_table;
+};
+
+Meta meta_at(const std::vector<at::Tensor>& plans, int64_t index) {
+  TORCH_CHECK(static_cast<int64_t>(plans.size()) >= 4 * (index + 1), "kvforge_cpp.DecoderStack: plans holds ",
+              plans.size(), " tensors, but a layer reads plan ", index, " (4 tensors per layer spec)");
+  return {&plans[4 * index], &plans[4 * index + 1], &plans[4 * index + 2], &plans[4 * index + 3]};
+}
+
+}  // namespace
+
+class DecoderStack : public torch::CustomClassHolder {
+ public:
+  // One layer, appended. tensors: input_norm, post_norm, q_norm, k_norm, then
+  // (weight, bias, scale) of qkv, o, gate (or gate-and-up), up, down: 19
+  // tensors, absent ones any placeholder. ints: heads, kv_heads, head, window
+  // (0: none), qk_norm, plan_index, fused_gate_up, then (kind, out_features,
+  // has_bias) of the five linears: 22. floats: the four RMSNorm eps, the
+  // softmax scale, the logit soft cap (0: none): 6.
+  void add_layer(std::vector<at::Tensor> tensors, std::vector<int64_t> ints, std::vector<double> floats) {
+    const char* op = "kvforge_cpp.DecoderStack.add_layer: ";
+    TORCH_CHECK(tensors.size() == 19 && ints.size() == 22 && floats.size() == 6, op,
+                "expects 19 tensors, 22 ints and 6 floats (see models/cpp_decoder_stack.py), got ", tensors.size(),
+                ", ", ints.size(), " and ", floats.size());
+    Layer l;
+    l.input_norm = tensors[0];
+    l.post_norm = tensors[1];
+    l.q_norm = tensors[2];
+    l.k_norm = tensors[3];
+    l.heads = ints[0];
+    l.kv_heads = ints[1];
+    l.head = ints[2];
+    l.window = ints[3];
+    l.qk_norm = ints[4] != 0;
+    l.plan_index = ints[5];
+    l.fused_gate_up = ints[6] != 0;
+    Linear* linears[] = {&l.qkv, &l.o, &l.gate, &l.up, &l.down};
+    for (int i = 0; i < 5; ++i) {
+      Linear& lin = *linears[i];
+      lin.kind = ints[7 + 3 * i];
+      lin.out_features = ints[8 + 3 * i];
+      TORCH_CHECK(lin.kind >= kPacked && lin.kind <= kInt8Dynamic, op, "linear kind must be 0 (packed), 1 (int8 "
+                  "weight-only) or 2 (W8A8), got ", lin.kind);
+      lin.weight = tensors[4 + 3 * i];
+      if (ints[9 + 3 * i] != 0) lin.bias = tensors[5 + 3 * i];
+      lin.scale = tensors[6 + 3 * i];
+    }
+    l.input_eps = floats[0];
+    l.post_eps = floats[1];
+    l.q_eps = floats[2];
+    l.k_eps = floats[3];
+    l.scale = floats[4];
+    l.soft_cap = floats[5];
+    layers_.push_back(std::move(l));
+  }
+
+  int64_t num_layers() const { return static_cast<int64_t>(layers_.size()); }
+
+  // Every layer on `x` [tokens, hidden]; the hidden states after the last one
+  // ([rows, hidden] with `rows`). cos, sin: float32 [tokens, head / 2] (cpp
+  // rotary tables); kv_caches: one float cache per layer; plans: 4 tensors per
+  // layer spec (a layer reads those of its plan_index); slot_mapping: int64;
+  // last_plan: the 4 tensors of the last layer's rows (empty when rows is empty).
+  at::Tensor forward(at::Tensor x, at::Tensor cos, at::Tensor sin, std::vector<at::Tensor> kv_caches,
+                     std::vector<at::Tensor> plans, at::Tensor slot_mapping, std::optional<at::Tensor> rows,
+                     std::vector<at::Tensor> last_plan, bool batch_invariant) {
+    TORCH_CHECK(kv_caches.size() == layers_.size(), "kvforge_cpp.DecoderStack.forward: ", kv_caches.size(),
+                " KV caches for ", layers_.size(), " layers");
+    const int64_t last = num_layers() - 1;
+    for (int64_t i = 0; i <= last; ++i) {
+      const bool select = i == last && rows.has_value();
+      x = run_layer(layers_[i], x, cos, sin, kv_caches[i],
+                    select && !last_plan.empty() ? meta_at(last_plan, 0) : meta_at(plans, layers_[i].plan_index),
+                    slot_mapping, select ? rows : std::nullopt, batch_invariant);
+    }
+    return x;
+  }
+
+ private:
+  static at::Tensor run_layer(const Layer& l, const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin,
+                              const at::Tensor& kv_cache, const Meta& meta, const at::Tensor& slot_mapping,
+                              const std::optional<at::Tensor>& rows, bool batch_invariant) {
+    const int64_t tokens = x.size(0), h = l.heads, kvh = l.kv_heads;
+    // Attention (LlamaAttention.forward)
+    const at::Tensor qkv = l.qkv(rms_norm(x, l.input_norm, l.input_eps)).view({tokens, h + 2 * kvh, l.head});
+    const at::Tensor v = qkv.slice(1, h + kvh);
+    at::Tensor q, k;
+    if (l.qk_norm) {
+      q = rotary(rms_norm(qkv.slice(1, 0, h), l.q_norm, l.q_eps), cos, sin);
+      k = rotary(rms_norm(qkv.slice(1, h, h + kvh), l.k_norm, l.k_eps), cos, sin);
+    } else {  // q and k side by side: one rotation for both
+      const at::Tensor qk = rotary(qkv.slice(1, 0, h + kvh), cos, sin);
+      q = qk.slice(1, 0, h);
+      k = qk.slice(1, h, h + kvh);
+    }
+    // PagedAttention.forward and CppAttentionBackend.write_kv / attend (float cache)
+    write_kv(k, v, kv_cache, slot_mapping);
+    at::Tensor attended;
+    if (rows.has_value() && rows->numel() == 0) {  // a step that samples nothing: the write was all
+      attended = q.slice(0, 0, 0);
+    } else {
+      at::Tensor query = rows.has_value() ? q.index({*rows}) : q;
+      if (query.stride(-1) != 1) query = query.contiguous();
+      attended = at::empty_like(query);
+      paged_attention(query, kv_cache, *meta.query_start, *meta.seq_lens, *meta.context_lens, *meta.block_table,
+                      l.scale, l.window, l.soft_cap, std::nullopt, attended, std::nullopt, batch_invariant);
+    }
+    const at::Tensor residual = rows.has_value() ? x.index({*rows}) : x;
+    const at::Tensor y = l.o(attended.reshape({attended.size(0), h * l.head}), "add", residual);
+    // MLP (LlamaMLP.forward)
+    const at::Tensor hn = rms_norm(y, l.post_norm, l.post_eps);
+    at::Tensor gated;
+    if (l.fused_gate_up) {
+      gated = l.gate(hn, "silu_mul");
+    } else {  // packed_linear.linear_mul(up, x, linear_act(gate, x, "silu")): up(x).mul_(silu(gate(x)))
+      const at::Tensor activated = at::silu(l.gate(hn));
+      gated = l.up(hn).mul_(activated);
+    }
+    return l.down(gated, "add", y);
+  }
+
+  std::vector<Layer> layers_;
+};
+
+TORCH_LIBRARY_FRAGMENT(kvforge_cpp, m) {
+  m.class_<DecoderStack>("DecoderStack")
+      .def(torch::init<>())
+      .def("add_layer", &DecoderStack::add_layer)
+      .def("num_layers", &DecoderStack::num_layers)
+      .def("forward", &DecoderStack::forward);
+}
+
+}  // namespace kvforge_cpp
