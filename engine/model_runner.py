@@ -17,6 +17,7 @@ import torch
 
 from kvforge.core import AttentionBatch
 
+from .decode_inputs import DecodeInputs, is_pure_decode
 from .request import token_slice
 from .scheduler_output import ScheduledRequest
 
@@ -30,15 +31,23 @@ class ModelRunner:
         self.kv_caches = kv_caches
         self.block_size = block_size
         self.device = torch.device(device)
+        self.decode_inputs = DecodeInputs(block_size)  # pure-decode steps' inputs, in buffers kept across steps
 
     def build_batch(self, scheduled: Sequence[ScheduledRequest]) -> tuple[torch.Tensor, torch.Tensor, AttentionBatch]:
         """`(input_ids, positions, batch)` for the scheduled requests, in order.
 
-        Per-request figures are gathered in one pass over the requests and turned
-        into tensors once; only token-level arrays (positions, slots) of a step that
-        prefills are computed with tensor ops. A step of pure decodes (one token
-        per request, the common case) needs no token-level op at all: each
-        request's one position and slot come from that pass."""
+        A step of pure decodes (one known token per request, the common case) is
+        written into buffers kept across steps (`DecodeInputs`): no tensor is made,
+        and the tensors returned are valid until the next call. Any other step
+        gathers per-request figures in one pass and computes the token-level
+        arrays (positions, slots) with tensor ops (`general_batch`)."""
+        if is_pure_decode(scheduled):
+            tables = self.kv.live_block_tables([entry.request.request_id for entry in scheduled])
+            return self.decode_inputs.build(scheduled, tables, self.device)
+        return self.general_batch(scheduled)
+
+    def general_batch(self, scheduled: Sequence[ScheduledRequest]) -> tuple[torch.Tensor, torch.Tensor, AttentionBatch]:
+        """`build_batch` for any step, in fresh tensors."""
         tokens: list[int] = []
         starts: list[int] = []
         lens: list[int] = []
@@ -54,22 +63,15 @@ class ModelRunner:
         block_table = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32)
         max_query_len = max(lens)
         context_lens = torch.tensor(starts, dtype=torch.int32)
-        if max_query_len == 1:
-            positions = context_lens.long()
-            query_start_loc = torch.arange(len(lens) + 1, dtype=torch.int32)
-            seq_lens = context_lens + 1
-            slot_mapping = torch.tensor([t[s // size] * size + s % size for t, s in zip(tables, starts)],
-                                        dtype=torch.int64)
-        else:
-            query_lens = torch.tensor(lens, dtype=torch.int64)
-            query_start_loc = torch.zeros(len(lens) + 1, dtype=torch.int32)
-            torch.cumsum(query_lens, 0, out=query_start_loc[1:])
-            seq_lens = context_lens + query_lens.int()
-            seq_of_token = torch.repeat_interleave(query_lens)
-            # A token's position: its index in the flat batch, shifted by its sequence's (context - start).
-            shift = context_lens.long() - query_start_loc[:-1].long()
-            positions = torch.arange(len(tokens)) + shift[seq_of_token]
-            slot_mapping = block_table[seq_of_token, positions // size].long() * size + positions % size
+        query_lens = torch.tensor(lens, dtype=torch.int64)
+        query_start_loc = torch.zeros(len(lens) + 1, dtype=torch.int32)
+        torch.cumsum(query_lens, 0, out=query_start_loc[1:])
+        seq_lens = context_lens + query_lens.int()
+        seq_of_token = torch.repeat_interleave(query_lens)
+        # A token's position: its index in the flat batch, shifted by its sequence's (context - start).
+        shift = context_lens.long() - query_start_loc[:-1].long()
+        positions = torch.arange(len(tokens)) + shift[seq_of_token]
+        slot_mapping = block_table[seq_of_token, positions // size].long() * size + positions % size
         device = self.device
         batch = AttentionBatch(
             query_start_loc=query_start_loc.to(device),

@@ -67,8 +67,17 @@ class Sampler:
     def sample(self, logits: torch.Tensor, requests: Sequence[Request], mask=None) -> SamplerOutput:
         """`logits` float32 `[N, vocab]`, row `i` belonging to `requests[i]`; `mask`, if
         given, edits the processed logits in place (the grammars' bitmasks)."""
-        raw = logits
-        logits = processed_logits(logits, requests, mask)
+        output = SamplerOutput(token_ids=self.draw(processed_logits(logits, requests, mask), requests))
+        wanted = [r.params.logprobs for r in requests if r.params.logprobs is not None]
+        if wanted:
+            output.sampled_logprobs, output.top_ids, output.top_logprobs = raw_logprobs(logits, output.token_ids,
+                                                                                        max(wanted))
+        return output
+
+    def draw(self, logits: torch.Tensor, requests: Sequence[Request]) -> torch.Tensor:
+        """int64 `[N]`: each row's token from `processed_logits` (rows needing no
+        processing may be passed as they are): the argmax of greedy rows, a draw
+        from `sampling_probs` for the others."""
         params = [r.params for r in requests]
         device = logits.device
         greedy_rows = [p.greedy for p in params]
@@ -83,11 +92,7 @@ class Sampler:
                 token_ids = sampled
             else:
                 token_ids = torch.where(torch.tensor(greedy_rows, device=device), token_ids, sampled)
-        output = SamplerOutput(token_ids=token_ids)
-        wanted = [p.logprobs for p in params if p.logprobs is not None]
-        if wanted:
-            output.sampled_logprobs, output.top_ids, output.top_logprobs = raw_logprobs(raw, token_ids, max(wanted))
-        return output
+        return token_ids
 
 
 def processed_logits(logits: torch.Tensor, requests: Sequence[Request], mask=None) -> torch.Tensor:
@@ -145,9 +150,13 @@ def uniforms(requests: Sequence[Request], generator: torch.Generator, device: to
     seeded row from its own (CPU) generator (a loop over requests, not tokens)."""
     u = torch.rand(len(requests), generator=generator, device=device, dtype=torch.float64)
     seeded = [(row, r.generator) for row, r in enumerate(requests) if r.generator is not None and not r.params.greedy]
-    if seeded:
-        own = torch.cat([torch.rand(1, generator=g, dtype=torch.float64) for _, g in seeded])
-        u[[row for row, _ in seeded]] = own.to(device)
+    if not seeded:
+        return u
+    own = [torch.rand(1, generator=g, dtype=torch.float64) for _, g in seeded]
+    own = own[0] if len(own) == 1 else torch.cat(own)
+    if len(seeded) == len(requests):  # every row draws its own (the batched draw above still advances the stream)
+        return own.to(device)
+    u[[row for row, _ in seeded]] = own.to(device)
     return u
 
 

@@ -38,6 +38,12 @@ class StepSampler:
     def sample(self, plan: SchedulerOutput, logits: torch.Tensor) -> SamplerOutput:
         """The tokens every sampling request (and every sample forked this step)
         emits, and the requests whose logits are not finite."""
+        requests = plain_requests(plan.scheduled, logits)
+        # One reduction finds any NaN or infinity (a finite sum that overflows only sends
+        # the step to the exact per-row check of `split_non_finite`).
+        if requests is not None and math.isfinite(float(logits.sum())):
+            tokens = self.sampler.draw(logits, requests).tolist()
+            return SamplerOutput({r.request_id: SampledTokens([t]) for r, t in zip(requests, tokens)})
         entries, logits, non_finite = split_non_finite(plan.scheduled, logits)
         return SamplerOutput(self._sample(entries, logits), non_finite)
 
@@ -116,6 +122,24 @@ class StepSampler:
         if self.structured_outputs is None or all(r.grammar is None for r in requests):
             return None
         return lambda logits: self.structured_outputs.mask(logits, requests, drafts)
+
+
+def plain_requests(entries: list[ScheduledRequest], logits: torch.Tensor) -> list[Request] | None:
+    """The requests of a step whose every entry samples one row of `logits`, in order,
+    that needs no processing (`processed_logits` would return it unchanged) and no
+    logprobs: no drafts, forks, grammar, penalties, logit bias or `min_tokens` still
+    to reach. None when any entry is not so (the step takes the general path)."""
+    if logits.shape[0] != len(entries) or logits.dtype != torch.float32:
+        return None
+    requests = []
+    for entry in entries:
+        request, params = entry.request, entry.request.params
+        if (entry.draft_token_ids or entry.forks or not entry.samples or request.logprobs is not None
+                or request.grammar is not None or params.uses_penalties or params.logit_bias
+                or len(request.output_token_ids) < params.min_tokens):
+            return None
+        requests.append(request)
+    return requests
 
 
 def split_non_finite(entries: list[ScheduledRequest],
