@@ -95,6 +95,7 @@ class AcceptanceTracker:
         self.engine = RequestAcceptance()  # every request's outcomes, fading slower: the prior of each
         self.engine_decay = engine_decay
         self.changes = 0  # proposals scored so far: estimates change only when it grows
+        self.waiting: dict[str, Request] = {}  # requests with proposals not scored yet
         self._prior: list[float] | None = None  # the engine's rates, refreshed every PRIOR_REFRESH scores
         self._prior_version = 0
 
@@ -116,12 +117,29 @@ class AcceptanceTracker:
             state = self.requests[request_id] = RequestAcceptance()
         return state
 
-    def propose(self, request_id: str, start: int, token_ids: Sequence[int], fresh: bool = False) -> None:
-        """Remember a proposal made when the request had `start` tokens, to score it
-        later; a `fresh` one's outcome replaces what was counted before (evidence from
-        before a long pause says little about the text now)."""
+    def propose(self, request: Request, token_ids: Sequence[int], fresh: bool = False) -> None:
+        """Remember a proposal for `request` made now (at its current length), to score
+        it later; a `fresh` one's outcome replaces what was counted before (evidence
+        from before a long pause says little about the text now)."""
         if token_ids:
-            self.of(request_id).pending.append(_Pending(start, list(token_ids), fresh))
+            self.of(request.request_id).pending.append(_Pending(request.num_tokens, list(token_ids), fresh))
+            self.waiting[request.request_id] = request
+
+    def score_pending(self) -> list[tuple[RequestAcceptance, str]]:
+        """Score every request with proposals pending (`score`); the states that
+        counted an outcome, with their request ids. Requests without pending
+        proposals cost nothing here."""
+        counted = []
+        for request_id, request in list(self.waiting.items()):
+            state = self.requests.get(request_id)
+            before = -1 if state is None else state.counted
+            self.score(request)
+            state = self.requests.get(request_id)
+            if state is None or not state.pending:
+                del self.waiting[request_id]
+            if state is not None and state.counted != before:
+                counted.append((state, request_id))
+        return counted
 
     def score(self, request: Request) -> None:
         """Score the request's pending proposals against its tokens now; those not
@@ -152,3 +170,4 @@ class AcceptanceTracker:
 
     def release(self, request_id: str) -> None:
         self.requests.pop(request_id, None)
+        self.waiting.pop(request_id, None)

@@ -1,39 +1,49 @@
 """What a step with drafts costs, measured as the engine runs, and how many drafts pay.
 
-`StepCostModel` fits the seconds of pure-decode steps (every request one known
-token plus its drafts) as
+`StepCostModel` keeps, per batch-size bucket (1, 2-3, 4-7, ..., 32-63, ...), a
+window of its most recent pure-decode steps (every request one known token plus
+its drafts), timed from proposing to the applied result (the forward, the
+verification and a draft model's run when it is timed inside the step):
 
-    seconds = fixed + per_request * requests + per_draft * drafts + verify * (drafts > 0)
+* plain steps (no drafts): the median of the last few is what a step costs
+  now (`base`);
+* steps with drafts, each kept as its *ratio* to the plain median of the
+  moment: a load that slows every step alike leaves the ratios unchanged, so
+  what drafts cost relative to a plain step holds while the load swings.
 
-by least squares over recent steps (timed by `step_clock`; a step slower than 1.5 times the fit's
-expectation counts as that: other work on the machine stalls steps now and then,
-and least squares would chase the stalls): `verify` is what a step pays once for
-verifying any drafts at all (the rejection sampler, the multi-token attention
-path), `per_draft` what each draft row adds (its forward, and a draft model's
-run when it is timed inside the step). Steps without drafts and steps with them
-are kept in two separately decayed sums, each fading only as new steps of its
-own kind arrive: a long stretch without drafts does not forget what drafts
-cost. Being measured on the running engine, it holds for any machine and model.
+From the ratios it estimates `ratio(D) = 1 + verify + per_draft · D` robustly:
+a first line through the medians of the steps with fewer and with more drafts
+than the window's median count marks the steps far off it (stalled by other
+work on the machine), and a least-squares line through the rest is the
+estimate; when every step kept verified the same number of drafts (no slope to
+see), all of the extra is charged to `verify`, which overstates what fewer
+drafts cost rather than understating it. Buckets are kept apart because a
+draft's relative cost depends on the batch (at batch 1 a verify step reads the
+weights once for several tokens; at 32 decode is compute-bound and each draft
+is another row). Being measured on the running engine, it holds for any
+machine, model and proposer.
 
 `best_draft_counts` picks how many drafts each request verifies to maximise
 expected tokens per second of the step, given each request's expected gain per
-draft (`draft_acceptance`).
+draft (`draft_acceptance`); `may_pay` says, from the largest gain alone, whether
+any drafts could, so that a batch where none can skips the choice.
 """
 
 from __future__ import annotations
 
+import time
+from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass
+from statistics import median
 
-import time
-
-import numpy as np
 import torch
 
-DECAY = 0.995  # per step of the same kind: about the last 200 steps of each kind count (steps are noisy)
-MIN_WEIGHT = 2.0  # steps of each kind (decayed) before the fit is trusted
-OUTLIER = 1.5
-REFIT_EVERY = 8  # steps between solving the fit again (it moves slowly; solving costs tens of µs)
+WINDOW = 32  # steps with drafts kept per bucket
+PLAIN_WINDOW = 9  # plain steps kept per bucket: a short window, so the base follows the load within a few
+MIN_PLAIN = 3  # plain steps in a bucket before its base is trusted
+MIN_DRAFTED = 4  # steps with drafts in a bucket before their cost is trusted
+REFIT_EVERY = 8  # steps of a bucket between estimates (one costs tens of µs)
 
 
 def step_clock(device: torch.device):
@@ -44,9 +54,9 @@ def step_clock(device: torch.device):
     return time.process_time if torch.device(device).type == "cpu" else time.perf_counter
 
 
-def _outer(x: Sequence[float]) -> list[float]:
-    """x xᵀ, flattened row by row."""
-    return [a * b for a in x for b in x]
+def batch_bucket(num_requests: int) -> int:
+    """The bucket of a batch size: 1, 2-3, 4-7, ... share one each."""
+    return max(1, num_requests).bit_length()
 
 
 @dataclass(frozen=True)
@@ -62,62 +72,107 @@ class StepCosts:
         return self.base + (self.verify + self.per_draft * num_drafts if num_drafts else 0.0)
 
 
+def ratio_fit(drafted: Sequence[tuple[int, float]]) -> tuple[float, float]:
+    """`(verify, per_draft)` of `ratio = 1 + verify + per_draft · drafts` over steps
+    `(drafts, ratio)`: a first fit by medians (module docstring) tells the stalled
+    steps apart (off it by more than 3 times the median miss), a least-squares line
+    through the others is the answer; both at least 0."""
+    verify, per_draft = _median_fit(drafted)
+    misses = [r - 1.0 - verify - per_draft * d for d, r in drafted]
+    spread = 3 * median(abs(m) for m in misses) + 1e-3
+    kept = [(d, r) for (d, r), m in zip(drafted, misses) if abs(m) <= spread]
+    n = len(kept)
+    mean_d, mean_r = sum(d for d, _ in kept) / n, sum(r for _, r in kept) / n
+    var_d = sum((d - mean_d) ** 2 for d, _ in kept)
+    if var_d <= 0:
+        return max(0.0, mean_r - 1.0), 0.0  # one draft count only: all of it to verify
+    per_draft = max(0.0, sum((d - mean_d) * (r - mean_r) for d, r in kept) / var_d)
+    return max(0.0, mean_r - 1.0 - per_draft * mean_d), per_draft
+
+
+def _median_fit(drafted: Sequence[tuple[int, float]]) -> tuple[float, float]:
+    """The slope between the medians of the steps with fewer and with more drafts than
+    the median count (none: 0), and the median intercept."""
+    counts = sorted(d for d, _ in drafted)
+    middle = counts[len(counts) // 2]
+    if middle == counts[0]:  # at least half drafted the fewest: split there
+        low = [(d, r) for d, r in drafted if d == middle]
+        high = [(d, r) for d, r in drafted if d > middle]
+    else:
+        low = [(d, r) for d, r in drafted if d < middle]
+        high = [(d, r) for d, r in drafted if d >= middle]
+    per_draft = 0.0
+    if high:
+        run = median(d for d, _ in high) - median(d for d, _ in low)
+        per_draft = max(0.0, (median(r for _, r in high) - median(r for _, r in low)) / run)
+    verify = max(0.0, median(r - 1.0 - per_draft * d for d, r in drafted))
+    return verify, per_draft
+
+
+class _Bucket:
+    def __init__(self):
+        self.plain: deque[float] = deque(maxlen=PLAIN_WINDOW)
+        self.drafted: deque[tuple[int, float]] = deque(maxlen=WINDOW)  # (drafts, ratio to the plain median)
+        self.base = 0.0  # the plain median, kept current as plain steps arrive
+        self.costs: StepCosts | None = None
+        self.since_fit = 0
+
+
 class StepCostModel:
-    """Online least-squares fit of decode-step seconds to requests and drafts."""
+    """Per batch bucket: recent plain steps' median, and what drafts cost relative to it."""
 
-    def __init__(self, decay: float = DECAY):
-        self.decay = decay
-        # [without drafts, with drafts]: decayed sums of x xᵀ (flat, 16 entries), of
-        # x · seconds and of weights; plain floats, since a step's update must cost µs
-        self.gram = [[0.0] * 16 for _ in range(2)]
-        self.moment = [[0.0] * 4 for _ in range(2)]
-        self.weight = [0.0, 0.0]
-        self._fit: list[float] | None = None
-        self._since_fit = 0
-        self.fits = 0  # how many times the fit was solved: a changed fit may change the best drafts
+    def __init__(self):
+        self.buckets: dict[int, _Bucket] = {}
+        self.fits = 0  # estimates made so far: a changed estimate may change the best drafts
 
-    @property
-    def ready(self) -> bool:
-        """Whether enough steps of both kinds were seen to tell what drafts cost."""
-        return min(self.weight) >= MIN_WEIGHT
+    def _bucket(self, num_requests: int) -> _Bucket:
+        key = batch_bucket(num_requests)
+        bucket = self.buckets.get(key)
+        if bucket is None:
+            bucket = self.buckets[key] = _Bucket()
+        return bucket
 
-    def needs_steps_without_drafts(self) -> bool:
-        return self.weight[0] < MIN_WEIGHT
+    def ready(self, num_requests: int) -> bool:
+        """Whether enough steps of both kinds were seen at this batch to tell what drafts cost."""
+        bucket = self.buckets.get(batch_bucket(num_requests))
+        return bucket is not None and len(bucket.plain) >= MIN_PLAIN and len(bucket.drafted) >= MIN_DRAFTED
+
+    def needs_steps_without_drafts(self, num_requests: int) -> bool:
+        bucket = self.buckets.get(batch_bucket(num_requests))
+        return bucket is None or len(bucket.plain) < MIN_PLAIN
 
     def observe(self, num_requests: int, num_drafts: int, seconds: float) -> None:
         """One pure-decode step's measured seconds."""
-        kind = 1 if num_drafts else 0
-        x = (1.0, float(num_requests), float(num_drafts), float(kind))
-        if self.weight[kind] >= 1:
-            # A loaded machine stalls some steps many times over; least squares would chase
-            # them, so a step counts as at most OUTLIER times what the fit expects.
-            expected = sum(c * v for c, v in zip(self.coefficients(), x))
-            seconds = min(seconds, OUTLIER * max(expected, 1e-9))
-        decay = self.decay
-        self.gram[kind] = [g * decay + p for g, p in zip(self.gram[kind], _outer(x))]
-        self.moment[kind] = [m * decay + a * seconds for m, a in zip(self.moment[kind], x)]
-        self.weight[kind] = self.weight[kind] * self.decay + 1.0
-        self._since_fit += 1
-        if self._fit is None or self._since_fit >= REFIT_EVERY or not self.ready:
-            self._fit = None
-
-    def coefficients(self) -> list[float]:
-        """`[fixed, per_request, per_draft, verify]` seconds (a faint ridge settles the
-        directions the steps seen do not: e.g. always one request)."""
-        if self._fit is None:
-            gram = (np.array(self.gram[0]) + np.array(self.gram[1])).reshape(4, 4)
-            ridge = 1e-6 * float(np.trace(gram)) / 4 + 1e-12
-            self._fit = np.linalg.solve(gram + ridge * np.eye(4),
-                                        np.array(self.moment[0]) + np.array(self.moment[1])).tolist()
-            self._since_fit = 0
-            self.fits += 1
-        return self._fit
+        bucket = self._bucket(num_requests)
+        if num_drafts:
+            if not bucket.plain:
+                return  # nothing to compare it with yet
+            bucket.drafted.append((num_drafts, seconds / bucket.base))
+        else:
+            bucket.plain.append(seconds)
+            bucket.base = max(median(bucket.plain), 1e-9)
+        bucket.since_fit += 1
+        if bucket.since_fit >= REFIT_EVERY:
+            bucket.costs = None
 
     def costs(self, num_requests: int) -> StepCosts:
-        fixed, per_request, per_draft, verify = self.coefficients()
-        base = fixed + per_request * num_requests
-        floor = 1e-9  # a fit on noisy steps may dip below zero; no step is free
-        return StepCosts(max(base, floor), max(per_draft, 0.0), max(verify, 0.0))
+        """The costs at this batch (`ready` must hold): the plain median and the
+        fitted ratios, estimated again every `REFIT_EVERY` steps of the bucket."""
+        bucket = self._bucket(num_requests)
+        if bucket.costs is None:
+            verify, per_draft = ratio_fit(bucket.drafted)
+            bucket.costs = StepCosts(bucket.base, per_draft * bucket.base, verify * bucket.base)
+            bucket.since_fit = 0
+            self.fits += 1
+        return bucket.costs
+
+
+def may_pay(max_gain: float, num_positions: int, num_requests: int, costs: StepCosts) -> bool:
+    """Whether any drafts could raise tokens per second, knowing only the largest
+    gain of any draft and how many draft positions there are: n drafts add at most
+    n · max_gain tokens to `num_requests` for `verify + n · per_draft` seconds more."""
+    margin = max_gain * costs.base - num_requests * costs.per_draft
+    return margin > 0 and num_positions * margin > num_requests * costs.verify
 
 
 def best_draft_counts(gains: Sequence[Sequence[float]], costs: StepCosts) -> list[int]:

@@ -5,14 +5,18 @@ Adaptive drafting, each step:
 
 1. every request that may draft has its expected gain per draft position from
    its own recent proposals (`draft_acceptance`);
-2. the engine's measured step costs (`draft_costs.StepCostModel`, fitted to the
-   seconds of the pure-decode steps it ran) say what the step costs with D drafts;
-3. `best_draft_counts` picks the drafts that maximise expected tokens per second,
-   which may be none for some requests, or for all.
+2. the engine's measured step costs at this batch size (`draft_costs.StepCostModel`:
+   the median plain step and what drafts cost relative to it) say what the step
+   costs with D drafts;
+3. if even the largest gain could not pay for a draft (`may_pay`), nobody drafts
+   (the common case on unpredictable text, decided without the full choice);
+   otherwise `best_draft_counts` picks the drafts that maximise expected tokens
+   per second, which may be none for some requests, or for all.
 
-While the cost fit lacks steps without drafts (a new engine speculates on every
-step), one step in `WARMUP_EVERY` drafts nothing, so the fit learns what a plain
-step costs; until it has both kinds, requests draft as many as allowed.
+While the cost model lacks steps at this batch size (a new engine, or a batch
+size not seen yet), requests draft as many as allowed, except that one step in
+`WARM_UP_CYCLE` drafts nothing until plain steps are known and another drafts
+half as many, so the model sees how the cost grows with the drafts.
 
 A request that drafts nothing must be able to start again when its text becomes
 predictable, so it keeps being *probed*, at waits that double while drafting
@@ -26,7 +30,10 @@ unverified drafts would have been accepted):
   up to `PROBE_AFTER_MAX` steps it verifies a full draft once, whose outcome
   replaces the request's old estimate.
 
-A request's first step probes at once, so it has evidence of its own from the start.
+The waits are kept on the engine's step count (a wait of w falls on multiples of
+w, of `SHADOW_AFTER_MAX` past it), so requests that draft nothing are asked on
+the same few steps and the steps between cost nothing for them. A request's
+first step asks at once, so it has evidence of its own from the start.
 
 A seeded sampled request (`SamplingParams.seed`) drafts as under `fixed`: its
 random draws depend on how many drafts it verifies, and counts chosen from
@@ -39,11 +46,11 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from .draft_acceptance import AcceptanceTracker
-from .draft_costs import StepCostModel, best_draft_counts
+from .draft_costs import StepCostModel, best_draft_counts, may_pay
 from .request import Request
 
 DRAFT_POLICIES = ("adaptive", "fixed")
-WARMUP_EVERY = 4
+WARM_UP_CYCLE = 4  # while costs are unknown: a plain step (until known), full, half, full
 SHADOW_AFTER_MAX = 8
 PROBE_AFTER = 8
 PROBE_AFTER_MAX = 128
@@ -75,11 +82,8 @@ class AdaptiveDraftPolicy:
         """Drafts each request verifies this step (at most its limit), and whether the
         proposer is asked for it (also to score drafts nobody verifies, or to probe)."""
         self.probing = set()
-        if not self.costs.ready:
-            if self.costs.needs_steps_without_drafts() and self.step % WARMUP_EVERY == WARMUP_EVERY - 1:
-                counts, asks = [0] * len(requests), [self.cheap_proposer] * len(requests)
-            else:
-                counts, asks = list(limits), [True] * len(requests)
+        if not self.costs.ready(len(requests)):
+            counts, asks = self._warm_up(len(requests), limits)
         else:
             counts = self._best_counts(requests, limits)
             asks = []
@@ -96,28 +100,42 @@ class AdaptiveDraftPolicy:
                 counts[i], asks[i] = limits[i], True
         return counts, asks
 
+    def _warm_up(self, num_requests: int, limits: Sequence[int]) -> tuple[list[int], list[bool]]:
+        """Counts that show the cost model plain steps, full drafts and half drafts."""
+        phase = self.step % WARM_UP_CYCLE
+        if phase == 0 and self.costs.needs_steps_without_drafts(num_requests):
+            return [0] * num_requests, [False] * num_requests
+        if phase == 2:
+            return [max(1, limit // 2) for limit in limits], [True] * num_requests
+        return list(limits), [True] * num_requests
+
     @property
     def _shortest_wait(self) -> int:
         return 1 if self.cheap_proposer else PROBE_AFTER
 
     def _best_counts(self, requests: Sequence[Request], limits: Sequence[int]) -> list[int]:
         """`best_draft_counts` for these requests; the last answer again while neither the
-        requests, nor their limits, nor any estimate changed (most steps: it costs tens of µs)."""
+        requests, nor their limits, nor any estimate changed."""
         key = (tuple(r.request_id for r in requests), tuple(limits), self.acceptance.changes, self.costs.fits)
         if key != self._last_key:
+            costs = self.costs.costs(len(requests))
             gains = [self.acceptance.gains(r.request_id, limit) for r, limit in zip(requests, limits)]
-            self._last_key, self._last_counts = key, best_draft_counts(gains, self.costs.costs(len(requests)))
+            if may_pay(max((row[0] for row in gains if row), default=0.0), sum(limits), len(requests), costs):
+                counts = best_draft_counts(gains, costs)
+            else:
+                counts = [0] * len(requests)
+            self._last_key, self._last_counts = key, counts
         return list(self._last_counts)
 
     def _ask(self, request_id: str, count: int) -> bool:
-        shortest = self._shortest_wait
         pause = self.pauses.get(request_id)
-        if pause is None:
-            pause = self.pauses[request_id] = _Pause(self.step - shortest, shortest)
-        if count:
-            pause.last_asked, pause.wait = self.step, shortest
+        if pause is None:  # its first step: ask at once
+            self.pauses[request_id] = _Pause(self.step, self._shortest_wait)
             return True
-        if self.step - pause.last_asked < pause.wait:
+        if count:
+            pause.last_asked, pause.wait = self.step, self._shortest_wait
+            return True
+        if self.step - pause.last_asked < pause.wait or self.step % min(pause.wait, SHADOW_AFTER_MAX):
             return False
         pause.last_asked = self.step
         pause.wait = min(2 * pause.wait, SHADOW_AFTER_MAX if self.cheap_proposer else PROBE_AFTER_MAX)
@@ -125,20 +143,18 @@ class AdaptiveDraftPolicy:
 
     def proposed(self, request: Request, token_ids: Sequence[int]) -> None:
         """The proposer's drafts for `request` this step (all it proposed, verified or not)."""
-        self.acceptance.propose(request.request_id, request.num_tokens, token_ids,
-                                fresh=request.request_id in self.probing)
+        self.acceptance.propose(request, token_ids, fresh=request.request_id in self.probing)
 
-    def observe(self, requests: Sequence[Request], num_drafts: int | None, seconds: float) -> None:
-        """After a step: score proposals against the tokens now known, and, for a step of
-        pure decodes (`num_drafts` not None), its seconds against its drafts."""
-        for request in requests:
-            self.acceptance.score(request)
-            pause, state = self.pauses.get(request.request_id), self.acceptance.requests.get(request.request_id)
-            if pause is not None and state is not None and state.hits > pause.hits:
+    def observe(self, num_requests: int, num_drafts: int | None, seconds: float) -> None:
+        """After a step of `num_requests`: score the proposals now decided, and, for a
+        step of pure decodes (`num_drafts` not None), its seconds against its drafts."""
+        for state, request_id in self.acceptance.score_pending():
+            pause = self.pauses.get(request_id)
+            if pause is not None and state.hits > pause.hits:
                 # a draft it did not verify would have been accepted: look again sooner
                 pause.hits, pause.wait = state.hits, max(self._shortest_wait, pause.wait // 2)
         if num_drafts is not None:
-            self.costs.observe(len(requests), num_drafts, seconds)
+            self.costs.observe(num_requests, num_drafts, seconds)
         self.step += 1
 
     def release(self, request_id: str) -> None:

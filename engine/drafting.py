@@ -105,7 +105,7 @@ class Drafter:
         seconds = self.clock() - self._step_started
         decodes = all(e.num_tokens == 1 + len(e.draft_token_ids) for e in scheduled)
         num_drafts = sum(len(e.draft_token_ids) for e in scheduled) if decodes else None
-        self.policy.observe([e.request for e in scheduled], num_drafts, seconds)
+        self.policy.observe(len(scheduled), num_drafts, seconds)
 
     def check(self, proposals, asked: Sequence[Request], num_tokens: int) -> None:
         """Raise `ProposerError` unless `proposals` keep the proposer contract."""

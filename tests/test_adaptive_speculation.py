@@ -16,7 +16,7 @@ import pytest
 from kvforge import LLM, LLMEngine, SamplingParams
 from kvforge.core import DraftProposal, SpeculativeProposer, build_registry, hookimpl, load_config
 from kvforge.engine.draft_acceptance import AcceptanceTracker
-from kvforge.engine.draft_costs import StepCostModel, StepCosts, best_draft_counts
+from kvforge.engine.draft_costs import StepCostModel, StepCosts, best_draft_counts, may_pay
 from kvforge.engine.draft_policy import PROBE_AFTER
 
 sys.path.insert(0, str(Path(__file__).parent))  # the test-local fake model sits beside this file
@@ -30,11 +30,13 @@ COSTS = StepCosts(base=1.0, per_draft=0.2, verify=0.3)  # a verify step with 4 d
 class FixedCosts:
     """Stands in for `StepCostModel`: ready, with the same costs whatever the steps took."""
 
-    ready = True
     fits = 0
 
     def __init__(self, costs: StepCosts = COSTS):
         self._costs = costs
+
+    def ready(self, num_requests: int) -> bool:
+        return True
 
     def costs(self, num_requests: int) -> StepCosts:
         return self._costs
@@ -42,7 +44,7 @@ class FixedCosts:
     def observe(self, *args) -> None:
         pass
 
-    def needs_steps_without_drafts(self) -> bool:
+    def needs_steps_without_drafts(self, num_requests: int) -> bool:
         return False
 
 
@@ -182,6 +184,66 @@ def test_draft_counts_are_per_request_not_global():
     assert sum(bad) <= K * 2
 
 
+def test_requests_that_draft_nothing_ask_a_cheap_proposer_together_on_few_steps():
+    engine = planted_engine("always-wrong")
+    calls, steps = [], [0]
+    propose = engine.drafter.proposer.propose
+
+    def counting(requests, num_tokens):
+        calls.append((steps[0], len(requests)))
+        return propose(requests, num_tokens)
+
+    engine.drafter.proposer.propose = counting
+    step = engine.step
+
+    def counting_step(*args, **kwargs):
+        steps[0] += 1
+        return step(*args, **kwargs)
+
+    engine.step = counting_step
+    prompts = {f"r{i}": [1 + i, 2, 3, 4, 5, 6] for i in range(4)}
+    outputs, drafts = run_recording_drafts(engine, prompts, max_tokens=90)
+    for request_id, prompt in prompts.items():
+        assert outputs[request_id] == reference_greedy(MODEL, prompt, 90)
+    late = [(at, asked) for at, asked in calls if at > 30]
+    # once their waits reached SHADOW_AFTER_MAX, all four are asked on the same step, one step in 8
+    assert late and len(late) <= (steps[0] - 30) // 8 + 1, late
+    assert all(asked == len(prompts) for _, asked in late), late
+    assert sum(d for request_id in prompts for length, d in drafts[request_id] if length > 30) == 0
+
+
+def test_requests_that_joined_at_different_steps_are_asked_on_the_same_steps():
+    from types import SimpleNamespace
+
+    from kvforge.engine.draft_policy import SHADOW_AFTER_MAX, AdaptiveDraftPolicy
+
+    policy = AdaptiveDraftPolicy(cheap_proposer=True)
+    policy.costs = FixedCosts()
+    requests = [SimpleNamespace(request_id=f"r{i}", generator=None, params=SimpleNamespace(greedy=True))
+                for i in range(4)]
+    for request in requests:
+        for _ in range(20):  # every draft it was offered was rejected
+            policy.acceptance.of(request.request_id).count(0, 1, policy.acceptance.decay)
+    asked_at = {}
+    for step in range(120):
+        running = requests[: 1 + step // 5]  # one joins every 5 steps
+        counts, asks = policy.choose(running, [K] * len(running))
+        assert counts == [0] * len(running)
+        asked_at[step] = [r.request_id for r, ask in zip(running, asks) if ask]
+        policy.observe(len(running), 0, 1e-3)
+    late = {step: ids for step, ids in asked_at.items() if step >= 60 and ids}
+    assert len(late) <= 60 // SHADOW_AFTER_MAX + 1, late
+    assert all(len(ids) == len(requests) for ids in late.values()), late
+
+
+def test_warm_up_shows_the_cost_model_plain_full_and_half_drafts():
+    engine = planted_engine("always-wrong")
+    engine.drafter.policy.costs = StepCostModel()  # the real one, not yet ready
+    _, drafts = run_recording_drafts(engine, {"r": PROMPT}, max_tokens=12)
+    seen = {d for _, d in drafts["r"][:8]}
+    assert {0, K, K // 2} <= seen, drafts["r"]
+
+
 def test_fixed_policy_verifies_num_tokens_drafts_on_every_decode_step():
     outputs, drafts = run_recording_drafts(planted_engine("always-wrong", "fixed"), {"r": PROMPT}, max_tokens=30)
     assert outputs["r"] == reference_greedy(MODEL, PROMPT, 30)
@@ -250,19 +312,96 @@ def test_per_request_choice_in_one_batch():
     assert best_draft_counts([geometric_gains(0.95), geometric_gains(0.05)], COSTS) == [K, 0]
 
 
+def _measured_steps(model: StepCostModel, num_requests: int, costs: StepCosts, steps: int, *,
+                    load=lambda step: 1.0, drafts=(0, 4, 8, 16, 0, 12)) -> None:
+    """Feed `model` steps at `num_requests` that cost `costs` times `load(step)`, with a
+    stall (20x) now and then."""
+    for step in range(steps):
+        num_drafts = drafts[step % len(drafts)]
+        seconds = costs.seconds(num_drafts) * load(step) * (20 if step % 17 == 5 else 1)
+        model.observe(num_requests, num_drafts, seconds)
+
+
 def test_step_cost_model_recovers_costs_and_shrugs_off_stalls():
     model = StepCostModel()
-    assert not model.ready
-    truth = StepCosts(base=0.0, per_draft=0.15e-3, verify=0.4e-3)
-    for step in range(300):
-        requests, drafts = 1 + step % 3, (0, 1, 2, 4, 0, 3)[step % 6]
-        seconds = 1e-3 + 0.2e-3 * requests + (truth.verify + truth.per_draft * drafts if drafts else 0)
-        model.observe(requests, drafts, seconds * (20 if step % 17 == 5 else 1))  # now and then a stall
-    assert model.ready
+    assert not model.ready(2)
+    truth = StepCosts(base=1.4e-3, per_draft=0.15e-3, verify=0.4e-3)
+    _measured_steps(model, 2, truth, 120)
+    assert model.ready(2) and model.ready(3)  # one bucket: 2-3
     costs = model.costs(2)
-    assert costs.base == pytest.approx(1.4e-3, rel=0.05)
-    assert costs.per_draft == pytest.approx(truth.per_draft, rel=0.1)
-    assert costs.verify == pytest.approx(truth.verify, rel=0.3)  # each stall still counts 1.5x
+    assert costs.base == pytest.approx(truth.base, rel=0.02)
+    assert costs.per_draft == pytest.approx(truth.per_draft, rel=0.05)
+    assert costs.verify == pytest.approx(truth.verify, rel=0.05)
+
+
+def test_step_cost_model_follows_a_load_that_scales_every_step():
+    # Other work on the host slows every step 2x from step 60 on: drafts cost the same
+    # relative to a plain step, and the estimate follows the new base.
+    model = StepCostModel()
+    truth = StepCosts(base=1e-3, per_draft=0.2e-3, verify=0.5e-3)
+    _measured_steps(model, 1, truth, 200, load=lambda step: 2.0 if step >= 60 else 1.0)
+    costs = model.costs(1)
+    assert costs.base == pytest.approx(2 * truth.base, rel=0.02)
+    assert costs.per_draft / costs.base == pytest.approx(truth.per_draft / truth.base, rel=0.05)
+    assert costs.verify / costs.base == pytest.approx(truth.verify / truth.base, rel=0.05)
+
+
+def test_step_cost_model_charges_a_single_draft_count_to_verify():
+    # Every step verified the same 8 drafts: the slope is unknown, and the extra is charged
+    # once per step, so fewer drafts are never estimated cheaper than they might be.
+    model = StepCostModel()
+    truth = StepCosts(base=1e-3, per_draft=0.1e-3, verify=0.2e-3)
+    _measured_steps(model, 1, truth, 40, drafts=(0, 8))
+    costs = model.costs(1)
+    assert costs.per_draft == 0.0
+    assert costs.seconds(1) >= truth.seconds(1) and costs.seconds(8) == pytest.approx(truth.seconds(8), rel=0.01)
+
+
+AT_1 = StepCosts(base=1e-3, per_draft=0.15e-3, verify=0.3e-3)  # 4 drafts: 1.9x a plain step
+AT_32 = StepCosts(base=2.7e-3, per_draft=0.05e-3, verify=0.5e-3)  # 128 drafts: 3.5x a plain step
+
+
+def _steps_at_batch_1_and_32(model: StepCostModel) -> None:
+    """Steps of batch 1 and of batch 32 in turn (requests arrive and finish): a draft
+    costs 0.15 of a plain step at batch 1, where a verify step reads the weights once for
+    several tokens, and 0.02 of one at batch 32, where each draft is another row of a
+    compute-bound step (yet there a plain step yields 32 tokens, not 1)."""
+    for _ in range(10):
+        _measured_steps(model, 1, AT_1, 12, drafts=(0, 4, 2, 4, 0, 3))
+        _measured_steps(model, 32, AT_32, 12, drafts=(0, 32, 64, 128, 0, 96))
+
+
+def test_step_cost_model_keeps_batch_sizes_apart():
+    model = StepCostModel()
+    _measured_steps(model, 1, AT_1, 60)
+    assert not model.ready(32)  # nothing measured at 32 yet: it warms up there rather than guess
+    _steps_at_batch_1_and_32(model)
+    for num_requests, truth in ((1, AT_1), (32, AT_32)):
+        costs = model.costs(num_requests)
+        assert costs.base == pytest.approx(truth.base, rel=0.02)
+        assert costs.per_draft == pytest.approx(truth.per_draft, rel=0.05)
+        assert costs.verify == pytest.approx(truth.verify, rel=0.05)
+
+
+def test_batch_32_verifies_only_drafts_accepted_far_more_often_than_batch_1_needs():
+    model = StepCostModel()
+    _steps_at_batch_1_and_32(model)
+    half, most = geometric_gains(0.5), geometric_gains(0.9)
+    assert best_draft_counts([half], model.costs(1)) == [2]  # 1.75 tokens for 1.6x the step
+    assert best_draft_counts([half] * 32, model.costs(32)) == [0] * 32  # 48 tokens for 1.8x at best
+    assert best_draft_counts([most] * 32, model.costs(32)) == [3] * 32  # 110 tokens for 3x (a 4th adds 0.66)
+
+
+def test_may_pay_is_false_only_where_no_drafts_pay():
+    import random
+
+    rng = random.Random(1)
+    for _ in range(500):
+        gains = [geometric_gains(rng.random() ** 3, rng.randint(1, 4)) for _ in range(rng.randint(1, 6))]
+        costs = StepCosts(rng.uniform(0.5, 2), rng.uniform(0, 0.3), rng.uniform(0, 1))
+        bound = may_pay(max(row[0] for row in gains), sum(map(len, gains)), len(gains), costs)
+        if not bound:
+            assert best_draft_counts(gains, costs) == [0] * len(gains)
 
 
 def test_shadow_scoring_counts_leading_matches_against_the_tokens_that_follow():
@@ -276,7 +415,7 @@ def test_shadow_scoring_counts_leading_matches_against_the_tokens_that_follow():
 
     request = Request([1, 2, 3], [])
     tracker = AcceptanceTracker(decay=1.0)
-    tracker.propose("r", request.num_tokens, [4, 5, 9, 7])
+    tracker.propose(request, [4, 5, 9, 7])
     request.output_token_ids += [4, 5]
     tracker.score(request)
     assert tracker.of("r").scored == []  # two matched so far: not decided yet
@@ -284,7 +423,7 @@ def test_shadow_scoring_counts_leading_matches_against_the_tokens_that_follow():
     tracker.score(request)
     state = tracker.of("r")
     assert state.scored == [1, 1, 1] and state.accepted == [1, 1, 0] and not state.pending
-    tracker.propose("r", request.num_tokens, [8], fresh=True)
+    tracker.propose(request, [8], fresh=True)
     request.output_token_ids += [8]
     tracker.score(request)
     assert state.scored == [1] and state.accepted == [1]  # a probe's outcome replaces what came before
