@@ -36,13 +36,14 @@ NAME = "kvforge_cpp_attention"
 HERE = Path(__file__).resolve().parent
 SOURCES = [HERE / "paged_attention.cpp", HERE / "int8_linear.cpp", HERE / "int8_dynamic_linear.cpp",
            HERE / "linear.cpp", HERE / "rms_norm_rotary.cpp", HERE / "inverse_cdf.cpp", HERE / "lora.cpp",
-           HERE / "decoder_stack.cpp"]
+           HERE / "decoder_stack.cpp", HERE / "int8_packed_linear.cpp"]
 HEADERS = [HERE / "cpu_isa.h", HERE / "vector_kernels.h", HERE / "vector_exp.h", HERE / "attention_tile.h",
            HERE / "decode_tile.h", HERE / "prefill_tile.h", HERE / "prefill_bf16.h", HERE / "quantized_write.h",
            HERE / "int8_linear_tile.h", HERE / "int8_linear_bf16.h", HERE / "bf16_vectors.h",
            HERE / "decoder_stack_ops.h",
            HERE / "linear_tile.h", HERE / "bf16_linear_dpbf16.h", HERE / "rms_norm_rotary_rows.h",
            HERE / "f32_packed_rows.h", HERE / "int8_rows.h", HERE / "int8_linear_common.h", HERE / "lora_tile.h",
+           HERE / "int8_packed_tile.h",
            HERE / "invariant_tile.h"]
 CACHE_ENV = "KVFORGE_CACHE_DIR"
 # -O3 vectorises the inner loops; the AVX2+FMA variant is chosen at run time

@@ -29,7 +29,7 @@ def _write_quantized_kv_fake(key, value, kv_data, kv_scales, slot_mapping) -> No
 
 @torch.library.register_fake("kvforge_cpp::int8_weight_linear")
 def _int8_weight_linear_fake(x, weight, scale, bias=None):
-    return x.new_empty((x.shape[0], weight.shape[0]))  # same dtype and device as x
+    return x.new_empty((x.shape[0], scale.numel()))  # same dtype and device as x; weight may be packed
 
 
 @torch.library.register_fake("kvforge_cpp::int8_dynamic_linear")

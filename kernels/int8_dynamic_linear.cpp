@@ -173,6 +173,8 @@ at::Tensor int8_matmul(const at::Tensor& q, const at::Tensor& weight) {
 
 at::Tensor int8_dynamic_linear(const at::Tensor& x_in, const at::Tensor& weight, const at::Tensor& scale_in,
                                const std::optional<at::Tensor>& bias_in) {
+  TORCH_CHECK(weight.dim() == 2, kOp, ": weight must be the int8 [out, in] (not packed by int8_pack_weight, which "
+              "only int8_weight_linear reads), got ", weight.scalar_type(), " ", weight.sizes());
   check_int8_linear_inputs(kOp, x_in, weight, scale_in, bias_in);
   const int64_t m = x_in.size(0), k = x_in.size(1), n = weight.size(0);
   TORCH_CHECK(k > 0, kOp, ": the weight has no input features");

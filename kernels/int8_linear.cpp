@@ -3,7 +3,8 @@
 //   kvforge_cpp::int8_weight_linear(x, weight, scale, bias=None) -> Tensor
 //
 // y = x (weight * scale[:, None])^T + bias, with x float32 or bfloat16 [rows, in],
-// weight int8 [out, in], scale float32 [out] (one per output channel), bias
+// weight int8 [out, in] (or packed by int8_pack_weight: int8_packed_linear.cpp,
+// the layout Int8Linear keeps), scale float32 [out] (one per output channel), bias
 // [out] or None; y has x's dtype. Activations stay float (W8A16 in vLLM's
 // words): only the weight is quantized. Decodes and small batches widen it to
 // float inside the register tiles (int8_linear_tile.h), never a float copy in
@@ -92,22 +93,6 @@ namespace {
 // smallest layers still feeds every thread.
 constexpr int64_t kChannelBlock = 64;
 
-// Rows from which float32 rows take the dequantizing path (see the top). The
-// int8 tiles widen every weight again for each group of four rows (one
-// conversion per four multiply-adds); the widening here is paid once per call
-// (vectorised: widen_block16), which from 32 rows on measured as fast or
-// faster (docs/quantization.md).
-constexpr int64_t kDequantizeRows = 32;
-// Widened weights per channel group: each 64-row chunk of x, in L2, passes over
-// a whole group before the next chunk (one 64-channel block at a time re-read
-// x from L3 for every block).
-constexpr int64_t kDequantizedBytes = 1 << 20;
-// The same for bfloat16 rows on AVX-512 BF16 (the 8 x 2 tiles widen one
-// weight vector per 8 rows; with whole blocks widened in registers
-// (widen_block16_bf16), widening once measured as fast from 64 rows and faster
-// from 128).
-constexpr int64_t kWidenBf16Rows = 64;
-
 using WidenBlock = void (*)(const int8_t*, int64_t, const float*, float*);
 
 WidenBlock widen_block_for(Isa level) {
@@ -180,32 +165,6 @@ void widen_group_bf16(const int8_t* w, int64_t k, int64_t n0, int64_t n1, uint16
   }
 }
 
-// Output channels per group when each takes `channel_bytes` widened: about
-// kDequantizedBytes a group, the number of groups a multiple of the threads
-// (each thread then widens and runs as many), a multiple of 16 channels.
-int64_t channel_group(int64_t n, int64_t channel_bytes) {
-  const int64_t threads = std::max<int64_t>(1, at::get_num_threads());
-  int64_t groups = std::max<int64_t>(1, (n * channel_bytes + kDequantizedBytes - 1) / kDequantizedBytes);
-  groups = (groups + threads - 1) / threads * threads;
-  return ((n + groups - 1) / groups + 15) / 16 * 16;
-}
-
-// Calls run(n0, n1, scale, bias) for the output channels in groups of `group`
-// (a multiple of 16, channel_group), groups in parallel; scale and bias are the
-// group's values padded with zeros to whole blocks of 16 (bias null without one).
-template <typename Run>
-void in_channel_groups(int64_t n, int64_t group, const float* scale, const float* bias, Run&& run) {
-  at::parallel_for(0, (n + group - 1) / group, 1, [&](int64_t g0, int64_t g1) {
-    std::vector<float> group_scale(group), group_bias(group);
-    for (int64_t g = g0; g < g1; ++g) {
-      const int64_t n0 = g * group, n1 = std::min(n, n0 + group);
-      std::fill(std::copy(scale + n0, scale + n1, group_scale.begin()), group_scale.end(), 0.f);
-      if (bias != nullptr) std::fill(std::copy(bias + n0, bias + n1, group_bias.begin()), group_bias.end(), 0.f);
-      run(n0, n1, group_scale.data(), bias != nullptr ? group_bias.data() : nullptr);
-    }
-  });
-}
-
 using FloatBlock = void (*)(const float*, int64_t, int64_t, const int8_t*, int64_t, const float*, const float*,
                             float*, int64_t, int64_t, int64_t);
 
@@ -225,6 +184,7 @@ FloatBlock float_block_for(Isa level) {
 at::Tensor int8_weight_linear(const at::Tensor& x_in, const at::Tensor& weight, const at::Tensor& scale_in,
                               const std::optional<at::Tensor>& bias_in) {
   check_int8_linear_inputs("kvforge_cpp.int8_weight_linear", x_in, weight, scale_in, bias_in);
+  if (weight.dim() == 3) return int8_packed_linear(x_in, weight, scale_in, bias_in);  // int8_pack_weight's layout
   const int64_t m = x_in.size(0), k = x_in.size(1), n = weight.size(0);
   const at::Tensor scale = scale_in.reshape({n}).contiguous();
   const at::Tensor bias = bias_in.has_value() ? bias_in->reshape({n}).to(at::kFloat).contiguous() : at::Tensor();

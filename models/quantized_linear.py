@@ -7,8 +7,9 @@ weight dropped. An untied language-model head is quantized too, since on a
 small-hidden, large-vocabulary model it is the largest weight a decode step
 reads; embeddings (and so a tied head) stay float, since a lookup reads one row.
 
-`activations` picks the kernel: "none" (weight-only, the default) widens the
-int8 weight inside the C++ kernel's register tiles; "int8" (W8A8, CPU only)
+`activations` picks the kernel: "none" (weight-only, the default) keeps the
+weight packed for the C++ kernel (64 channels of one input side by side) and
+widens it inside the kernel's register tiles; "int8" (W8A8, CPU only)
 rounds each row to int8 with its own scale, so a row never depends on the rest
 of the batch. Without the C++ library W8A8 runs the same arithmetic as torch
 ops; on other devices weight-only widens the weight inside `F.linear`. The
@@ -122,8 +123,12 @@ def int8_gemm_in_torch(x: torch.Tensor, weight_int8: torch.Tensor, weight_scale:
 class Int8Linear(nn.Module):
     """`y = x W^T + b` with `W = weight_int8 * weight_scale[:, None]` held as int8.
 
-    Buffers: `weight_int8` int8 `[out, in]`, `weight_scale` float32 `[out]`,
-    `bias` (model dtype) or None. `activations` "none" keeps the input float
+    Buffers: `weight_int8`, the int8 weight in the layout its kernel reads:
+    `[out, in]`, or on CPU with weight-only activations, when `out` is a multiple
+    of 64 (no padding), packed by `kvforge_cpp::int8_pack_weight` (`[out / 64, in,
+    64]`, 64 channels of one input side by side: kernels/int8_packed_linear.cpp),
+    once, here; `int8_rows()` gives `[out, in]` either way. `weight_scale` float32 `[out]`, `bias` (model
+    dtype) or None. `activations` "none" keeps the input float
     (weight-only), "int8" quantizes each input row too (W8A8, CPU only). See
     the module docstring for the kernels."""
 
@@ -144,12 +149,15 @@ class Int8Linear(nn.Module):
         if weight_scale.numel() != self.out_features:
             raise ValueError(f"weight_scale must hold one scale per output channel ({self.out_features}), "
                              f"got shape {tuple(weight_scale.shape)}")
-        self.register_buffer("weight_int8", weight_int8.detach().contiguous())
-        self.register_buffer("weight_scale", weight_scale.detach().reshape(-1).float().contiguous())
-        self.register_buffer("bias", None if bias is None else bias.detach().contiguous())
-
+        weight_int8 = weight_int8.detach().contiguous()
         if activations == "none" and weight_int8.is_cpu:
             load_weight_only_kernel()
+            packed = torch.ops.kvforge_cpp.int8_pack_weight(weight_int8)  # the layout the kernel streams
+            if packed.numel() == weight_int8.numel():  # no padded channels: out is whole blocks
+                weight_int8 = packed
+        self.register_buffer("weight_int8", weight_int8)
+        self.register_buffer("weight_scale", weight_scale.detach().reshape(-1).float().contiguous())
+        self.register_buffer("bias", None if bias is None else bias.detach().contiguous())
         self.fused_w8a8 = activations == "int8" and load_w8a8_kernel()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -161,24 +169,31 @@ class Int8Linear(nn.Module):
             return gemm(x)
         return gemm(x.reshape(-1, self.in_features)).view(*x.shape[:-1], self.out_features)
 
+    # The ops' overloads themselves (`.default`): calling the overload packet costs a resolution per call.
     def _weight_only_gemm(self, x: torch.Tensor) -> torch.Tensor:
+        op = torch.ops.kvforge_cpp.int8_weight_linear.default
         if x.dtype in CPP_DTYPES:
-            return torch.ops.kvforge_cpp.int8_weight_linear(x, self.weight_int8, self.weight_scale, self.bias)
-        out = torch.ops.kvforge_cpp.int8_weight_linear(x.float(), self.weight_int8, self.weight_scale, self.bias)
-        return out.to(x.dtype)
+            return op(x, self.weight_int8, self.weight_scale, self.bias)
+        return op(x.float(), self.weight_int8, self.weight_scale, self.bias).to(x.dtype)
 
     def _int8_gemm(self, x: torch.Tensor) -> torch.Tensor:
         if self.fused_w8a8 and x.dtype in CPP_DTYPES:
-            return torch.ops.kvforge_cpp.int8_dynamic_linear(x, self.weight_int8, self.weight_scale, self.bias)
+            return torch.ops.kvforge_cpp.int8_dynamic_linear.default(x, self.weight_int8, self.weight_scale, self.bias)
         return int8_gemm_in_torch(x, self.weight_int8, self.weight_scale, self.bias)
 
     def _widened_gemm(self, x: torch.Tensor) -> torch.Tensor:
-        out = F.linear(x, self.weight_int8.to(x.dtype)).mul_(self.weight_scale.to(x.dtype))
+        out = F.linear(x, self.int8_rows().to(x.dtype)).mul_(self.weight_scale.to(x.dtype))
         return out if self.bias is None else out.add_(self.bias)
+
+    def int8_rows(self) -> torch.Tensor:
+        """The int8 weight as `[out, in]`, whichever layout `weight_int8` holds (a copy when packed)."""
+        if self.weight_int8.dim() == 2:
+            return self.weight_int8
+        return torch.ops.kvforge_cpp.int8_unpack_weight(self.weight_int8, self.out_features)
 
     def dequantized_weight(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """`weight_int8 * weight_scale` as a float `[out, in]` tensor (for checks, never the hot path)."""
-        return (self.weight_int8.to(dtype) * self.weight_scale.to(dtype)[:, None])
+        return (self.int8_rows().to(dtype) * self.weight_scale.to(dtype)[:, None])
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, "
@@ -229,7 +244,12 @@ def quantize_linears(model: nn.Module, quantizer: Quantizer, lm_head: bool = Tru
             count += 1
             if is_head:
                 model.lm_head_layer = replacement
-    layers = [m for m in model.modules() if isinstance(m, Int8Linear)]
-    for layer, weight in zip(layers, on_huge_pages([m.weight_int8 for m in layers])):
-        layer.weight_int8 = weight  # side by side on 2 MiB pages on a CPU (huge_pages)
+    place_on_huge_pages([m for m in model.modules() if isinstance(m, Int8Linear)])
     return count
+
+
+def place_on_huge_pages(layers: list[Int8Linear]) -> None:
+    """Move the int8 weights of `layers` side by side onto 2 MiB pages (on a CPU;
+    `huge_pages`), in order: a decode step then streams them as one run of pages."""
+    for layer, weight in zip(layers, on_huge_pages([m.weight_int8 for m in layers])):
+        layer.weight_int8 = weight

@@ -37,7 +37,7 @@ def reference(layer: Int8Linear, x: torch.Tensor) -> torch.Tensor:
     x64 = x.double()
     s_x = (x64.abs().amax(-1, keepdim=True) / 127).clamp_min(torch.finfo(torch.float32).tiny)
     q_x = (x64 / s_x).round()
-    w = layer.weight_int8.double() * layer.weight_scale.double()[:, None]
+    w = layer.int8_rows().double() * layer.weight_scale.double()[:, None]
     out = (q_x * s_x) @ w.T
     return out if layer.bias is None else out + layer.bias.double()
 
@@ -112,7 +112,7 @@ def test_weight_only_int8_linear_is_the_dequantized_math_with_float_activations(
     ref = x.double() @ layer.dequantized_weight(torch.float64).T + layer.bias.double()
     assert out.dtype == dtype and out.shape == (rows, 48)
     assert float((out.double() - ref).abs().max() / ref.abs().max()) <= (1e-6 if dtype == torch.float32 else 4e-3)
-    w8a8 = Int8Linear(layer.weight_int8, layer.weight_scale, layer.bias, "int8")
+    w8a8 = Int8Linear(layer.int8_rows(), layer.weight_scale, layer.bias, "int8")
     assert float((w8a8(x).double() - ref).abs().max() / ref.abs().max()) > 1e-4  # W8A8 rounds x too: not this
 
 

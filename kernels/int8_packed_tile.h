@@ -1,0 +1,106 @@
+// The weight-only int8 linear over a packed weight (int8_packed_linear.cpp):
+// y = x (w * scale)^T + bias with w laid out [blocks][in][kPackChannels]
+// (int8_pack_weight), so that one 64-byte line holds one input of 64
+// channels and a block is one stream, read front to back.
+//
+// Included by int8_packed_linear.cpp once per ISA, each time after
+// bf16_vectors.h (vf16, store_bf16x16), after defining `widen_w16` (16 int8
+// weights as floats) and `kPackedRows` (rows per tile: as many as the
+// accumulators fit the registers). It includes nothing itself.
+
+// Outputs as float32 or bfloat16 (raw bits, rounded to nearest even as torch).
+inline void store_out(float* p, vf16 v) { *reinterpret_cast<vf16*>(p) = v; }
+inline void store_out(uint16_t* p, vf16 v) { store_bf16x16(p, v); }
+inline void store_out1(float* p, float v) { *p = v; }
+inline void store_out1(uint16_t* p, float v) { *p = float_to_bf16(v); }
+
+// MR rows of x (x_stride apart) against one packed block of 64 channels,
+// `channels` of which are real (the rest of the last block is padding):
+// y[m * y_stride + c] = (x_m . w_c) * scale[c] + bias[c] (bias may be null).
+// Each step widens the line of input d (64 channels, four vectors) once and
+// adds x[m][d] times it into 16 channels per vector: the sums of 64 channels
+// sit in 4 MR registers, so no sum is ever folded across lanes, and the
+// scales multiply them once at the end.
+template <int MR, typename Out>
+inline void packed_tile(const float* __restrict__ x, int64_t x_stride, const int8_t* __restrict__ block, int64_t k,
+                        const float* __restrict__ scale, const float* __restrict__ bias, int64_t channels,
+                        Out* __restrict__ y, int64_t y_stride) {
+  vf16 acc[MR][4];
+  for (int m = 0; m < MR; ++m) {
+    for (int u = 0; u < 4; ++u) acc[m][u] = vf16{};
+  }
+  for (int64_t d = 0; d < k; ++d) {
+    const int8_t* line = block + d * kPackChannels;
+    __builtin_prefetch(line + kWeightsAhead, 0, 2);  // the same stream kWeightsAhead on
+    vf16 wv[4];
+    for (int u = 0; u < 4; ++u) wv[u] = widen_w16(line + 16 * u);
+    for (int m = 0; m < MR; ++m) {
+      const float xv = x[m * x_stride + d];
+      for (int u = 0; u < 4; ++u) acc[m][u] += xv * wv[u];
+    }
+  }
+  for (int u = 0; u < 4; ++u) {
+    const int64_t c0 = 16 * u;
+    if (c0 + 16 <= channels) {
+      const vf16 s = *reinterpret_cast<const vf16*>(scale + c0);
+      const vf16 b = bias != nullptr ? *reinterpret_cast<const vf16*>(bias + c0) : vf16{};
+      for (int m = 0; m < MR; ++m) store_out(y + m * y_stride + c0, acc[m][u] * s + b);
+      continue;
+    }
+    for (int64_t c = c0; c < channels; ++c) {  // the last block's real channels
+      for (int m = 0; m < MR; ++m) {
+        store_out1(y + m * y_stride + c, acc[m][u][c - c0] * scale[c] + (bias != nullptr ? bias[c] : 0.f));
+      }
+    }
+  }
+}
+
+// All m rows against one packed block, kPackedRows rows at a time (the block,
+// 64 k bytes, comes from memory for the first rows and from cache after).
+template <typename Out>
+inline void packed_rows(const float* x, int64_t x_stride, int64_t m, const int8_t* block, int64_t k,
+                        const float* scale, const float* bias, int64_t channels, Out* y, int64_t y_stride) {
+  for (int64_t r = 0; r < m;) {
+    const float* xr = x + r * x_stride;
+    Out* yr = y + r * y_stride;
+    switch (std::min<int64_t>(m - r, kPackedRows)) {
+      case 4: packed_tile<4>(xr, x_stride, block, k, scale, bias, channels, yr, y_stride); r += 4; break;
+      case 3: packed_tile<3>(xr, x_stride, block, k, scale, bias, channels, yr, y_stride); r += 3; break;
+      case 2: packed_tile<2>(xr, x_stride, block, k, scale, bias, channels, yr, y_stride); r += 2; break;
+      default: packed_tile<1>(xr, x_stride, block, k, scale, bias, channels, yr, y_stride); r += 1; break;
+    }
+  }
+}
+
+// One packed block times its 64 scales (padded with zeros) in the layout
+// f32_packed_rows reads: out[(u k + d) 16 + c] = w[16 u + c][d] * scale[16 u + c].
+// No transpose: each line already holds sixteen channels of one input.
+inline void dequantize_packed_block(const int8_t* block, int64_t k, const float* scale, float* out) {
+  vf16 s[4];
+  for (int u = 0; u < 4; ++u) s[u] = *reinterpret_cast<const vf16*>(scale + 16 * u);
+  for (int64_t d = 0; d < k; ++d) {
+    const int8_t* line = block + d * kPackChannels;
+    __builtin_prefetch(line + kWeightsAhead, 0, 2);
+    for (int u = 0; u < 4; ++u) *reinterpret_cast<vf16*>(out + (u * k + d) * 16) = widen_w16(line + 16 * u) * s[u];
+  }
+}
+
+// One packed block as bf16_packed_rows reads a weight, unscaled (every int8 is
+// exactly a bfloat16): out[((u pairs + p) 16 + c) 2 + i] = w[16 u + c][2 p + i],
+// pairs = (k + 1) / 2, the missing second input of an odd k zero. Two lines'
+// sixteen channels interleave into pairs.
+inline void widen_packed_block_bf16(const int8_t* block, int64_t k, uint16_t* out) {
+  const int64_t pairs = (k + 1) / 2;
+  for (int64_t p = 0; p < pairs; ++p) {
+    const int8_t* line = block + 2 * p * kPackChannels;
+    __builtin_prefetch(line + kWeightsAhead, 0, 2);
+    for (int u = 0; u < 4; ++u) {
+      const vf16 a = widen_w16(line + 16 * u);
+      const vf16 b = 2 * p + 1 < k ? widen_w16(line + kPackChannels + 16 * u) : vf16{};
+      uint16_t* dst = out + (u * pairs + p) * 32;
+      store_bf16x16(dst, __builtin_shuffle(a, b, vi16{0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23}));
+      store_bf16x16(dst + 16,
+                    __builtin_shuffle(a, b, vi16{8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31}));
+    }
+  }
+}
