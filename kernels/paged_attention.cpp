@@ -138,7 +138,9 @@ namespace avx2 {
 #pragma GCC push_options
 #pragma GCC target("avx512f,avx512bw,avx512dq,avx512vl,avx512bf16,avx2,fma,f16c")
 namespace avx512bf16 {
+#include "transpose16.h"
 #include "prefill_bf16.h"
+#include "narrow_bf16.h"
 }  // namespace avx512bf16
 #pragma GCC pop_options
 #pragma GCC push_options
@@ -148,6 +150,8 @@ namespace avx512 {
 #include "attention_tile.h"
 #include "decode_tile.h"
 #include "prefill_tile.h"
+#include "transpose16.h"
+#include "narrow_rows.h"
 #include "invariant_tile.h"
 
 // Per tile: the prefill tile (prefill_tile.h) for many rows of one KV head when
@@ -176,10 +180,37 @@ inline void run_tiles_fast(const Problem& p, const std::vector<Tile>& tiles, int
       fetches_ahead);
 }
 
-// The batch-invariant kernel where the fast tile serves it (no soft-cap or ALiBi,
-// a head size and block size that are multiples of 16): every tile on the fast
-// tile with its groups of keys at fixed positions, never the prefill tile (whose
-// rows sum in another order than a decode's). Bit-identical to a decode's row.
+// The batch-invariant kernel where the prefill tile serves it (a head size of 16
+// to 1024 in steps of 16, at most kLanes query heads per KV head): every tile on
+// the prefill tile's arithmetic with its key tiles at fixed positions. Tiles of
+// up to kNarrowRows rows per KV head (decodes) take narrow_rows.h, all their KV
+// heads at once; the others the prefill tile itself, one KV head at a time.
+// Soft-cap, ALiBi, sliding windows, quantized caches and any block size are
+// served, since both apply them per row.
+inline bool invariant_prefill_fits(const Problem& p) {
+  return p.head_size % 16 == 0 && p.head_size >= 16 && p.head_size <= 1024 && p.queries_per_kv <= kLanes;
+}
+inline void run_tiles_invariant_prefill(const Problem& p, const std::vector<Tile>& tiles, int64_t rows_max) {
+  const auto narrow = [&](const Tile& tile) { return TileRows(p, tile).head_rows <= kNarrowRows; };
+  run_tiles_with(
+      p, tiles, rows_max,
+      [&](const Tile& tile, Scratch& s, auto type, const Tile* after) {
+        using K = typename decltype(type)::type;
+        if (narrow(tile)) {
+          attend_tile_narrow<K>(p, tile, s, after);
+          return;
+        }
+        for (int64_t h = 0; h < tile.kv_heads; ++h) {
+          const Tile one{tile.seq, tile.kv_head + h, 1, tile.q_begin, tile.q_end, tile.cost};
+          attend_tile_prefill<K, true>(p, one, s);
+        }
+      },
+      narrow);  // a narrow tile asks for the first keys of the tile its thread takes next
+}
+
+// Otherwise (more than kLanes query heads per KV head), where the fast tile
+// serves it (no soft-cap or ALiBi, a head size and block size that are multiples
+// of 16): every tile on the fast tile with its groups of keys at fixed positions.
 inline bool invariant_fast_fits(const Problem& p) {
   return p.soft_cap <= 0.f && p.alibi == nullptr && p.head_size % 16 == 0 && p.block_size % 16 == 0;
 }
@@ -359,7 +390,9 @@ void paged_attention(const at::Tensor& query, const at::Tensor& kv_cache, const 
   if (batch_invariant) {
     switch (isa()) {
       case Isa::kAvx512:
-        if (avx512::invariant_fast_fits(p)) {
+        if (avx512::invariant_prefill_fits(p)) {
+          avx512::run_tiles_invariant_prefill(p, tiles, rows_max);
+        } else if (avx512::invariant_fast_fits(p)) {
           avx512::run_tiles_invariant_fast(p, tiles, rows_max);
         } else {
           avx512::run_tiles_invariant(p, tiles, rows_max);

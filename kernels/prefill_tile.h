@@ -224,8 +224,13 @@ inline void with_row_vectors(int64_t count, F&& f) {
 }
 
 // The tile of attend_tile (same contract) for one KV head and 16..kLanes rows,
-// head size a multiple of 16.
-template <typename K>
+// head size a multiple of 16. With Aligned its key tiles start at multiples of
+// kKeyTile whatever the tile's first key (a sliding window's start): every lane's
+// arithmetic (its scores down the head dims, its maxima, rescales, exponentials
+// and sums per key tile, masked keys adding exact zeros) then depends on its row
+// alone, not on the other lanes or the tile's extent, so a row gives the same
+// bits in any tile of 1..kLanes rows (the batch-invariant kernel).
+template <typename K, bool Aligned = false>
 void attend_tile_prefill(const Problem& p, const Tile& tile, Scratch& scratch) {
   constexpr float kNegInf = -std::numeric_limits<float>::infinity();
   const TileRows t(p, tile);
@@ -318,7 +323,8 @@ void attend_tile_prefill(const Problem& p, const Tile& tile, Scratch& scratch) {
   const __m512 max_slack = _mm512_set1_ps(kMaxSlack);
   const bool capped = p.soft_cap > 0.f, has_alibi = p.alibi != nullptr;
 
-  for (int64_t k0 = t.first; k0 <= t.last; k0 += kKeyTile) {
+  const int64_t first = Aligned ? t.first / kKeyTile * kKeyTile : t.first;  // keys before a lane's window are masked
+  for (int64_t k0 = first; k0 <= t.last; k0 += kKeyTile) {
     const int64_t n = std::min<int64_t>(kKeyTile, t.last + 1 - k0);
     // The row vectors some lane of which sees a key of [k0, k0 + n): a contiguous
     // run, positions growing with the lane.

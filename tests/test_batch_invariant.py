@@ -55,6 +55,61 @@ def test_the_default_cpp_tiles_are_not_batch_invariant():
 # The kernels the mode runs the model on
 
 
+def invariant_attention(query, cache, block_table, context: int, sliding_window: int = 0,
+                        kv_scales=None) -> torch.Tensor:
+    """The cpp kernel's batch-invariant attention of `query`'s tokens, at positions
+    context .. context + len(query) - 1 of one sequence."""
+    out = torch.empty_like(query)
+    n = query.shape[0]
+    torch.ops.kvforge_cpp.paged_attention(
+        query.contiguous(), cache, torch.tensor([0, n], dtype=torch.int32), torch.tensor([context + n], dtype=torch.int32),
+        torch.tensor([context], dtype=torch.int32), block_table, 0.125, sliding_window, 0.0, None, out, kv_scales, True)
+    return out
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("heads, head_size, sliding_window", [(8, 64, 0), (32, 80, 0), (4, 16, 0), (8, 64, 37)])
+def test_a_decode_row_has_the_bits_of_the_same_token_inside_a_prompt_chunk(dtype, heads, head_size, sliding_window):
+    """Decodes (1 query token: 1 to 8 rows per KV head) run kernels/narrow_rows.h with keys
+    in the lanes; prompt chunks of 16 rows and more the prefill tile with rows in the
+    lanes. Every token of a prompt spanning several 48-key tiles, as a decode after its
+    context, gives the bits of its row in the whole prompt and in chunks of 5 tokens."""
+    from kvforge.kernels import build
+
+    cpp_backend("cpp_batch_invariant")
+    build.load()
+    gen = torch.Generator().manual_seed(7)
+    length, kv_heads, block_size = 150, 4, 16
+    blocks = -(-length // block_size)
+    cache = torch.randn(blocks + 3, 2, block_size, kv_heads, head_size, generator=gen).to(dtype)
+    block_table = torch.randperm(blocks + 3, generator=gen)[:blocks].to(torch.int32).view(1, -1)
+    # Some rows whose scores climb past the running maximum, so tiles rescale.
+    query = (torch.randn(length, heads, head_size, generator=gen) * torch.linspace(0.5, 4, length)[:, None, None])
+    query = query.to(dtype)
+    prompt = invariant_attention(query, cache, block_table, 0, sliding_window)
+    chunks = torch.cat([invariant_attention(query[i:i + 5], cache, block_table, i, sliding_window)
+                        for i in range(0, length, 5)])
+    differing = [i for i in range(length)
+                 if not torch.equal(invariant_attention(query[i:i + 1], cache, block_table, i, sliding_window)[0],
+                                    prompt[i])]
+    assert differing == [], f"decodes of tokens {differing[:10]} differ from their rows in the prompt"
+    assert torch.equal(chunks, prompt), "chunks of 5 tokens differ from the whole prompt"
+    # and both are the attention itself, against float64
+    keys = cache[block_table[0].long(), 0].reshape(-1, kv_heads, head_size)[:length].double()
+    values = cache[block_table[0].long(), 1].reshape(-1, kv_heads, head_size)[:length].double()
+    group = heads // kv_heads
+    scores = torch.einsum("qhd,khd->hqk", query.double(), keys.repeat_interleave(group, 1)) * 0.125
+    position = torch.arange(length)
+    hidden = position[None, :] > position[:, None]
+    if sliding_window:
+        hidden |= position[None, :] <= position[:, None] - sliding_window
+    reference = torch.einsum("hqk,khd->qhd", scores.masked_fill(hidden, float("-inf")).softmax(-1),
+                             values.repeat_interleave(group, 1))
+    tolerance = 1e-5 if dtype == torch.float32 else 3e-2
+    assert (prompt.double() - reference).abs().max().item() < tolerance
+
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 def test_cpp_linear_and_rms_norm_rows_do_not_depend_on_the_row_count(dtype):
     from kvforge.models.cpp_linear import CppLinear, cpp_linear_unavailable

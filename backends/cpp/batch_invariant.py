@@ -1,13 +1,16 @@
 """The `cpp_batch_invariant` attention backend: the `cpp` kernel's batch-invariant tile.
 
-Every query row's softmax walks its keys in groups of 16 at fixed absolute
-positions, in one fixed order of sums, so a row's output is bitwise the same
-alone or in any batch, as a prefill row or as a decode, at any declared block
-size: what it declares as `batch_invariant` (guarantee 8 of `AttentionBackend`).
-On AVX-512 every tile runs the decode tile's arithmetic (kernels/decode_tile.h,
-groups aligned), so decodes cost what they cost under `cpp` and prompts lose the
-prefill tile; elsewhere, or with soft-cap or ALiBi or a head size that is not a
-multiple of 16, the portable batch-invariant tile (kernels/invariant_tile.h). It is what an engine with `batch_invariant` on selects
+Every query row's softmax walks its keys in tiles at fixed absolute positions,
+in one fixed order of sums, so a row's output is bitwise the same alone or in
+any batch, as a prefill row or as a decode, at any declared block size: what it
+declares as `batch_invariant` (guarantee 8 of `AttentionBackend`). On AVX-512
+(head sizes 16 to 1024 in steps of 16, at most 64 query heads per KV head) every
+tile, decodes included, runs the prefill tile's arithmetic with its 48-key tiles
+aligned (kernels/prefill_tile.h): tiles of up to 8 rows per KV head (decodes)
+compute the same bits with keys and head dims in the lanes (kernels/narrow_rows.h),
+so prompts keep the prefill tile's speed and decodes stay near the decode tile's;
+with more query heads per KV head the decode tile's arithmetic with its groups of
+16 keys aligned; elsewhere the portable batch-invariant tile (kernels/invariant_tile.h). It is what an engine with `batch_invariant` on selects
 under `auto`; its cost against `cpp`: docs/determinism.md.
 """
 
@@ -24,8 +27,8 @@ class CppBatchInvariantAttentionBackend(CppAttentionBackend):
     name = "cpp_batch_invariant"
     priority = 20  # below `cpp` (25): `auto` takes it only when batch invariance is asked for
     batch_invariant = True
-    # Multiples of 16: the kernel's groups of 16 keys then never straddle a block, so every
-    # declared block size gives the same bits (on AVX-512 it runs the decode tile's arithmetic).
+    # Multiples of 16: the portable tile's groups of 16 keys then never straddle a block, so
+    # every declared block size gives the same bits (the AVX-512 prefill tile's never depend on it).
     block_sizes = frozenset(range(16, 1025, 16))
 
     def forward(self, query: torch.Tensor, kv_cache: torch.Tensor, plan: CppPlan,
