@@ -77,11 +77,25 @@ class AdaptiveDraftPolicy:
         self.probing: set[str] = set()  # request ids whose proposal this step restarts their estimate
         self._last_key: tuple | None = None
         self._last_counts: list[int] = []
+        # A quiet batch: every running request decodes, none drafts, none is due to be asked
+        # before `_next_ask`; until then (or until something changes) `quiet` skips the step.
+        self._quiet_size: int | None = None
+        self._next_ask = 0
 
-    def choose(self, requests: Sequence[Request], limits: Sequence[int]) -> tuple[list[int], list[bool]]:
+    def quiet(self, num_running: int) -> bool:
+        """Whether this step drafts nothing and asks nobody, known without looking at
+        the requests: the last choice was that for the same `num_running` requests
+        (all decoding), no request was released and no unverified draft was accepted
+        since, and no wait ends yet."""
+        return num_running == self._quiet_size and self.step < self._next_ask
+
+    def choose(self, requests: Sequence[Request], limits: Sequence[int],
+               everyone: bool = False) -> tuple[list[int], list[bool]]:
         """Drafts each request verifies this step (at most its limit), and whether the
-        proposer is asked for it (also to score drafts nobody verifies, or to probe)."""
+        proposer is asked for it (also to score drafts nobody verifies, or to probe).
+        `everyone`: these are all the running requests (none is prefilling)."""
         self.probing = set()
+        self._quiet_size = None
         if not self.costs.ready(len(requests)):
             counts, asks = self._warm_up(len(requests), limits)
         else:
@@ -93,12 +107,25 @@ class AdaptiveDraftPolicy:
                     counts[i] = limit  # a probe: verified, and its outcome replaces the old estimate
                     self.probing.add(request.request_id)
                 asks.append(ask)
+            if everyone and not any(counts):
+                self._quiet_size, self._next_ask = len(requests), self._first_due(requests)
         for i, request in enumerate(requests):
             if request.generator is not None and not request.params.greedy:
                 # A seeded sample's draws depend on its drafts; drafts chosen from measured
                 # times would make its output differ run to run. It drafts as under `fixed`.
                 counts[i], asks[i] = limits[i], True
+                self._quiet_size = None
         return counts, asks
+
+    def _first_due(self, requests: Sequence[Request]) -> int:
+        """The first step after this one on which `_ask` asks any of `requests`."""
+        first = None
+        for request in requests:
+            pause = self.pauses[request.request_id]
+            every = min(pause.wait, SHADOW_AFTER_MAX)
+            due = -(-max(pause.last_asked + pause.wait, self.step + 1) // every) * every
+            first = due if first is None else min(first, due)
+        return self.step + 1 if first is None else first
 
     def _warm_up(self, num_requests: int, limits: Sequence[int]) -> tuple[list[int], list[bool]]:
         """Counts that show the cost model plain steps, full drafts and half drafts."""
@@ -151,12 +178,15 @@ class AdaptiveDraftPolicy:
         for state, request_id in self.acceptance.score_pending():
             pause = self.pauses.get(request_id)
             if pause is not None and state.hits > pause.hits:
-                # a draft it did not verify would have been accepted: look again sooner
+                # a draft it did not verify would have been accepted: look again sooner, and
+                # choose again (a miss only lowers estimates, so a quiet batch stays quiet)
                 pause.hits, pause.wait = state.hits, max(self._shortest_wait, pause.wait // 2)
+                self._quiet_size = None
         if num_drafts is not None:
             self.costs.observe(num_requests, num_drafts, seconds)
         self.step += 1
 
     def release(self, request_id: str) -> None:
+        self._quiet_size = None
         self.acceptance.release(request_id)
         self.pauses.pop(request_id, None)

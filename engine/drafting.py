@@ -65,6 +65,8 @@ class Drafter:
         self._step_started = self.clock()
         if self.disable_above_batch_size is not None and len(running) > self.disable_above_batch_size:
             return {}
+        if self.policy is not None and self.policy.quiet(len(running)):
+            return {}
         asked, limits = [], []
         for request in running:
             if (request.params.speculative and request.output_token_ids
@@ -77,7 +79,7 @@ class Drafter:
             return {}
         counts = limits
         if self.policy is not None:
-            counts, asks = self.policy.choose(asked, limits)
+            counts, asks = self.policy.choose(asked, limits, everyone=len(asked) == len(running))
             kept = [i for i, ask in enumerate(asks) if ask]
             if not kept:
                 return {}

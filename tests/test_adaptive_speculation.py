@@ -201,6 +201,14 @@ def test_requests_that_draft_nothing_ask_a_cheap_proposer_together_on_few_steps(
         return step(*args, **kwargs)
 
     engine.step = counting_step
+    chosen_at = []
+    choose = engine.drafter.policy.choose
+
+    def counting_choose(*args, **kwargs):
+        chosen_at.append(steps[0])
+        return choose(*args, **kwargs)
+
+    engine.drafter.policy.choose = counting_choose
     prompts = {f"r{i}": [1 + i, 2, 3, 4, 5, 6] for i in range(4)}
     outputs, drafts = run_recording_drafts(engine, prompts, max_tokens=90)
     for request_id, prompt in prompts.items():
@@ -209,6 +217,10 @@ def test_requests_that_draft_nothing_ask_a_cheap_proposer_together_on_few_steps(
     # once their waits reached SHADOW_AFTER_MAX, all four are asked on the same step, one step in 8
     assert late and len(late) <= (steps[0] - 30) // 8 + 1, late
     assert all(asked == len(prompts) for _, asked in late), late
+    # and the steps between cost no per-request work: the policy chooses on the step it asks
+    # and the one after (the shadow drafts scored), and is skipped on the others
+    late_choices = [at for at in chosen_at if at > 30]
+    assert len(late_choices) <= 2 * len(late) + 2, (late_choices, late)
     assert sum(d for request_id in prompts for length, d in drafts[request_id] if length > 30) == 0
 
 
