@@ -39,10 +39,11 @@ class StepSampler:
         """The tokens every sampling request (and every sample forked this step)
         emits, and the requests whose logits are not finite."""
         requests = plain_requests(plan.scheduled, logits)
-        # One reduction finds any NaN or infinity (a finite sum that overflows only sends
-        # the step to the exact per-row check of `split_non_finite`).
-        if requests is not None and math.isfinite(float(logits.sum())):
-            tokens = self.sampler.draw(logits, requests).tolist()
+        if requests is not None and all_finite(logits):
+            if logits.device.type == "cpu" and all(r.params.greedy for r in requests):
+                tokens = logits.numpy().argmax(axis=1).tolist()  # first maximum, as torch's argmax
+            else:
+                tokens = self.sampler.draw(logits, requests).tolist()
             return SamplerOutput({r.request_id: SampledTokens([t]) for r, t in zip(requests, tokens)})
         entries, logits, non_finite = split_non_finite(plan.scheduled, logits)
         return SamplerOutput(self._sample(entries, logits), non_finite)
@@ -129,7 +130,7 @@ def plain_requests(entries: list[ScheduledRequest], logits: torch.Tensor) -> lis
     that needs no processing (`processed_logits` would return it unchanged) and no
     logprobs: no drafts, forks, grammar, penalties, logit bias or `min_tokens` still
     to reach. None when any entry is not so (the step takes the general path)."""
-    if logits.shape[0] != len(entries) or logits.dtype != torch.float32:
+    if not entries or logits.shape[0] != len(entries) or logits.dtype != torch.float32:
         return None
     requests = []
     for entry in entries:
@@ -140,6 +141,17 @@ def plain_requests(entries: list[ScheduledRequest], logits: torch.Tensor) -> lis
             return None
         requests.append(request)
     return requests
+
+
+def all_finite(logits: torch.Tensor) -> bool:
+    """Whether no logit is NaN or infinite. On CPU numpy's minimum and maximum (NaN
+    propagates through both) cost less than a torch reduction; elsewhere one sum,
+    which any NaN or infinity makes non-finite (a finite sum that overflows only
+    sends the step to the exact per-row check of `split_non_finite`)."""
+    if logits.device.type == "cpu":
+        values = logits.numpy()
+        return math.isfinite(values.min()) and math.isfinite(values.max())
+    return math.isfinite(float(logits.sum()))
 
 
 def split_non_finite(entries: list[ScheduledRequest],
