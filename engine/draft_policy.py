@@ -26,14 +26,15 @@ unverified drafts would have been accepted):
 * a cheap proposer (`SpeculativeProposer.cheap`, e.g. `ngram`) is asked for it
   every 1, 2, 4, then `SHADOW_AFTER_MAX` steps, and its would-be drafts are scored
   against the tokens that follow (shadow drafts): no verification cost;
-* a proposer that runs a model is not asked for it, except that after 8, 16, ...
+* a proposer that runs a model is not asked for it, except that after 16, 32, ...
   up to `PROBE_AFTER_MAX` steps it verifies a full draft once, whose outcome
   replaces the request's old estimate.
 
 The waits are kept on the engine's step count (a wait of w falls on multiples of
 w, of `SHADOW_AFTER_MAX` past it), so requests that draft nothing are asked on
 the same few steps and the steps between cost nothing for them. A request's
-first step asks at once, so it has evidence of its own from the start.
+first step asks a cheap proposer at once, so it has evidence of its own from the
+start; a costly one drafts from the engine-wide estimate until its first probe.
 
 A seeded sampled request (`SamplingParams.seed`) drafts as under `fixed`: its
 random draws depend on how many drafts it verifies, and counts chosen from
@@ -52,7 +53,7 @@ from .request import Request
 DRAFT_POLICIES = ("adaptive", "fixed")
 WARM_UP_CYCLE = 4  # while costs are unknown: a plain step (until known), full, half, full
 SHADOW_AFTER_MAX = 8
-PROBE_AFTER = 8
+PROBE_AFTER = 16
 PROBE_AFTER_MAX = 128
 
 
@@ -156,9 +157,13 @@ class AdaptiveDraftPolicy:
 
     def _ask(self, request_id: str, count: int) -> bool:
         pause = self.pauses.get(request_id)
-        if pause is None:  # its first step: ask at once
+        if pause is None:
+            # Its first step: a cheap proposer is asked at once (its drafts are only scored);
+            # a costly one waits as after a step without drafts, since a probe costs a
+            # catch-up run of the draft over the whole prompt, and the request starts from
+            # the engine's acceptance rate meanwhile (drafting at once where that pays).
             self.pauses[request_id] = _Pause(self.step, self._shortest_wait)
-            return True
+            return self.cheap_proposer or bool(count)
         if count:
             pause.last_asked, pause.wait = self.step, self._shortest_wait
             return True
