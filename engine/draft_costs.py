@@ -113,9 +113,14 @@ class _Bucket:
     def __init__(self):
         self.plain: deque[float] = deque(maxlen=PLAIN_WINDOW)
         self.drafted: deque[tuple[int, float]] = deque(maxlen=WINDOW)  # (drafts, ratio to the plain median)
-        self.base = 0.0  # the plain median, kept current as plain steps arrive
+        self.base: float | None = None  # the plain median; None when a plain step came since
         self.costs: StepCosts | None = None
         self.since_fit = 0
+
+    def current_base(self) -> float:
+        if self.base is None:
+            self.base = max(median(self.plain), 1e-9)
+        return self.base
 
 
 class StepCostModel:
@@ -147,10 +152,10 @@ class StepCostModel:
         if num_drafts:
             if not bucket.plain:
                 return  # nothing to compare it with yet
-            bucket.drafted.append((num_drafts, seconds / bucket.base))
+            bucket.drafted.append((num_drafts, seconds / bucket.current_base()))
         else:
             bucket.plain.append(seconds)
-            bucket.base = max(median(bucket.plain), 1e-9)
+            bucket.base = None  # the median again when next needed (most plain steps never need it)
         bucket.since_fit += 1
         if bucket.since_fit >= REFIT_EVERY:
             bucket.costs = None
@@ -161,7 +166,8 @@ class StepCostModel:
         bucket = self._bucket(num_requests)
         if bucket.costs is None:
             verify, per_draft = ratio_fit(bucket.drafted)
-            bucket.costs = StepCosts(bucket.base, per_draft * bucket.base, verify * bucket.base)
+            base = bucket.current_base()
+            bucket.costs = StepCosts(base, per_draft * base, verify * base)
             bucket.since_fit = 0
             self.fits += 1
         return bucket.costs
