@@ -6,7 +6,11 @@ its drafts), timed from proposing to the applied result (the forward, the
 verification and a draft model's run when it is timed inside the step):
 
 * plain steps (no drafts): the median of the last few is what a step costs
-  now (`base`);
+  now (`base`); a batch that drafts on every step is asked for one plain step
+  in `PLAIN_REFRESH` (`stale`), so the base does not drift from the steps
+  measured against it, and a batch that drafts nothing for `COST_PROBE_EVERY`
+  steps drafts on one (`probe_due`), so an estimate that once turned drafts
+  down can be revised;
 * steps with drafts, each kept as its *ratio* to the plain median of the
   moment: a load that slows every step alike leaves the ratios unchanged, so
   what drafts cost relative to a plain step holds while the load swings.
@@ -41,8 +45,10 @@ import torch
 
 WINDOW = 32  # steps with drafts kept per bucket
 PLAIN_WINDOW = 9  # plain steps kept per bucket: a short window, so the base follows the load within a few
-MIN_PLAIN = 3  # plain steps in a bucket before its base is trusted
-MIN_DRAFTED = 4  # steps with drafts in a bucket before their cost is trusted
+MIN_PLAIN = 4  # plain steps in a bucket before its base is trusted
+MIN_DRAFTED = 8  # steps with drafts in a bucket before their cost is trusted (single steps are noisy)
+COST_PROBE_EVERY = 128  # plain steps in a row after which one step drafts again, to measure drafts anew
+PLAIN_REFRESH = 16  # steps with drafts in a row before a plain step is wanted, to keep the base current
 REFIT_EVERY = 8  # steps of a bucket between estimates (one costs tens of µs)
 
 
@@ -116,6 +122,8 @@ class _Bucket:
         self.base: float | None = None  # the plain median; None when a plain step came since
         self.costs: StepCosts | None = None
         self.since_fit = 0
+        self.since_plain = 0  # steps with drafts since the last plain one
+        self.since_drafted = 0  # plain steps since the last one with drafts
 
     def current_base(self) -> float:
         if self.base is None:
@@ -142,6 +150,20 @@ class StepCostModel:
         bucket = self.buckets.get(batch_bucket(num_requests))
         return bucket is not None and len(bucket.plain) >= MIN_PLAIN and len(bucket.drafted) >= MIN_DRAFTED
 
+    def stale(self, num_requests: int) -> bool:
+        """Whether this batch drafted `PLAIN_REFRESH` steps in a row: its base, and so
+        every ratio measured against it, may have drifted (longer sequences, another
+        load); one plain step renews it."""
+        bucket = self.buckets.get(batch_bucket(num_requests))
+        return bucket is not None and bucket.since_plain >= PLAIN_REFRESH
+
+    def probe_due(self, num_requests: int) -> bool:
+        """Whether this batch went `COST_PROBE_EVERY` steps without drafts: what drafts
+        cost was measured long ago (perhaps on a noisy stretch that made them look too
+        dear ever to try again), so one step with drafts measures it anew."""
+        bucket = self.buckets.get(batch_bucket(num_requests))
+        return bucket is not None and bucket.since_drafted >= COST_PROBE_EVERY
+
     def needs_steps_without_drafts(self, num_requests: int) -> bool:
         bucket = self.buckets.get(batch_bucket(num_requests))
         return bucket is None or len(bucket.plain) < MIN_PLAIN
@@ -153,8 +175,10 @@ class StepCostModel:
             if not bucket.plain:
                 return  # nothing to compare it with yet
             bucket.drafted.append((num_drafts, seconds / bucket.current_base()))
+            bucket.since_plain, bucket.since_drafted = bucket.since_plain + 1, 0
         else:
             bucket.plain.append(seconds)
+            bucket.since_plain, bucket.since_drafted = 0, bucket.since_drafted + 1
             bucket.base = None  # the median again when next needed (most plain steps never need it)
         bucket.since_fit += 1
         if bucket.since_fit >= REFIT_EVERY:

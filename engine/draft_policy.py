@@ -7,7 +7,9 @@ Adaptive drafting, each step:
    its own recent proposals (`draft_acceptance`);
 2. the engine's measured step costs at this batch size (`draft_costs.StepCostModel`:
    the median plain step and what drafts cost relative to it) say what the step
-   costs with D drafts;
+   costs with D drafts (after `PLAIN_REFRESH` steps with drafts in a row, one step
+   drafts nothing, to renew the median; after `COST_PROBE_EVERY` without, one
+   drafts all it may, to measure drafts anew);
 3. if even the largest gain could not pay for a draft (`may_pay`), nobody drafts
    (the common case on unpredictable text, decided without the full choice);
    otherwise `best_draft_counts` picks the drafts that maximise expected tokens
@@ -57,6 +59,11 @@ PROBE_AFTER = 16
 PROBE_AFTER_MAX = 128
 
 
+def _seeded(request: Request) -> bool:
+    """A sampled request with its own seed: it drafts as under `fixed` (module docstring)."""
+    return request.generator is not None and not request.params.greedy
+
+
 @dataclass
 class _Pause:
     """When a request that drafts nothing is next asked for drafts."""
@@ -99,6 +106,10 @@ class AdaptiveDraftPolicy:
         self._quiet_size = None
         if not self.costs.ready(len(requests)):
             counts, asks = self._warm_up(len(requests), limits)
+        elif self.costs.stale(len(requests)) and not any(_seeded(r) for r in requests):
+            counts, asks = [0] * len(requests), [False] * len(requests)  # a plain step renews the base
+        elif self.costs.probe_due(len(requests)):
+            counts, asks = list(limits), [True] * len(requests)  # a step with drafts measures them anew
         else:
             counts = self._best_counts(requests, limits)
             asks = []
@@ -111,7 +122,7 @@ class AdaptiveDraftPolicy:
             if everyone and not any(counts):
                 self._quiet_size, self._next_ask = len(requests), self._first_due(requests)
         for i, request in enumerate(requests):
-            if request.generator is not None and not request.params.greedy:
+            if _seeded(request):
                 # A seeded sample's draws depend on its drafts; drafts chosen from measured
                 # times would make its output differ run to run. It drafts as under `fixed`.
                 counts[i], asks[i] = limits[i], True
@@ -177,9 +188,8 @@ class AdaptiveDraftPolicy:
         """The proposer's drafts for `request` this step (all it proposed, verified or not)."""
         self.acceptance.propose(request, token_ids, fresh=request.request_id in self.probing)
 
-    def observe(self, num_requests: int, num_drafts: int | None, seconds: float) -> None:
-        """After a step of `num_requests`: score the proposals now decided, and, for a
-        step of pure decodes (`num_drafts` not None), its seconds against its drafts."""
+    def observe(self) -> None:
+        """After a step: score the proposals now decided."""
         for state, request_id in self.acceptance.score_pending():
             pause = self.pauses.get(request_id)
             if pause is not None and state.hits > pause.hits:
@@ -187,9 +197,11 @@ class AdaptiveDraftPolicy:
                 # choose again (a miss only lowers estimates, so a quiet batch stays quiet)
                 pause.hits, pause.wait = state.hits, max(self._shortest_wait, pause.wait // 2)
                 self._quiet_size = None
-        if num_drafts is not None:
-            self.costs.observe(num_requests, num_drafts, seconds)
         self.step += 1
+
+    def timed(self, num_requests: int, num_drafts: int, seconds: float) -> None:
+        """A pure-decode step of `num_requests` with `num_drafts` drafts took `seconds`."""
+        self.costs.observe(num_requests, num_drafts, seconds)
 
     def release(self, request_id: str) -> None:
         self._quiet_size = None

@@ -50,6 +50,9 @@ class Drafter:
         self.policy = (AdaptiveDraftPolicy(cheap_proposer=proposer.cheap) if draft_policy == "adaptive" else None)
         self.clock = step_clock(device)
         self._step_started = 0.0
+        # (requests, drafts) of the last step if it was pure decodes: it is timed up to the
+        # next `propose`, so what the engine and its caller do per step after it counts too
+        self._timing: tuple[int, int] | None = None
 
     def limit(self, request: Request) -> int:
         """The most draft tokens `request` may take now: all accepted plus the
@@ -61,8 +64,13 @@ class Drafter:
 
     def propose(self, running: Sequence[Request]) -> dict[str, DraftProposal]:
         """Drafts for the running requests that speculate this step, by request id.
-        Called first thing in a step: the step's time is counted from here (`observe`)."""
-        self._step_started = self.clock()
+        Called first thing in a step: a step is timed from here to the next call."""
+        now = self.clock()
+        if self._timing is not None:
+            num_requests, num_drafts = self._timing
+            self.policy.timed(num_requests, num_drafts, now - self._step_started)
+            self._timing = None
+        self._step_started = now
         if self.disable_above_batch_size is not None and len(running) > self.disable_above_batch_size:
             return {}
         if self.policy is not None and self.policy.quiet(len(running)):
@@ -101,13 +109,13 @@ class Drafter:
 
     def observe(self, scheduled: Sequence[ScheduledRequest]) -> None:
         """After a step has applied its result (`scheduled`): lets the adaptive policy
-        score proposals against the new tokens, and time the step since `propose`."""
+        score proposals against the new tokens, and marks a step of pure decodes to be
+        timed (up to the next `propose`)."""
         if self.policy is None or not scheduled:
             return
-        seconds = self.clock() - self._step_started
-        decodes = all(e.num_tokens == 1 + len(e.draft_token_ids) for e in scheduled)
-        num_drafts = sum(len(e.draft_token_ids) for e in scheduled) if decodes else None
-        self.policy.observe(len(scheduled), num_drafts, seconds)
+        if all(e.num_tokens == 1 + len(e.draft_token_ids) for e in scheduled):  # pure decodes
+            self._timing = (len(scheduled), sum(len(e.draft_token_ids) for e in scheduled))
+        self.policy.observe()
 
     def check(self, proposals, asked: Sequence[Request], num_tokens: int) -> None:
         """Raise `ProposerError` unless `proposals` keep the proposer contract."""

@@ -47,6 +47,12 @@ class FixedCosts:
     def needs_steps_without_drafts(self, num_requests: int) -> bool:
         return False
 
+    def stale(self, num_requests: int) -> bool:
+        return False
+
+    def probe_due(self, num_requests: int) -> bool:
+        return False
+
 
 class _Planted(SpeculativeProposer):
     """Drafts the model's own greedy continuation ("right") or that plus one at every
@@ -242,7 +248,7 @@ def test_requests_that_joined_at_different_steps_are_asked_on_the_same_steps():
         counts, asks = policy.choose(running, [K] * len(running))
         assert counts == [0] * len(running)
         asked_at[step] = [r.request_id for r, ask in zip(running, asks) if ask]
-        policy.observe(len(running), 0, 1e-3)
+        policy.observe()
     late = {step: ids for step, ids in asked_at.items() if step >= 60 and ids}
     assert len(late) <= 60 // SHADOW_AFTER_MAX + 1, late
     assert all(len(ids) == len(requests) for ids in late.values()), late
