@@ -2,7 +2,7 @@
 host reads memory at all (docs/quantization.md, "The weight-only kernel").
 
 For each layer shape of a synthetic bench model (default `bench-llama-25m`:
-qkv, o, gate_up, down, head), each row count, weight-only (`activations`
+qkv, o, gate and up, down, head), each row count, weight-only (`activations`
 "none") and W8A8 ("int8"), float32 and bfloat16 rows, and for weight-only both weight layouts
 (packed, as `Int8Linear` keeps it, and `[out, in]` rows): the weight bytes read
 per second of one call through `Int8Linear`, as the models run it. Enough
@@ -40,12 +40,12 @@ COLD_MIB = 96  # three times this host's 32 MiB L3
 
 def layer_shapes(model: str) -> dict[str, tuple[int, int]]:
     """Layer name -> (out, in) of a synthetic bench model as its int8 layers hold them
-    (q/k/v fused into one weight, gate and up into one)."""
+    (q/k/v fused into one weight; gate and up two layers of one shape)."""
     c = SYNTHETIC[model]
     hidden, inter = c["hidden_size"], c["intermediate_size"]
     head = hidden // c["num_attention_heads"]
     return {"qkv": (hidden + 2 * c["num_key_value_heads"] * head, hidden), "o": (hidden, hidden),
-            "gate_up": (2 * inter, hidden), "down": (hidden, inter), "head": (c["vocab_size"], hidden)}
+            "gate, up": (inter, hidden), "down": (hidden, inter), "head": (c["vocab_size"], hidden)}
 
 
 def cold_layers(out: int, k: int, activations: str, cold_bytes: int, layout: str = "packed") -> list[Int8Linear]:
