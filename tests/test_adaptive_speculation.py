@@ -2,7 +2,7 @@
 drafts as pay. Speculation that does not pay must stop costing, per request, and
 come back when it pays again; greedy output never changes.
 
-The engine measures step costs itself (wall time); to keep these tests free of
+The engine measures step costs itself (CPU or wall time); to keep these tests free of
 timing, the policy's cost model is replaced by fixed costs where the behaviour
 depends on it."""
 
