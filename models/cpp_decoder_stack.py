@@ -120,9 +120,6 @@ class CppDecoderStack:
     call it as the layer loop of `LlamaForCausalLM.forward`."""
 
     def __init__(self, model):
-        from kvforge.backends.cpp.backend import CppAttentionBackend
-        from kvforge.backends.cpp.batch_invariant import CppBatchInvariantAttentionBackend
-
         self.specs = list(dict.fromkeys(model.layer_specs))  # the step's plans, one per distinct spec
         self.last_spec = model.layer_specs[-1]
         self.stack = torch.classes.kvforge_cpp.DecoderStack()
@@ -131,8 +128,9 @@ class CppDecoderStack:
             if why_not is not None:
                 raise ValueError(f"the C++ decoder stack cannot run this model: {why_not}")
             self.stack.add_layer(*entry)
-        # The backends it runs attention for, and whether they ask for the batch-invariant kernel.
-        self._invariant = {CppAttentionBackend: False, CppBatchInvariantAttentionBackend: True}
+        # The backends it runs attention for, by registry name (models do not import
+        # backends), and whether they ask for the batch-invariant kernel.
+        self._invariant = {"cpp": False, "cpp_batch_invariant": True}
         self._refusals: dict = {}  # backend instance -> why the stack cannot serve it (None: it can)
 
     def refusal(self, plan) -> str | None:
@@ -146,7 +144,7 @@ class CppDecoderStack:
         return None
 
     def _backend_refusal(self, backend) -> str | None:
-        if type(backend) not in self._invariant:
+        if backend.name not in self._invariant:
             return f"attention backend {backend.name!r}: the C++ decoder stack calls the cpp backend's kernel"
         if backend.cache.quantized:
             return "a quantized KV cache (its writes and views run in Python)"
@@ -166,7 +164,7 @@ class CppDecoderStack:
                 last_plan = [p.query_start_loc, p.seq_lens, p.context_lens, p.block_table]
         backend = plan.backends[self.last_spec][0]
         return self.stack.forward(x, cos_sin[0], cos_sin[1], kv_caches, plans, plan.batch.slot_mapping.to(torch.int64),
-                                  rows, last_plan, self._invariant[type(backend)])
+                                  rows, last_plan, self._invariant[backend.name])
 
 
 def decoder_stack_for(model) -> tuple[CppDecoderStack | None, str | None]:
