@@ -28,6 +28,7 @@ import time
 
 import torch
 
+from kvforge.core import cdiv
 from kvforge.models.quantized_linear import Int8Linear, place_on_huge_pages
 
 from .model_dirs import SYNTHETIC
@@ -51,7 +52,7 @@ def layer_shapes(model: str) -> dict[str, tuple[int, int]]:
 def cold_layers(out: int, k: int, activations: str, cold_bytes: int, layout: str = "packed") -> list[Int8Linear]:
     """Copies of an `out` x `k` int8 layer holding `cold_bytes` of weights in all, on 2 MiB pages;
     `layout` "rows" keeps each weight `[out, in]` where the layer would pack it."""
-    copies = max(2, -(-cold_bytes // (out * k)))
+    copies = max(2, cdiv(cold_bytes, out * k))
     layers = [Int8Linear(torch.randint(-127, 128, (out, k), dtype=torch.int8), torch.rand(out) * 0.01 + 1e-3,
                          None, activations) for _ in range(copies)]
     if layout == "rows":

@@ -48,6 +48,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from kvforge.core import cdiv
+
 from .draft_acceptance import AcceptanceTracker
 from .draft_costs import StepCostModel, best_draft_counts, may_pay
 from .request import Request
@@ -135,7 +137,7 @@ class AdaptiveDraftPolicy:
         for request in requests:
             pause = self.pauses[request.request_id]
             every = min(pause.wait, SHADOW_AFTER_MAX)
-            due = -(-max(pause.last_asked + pause.wait, self.step + 1) // every) * every
+            due = cdiv(max(pause.last_asked + pause.wait, self.step + 1), every) * every
             first = due if first is None else min(first, due)
         return self.step + 1 if first is None else first
 

@@ -12,7 +12,7 @@ import torch
 from kvforge import LLM, SamplingParams
 from kvforge.conformance.attention_cases import Target, check_case, make_case, make_layer
 from kvforge.conformance.check_attention_batch_invariance import run_hypothesis
-from kvforge.core import ATTENTION_BACKEND, SelectionError, UnsupportedConfigurationError, build_registry
+from kvforge.core import ATTENTION_BACKEND, SelectionError, UnsupportedConfigurationError, build_registry, cdiv
 from tests.planted.attention_backends import SplitKVByBatchSize
 
 PROMPTS = [
@@ -80,7 +80,7 @@ def test_a_decode_row_has_the_bits_of_the_same_token_inside_a_prompt_chunk(dtype
     build.load()
     gen = torch.Generator().manual_seed(7)
     length, kv_heads, block_size = 150, 4, 16
-    blocks = -(-length // block_size)
+    blocks = cdiv(length, block_size)
     cache = torch.randn(blocks + 3, 2, block_size, kv_heads, head_size, generator=gen).to(dtype)
     block_table = torch.randperm(blocks + 3, generator=gen)[:blocks].to(torch.int32).view(1, -1)
     # Some rows whose scores climb past the running maximum, so tiles rescale.

@@ -16,6 +16,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from kvforge.core import cdiv
 from kvforge.models.quantized_linear import Int8Linear, load_weight_only_kernel
 from tests.test_int8_weight_linear import LEVELS, kernel_error, operands
 
@@ -43,7 +44,7 @@ def on_level(level: str, dtype: torch.dtype, monkeypatch) -> None:
 def test_packing_is_the_documented_layout_and_unpacking_undoes_it(out, k):
     w = torch.randint(-127, 128, (out, k), dtype=torch.int8)
     packed = torch.ops.kvforge_cpp.int8_pack_weight(w)
-    blocks = -(-out // PACK)
+    blocks = cdiv(out, PACK)
     assert packed.shape == (blocks, k, PACK) and packed.dtype == torch.int8 and packed.is_contiguous()
     padded = torch.zeros(blocks * PACK, k, dtype=torch.int8)
     padded[:out] = w
