@@ -246,8 +246,14 @@ def apply_penalties(logits: torch.Tensor, requests: Sequence[Request]) -> None:
     if any(p.repetition_penalty != 1 for p in params):
         repetition = torch.tensor([p.repetition_penalty for p in params], device=device).unsqueeze(1)
         seen = (token_counts([r.prompt_token_ids for r in requests], vocab, device) > 0) | (output_counts > 0)
+        # A penalty outside float32's range is inf or 0 there: 0 * inf, 0 / 0 would be NaN and
+        # a product or quotient past the range an infinity, which would ban (or force) a token
+        # where the penalty should only make it less (or more) likely. Zeros stay, results stop
+        # at the finite range, and tokens already banned (-inf) stay banned.
+        finite = torch.finfo(logits.dtype)
         penalized = torch.where(logits > 0, logits / repetition, logits * repetition)
-        logits.copy_(torch.where(seen, penalized, logits))
+        penalized = torch.where(logits == 0, logits, penalized).clamp(finite.min, finite.max)
+        logits.copy_(torch.where(seen & (logits != NEG_INF), penalized, logits))
     presence = torch.tensor([p.presence_penalty for p in params], device=device).unsqueeze(1)
     frequency = torch.tensor([p.frequency_penalty for p in params], device=device).unsqueeze(1)
     logits -= frequency * output_counts + presence * (output_counts > 0)

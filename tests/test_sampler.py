@@ -92,6 +92,15 @@ def test_repetition_penalty_divides_positive_and_multiplies_negative_seen_logits
     assert logits.tolist() == [[1.0, -4.0, 2.0, -2.0, 1.0]]
 
 
+@pytest.mark.parametrize("penalty", [1.4e308, 5e-324])  # inf and 0 in float32
+def test_a_repetition_penalty_beyond_float32_neither_bans_nor_forces_a_token(penalty):
+    logits = torch.tensor([[2.0, -2.0, 0.0, float("-inf"), 1.0]])
+    apply_penalties(logits, [req(prompt=[0, 1, 2, 3], repetition_penalty=penalty)])
+    big = torch.finfo(torch.float32).max
+    expected = [0.0, -big, 0.0, float("-inf"), 1.0] if penalty > 1 else [big, -0.0, 0.0, float("-inf"), 1.0]
+    assert logits.tolist() == [expected]  # finite where it was finite, no NaN, the ban kept
+
+
 def test_presence_and_frequency_penalties_subtract_per_output_token():
     logits = torch.zeros(1, 4)
     apply_penalties(logits, [req(prompt=[3, 3], output=[1, 1, 2], presence_penalty=0.5, frequency_penalty=0.25)])

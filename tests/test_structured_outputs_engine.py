@@ -165,6 +165,16 @@ def test_no_penalty_brings_back_a_token_the_grammar_forbids(llm):
     assert output.finish_reason == "stop" and output.text in ("yes", "no")
 
 
+def test_a_penalty_beyond_float32_on_every_allowed_token_still_samples_inside_the_grammar(llm):
+    # 1.4e308 is inf in float32: every seen token with a negative logit would become -inf,
+    # and a row whose allowed tokens are all -inf has no allowed argmax
+    prompt = "".join(map(chr, range(32, 127))) * 2 + '{ } \n\t"0123'
+    params = SamplingParams(temperature=0, max_tokens=8, repetition_penalty=1.4e308,
+                            structured_outputs=StructuredOutputsParams(json_object=True))
+    output = llm.generate([prompt], params)[0].outputs[0]
+    assert output.finish_reason in ("stop", "length") and output.text.startswith("{"), output
+
+
 def test_a_temperature_too_small_for_float32_samples_greedily_inside_the_grammar(llm):
     # 1e-75 is 0 in float32: dividing by it would give infinities and NaN probabilities
     tiny = llm.generate(PROMPTS, choice(temperature=1e-75, max_tokens=40))
