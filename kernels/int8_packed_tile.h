@@ -5,45 +5,63 @@
 //
 // Included by int8_packed_linear.cpp once per ISA, each time after
 // bf16_vectors.h (vf16, store_bf16x16), after defining `widen_w16` (16 int8
-// weights as floats) and `kPackedRows` (rows per tile: as many as the
+// weights as floats), `vw` (the ISA's own float vector: 16 bytes on the
+// baseline, 32 under AVX2, 64 under AVX-512), `widen_w` (as many int8 weights
+// as `vw` has lanes, as floats) and `kPackedRows` (rows per tile: as many as the
 // accumulators fit the registers). It includes nothing itself.
+//
+// The decode tile keeps its sums in `vw`: GCC (12) keeps a vector wider than
+// the ISA's registers (vf16 under AVX2 or SSE) in memory and splits every
+// operation through the stack, which ran this tile at a tenth of memory speed.
+// Each lane's arithmetic is the same whatever the width (no sum crosses lanes).
 
-// Outputs as float32 or bfloat16 (raw bits, rounded to nearest even as torch).
-inline void store_out(float* p, vf16 v) { *reinterpret_cast<vf16*>(p) = v; }
-inline void store_out(uint16_t* p, vf16 v) { store_bf16x16(p, v); }
+constexpr int kW = sizeof(vw) / sizeof(float);  // lanes per vector
+constexpr int kV = kPackChannels / kW;          // vectors per 64-channel line
+typedef uint32_t vwu __attribute__((vector_size(sizeof(vw)), aligned(4), may_alias));
+typedef uint16_t vwh __attribute__((vector_size(sizeof(vw) / 2), aligned(2), may_alias));
+
+// Outputs as float32 or bfloat16 (raw bits, rounded to nearest even as torch:
+// float_to_bf16 on every lane).
+inline void store_out(float* p, vw v) { *reinterpret_cast<vw*>(p) = v; }
+inline void store_out(uint16_t* p, vw v) {
+  const vwu bits = reinterpret_cast<const vwu&>(v);
+  const vwu rounded = (bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16;
+  const vwu nan = (bits & 0x7fffffffu) > 0x7f800000u;
+  *reinterpret_cast<vwh*>(p) = __builtin_convertvector(nan ? vwu{} + 0x7fc0u : rounded, vwh);
+}
 inline void store_out1(float* p, float v) { *p = v; }
 inline void store_out1(uint16_t* p, float v) { *p = float_to_bf16(v); }
 
 // MR rows of x (x_stride apart) against one packed block of 64 channels,
 // `channels` of which are real (the rest of the last block is padding):
 // y[m * y_stride + c] = (x_m . w_c) * scale[c] + bias[c] (bias may be null).
-// Each step widens the line of input d (64 channels, four vectors) once and
-// adds x[m][d] times it into 16 channels per vector: the sums of 64 channels
-// sit in 4 MR registers, so no sum is ever folded across lanes, and the
+// Each step widens the line of input d (64 channels, kV vectors) once and
+// adds x[m][d] times it into kW channels per vector: the sums of 64 channels
+// sit in kV MR registers, so no sum is ever folded across lanes, and the
 // scales multiply them once at the end.
 template <int MR, typename Out>
 inline void packed_tile(const float* __restrict__ x, int64_t x_stride, const int8_t* __restrict__ block, int64_t k,
                         const float* __restrict__ scale, const float* __restrict__ bias, int64_t channels,
                         Out* __restrict__ y, int64_t y_stride) {
-  vf16 acc[MR][4];
+  vw acc[MR][kV];
   for (int m = 0; m < MR; ++m) {
-    for (int u = 0; u < 4; ++u) acc[m][u] = vf16{};
+    for (int u = 0; u < kV; ++u) acc[m][u] = vw{};
   }
   for (int64_t d = 0; d < k; ++d) {
     const int8_t* line = block + d * kPackChannels;
     __builtin_prefetch(line + kWeightsAhead, 0, 2);  // the same stream kWeightsAhead on
-    vf16 wv[4];
-    for (int u = 0; u < 4; ++u) wv[u] = widen_w16(line + 16 * u);
+    vw wv[kV];
+    for (int u = 0; u < kV; ++u) wv[u] = widen_w(line + kW * u);
     for (int m = 0; m < MR; ++m) {
       const float xv = x[m * x_stride + d];
-      for (int u = 0; u < 4; ++u) acc[m][u] += xv * wv[u];
+      for (int u = 0; u < kV; ++u) acc[m][u] += xv * wv[u];
     }
   }
-  for (int u = 0; u < 4; ++u) {
-    const int64_t c0 = 16 * u;
-    if (c0 + 16 <= channels) {
-      const vf16 s = *reinterpret_cast<const vf16*>(scale + c0);
-      const vf16 b = bias != nullptr ? *reinterpret_cast<const vf16*>(bias + c0) : vf16{};
+  for (int u = 0; u < kV; ++u) {
+    const int64_t c0 = kW * u;
+    if (c0 + kW <= channels) {
+      const vw s = *reinterpret_cast<const vw*>(scale + c0);
+      const vw b = bias != nullptr ? *reinterpret_cast<const vw*>(bias + c0) : vw{};
       for (int m = 0; m < MR; ++m) store_out(y + m * y_stride + c0, acc[m][u] * s + b);
       continue;
     }
