@@ -43,7 +43,7 @@ HEADERS = [HERE / "cpu_isa.h", HERE / "vector_kernels.h", HERE / "vector_exp.h",
            HERE / "decoder_stack_ops.h",
            HERE / "linear_tile.h", HERE / "bf16_linear_dpbf16.h", HERE / "rms_norm_rotary_rows.h",
            HERE / "f32_packed_rows.h", HERE / "int8_rows.h", HERE / "int8_linear_common.h", HERE / "lora_tile.h",
-           HERE / "int8_packed_tile.h",
+           HERE / "int8_packed_tile.h", HERE / "native_vectors.h",
            HERE / "invariant_tile.h", HERE / "transpose16.h", HERE / "narrow_rows.h", HERE / "narrow_bf16.h"]
 CACHE_ENV = "KVFORGE_CACHE_DIR"
 # -O3 vectorises the inner loops; the AVX2+FMA variant is chosen at run time

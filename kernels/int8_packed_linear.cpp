@@ -45,7 +45,8 @@ inline vf16 widen_w16(const int8_t* p) {
   for (int i = 0; i < 16; ++i) v[i] = static_cast<float>(p[i]);
   return v;
 }
-typedef float vw __attribute__((vector_size(16), aligned(4), may_alias));
+#define KVFORGE_VW_BYTES 16
+#include "native_vectors.h"
 inline vw widen_w(const int8_t* p) { return vw{float(p[0]), float(p[1]), float(p[2]), float(p[3])}; }
 constexpr int kPackedRows = 1;  // 16 of the 16 SSE registers hold one row's sums
 #include "int8_packed_tile.h"
@@ -63,7 +64,8 @@ inline vf16 widen_w16(const int8_t* p) {
   return vf16{lo[0], lo[1], lo[2], lo[3], lo[4], lo[5], lo[6], lo[7],
               hi[0], hi[1], hi[2], hi[3], hi[4], hi[5], hi[6], hi[7]};
 }
-typedef float vw __attribute__((vector_size(32), aligned(4), may_alias));
+#define KVFORGE_VW_BYTES 32
+#include "native_vectors.h"
 inline vw widen_w(const int8_t* p) {
   return (vw)_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
 }
@@ -78,7 +80,8 @@ namespace packed_avx512 {
 inline vf16 widen_w16(const int8_t* p) {
   return (vf16)_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
 }
-typedef vf16 vw;
+#define KVFORGE_VW_BYTES 64
+#include "native_vectors.h"
 inline vw widen_w(const int8_t* p) { return widen_w16(p); }
 constexpr int kPackedRows = 4;  // 16 of the 32 zmm registers hold the sums
 #include "int8_packed_tile.h"

@@ -4,31 +4,20 @@
 // channels and a block is one stream, read front to back.
 //
 // Included by int8_packed_linear.cpp once per ISA, each time after
-// bf16_vectors.h (vf16, store_bf16x16), after defining `widen_w16` (16 int8
-// weights as floats), `vw` (the ISA's own float vector: 16 bytes on the
-// baseline, 32 under AVX2, 64 under AVX-512), `widen_w` (as many int8 weights
-// as `vw` has lanes, as floats) and `kPackedRows` (rows per tile: as many as the
+// bf16_vectors.h (vf16, store_bf16x16) and native_vectors.h (vw, kW,
+// store_bf16w), after
+// defining `widen_w16` (16 int8 weights as floats), `widen_w` (kW int8
+// weights as floats) and `kPackedRows` (rows per tile: as many as the
 // accumulators fit the registers). It includes nothing itself.
 //
-// The decode tile keeps its sums in `vw`: GCC (12) keeps a vector wider than
-// the ISA's registers (vf16 under AVX2 or SSE) in memory and splits every
-// operation through the stack, which ran this tile at a tenth of memory speed.
-// Each lane's arithmetic is the same whatever the width (no sum crosses lanes).
+// The decode tile keeps its sums in `vw` (see native_vectors.h: in vf16 it
+// read weights at a tenth of memory speed under AVX2).
 
-constexpr int kW = sizeof(vw) / sizeof(float);  // lanes per vector
-constexpr int kV = kPackChannels / kW;          // vectors per 64-channel line
-typedef uint32_t vwu __attribute__((vector_size(sizeof(vw)), aligned(4), may_alias));
-typedef uint16_t vwh __attribute__((vector_size(sizeof(vw) / 2), aligned(2), may_alias));
+constexpr int kV = kPackChannels / kW;  // vectors per 64-channel line
 
-// Outputs as float32 or bfloat16 (raw bits, rounded to nearest even as torch:
-// float_to_bf16 on every lane).
+// Outputs as float32 or bfloat16 (raw bits, rounded to nearest even as torch).
 inline void store_out(float* p, vw v) { *reinterpret_cast<vw*>(p) = v; }
-inline void store_out(uint16_t* p, vw v) {
-  const vwu bits = reinterpret_cast<const vwu&>(v);
-  const vwu rounded = (bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16;
-  const vwu nan = (bits & 0x7fffffffu) > 0x7f800000u;
-  *reinterpret_cast<vwh*>(p) = __builtin_convertvector(nan ? vwu{} + 0x7fc0u : rounded, vwh);
-}
+inline void store_out(uint16_t* p, vw v) { store_bf16w(p, v); }
 inline void store_out1(float* p, float v) { *p = v; }
 inline void store_out1(uint16_t* p, float v) { *p = float_to_bf16(v); }
 

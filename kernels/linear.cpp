@@ -59,6 +59,8 @@ constexpr int kMaxBlocks = 4;
 
 namespace linear_base {
 #include "bf16_vectors.h"
+#define KVFORGE_VW_BYTES 16
+#include "native_vectors.h"
 #include "linear_tile.h"
 }  // namespace linear_base
 
@@ -67,6 +69,8 @@ namespace linear_base {
 #pragma GCC target("avx2,fma,f16c")
 namespace linear_avx2 {
 #include "bf16_vectors.h"
+#define KVFORGE_VW_BYTES 32
+#include "native_vectors.h"
 #include "linear_tile.h"
 }  // namespace linear_avx2
 #pragma GCC pop_options
@@ -74,6 +78,8 @@ namespace linear_avx2 {
 #pragma GCC target("avx512f,avx512bw,avx512dq,avx512vl,avx2,fma,f16c")
 namespace linear_avx512 {
 #include "bf16_vectors.h"
+#define KVFORGE_VW_BYTES 64
+#include "native_vectors.h"
 #include "linear_tile.h"
 }  // namespace linear_avx512
 #pragma GCC pop_options
@@ -81,6 +87,8 @@ namespace linear_avx512 {
 #pragma GCC target("avx512f,avx512bw,avx512dq,avx512vl,avx512bf16,avx2,fma,f16c")
 namespace linear_dpbf16 {
 #include "bf16_vectors.h"
+#define KVFORGE_VW_BYTES 64
+#include "native_vectors.h"
 #include "linear_tile.h"
 #include "bf16_linear_dpbf16.h"
 }  // namespace linear_dpbf16
@@ -125,8 +133,9 @@ const Path kBaseline = {{KVFORGE_TILES(linear_base, generic_tile), {4, 4}},
                         {KVFORGE_TILES(linear_base, f32_tile), {4, 4}},
                         &linear_base::finish_tile, "baseline"};
 #ifdef KVFORGE_HAS_X86_PATHS
-// AVX2 has 16 ymm registers and a 16-channel block takes two: 3 x 2 float32 tiles.
-const Path kAvx2 = {{KVFORGE_TILES(linear_avx2, generic_tile), {4, 4}},
+// AVX2 has 16 ymm registers and a 16-channel block takes two: 3 x 2 float32 tiles
+// (12 sums, 4 weight vectors); bfloat16 splits each weight vector in two, so 2 x 2.
+const Path kAvx2 = {{KVFORGE_TILES(linear_avx2, generic_tile), {2, 2}},
                     {KVFORGE_TILES(linear_avx2, f32_tile), {3, 2}},
                     &linear_avx2::finish_tile, "avx2"};
 const Path kAvx512 = {{KVFORGE_TILES(linear_avx512, generic_tile), {4, 4}},

@@ -15,7 +15,7 @@
 // (broadcast) and adds into 16 float32 sums.
 //
 // Included by linear.cpp once per ISA namespace (baseline, AVX2, AVX-512,
-// AVX-512 BF16), after bf16_vectors.h; it includes nothing itself.
+// AVX-512 BF16), after bf16_vectors.h and native_vectors.h; it includes nothing itself.
 
 constexpr int kLanes = 16;  // channels per block
 
@@ -32,51 +32,67 @@ inline void prefetch_step(const char* ahead, int64_t ahead_step, int64_t d) {
 }
 
 // bfloat16; blocks lie `pairs * 32` values apart.
+// The sums are kept in `vw`, as f32_tile's.
 template <int MR, int NB>
 inline void generic_tile(const uint16_t* __restrict__ x, int64_t x_stride, const uint16_t* __restrict__ w,
                          int64_t k, float* __restrict__ acc_out, const char* ahead, int64_t ahead_step) {
+  constexpr int V = NB * kLanes / kW;  // vectors per row of the tile
   const int64_t pairs = (k + 1) / 2;
-  vf16 acc[MR][NB] = {};
+  vw acc[MR][V];
+  for (int m = 0; m < MR; ++m) {
+    for (int v = 0; v < V; ++v) acc[m][v] = vw{};
+  }
   const int64_t full = k / 2;
   runs_at_least_once(k);
   for (int64_t p = 0; p < pairs; ++p) {
     prefetch_step(ahead, ahead_step, p);
-    vf16 lo[NB], hi[NB];
-    for (int b = 0; b < NB; ++b) {
-      const vu16 words = *reinterpret_cast<const vu16*>(w + (b * pairs + p) * 2 * kLanes);
-      const vu16 even = words << 16, odd = words & 0xffff0000u;
-      lo[b] = reinterpret_cast<const vf16&>(even);
-      hi[b] = reinterpret_cast<const vf16&>(odd);
+    vw lo[V], hi[V];
+    for (int v = 0; v < V; ++v) {
+      const int b = v * kW / kLanes, lane0 = v * kW % kLanes;
+      const vwu words = *reinterpret_cast<const vwu*>(w + ((b * pairs + p) * kLanes + lane0) * 2);
+      const vwu even = words << 16, odd = words & 0xffff0000u;
+      lo[v] = reinterpret_cast<const vw&>(even);
+      hi[v] = reinterpret_cast<const vw&>(odd);
     }
     for (int m = 0; m < MR; ++m) {
       const float x0 = bf16_to_float(x[m * x_stride + 2 * p]);
       // An odd width's last pair has no second input (and a zero weight): never read past the row.
       const float x1 = p < full ? bf16_to_float(x[m * x_stride + 2 * p + 1]) : 0.f;
-      for (int b = 0; b < NB; ++b) acc[m][b] += x0 * lo[b] + x1 * hi[b];
+      for (int v = 0; v < V; ++v) acc[m][v] += x0 * lo[v] + x1 * hi[v];
     }
   }
   for (int m = 0; m < MR; ++m) {
-    for (int b = 0; b < NB; ++b) *reinterpret_cast<vf16*>(acc_out + m * kMaxBlocks * kLanes + b * kLanes) = acc[m][b];
+    for (int v = 0; v < V; ++v) *reinterpret_cast<vw*>(acc_out + m * kMaxBlocks * kLanes + v * kW) = acc[m][v];
   }
 }
 
-// float32; blocks lie `k * 16` values apart. (GCC contracts the vector multiply-add into FMA.)
+// float32; blocks lie `k * 16` values apart. The sums are kept in `vw`, each
+// block's 16 channels in kLanes / kW of them (native_vectors.h: in vf16 this
+// tile ran at a tenth of its speed under AVX2). (GCC contracts the vector
+// multiply-add into FMA.)
 template <int MR, int NB>
 inline void f32_tile(const float* __restrict__ x, int64_t x_stride, const float* __restrict__ w, int64_t k,
                      float* __restrict__ acc_out, const char* ahead, int64_t ahead_step) {
-  vf16 acc[MR][NB] = {};
+  constexpr int V = NB * kLanes / kW;  // vectors per row of the tile
+  vw acc[MR][V];
+  for (int m = 0; m < MR; ++m) {
+    for (int v = 0; v < V; ++v) acc[m][v] = vw{};
+  }
   runs_at_least_once(k);
   for (int64_t d = 0; d < k; ++d) {
     prefetch_step(ahead, ahead_step, d);
-    vf16 wv[NB];
-    for (int b = 0; b < NB; ++b) wv[b] = *reinterpret_cast<const vf16*>(w + (b * k + d) * kLanes);
+    vw wv[V];
+    for (int v = 0; v < V; ++v) {
+      const int b = v * kW / kLanes, lane0 = v * kW % kLanes;
+      wv[v] = *reinterpret_cast<const vw*>(w + (b * k + d) * kLanes + lane0);
+    }
     for (int m = 0; m < MR; ++m) {
       const float xv = x[m * x_stride + d];
-      for (int b = 0; b < NB; ++b) acc[m][b] += xv * wv[b];
+      for (int v = 0; v < V; ++v) acc[m][v] += xv * wv[v];
     }
   }
   for (int m = 0; m < MR; ++m) {
-    for (int b = 0; b < NB; ++b) *reinterpret_cast<vf16*>(acc_out + m * kMaxBlocks * kLanes + b * kLanes) = acc[m][b];
+    for (int v = 0; v < V; ++v) *reinterpret_cast<vw*>(acc_out + m * kMaxBlocks * kLanes + v * kW) = acc[m][v];
   }
 }
 

@@ -1,0 +1,23 @@
+// `vw`, the instruction set's own float vector, and kW, its lanes: 16 bytes on
+// the baseline, 32 under AVX2, 64 under AVX-512, as the includer says by
+// defining KVFORGE_VW_BYTES before each include (inside an ISA namespace).
+//
+// GCC (12) keeps a GCC vector wider than the ISA's registers (vf16 under AVX2
+// or SSE) in memory and splits every operation through the stack: a loop
+// that keeps its sums in vf16 there runs at a fraction of the speed of the
+// same loop in `vw`. Loops whose lanes never mix run in `vw` with the same
+// per-lane arithmetic, hence the same bits, on every ISA.
+
+typedef float vw __attribute__((vector_size(KVFORGE_VW_BYTES), aligned(4), may_alias));
+typedef uint32_t vwu __attribute__((vector_size(KVFORGE_VW_BYTES), aligned(4), may_alias));
+typedef uint16_t vwh __attribute__((vector_size(KVFORGE_VW_BYTES / 2), aligned(2), may_alias));
+constexpr int kW = KVFORGE_VW_BYTES / 4;
+#undef KVFORGE_VW_BYTES
+
+// float_to_bf16 on every lane of v, stored at p (as store_bf16x16 does for vf16).
+inline void store_bf16w(uint16_t* p, vw v) {
+  const vwu bits = reinterpret_cast<const vwu&>(v);
+  const vwu rounded = (bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16;
+  const vwu nan = (bits & 0x7fffffffu) > 0x7f800000u;
+  *reinterpret_cast<vwh*>(p) = __builtin_convertvector(nan ? vwu{} + 0x7fc0u : rounded, vwh);
+}
