@@ -15,7 +15,11 @@ came before: what prompt lookup feeds on), free (greedy continuations of
 ordinary openings) and unpredictable (the free openings sampled at temperature
 1.0, unseeded: output the drafts seldom guess; "identical" does not apply).
 
-With `KVFORGE_BENCH_CLOCK=cpu` the time is the process's CPU time (one thread),
+Each engine runs the whole workload once untimed first (compilation, first
+allocations, adaptive drafting's warm-up); then every configuration runs once per
+round, the order rotated round by round, and each row gives its fastest round
+against none's fastest and the median of its per-round ratios to none. With
+`KVFORGE_BENCH_CLOCK=cpu` the time is the process's CPU time (one thread),
 steadier than wall time on a machine shared with other work.
 
     python -m kvforge.benchmarks.bench_speculative --model kvforge-tiny --model bench-llama-50m
@@ -26,7 +30,7 @@ from __future__ import annotations
 import argparse
 import json
 import random
-import time
+from statistics import median
 
 import torch
 
@@ -104,10 +108,15 @@ def settings_for(batch: int, num_tokens: int) -> list[tuple[str, dict]]:
 
 
 def measure(model: str, path: str, *, batch: int, text: str, tokens: int, num_tokens: int,
-            repeats: int = 3) -> list[dict]:
-    """Every configuration against none for one (model, text, batch): all engines built
-    first, then run in turn `repeats` times, each keeping its fastest run (the one
-    least disturbed by whatever else shares the machine)."""
+            repeats: int = 5) -> list[dict]:
+    """Every configuration against none for one (model, text, batch). All engines are
+    built first and each runs the whole workload once untimed (compilation, first
+    allocations, and adaptive drafting's warm-up at the batch sizes the workload passes
+    through); then `repeats` rounds run every configuration once each, the order rotated
+    round by round (A B C, B C A, ...), so a slow stretch of the host falls on all of
+    them. A row gives the configuration's fastest round against none's fastest
+    (`speedup`) and the median over rounds of its time against none's in the same
+    round (`speedup_median`)."""
     settings = settings_for(batch, num_tokens)
     row = {"model": model, "text": text, "batch": batch}
     engines, rows = {}, []
@@ -120,36 +129,39 @@ def measure(model: str, path: str, *, batch: int, text: str, tokens: int, num_to
     requests = prompts(model, probe.tokenizer, int(probe.model.vocab_size), text == "repetitive",
                        4 if batch == 1 else batch)
     temperature = 1.0 if text == "unpredictable" else 0.0
-    best, outputs = {}, {}
     for engine in engines.values():
-        run(engine, requests[:1], 4)  # first-call costs
-    for engine in engines.values():
+        run(engine, requests, tokens, temperature)  # warm-up, untimed
         engine.stats.__init__()  # in place (the sampler holds it): the draft counts of the timed runs only
-    for _ in range(repeats):
-        for label, engine in engines.items():
-            seconds, outputs[label] = run(engine, requests, tokens, temperature)
-            best[label] = min(best.get(label, seconds), seconds)
+    labels = list(engines)
+    seconds: dict[str, list[float]] = {label: [] for label in labels}
+    outputs = {}
+    for round_ in range(repeats):
+        for label in labels[round_ % len(labels):] + labels[:round_ % len(labels)]:
+            took, outputs[label] = run(engines[label], requests, tokens, temperature)
+            seconds[label].append(took)
     for label, engine in engines.items():
         identical = outputs[label] == outputs["none"] if not temperature else None
-        rows.append({**row, "proposer": label, "tokens_per_s": len(requests) * tokens / best[label],
-                     "speedup": best["none"] / best[label], "identical": identical, **draft_metrics(engine)})
+        rows.append({**row, "proposer": label, "tokens_per_s": len(requests) * tokens / min(seconds[label]),
+                     "speedup": min(seconds["none"]) / min(seconds[label]),
+                     "speedup_median": median(n / s for n, s in zip(seconds["none"], seconds[label])),
+                     "identical": identical, **draft_metrics(engine)})
     return sorted(rows, key=lambda r: [label for label, _ in settings].index(r["proposer"]))
 
 
 def markdown(rows: list[dict]) -> str:
-    lines = ["| model | text | batch | proposer | tok/s | speedup | drafts verified | acceptance | "
-             "accepted per verification | identical |",
-             "|---|---|---:|---|---:|---:|---:|---:|---:|---|"]
+    lines = ["| model | text | batch | proposer | tok/s | speedup, fastest | speedup, median of rounds | "
+             "drafts verified | acceptance | accepted per verification | identical |",
+             "|---|---|---:|---|---:|---:|---:|---:|---:|---:|---|"]
     for r in rows:
         if "error" in r:
             why = r["error"] if len(r["error"]) <= 100 else r["error"][:100] + "…"
-            lines.append(f"| {r['model']} | {r['text']} | {r['batch']} | {r['proposer']} | {why} | | | | | |")
+            lines.append(f"| {r['model']} | {r['text']} | {r['batch']} | {r['proposer']} | {why} | | | | | | |")
             continue
         rate, per_step = r.get("spec_acceptance_rate"), r.get("spec_mean_accepted_tokens")
         drafted = r.get("spec_draft_tokens")
         identical = "n/a" if r.get("identical") is None else r["identical"]
         lines.append(f"| {r['model']} | {r['text']} | {r['batch']} | {r['proposer']} | {r['tokens_per_s']:.1f} | "
-                     f"{r.get('speedup', 1.0):.2f}x | {'' if not drafted else drafted} | "
+                     f"{r['speedup']:.2f}x | {r['speedup_median']:.2f}x | {'' if not drafted else drafted} | "
                      f"{'' if not drafted else f'{rate:.2f}'} | {'' if not drafted else f'{per_step:.2f}'} | "
                      f"{identical} |")
     return "\n".join(lines)
@@ -164,7 +176,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--num-tokens", type=int, default=4, help="draft tokens per step (speculative.num_tokens)")
     parser.add_argument("--batch", type=int, action="append", help="default: 1 and 32")
     parser.add_argument("--text", action="append", choices=TEXTS, help="default: all three")
-    parser.add_argument("--repeats", type=int, default=3, help="runs per configuration, fastest kept (default: 3)")
+    parser.add_argument("--repeats", type=int, default=5,
+                        help="timed rounds, every configuration once each (default: 5)")
     parser.add_argument("--json", help="also write the rows here")
     args = parser.parse_args(argv)
     torch.set_num_threads(1)

@@ -25,7 +25,8 @@ drafts cost rather than understating it. Buckets are kept apart because a
 draft's relative cost depends on the batch (at batch 1 a verify step reads the
 weights once for several tokens; at 32 decode is compute-bound and each draft
 is another row). Being measured on the running engine, it holds for any
-machine, model and proposer.
+machine, model and proposer. `stand_in` gives the nearest measured bucket's
+costs, to price warming up a bucket not yet measured.
 
 `best_draft_counts` picks how many drafts each request verifies to maximise
 expected tokens per second of the step, given each request's expected gain per
@@ -149,6 +150,18 @@ class StepCostModel:
         """Whether enough steps of both kinds were seen at this batch to tell what drafts cost."""
         bucket = self.buckets.get(batch_bucket(num_requests))
         return bucket is not None and len(bucket.plain) >= MIN_PLAIN and len(bucket.drafted) >= MIN_DRAFTED
+
+    def stand_in(self, num_requests: int) -> StepCosts | None:
+        """The costs of the nearest batch bucket that is `ready` (the larger on a tie,
+        where drafts cost more of a step), to judge what warming up a new batch size
+        costs; None when no bucket is ready yet."""
+        key = batch_bucket(num_requests)
+        ready = [k for k, bucket in self.buckets.items()
+                 if len(bucket.plain) >= MIN_PLAIN and len(bucket.drafted) >= MIN_DRAFTED]
+        if not ready:
+            return None
+        nearest = min(ready, key=lambda k: (abs(k - key), -k))
+        return self.costs(1 << (nearest - 1))
 
     def stale(self, num_requests: int) -> bool:
         """Whether this batch drafted `PLAIN_REFRESH` steps in a row: its base, and so

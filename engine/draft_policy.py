@@ -18,7 +18,19 @@ Adaptive drafting, each step:
 While the cost model lacks steps at this batch size (a new engine, or a batch
 size not seen yet), requests draft as many as allowed, except that one step in
 `WARM_UP_CYCLE` drafts nothing until plain steps are known and another drafts
-half as many, so the model sees how the cost grows with the drafts.
+half as many, so the model sees how the cost grows with the drafts. Once some
+other batch size is measured, such a step is paid from the probe allowance below
+(at what drafts cost at the nearest measured batch size), so the batch sizes a
+draining batch passes through for a few steps cost little.
+
+Steps that verify drafts which do not pay, to learn (a costly proposer's probes,
+the cost model's step that measures drafts anew, warm-up at a new batch size
+once another is known), spend an *allowance* counted in plain steps: it grows by
+`PROBE_BUDGET` a step up to `ALLOWANCE_MAX`, a probe goes only when it covers
+what the cost model says the probe adds to the step (one dearer than
+`ALLOWANCE_MAX` goes when it is full, the debt paid back by the next steps), and
+probes it does not cover wait. Learning so costs at most about `PROBE_BUDGET` of
+the decode time, whatever the batch and the proposer.
 
 A request that drafts nothing must be able to start again when its text becomes
 predictable, so it keeps being *probed*, at waits that double while drafting
@@ -29,8 +41,10 @@ unverified drafts would have been accepted):
   every 1, 2, 4, then `SHADOW_AFTER_MAX` steps, and its would-be drafts are scored
   against the tokens that follow (shadow drafts): no verification cost;
 * a proposer that runs a model is not asked for it, except that after 16, 32, ...
-  up to `PROBE_AFTER_MAX` steps it verifies a full draft once, whose outcome
-  replaces the request's old estimate.
+  up to `PROBE_AFTER_MAX` steps it verifies a full draft once (as far as the
+  allowance below covers it), whose outcome replaces the request's old estimate;
+  an accepted draft in it does not shorten the wait, since the new estimate is
+  what decides whether the request drafts.
 
 The waits are kept on the engine's step count (a wait of w falls on multiples of
 w, of `SHADOW_AFTER_MAX` past it), so requests that draft nothing are asked on
@@ -51,7 +65,7 @@ from dataclasses import dataclass
 from kvforge.core import cdiv
 
 from .draft_acceptance import AcceptanceTracker
-from .draft_costs import StepCostModel, best_draft_counts, may_pay
+from .draft_costs import StepCostModel, StepCosts, best_draft_counts, may_pay
 from .request import Request
 
 DRAFT_POLICIES = ("adaptive", "fixed")
@@ -59,11 +73,18 @@ WARM_UP_CYCLE = 4  # while costs are unknown: a plain step (until known), full, 
 SHADOW_AFTER_MAX = 8
 PROBE_AFTER = 16
 PROBE_AFTER_MAX = 128
+PROBE_BUDGET = 0.02  # plain steps' worth of probing earned per step: probes cost at most 2% of the time
+ALLOWANCE_MAX = 4.0  # the most it saves up (plain steps)
 
 
 def _seeded(request: Request) -> bool:
     """A sampled request with its own seed: it drafts as under `fixed` (module docstring)."""
     return request.generator is not None and not request.params.greedy
+
+
+def _extra_steps(costs: StepCosts, drafting: int, more: int) -> float:
+    """What `more` drafts add to a step that already verifies `drafting`, in plain steps."""
+    return (costs.seconds(drafting + more) - costs.seconds(drafting)) / costs.base
 
 
 @dataclass
@@ -73,6 +94,7 @@ class _Pause:
     last_asked: int
     wait: int
     hits: int = 0  # its acceptance's `hits` when last seen: a new hit shortens the wait
+    first: bool = False  # asked on its first step (a cheap proposer): that ask leaves the wait as it is
 
 
 class AdaptiveDraftPolicy:
@@ -91,6 +113,10 @@ class AdaptiveDraftPolicy:
         # before `_next_ask`; until then (or until something changes) `quiet` skips the step.
         self._quiet_size: int | None = None
         self._next_ask = 0
+        # Probes that verify drafts (a costly proposer's, and the cost model's re-measuring
+        # step) spend an allowance of plain steps that grows by PROBE_BUDGET a step.
+        self.allowance = ALLOWANCE_MAX
+        self._affordable_at = 0  # the step from which the allowance covers a probe put off
 
     def quiet(self, num_running: int) -> bool:
         """Whether this step drafts nothing and asks nobody, known without looking at
@@ -110,19 +136,15 @@ class AdaptiveDraftPolicy:
             counts, asks = self._warm_up(len(requests), limits)
         elif self.costs.stale(len(requests)) and not any(_seeded(r) for r in requests):
             counts, asks = [0] * len(requests), [False] * len(requests)  # a plain step renews the base
-        elif self.costs.probe_due(len(requests)):
+        elif self.costs.probe_due(len(requests)) and self._spend(
+                _extra_steps(self.costs.costs(len(requests)), 0, sum(limits))):
             counts, asks = list(limits), [True] * len(requests)  # a step with drafts measures them anew
         else:
             counts = self._best_counts(requests, limits)
-            asks = []
-            for i, (request, limit) in enumerate(zip(requests, limits)):
-                ask = self._ask(request.request_id, counts[i])
-                if ask and not counts[i] and not self.cheap_proposer:
-                    counts[i] = limit  # a probe: verified, and its outcome replaces the old estimate
-                    self.probing.add(request.request_id)
-                asks.append(ask)
+            asks = self._asks(requests, limits, counts)
             if everyone and not any(counts):
-                self._quiet_size, self._next_ask = len(requests), self._first_due(requests)
+                self._quiet_size = len(requests)
+                self._next_ask = max(self._first_due(requests), self._affordable_at)
         for i, request in enumerate(requests):
             if _seeded(request):
                 # A seeded sample's draws depend on its drafts; drafts chosen from measured
@@ -142,13 +164,19 @@ class AdaptiveDraftPolicy:
         return self.step + 1 if first is None else first
 
     def _warm_up(self, num_requests: int, limits: Sequence[int]) -> tuple[list[int], list[bool]]:
-        """Counts that show the cost model plain steps, full drafts and half drafts."""
+        """Counts that show the cost model plain steps, full drafts and half drafts. Once
+        another batch size is measured, a step with drafts here is a probe: it waits for
+        the allowance, at what drafts cost at the nearest measured batch size (a batch
+        size passed through briefly, as a batch drains, then costs little)."""
         phase = self.step % WARM_UP_CYCLE
+        plain = [0] * num_requests, [False] * num_requests
         if phase == 0 and self.costs.needs_steps_without_drafts(num_requests):
-            return [0] * num_requests, [False] * num_requests
-        if phase == 2:
-            return [max(1, limit // 2) for limit in limits], [True] * num_requests
-        return list(limits), [True] * num_requests
+            return plain
+        counts = [max(1, limit // 2) for limit in limits] if phase == 2 else list(limits)
+        stand_in = self.costs.stand_in(num_requests)
+        if stand_in is not None and not self._spend(_extra_steps(stand_in, 0, sum(counts))):
+            return plain
+        return counts, [True] * num_requests
 
     @property
     def _shortest_wait(self) -> int:
@@ -168,22 +196,77 @@ class AdaptiveDraftPolicy:
             self._last_key, self._last_counts = key, counts
         return list(self._last_counts)
 
-    def _ask(self, request_id: str, count: int) -> bool:
+    def _asks(self, requests: Sequence[Request], limits: Sequence[int], counts: list[int]) -> list[bool]:
+        """Whether the proposer is asked for each request: those that draft, and those
+        whose wait ends (`_due`); under a costly proposer the latter are probes, which
+        draft their limit (in `counts`) as far as the probe allowance covers them."""
+        asks = [False] * len(requests)
+        due = []
+        for i, request in enumerate(requests):
+            if counts[i]:
+                self._asked(request.request_id, drafting=True)
+                asks[i] = True
+            elif self._due(request.request_id):
+                due.append(i)
+        if self.cheap_proposer:
+            for i in due:  # shadow drafts: scored, never verified
+                self._asked(requests[i].request_id, drafting=False)
+                asks[i] = True
+            return asks
+        self._affordable_at = 0
+        costs, drafting, taken = self.costs.costs(len(requests)), sum(counts), 0
+        for i in due:
+            need = _extra_steps(costs, drafting, taken + limits[i])
+            if not self._affords(need):
+                # this one and the rest wait for the allowance (their waits stay as they are)
+                short = min(need, ALLOWANCE_MAX) - self.allowance
+                self._affordable_at = self.step + 1 + int(short / PROBE_BUDGET)
+                break
+            taken += limits[i]
+            counts[i] = limits[i]  # a probe: verified, and its outcome replaces the old estimate
+            self.probing.add(requests[i].request_id)
+            self._asked(requests[i].request_id, drafting=False)
+            asks[i] = True
+        if taken:
+            self._spend(_extra_steps(costs, drafting, taken))
+        return asks
+
+    def _due(self, request_id: str) -> bool:
+        """Whether the wait of a request that drafts nothing ends on this step. A request
+        seen for the first time: a cheap proposer is asked at once (its drafts are only
+        scored); a costly one waits as after a step without drafts, since a probe costs a
+        catch-up run of the draft over the whole prompt, and the request starts from the
+        engine's acceptance rate meanwhile (drafting at once where that pays)."""
         pause = self.pauses.get(request_id)
         if pause is None:
-            # Its first step: a cheap proposer is asked at once (its drafts are only scored);
-            # a costly one waits as after a step without drafts, since a probe costs a
-            # catch-up run of the draft over the whole prompt, and the request starts from
-            # the engine's acceptance rate meanwhile (drafting at once where that pays).
-            self.pauses[request_id] = _Pause(self.step, self._shortest_wait)
-            return self.cheap_proposer or bool(count)
-        if count:
-            pause.last_asked, pause.wait = self.step, self._shortest_wait
-            return True
-        if self.step - pause.last_asked < pause.wait or self.step % min(pause.wait, SHADOW_AFTER_MAX):
+            self.pauses[request_id] = _Pause(self.step, self._shortest_wait, first=self.cheap_proposer)
+            return self.cheap_proposer
+        return (self.step - pause.last_asked >= pause.wait
+                and not self.step % min(pause.wait, SHADOW_AFTER_MAX))
+
+    def _asked(self, request_id: str, drafting: bool) -> None:
+        """The request is asked on this step: its wait starts short again when it drafts,
+        and doubles when it was asked only to score or probe (not on its first step)."""
+        pause = self.pauses.get(request_id)
+        if drafting or pause is None:
+            self.pauses[request_id] = _Pause(self.step, self._shortest_wait, self.acceptance.of(request_id).hits)
+        elif pause.first:
+            pause.first = False
+        else:
+            pause.last_asked = self.step
+            pause.wait = min(2 * pause.wait, SHADOW_AFTER_MAX if self.cheap_proposer else PROBE_AFTER_MAX)
+
+    def _affords(self, extra_steps: float) -> bool:
+        """Whether the probe allowance covers a probe that costs `extra_steps` plain
+        steps (one dearer than the allowance can ever hold goes when it is full)."""
+        return self.allowance >= min(extra_steps, ALLOWANCE_MAX)
+
+    def _spend(self, extra_steps: float) -> bool:
+        """Take `extra_steps` from the allowance if it `_affords` them (it may go below 0:
+        a debt the next steps pay back)."""
+        if not self._affords(extra_steps):
             return False
-        pause.last_asked = self.step
-        pause.wait = min(2 * pause.wait, SHADOW_AFTER_MAX if self.cheap_proposer else PROBE_AFTER_MAX)
+        self.allowance -= extra_steps
         return True
 
     def proposed(self, request: Request, token_ids: Sequence[int]) -> None:
@@ -195,10 +278,14 @@ class AdaptiveDraftPolicy:
         for state, request_id in self.acceptance.score_pending():
             pause = self.pauses.get(request_id)
             if pause is not None and state.hits > pause.hits:
-                # a draft it did not verify would have been accepted: look again sooner, and
-                # choose again (a miss only lowers estimates, so a quiet batch stays quiet)
-                pause.hits, pause.wait = state.hits, max(self._shortest_wait, pause.wait // 2)
+                # a draft would have been accepted: choose again (a miss only lowers estimates,
+                # so a quiet batch stays quiet); under a cheap proposer also look again sooner
+                # (under a costly one the probe's outcome is the estimate, which decides)
+                pause.hits = state.hits
+                if self.cheap_proposer:
+                    pause.wait = max(self._shortest_wait, pause.wait // 2)
                 self._quiet_size = None
+        self.allowance = min(self.allowance + PROBE_BUDGET, ALLOWANCE_MAX)
         self.step += 1
 
     def timed(self, num_requests: int, num_drafts: int, seconds: float) -> None:

@@ -445,3 +445,99 @@ def test_shadow_scoring_counts_leading_matches_against_the_tokens_that_follow():
     request.output_token_ids += [8]
     tracker.score(request)
     assert state.scored == [1] and state.accepted == [1]  # a probe's outcome replaces what came before
+
+
+# What probing may cost: probes that verify drafts spend an allowance
+
+class _Tokens:
+    """A request as the policy and the acceptance tracker read it."""
+
+    def __init__(self, request_id: str):
+        self.request_id, self.generator = request_id, None
+        self.params = type("Params", (), {"greedy": True})()
+        self.prompt_token_ids, self.output_token_ids = [1, 2, 3], []
+
+    @property
+    def num_tokens(self):
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+
+def _drive(policy, requests, steps: int, emit) -> list[tuple[int, int, int]]:
+    """`steps` steps of `requests` (all decoding, limit K); each asked request is proposed
+    [7] * K and then emits `emit(step, request_index, drafts_verified)` tokens. Returns
+    (step, request index, drafts verified) of every request that verified drafts."""
+    verified = []
+    for step in range(steps):
+        counts, asks = policy.choose(requests, [K] * len(requests), everyone=True)
+        for i, (request, count, ask) in enumerate(zip(requests, counts, asks)):
+            if ask:
+                policy.proposed(request, [7] * K)
+            if count:
+                verified.append((step, i, count))
+            request.output_token_ids += emit(step, i, count)
+        policy.observe()
+    return verified
+
+
+def test_probes_under_a_costly_proposer_cost_at_most_the_probe_budget():
+    from kvforge.engine.draft_policy import ALLOWANCE_MAX, PROBE_BUDGET, AdaptiveDraftPolicy
+
+    costs = StepCosts(base=1.0, per_draft=0.3, verify=0.5)  # 32 requests' probes: 38.9 plain steps
+    policy = AdaptiveDraftPolicy(cheap_proposer=False)
+    policy.costs = FixedCosts(costs)
+    requests = [_Tokens(f"r{i}") for i in range(32)]
+    for request in requests:  # the engine has seen drafts rejected: nobody drafts but to probe
+        policy.acceptance.of(request.request_id).count(0, 1, policy.acceptance.decay)
+    steps = 600
+    verified = _drive(policy, requests, steps, lambda step, i, count: [8])  # every draft rejected
+    assert verified, "a costly proposer is still probed"
+    by_step: dict[int, int] = {}
+    for step, _, count in verified:
+        by_step[step] = by_step.get(step, 0) + count
+    spent = sum(costs.seconds(drafts) / costs.base - 1 for drafts in by_step.values())
+    # what probes cost, in plain steps: at most the budget's share plus what the allowance
+    # holds at the start and one probe it lets go into debt
+    assert spent <= PROBE_BUDGET * steps + ALLOWANCE_MAX + costs.seconds(K * 32) / costs.base, (spent, by_step)
+
+
+def test_a_costly_probe_that_hits_does_not_bring_the_next_probe_sooner():
+    # Drafts that never pay (a draft costs more than the most it can add): a probe whose
+    # first draft is accepted changes the estimate, which decides; the wait still doubles.
+    from kvforge.engine.draft_policy import PROBE_AFTER_MAX, AdaptiveDraftPolicy
+
+    policy = AdaptiveDraftPolicy(cheap_proposer=False)
+    policy.costs = FixedCosts(StepCosts(base=1.0, per_draft=1.5, verify=0.5))
+    request = _Tokens("r")
+    steps = 400
+
+    def emit(step, i, count):
+        policy.allowance = 1e9  # the allowance out of the picture: only the waits decide
+        return [7, 8] if count else [8]  # a verified probe's first draft is accepted
+
+    verified = _drive(policy, [request], steps, emit)
+    probes = [step for step, _, _ in verified]
+    # waits of 16, 32, 64, then PROBE_AFTER_MAX: a hit halving them would probe every 16 steps
+    assert probes and len(probes) <= 4 + (steps - 112) // PROBE_AFTER_MAX, probes
+
+
+def test_a_new_batch_size_warms_up_within_the_allowance_once_another_is_measured():
+    from kvforge.engine.draft_policy import ALLOWANCE_MAX, PROBE_BUDGET, AdaptiveDraftPolicy
+
+    policy = AdaptiveDraftPolicy(cheap_proposer=True)
+    _measured_steps(policy.costs, 32, AT_32, 60, drafts=(0, 32, 64, 128, 0, 96))
+    assert policy.costs.ready(32) and not policy.costs.ready(20)
+    stand_in = policy.costs.stand_in(20)
+    assert stand_in == policy.costs.costs(32)
+    requests = [_Tokens(f"r{i}") for i in range(20)]
+    steps = 200
+    verified = _drive(policy, requests, steps, lambda step, i, count: [8])
+    by_step: dict[int, int] = {}
+    for step, _, count in verified:
+        by_step[step] = by_step.get(step, 0) + count
+    spent = sum(stand_in.seconds(drafts) / stand_in.base - 1 for drafts in by_step.values())
+    assert by_step, "it still warms up"
+    assert spent <= PROBE_BUDGET * steps + ALLOWANCE_MAX + stand_in.seconds(K * 20) / stand_in.base, by_step
+    # a fresh engine (no batch size measured) warms up at once: every warm-up step but the plain ones drafts
+    fresh = AdaptiveDraftPolicy(cheap_proposer=True)
+    warm = _drive(fresh, [_Tokens(f"f{i}") for i in range(20)], 12, lambda step, i, count: [8])
+    assert len({step for step, _, _ in warm}) >= 6
