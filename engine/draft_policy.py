@@ -112,6 +112,7 @@ class AdaptiveDraftPolicy:
         # A quiet batch: every running request decodes, none drafts, none is due to be asked
         # before `_next_ask`; until then (or until something changes) `quiet` skips the step.
         self._quiet_size: int | None = None
+        self._quiet_limit = self._quiet_positions = 0  # its largest limit and all its limits
         self._next_ask = 0
         # Probes that verify drafts (a costly proposer's, and the cost model's re-measuring
         # step) spend an allowance of plain steps that grows by PROBE_BUDGET a step.
@@ -143,7 +144,7 @@ class AdaptiveDraftPolicy:
             counts = self._best_counts(requests, limits)
             asks = self._asks(requests, limits, counts)
             if everyone and not any(counts):
-                self._quiet_size = len(requests)
+                self._quiet_size, self._quiet_limit, self._quiet_positions = len(requests), max(limits), sum(limits)
                 self._next_ask = max(self._first_due(requests), self._affordable_at)
         for i, request in enumerate(requests):
             if _seeded(request):
@@ -154,14 +155,13 @@ class AdaptiveDraftPolicy:
         return counts, asks
 
     def _first_due(self, requests: Sequence[Request]) -> int:
-        """The first step after this one on which `_ask` asks any of `requests`."""
-        first = None
-        for request in requests:
-            pause = self.pauses[request.request_id]
-            every = min(pause.wait, SHADOW_AFTER_MAX)
-            due = cdiv(max(pause.last_asked + pause.wait, self.step + 1), every) * every
-            first = due if first is None else min(first, due)
-        return self.step + 1 if first is None else first
+        """The first step after this one on which `_due` holds for any of `requests`."""
+        return min((self._due_at(self.pauses[r.request_id]) for r in requests), default=self.step + 1)
+
+    def _due_at(self, pause: _Pause) -> int:
+        """The first step after this one on which the wait of `pause` ends."""
+        every = min(pause.wait, SHADOW_AFTER_MAX)
+        return cdiv(max(pause.last_asked + pause.wait, self.step + 1), every) * every
 
     def _warm_up(self, num_requests: int, limits: Sequence[int]) -> tuple[list[int], list[bool]]:
         """Counts that show the cost model plain steps, full drafts and half drafts. Once
@@ -278,15 +278,27 @@ class AdaptiveDraftPolicy:
         for state, request_id in self.acceptance.score_pending():
             pause = self.pauses.get(request_id)
             if pause is not None and state.hits > pause.hits:
-                # a draft would have been accepted: choose again (a miss only lowers estimates,
-                # so a quiet batch stays quiet); under a cheap proposer also look again sooner
-                # (under a costly one the probe's outcome is the estimate, which decides)
+                # a draft would have been accepted: under a cheap proposer look again sooner
+                # (under a costly one the probe's outcome is the estimate, which decides), and
+                # choose again if its drafts may pay now (a miss only lowers estimates)
                 pause.hits = state.hits
                 if self.cheap_proposer:
                     pause.wait = max(self._shortest_wait, pause.wait // 2)
-                self._quiet_size = None
+                self._hit(request_id, pause)
         self.allowance = min(self.allowance + PROBE_BUDGET, ALLOWANCE_MAX)
         self.step += 1
+
+    def _hit(self, request_id: str, pause: _Pause) -> None:
+        """A quiet batch stays quiet after a hit unless the request's new estimate may
+        pay (`may_pay` on its gain alone; the choice over the batch comes when it is
+        next asked, at the earliest on its shortened wait)."""
+        if self._quiet_size is None:
+            return
+        gains = self.acceptance.gains(request_id, self._quiet_limit)
+        if gains and may_pay(gains[0], self._quiet_positions, self._quiet_size, self.costs.costs(self._quiet_size)):
+            self._quiet_size = None
+        else:
+            self._next_ask = min(self._next_ask, self._due_at(pause))
 
     def timed(self, num_requests: int, num_drafts: int, seconds: float) -> None:
         """A pure-decode step of `num_requests` with `num_drafts` drafts took `seconds`."""

@@ -462,13 +462,20 @@ class _Tokens:
         return len(self.prompt_token_ids) + len(self.output_token_ids)
 
 
-def _drive(policy, requests, steps: int, emit) -> list[tuple[int, int, int]]:
+def _drive(policy, requests, steps: int, emit, idle: list[int] | None = None) -> list[tuple[int, int, int]]:
     """`steps` steps of `requests` (all decoding, limit K); each asked request is proposed
     [7] * K and then emits `emit(step, request_index, drafts_verified)` tokens. Returns
-    (step, request index, drafts verified) of every request that verified drafts."""
+    (step, request index, drafts verified) of every request that verified drafts. As the
+    engine does, a step the policy calls `quiet` asks nobody and is not chosen; `idle`
+    collects the steps chosen on which nobody was asked."""
     verified = []
     for step in range(steps):
-        counts, asks = policy.choose(requests, [K] * len(requests), everyone=True)
+        if policy.quiet(len(requests)):
+            counts, asks = [0] * len(requests), [False] * len(requests)
+        else:
+            counts, asks = policy.choose(requests, [K] * len(requests), everyone=True)
+            if idle is not None and not any(asks):
+                idle.append(step)
         for i, (request, count, ask) in enumerate(zip(requests, counts, asks)):
             if ask:
                 policy.proposed(request, [7] * K)
@@ -541,3 +548,21 @@ def test_a_new_batch_size_warms_up_within_the_allowance_once_another_is_measured
     fresh = AdaptiveDraftPolicy(cheap_proposer=True)
     warm = _drive(fresh, [_Tokens(f"f{i}") for i in range(20)], 12, lambda step, i, count: [8])
     assert len({step for step, _, _ in warm}) >= 6
+
+
+def test_a_shadow_hit_that_cannot_make_drafting_pay_leaves_the_batch_quiet():
+    # Drafts never pay at these costs; one request's shadow drafts hit now and then. Its
+    # wait shortens, but the steps until someone is due stay quiet: no per-request work.
+    from kvforge.engine.draft_policy import AdaptiveDraftPolicy
+
+    policy = AdaptiveDraftPolicy(cheap_proposer=True)
+    policy.costs = FixedCosts(StepCosts(base=1.0, per_draft=1.5, verify=0.5))
+    requests = [_Tokens(f"r{i}") for i in range(8)]
+    idle: list[int] = []
+
+    def emit(step, i, count):
+        return [7] if i == 0 and step % 24 == 0 else [8]  # r0's draft is right on steps 0, 24, ...
+
+    _drive(policy, requests, 240, emit, idle)
+    assert any(pause.hits for pause in policy.pauses.values()), "the planted hits were scored"
+    assert idle == [], idle
