@@ -207,8 +207,9 @@ class EngineConfig(Section):
     linear_kernel: Literal["auto", "torch", "onednn", "cpp"] = Field(
         "auto", description="kernel of the model's linear layers: onednn (CPU, weights packed once), cpp (kvforge's "
                         "C++ kernels, bfloat16 and float32 CPU models), torch, or auto (cpp for bfloat16 on a CPU "
-                        "with AVX-512 BF16 and for float32 on a CPU with AVX-512, else onednn for weights of at "
-                        "least 512 x 512 where available); with quantization.weights, of the layers left in float")
+                        "with AVX-512 BF16 or AVX2 and for float32 on a CPU with AVX-512 or AVX2, else onednn for "
+                        "weights of at least 512 x 512 where available); with quantization.weights, of the layers "
+                        "left in float")
     keep_freed_memory: bool = Field(
         True, description="CPU, glibc: keep freed heap memory for reuse (no page faults on each step's activations); "
                           "process-wide")

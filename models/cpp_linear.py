@@ -68,23 +68,31 @@ def cpp_linear_unavailable(dtype: torch.dtype, device: torch.device) -> str | No
     return cpp_kernels_unavailable("linear", dtype, device)
 
 
+PAYS_ON = {torch.bfloat16: ("avx512_bf16", "avx2"), torch.float32: ("avx512_bf16", "avx512", "avx2")}
+"""The kernel paths on which linear_kernel "auto" takes these kernels, per dtype (`cpp_linear_pays`)."""
+
+
 def cpp_linear_pays(dtype: torch.dtype, device: torch.device) -> bool:
     """Whether linear_kernel "auto" picks these kernels for a `dtype` CPU model.
 
     bfloat16: on a CPU with AVX-512 BF16, where the kernel measured faster than
     `F.linear` and oneDNN at the bench models' layer shapes up to 32 rows and
-    level at hundreds. float32: on a CPU with AVX-512, where it measured 1.05-2.4x
-    faster than both at 1-32 rows (decode), level at 64-512 and a few percent
-    behind oneDNN at 2,048. A model holds one packed copy of a weight, so the
-    choice is per model, not per call. Tables: docs/models.md, "bfloat16
-    linear layers" (float32 too) and its "float32 linear layers"."""
+    level at hundreds, and on AVX2, where oneDNN has no bfloat16 path and the
+    kernel measured 2-8x `F.linear` at 1-512 rows. float32: on a CPU with
+    AVX-512, where it measured 1.05-2.4x faster than both at 1-32 rows
+    (decode), level at 64-512 and a few percent behind oneDNN at 2,048, and on
+    AVX2, 1.5-2x oneDNN at 1-32 rows and 0.94-1.3x at 128-512. A model holds
+    one packed copy of a weight, so the choice is per model, not per call.
+    Tables: docs/models.md, "bfloat16 linear layers" (float32 too) and its
+    "float32 linear layers"."""
     if cpp_linear_unavailable(dtype, device) is not None:
         return False
     try:
         path = kernel_path()
     except UnsupportedConfigurationError:  # the library did not build: auto takes torch or oneDNN (the loader logs why)
         return False
-    return path == "avx512_bf16" if dtype == torch.bfloat16 else path.startswith("avx512")
+    return path in PAYS_ON[dtype]
+
 
 
 def kernel_path() -> str:
