@@ -101,6 +101,39 @@ void dot_channels(const uint8_t* xu, int64_t k, const int8_t* w, int64_t n, int6
 }
 }  // namespace w8a8_vnni
 #pragma GCC pop_options
+#pragma GCC push_options
+#pragma GCC target("avx2,fma,f16c")
+namespace w8a8_avx2_dot {
+// As w8a8_vnni::dot_channels, on AVX2: the rows come widened to int16 (xw, [MR, k]),
+// each 16 weights are widened the same way and vpmaddwd sums their products in
+// pairs into int32 lanes. Exact for any int8 values while 2 * 128 * 128 * k / 2
+// fits int32 (k <= kDotMaxIn).
+template <int MR>
+void dot_channels(const int16_t* xw, int64_t k, const int8_t* w, int64_t n, int64_t c0, int64_t c1, int32_t* acc) {
+  const int64_t whole = k / 16 * 16;
+  for (int64_t c = c0; c < c1; ++c) {
+    const int8_t* wc = w + c * k;
+    __m256i sum[MR];
+    for (int r = 0; r < MR; ++r) sum[r] = _mm256_setzero_si256();
+    for (int64_t d = 0; d < whole; d += 16) {
+      __builtin_prefetch(wc + d + kWeightsAhead, 0, 2);
+      const __m256i wv = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(wc + d)));
+      for (int r = 0; r < MR; ++r) {
+        const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xw + r * k + d));
+        sum[r] = _mm256_add_epi32(sum[r], _mm256_madd_epi16(xv, wv));
+      }
+    }
+    for (int r = 0; r < MR; ++r) {
+      const __m128i half = _mm_add_epi32(_mm256_castsi256_si128(sum[r]), _mm256_extracti128_si256(sum[r], 1));
+      const __m128i pairs = _mm_add_epi32(half, _mm_shuffle_epi32(half, 0x4e));
+      int32_t total = _mm_cvtsi128_si32(_mm_add_epi32(pairs, _mm_shuffle_epi32(pairs, 0xb1)));
+      for (int64_t d = whole; d < k; ++d) total += int32_t{xw[r * k + d]} * int32_t{wc[d]};
+      acc[r * n + c] = total;
+    }
+  }
+}
+}  // namespace w8a8_avx2_dot
+#pragma GCC pop_options
 #endif
 
 namespace {
@@ -137,32 +170,56 @@ bool takes_vnni(int64_t m, int64_t k) {
   return m <= kVnniRows && k <= kVnniMaxIn && isa() == Isa::kAvx512 && has_avx512_vnni();
 }
 
+// Input features up to which w8a8_avx2_dot::dot_channels's sums stay exact. On a
+// CPU whose best level is AVX2 it takes every row count: oneDNN's int8 GEMM
+// there measured 7-50x slower at 1-16 rows and no faster above
+// (docs/quantization.md).
+constexpr int64_t kDotMaxIn = 65536;
+
+bool takes_avx2_dot(int64_t k) { return k <= kDotMaxIn && isa() == Isa::kAvx2; }
+
+// Channel blocks in parallel, four rows at a time: a block's weights come from
+// memory for the first four rows, from cache after. `x` is the rows as the dot
+// kernel takes them ([m, k] of T), dots[i] its kernel for i + 1 rows.
+template <typename T>
+at::Tensor dot_channel_blocks(const std::vector<T>& x, int64_t m, int64_t k, const at::Tensor& weight,
+                              void (*const dots[4])(const T*, int64_t, const int8_t*, int64_t, int64_t, int64_t,
+                                                    int32_t*)) {
+  const int64_t n = weight.size(0);
+  at::Tensor acc = at::empty({m, n}, weight.options().dtype(at::kInt));
+  int32_t* acc_ptr = acc.data_ptr<int32_t>();
+  const int8_t* w = weight.data_ptr<int8_t>();
+  at::parallel_for(0, (n + kChannelBlock - 1) / kChannelBlock, 1, [&](int64_t b0, int64_t b1) {
+    for (int64_t b = b0; b < b1; ++b) {
+      const int64_t c0 = b * kChannelBlock, c1 = std::min(n, c0 + kChannelBlock);
+      for (int64_t r = 0; r < m; r += 4) dots[std::min<int64_t>(4, m - r) - 1](x.data() + r * k, k, w, n, c0, c1,
+                                                                              acc_ptr + r * n);
+    }
+  });
+  return acc;
+}
+
 // q [m, k] times weight [n, k] transposed, as int32 sums [m, n]. torch._int_mm
 // on CPU returns wrong sums when k is 1 (seen with torch 2.13), so that case is
 // an outer product.
 at::Tensor int8_matmul(const at::Tensor& q, const at::Tensor& weight) {
   const int64_t m = q.size(0), k = q.size(1), n = weight.size(0);
 #ifdef KVFORGE_HAS_X86_PATHS
+  const int8_t* q_ptr = q.data_ptr<int8_t>();
   if (takes_vnni(m, k)) {
     std::vector<uint8_t> xu(m * k);
-    const int8_t* q_ptr = q.data_ptr<int8_t>();
     for (int64_t i = 0; i < m * k; ++i) xu[i] = static_cast<uint8_t>(q_ptr[i] ^ 0x80);  // q + 128
-    at::Tensor acc = at::empty({m, n}, q.options().dtype(at::kInt));
-    int32_t* acc_ptr = acc.data_ptr<int32_t>();
-    const int8_t* w = weight.data_ptr<int8_t>();
     using Dot = void (*)(const uint8_t*, int64_t, const int8_t*, int64_t, int64_t, int64_t, int32_t*);
-    constexpr Dot kDots[] = {&w8a8_vnni::dot_channels<1>, &w8a8_vnni::dot_channels<2>, &w8a8_vnni::dot_channels<3>,
-                             &w8a8_vnni::dot_channels<4>};
-    at::parallel_for(0, (n + kChannelBlock - 1) / kChannelBlock, 1, [&](int64_t b0, int64_t b1) {
-      for (int64_t b = b0; b < b1; ++b) {
-        const int64_t c0 = b * kChannelBlock, c1 = std::min(n, c0 + kChannelBlock);
-        // Four rows at a time: the block's weights come from memory for the first four, from cache after.
-        for (int64_t r = 0; r < m; r += 4) {
-          kDots[std::min<int64_t>(4, m - r) - 1](xu.data() + r * k, k, w, n, c0, c1, acc_ptr + r * n);
-        }
-      }
-    });
-    return acc;
+    static constexpr Dot kDots[] = {&w8a8_vnni::dot_channels<1>, &w8a8_vnni::dot_channels<2>,
+                                    &w8a8_vnni::dot_channels<3>, &w8a8_vnni::dot_channels<4>};
+    return dot_channel_blocks(xu, m, k, weight, kDots);
+  }
+  if (takes_avx2_dot(k)) {
+    const std::vector<int16_t> xw(q_ptr, q_ptr + m * k);
+    using Dot = void (*)(const int16_t*, int64_t, const int8_t*, int64_t, int64_t, int64_t, int32_t*);
+    static constexpr Dot kDots[] = {&w8a8_avx2_dot::dot_channels<1>, &w8a8_avx2_dot::dot_channels<2>,
+                                    &w8a8_avx2_dot::dot_channels<3>, &w8a8_avx2_dot::dot_channels<4>};
+    return dot_channel_blocks(xw, m, k, weight, kDots);
   }
 #endif
   if (k == 1) return at::mul(q.to(at::kInt), weight.t().to(at::kInt));
@@ -217,9 +274,10 @@ at::Tensor int8_dynamic_linear(const at::Tensor& x_in, const at::Tensor& weight,
 }
 
 // Which product int8_dynamic_linear takes for `rows` x `in_features` here and
-// now ("avx512_vnni", "outer_product" or "onednn"), for tests and benchmarks.
+// now ("avx512_vnni", "avx2_dot", "outer_product" or "onednn"), for tests and benchmarks.
 std::string int8_dynamic_linear_path(int64_t rows, int64_t in_features) {
   if (takes_vnni(rows, in_features)) return "avx512_vnni";
+  if (takes_avx2_dot(in_features)) return "avx2_dot";
   return in_features == 1 ? "outer_product" : "onednn";
 }
 

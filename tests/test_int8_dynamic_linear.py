@@ -4,8 +4,9 @@ to int8 with its own absmax scale, int32 sums, then `acc * s_x * s_w + b`.
 It must give the same bits as the torch ops it replaces (`int8_gemm_in_torch`,
 the path without the C++ library, itself held to float64 in
 test_quantized_linear.py), on every instruction-set level this CPU runs, on
-both of its products (AVX-512 VNNI dot products up to 24 rows, oneDNN's
-`_int_mm` above), at sizes that leave tails in every step: in not a multiple of
+each of its products (AVX-512 VNNI dot products up to 24 rows, oneDNN's
+`_int_mm` above; AVX2 dot products at every row count where AVX2 is the best
+level), at sizes that leave tails in every step: in not a multiple of
 the 64-byte steps, out not a multiple of the 64-channel blocks, rows not a
 multiple of the VNNI path's four. Equal bits leave no room for a wrong sum,
 scale or rounding; float64 bounds are checked too, for the op itself. Its
@@ -43,6 +44,7 @@ def operands(rows: int, k: int, n: int, bias: bool, seed: int, dtype=torch.float
         x[1] = 0  # a zero row: zeros out, never a division by zero
         x[2, : (k + 1) // 2] = -x[2].abs().max()  # many values at the row's extreme
     w = torch.randint(-127, 128, (n, k), dtype=torch.int8, generator=generator)
+    w[0, 0] = -128  # the one int8 whose sign cannot flip: products must widen, not negate
     scale = torch.rand(n, generator=generator) * 0.05 + 1e-3
     scale[n // 2] *= 100  # a scale on the wrong channel shows
     b = torch.randn(n, generator=generator) if bias else None
@@ -75,8 +77,12 @@ def test_each_product_is_taken_where_it_should_be(monkeypatch):
     assert [torch.ops.kvforge_cpp.int8_dynamic_linear_path(r, 64) for r in (1, 24, 25)] == \
         ["avx512_vnni", "avx512_vnni", "onednn"]
     assert torch.ops.kvforge_cpp.int8_dynamic_linear_path(30, 1) == "outer_product"
-    monkeypatch.setenv("KVFORGE_CPP_ISA", "avx2")
-    assert torch.ops.kvforge_cpp.int8_dynamic_linear_path(1, 64) == "onednn"
+
+
+def test_avx2_takes_its_dot_products_at_every_row_count_while_the_sums_stay_exact(monkeypatch):
+    assert [path_at("avx2", rows, 64, monkeypatch) for rows in (1, 25, 512)] == ["avx2_dot"] * 3
+    assert torch.ops.kvforge_cpp.int8_dynamic_linear_path(4, 65536) == "avx2_dot"
+    assert torch.ops.kvforge_cpp.int8_dynamic_linear_path(4, 65537) == "onednn"
 
 
 @pytest.mark.parametrize("rows", [2, 30], ids=["vnni", "onednn"])
