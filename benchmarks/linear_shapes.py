@@ -28,7 +28,7 @@ from torch import nn
 from kvforge.engine.heap import keep_freed_memory
 from kvforge.models.cpp_linear import CppGateUp, CppLinear
 from kvforge.models.huge_pages import on_huge_pages
-from kvforge.models.packed_linear import PackedLinear, linear_act, linear_add, linear_mul
+from kvforge.models.packed_linear import PackedLinear, linear_act, linear_add, linear_mul, onednn_unavailable
 
 from .model_dirs import SYNTHETIC
 
@@ -55,19 +55,24 @@ def on_huge_pages_as_models_do(layer):
 
 
 def layer_calls(name: str, out: int, k: int, rows: int, dtype: torch.dtype) -> dict:
-    """Kernel -> a no-argument call running layer `name` as the models do."""
+    """Kernel -> a no-argument call running layer `name` as the models do (no "onednn"
+    where oneDNN cannot run `dtype` on this CPU, e.g. bfloat16 without AVX-512)."""
     x = torch.randn(rows, k, dtype=dtype)
     residual = torch.randn(rows, out, dtype=dtype)
+    onednn = onednn_unavailable(dtype, x.device) is None
     if name == "gate_up":
         gate, up = nn.Linear(k, out, bias=False).to(dtype), nn.Linear(k, out, bias=False).to(dtype)
-        onednn_gate, onednn_up = PackedLinear(gate.weight, None), PackedLinear(up.weight, None)
         fused = on_huge_pages_as_models_do(CppGateUp(gate, up))
-        return {"torch": lambda: linear_mul(up, x, linear_act(gate, x, "silu")),
-                "onednn": lambda: linear_mul(onednn_up, x, linear_act(onednn_gate, x, "silu")),
-                "cpp": lambda: fused(x)}
+        calls = {"torch": lambda: linear_mul(up, x, linear_act(gate, x, "silu")), "cpp": lambda: fused(x)}
+        if onednn:
+            onednn_gate, onednn_up = PackedLinear(gate.weight, None), PackedLinear(up.weight, None)
+            calls["onednn"] = lambda: linear_mul(onednn_up, x, linear_act(onednn_gate, x, "silu"))
+        return calls
     plain = nn.Linear(k, out, bias=False).to(dtype)
-    layers = {"torch": plain, "onednn": PackedLinear(plain.weight, None),
-              "cpp": on_huge_pages_as_models_do(CppLinear(plain.weight, None, float_out=name == "head"))}
+    layers = {"torch": plain, "cpp": on_huge_pages_as_models_do(CppLinear(plain.weight, None,
+                                                                         float_out=name == "head"))}
+    if onednn:
+        layers["onednn"] = PackedLinear(plain.weight, None)
     if name == "head":  # float32 logits, as `compute_logits` returns them (cpp writes them directly)
         return {kernel: (lambda layer=layer: layer(x).float()) for kernel, layer in layers.items()}
     other = residual if name in ("o", "down") else None
@@ -114,9 +119,10 @@ def main() -> None:
     print("| model | layer | rows | torch us | oneDNN us | cpp us | cpp vs best other |")
     print("|---|---|---|---|---|---|---|")
     for r in table(dtype, [int(r) for r in args.rows.split(",")], args.models.split(","), args.rounds):
-        best = min(r["torch"], r["onednn"])
+        best = min(r["torch"], r.get("onednn", r["torch"]))
+        onednn = f"{r['onednn']:.1f}" if "onednn" in r else "n/a"
         print(f"| {r['model'].removeprefix('bench-llama-')} | {r['layer']} | {r['rows']} | {r['torch']:.1f} | "
-              f"{r['onednn']:.1f} | {r['cpp']:.1f} | {best / r['cpp']:.2f}x |", flush=True)
+              f"{onednn} | {r['cpp']:.1f} | {best / r['cpp']:.2f}x |", flush=True)
 
 
 if __name__ == "__main__":

@@ -100,15 +100,16 @@ inline void f32_tile(const float* __restrict__ x, int64_t x_stride, const float*
 // defined once in linear.cpp, outside the ISA namespaces.
 
 // silu(g) = g / (1 + e^-g); a gate below -88 gives -0 or a tiny negative, as it should.
-inline vf16 silu16(vf16 g) { return g / (1.0f + exp16(-g)); }
+inline vw silu_w(vw g) { return g / (1.0f + exp_of<vw, vwi>(-g)); }
 
-inline void store16(const Epilogue& e, int64_t row, int64_t c0, vf16 v) {
-  const int64_t count = std::min<int64_t>(kLanes, e.n - c0);
-  if (count == kLanes) {
+// The epilogue works in `vw` (native_vectors.h), kW channels at a time.
+inline void store_w(const Epilogue& e, int64_t row, int64_t c0, vw v) {
+  const int64_t count = std::min<int64_t>(kW, e.n - c0);
+  if (count == kW) {
     if (e.y_float) {
-      *reinterpret_cast<vf16*>(static_cast<float*>(e.y) + row * e.y_stride + c0) = v;
+      *reinterpret_cast<vw*>(static_cast<float*>(e.y) + row * e.y_stride + c0) = v;
     } else {
-      store_bf16x16(static_cast<uint16_t*>(e.y) + row * e.y_stride + c0, v);
+      store_bf16w(static_cast<uint16_t*>(e.y) + row * e.y_stride + c0, v);
     }
     return;
   }
@@ -121,19 +122,18 @@ inline void store16(const Epilogue& e, int64_t row, int64_t c0, vf16 v) {
   }
 }
 
-// The residual's 16 values from channel c0 (zeros past the last channel).
-inline vf16 residual16(const Epilogue& e, int64_t row, int64_t c0) {
-  const int64_t count = std::min<int64_t>(kLanes, e.n - c0);
+// The residual's kW values from channel c0 (zeros past the last channel).
+inline vw residual_w(const Epilogue& e, int64_t row, int64_t c0) {
+  const int64_t count = std::min<int64_t>(kW, e.n - c0);
+  vw v{};
   if (e.other_float) {
     const float* r = static_cast<const float*>(e.other) + row * e.other_stride + c0;
-    if (count == kLanes) return *reinterpret_cast<const vf16*>(r);
-    vf16 v{};
+    if (count == kW) return *reinterpret_cast<const vw*>(r);
     for (int64_t j = 0; j < count; ++j) v[j] = r[j];
     return v;
   }
   const uint16_t* r = static_cast<const uint16_t*>(e.other) + row * e.other_stride + c0;
-  if (count == kLanes) return load_bf16x16(r);
-  vf16 v{};
+  if (count == kW) return load_bf16w(r);
   for (int64_t j = 0; j < count; ++j) v[j] = bf16_to_float(r[j]);
   return v;
 }
@@ -144,21 +144,23 @@ inline void finish_tile(const float* acc, int mr, int nb, int64_t row0, int64_t 
   for (int m = 0; m < mr; ++m) {
     const int64_t row = row0 + m;
     for (int b = 0; b < nb; b += e.mode == 2 ? 2 : 1) {
-      vf16 v = *reinterpret_cast<const vf16*>(acc + m * kMaxBlocks * kLanes + b * kLanes);
       const int64_t block = block0 + b;
-      if (e.scale != nullptr) v *= *reinterpret_cast<const vf16*>(e.scale + block * kLanes);
-      if (e.bias != nullptr) v += *reinterpret_cast<const vf16*>(e.bias + block * kLanes);
-      if (e.mode == 2) {
-        vf16 up = *reinterpret_cast<const vf16*>(acc + m * kMaxBlocks * kLanes + (b + 1) * kLanes);
-        if (e.bias != nullptr) up += *reinterpret_cast<const vf16*>(e.bias + (block + 1) * kLanes);
-        const int64_t c0 = block / 2 * kLanes;
-        if (c0 < e.n) store16(e, row, c0, silu16(v) * up);
-        continue;
+      for (int h = 0; h < kLanes; h += kW) {
+        vw v = *reinterpret_cast<const vw*>(acc + m * kMaxBlocks * kLanes + b * kLanes + h);
+        if (e.scale != nullptr) v *= *reinterpret_cast<const vw*>(e.scale + block * kLanes + h);
+        if (e.bias != nullptr) v += *reinterpret_cast<const vw*>(e.bias + block * kLanes + h);
+        if (e.mode == 2) {
+          vw up = *reinterpret_cast<const vw*>(acc + m * kMaxBlocks * kLanes + (b + 1) * kLanes + h);
+          if (e.bias != nullptr) up += *reinterpret_cast<const vw*>(e.bias + (block + 1) * kLanes + h);
+          const int64_t c0 = block / 2 * kLanes + h;
+          if (c0 < e.n) store_w(e, row, c0, silu_w(v) * up);
+          continue;
+        }
+        const int64_t c0 = block * kLanes + h;
+        if (c0 >= e.n) continue;
+        if (e.mode == 1) v += residual_w(e, row, c0);
+        store_w(e, row, c0, v);
       }
-      const int64_t c0 = block * kLanes;
-      if (c0 >= e.n) continue;
-      if (e.mode == 1) v += residual16(e, row, c0);
-      store16(e, row, c0, v);
     }
   }
 }

@@ -1,4 +1,5 @@
-// `vw`, the instruction set's own float vector, and kW, its lanes: 16 bytes on
+// `vw`, the instruction set's own float vector (vwi, vwu and vwh its int32,
+// uint32 and uint16 twins), and kW, its lanes: 16 bytes on
 // the baseline, 32 under AVX2, 64 under AVX-512, as the includer says by
 // defining KVFORGE_VW_BYTES before each include (inside an ISA namespace).
 //
@@ -9,10 +10,17 @@
 // per-lane arithmetic, hence the same bits, on every ISA.
 
 typedef float vw __attribute__((vector_size(KVFORGE_VW_BYTES), aligned(4), may_alias));
+typedef int32_t vwi __attribute__((vector_size(KVFORGE_VW_BYTES), aligned(4), may_alias));
 typedef uint32_t vwu __attribute__((vector_size(KVFORGE_VW_BYTES), aligned(4), may_alias));
 typedef uint16_t vwh __attribute__((vector_size(KVFORGE_VW_BYTES / 2), aligned(2), may_alias));
 constexpr int kW = KVFORGE_VW_BYTES / 4;
 #undef KVFORGE_VW_BYTES
+
+// kW bfloat16 values (raw bits) at p as floats (as load_bf16x16 does for vf16).
+inline vw load_bf16w(const uint16_t* p) {
+  const vwu bits = __builtin_convertvector(*reinterpret_cast<const vwh*>(p), vwu) << 16;
+  return reinterpret_cast<const vw&>(bits);
+}
 
 // float_to_bf16 on every lane of v, stored at p (as store_bf16x16 does for vf16).
 inline void store_bf16w(uint16_t* p, vw v) {
