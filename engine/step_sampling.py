@@ -18,6 +18,8 @@ import math
 
 import torch
 
+from kvforge.kernels import build as kernel_library
+
 from .metrics import EngineMetrics
 from .rejection_sampler import RejectionSampler
 from .request import Request
@@ -39,14 +41,29 @@ class StepSampler:
         """The tokens every sampling request (and every sample forked this step)
         emits, and the requests whose logits are not finite."""
         requests = plain_requests(plan.scheduled, logits)
-        if requests is not None and all_finite(logits):
-            if logits.device.type == "cpu" and all(r.params.greedy for r in requests):
-                tokens = logits.numpy().argmax(axis=1).tolist()  # first maximum, as torch's argmax
-            else:
-                tokens = self.sampler.draw(logits, requests).tolist()
+        tokens = None if requests is None else self._plain_tokens(requests, logits)
+        if tokens is not None:
             return SamplerOutput({r.request_id: SampledTokens([t]) for r, t in zip(requests, tokens)})
         entries, logits, non_finite = split_non_finite(plan.scheduled, logits)
         return SamplerOutput(self._sample(entries, logits), non_finite)
+
+    def _plain_tokens(self, requests: list[Request], logits: torch.Tensor) -> list[int] | None:
+        """The tokens of a plain step (`plain_requests`); None when a logit is NaN or
+        infinite (the general path then sets those requests aside). On CPU one C++
+        call (`greedy_rows`) checks finiteness and finds every row's first maximum,
+        the greedy token, as torch's argmax."""
+        greedy = all(r.params.greedy for r in requests)
+        maxima = greedy_rows(logits)
+        if maxima is not None:
+            if NON_FINITE in maxima:
+                return None
+            if greedy:
+                return maxima
+        elif not all_finite(logits):
+            return None
+        elif greedy and logits.device.type == "cpu":
+            return logits.numpy().argmax(axis=1).tolist()  # first maximum, as torch's argmax
+        return self.sampler.draw(logits, requests).tolist()
 
     def _sample(self, entries: list[ScheduledRequest], logits: torch.Tensor) -> dict[str, SampledTokens]:
         rows: list[int] = []
@@ -141,6 +158,19 @@ def plain_requests(entries: list[ScheduledRequest], logits: torch.Tensor) -> lis
             return None
         requests.append(request)
     return requests
+
+
+NON_FINITE = -1  # `greedy_rows`' entry for a row holding a NaN or an infinity
+
+
+def greedy_rows(logits: torch.Tensor) -> list[int] | None:
+    """Each row's first maximum (its greedy token), or `NON_FINITE` for a row
+    holding a NaN or an infinity, from `kvforge_cpp::greedy_rows`
+    (kernels/greedy_rows.cpp); None when that cannot run: not CPU float32 rows, or
+    kvforge's C++ library not loaded (the sampler never starts a build)."""
+    if logits.device.type != "cpu" or not logits.is_contiguous() or not kernel_library.is_loaded():
+        return None
+    return torch.ops.kvforge_cpp.greedy_rows(logits)
 
 
 def all_finite(logits: torch.Tensor) -> bool:

@@ -3,10 +3,14 @@ penalties, bias, logprobs or `min_tokens` to reach) skips the batch machinery
 (`step_sampling.plain_requests`, `Sampler.draw`). Over runs of steps on random
 batches, plain and not, it must emit exactly the tokens and logprobs the general
 path does, and leave every random stream (the engine's and each seeded
-request's) where the general path leaves it."""
+request's) where the general path leaves it: on CPU with kvforge's C++ library
+(one `greedy_rows` call checks finiteness and finds the greedy tokens) and
+without it (numpy)."""
 
 import random
+from contextlib import contextmanager
 
+import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -15,7 +19,9 @@ from kvforge import SamplingParams
 from kvforge.engine.metrics import EngineMetrics
 from kvforge.engine.request import Request
 from kvforge.engine.scheduler_output import SamplerOutput, ScheduledRequest, SchedulerOutput
+from kvforge.engine import step_sampling
 from kvforge.engine.step_sampling import StepSampler, plain_requests, split_non_finite
+from kvforge.kernels import build
 
 VOCAB = 96
 KINDS = {
@@ -35,6 +41,25 @@ KINDS = {
 PLAIN = ["greedy", "greedy seeded", "seeded", "seeded hot", "unseeded", "top-k top-p", "min-p"]
 
 
+HAS_LIBRARY = not (build.missing_tools() and build.cached_library() is None)
+PATHS = ["kernel", "numpy"] if HAS_LIBRARY else ["numpy"]
+
+
+@pytest.fixture(autouse=True, scope="module")
+def library():
+    if HAS_LIBRARY:
+        build.load()
+
+
+@contextmanager
+def plain_path(path: str):
+    """The plain path as it runs with the C++ library loaded ("kernel") or without it ("numpy")."""
+    with pytest.MonkeyPatch.context() as patch:
+        if path == "numpy":
+            patch.setattr(step_sampling, "greedy_rows", lambda logits: None)
+        yield
+
+
 def requests_of(kinds: list[str]) -> list[Request]:
     return [Request(f"r{i}", [1, 2, 3], SamplingParams(max_tokens=100, **KINDS[kind]), eos_token_id=0)
             for i, kind in enumerate(kinds)]
@@ -50,9 +75,15 @@ def plan_of(requests: list[Request]) -> SchedulerOutput:
     return SchedulerOutput([ScheduledRequest(r, r.num_tokens - 1, 1) for r in requests if not r.finished])
 
 
+@pytest.mark.parametrize("path", PATHS)
 @settings(max_examples=50, deadline=None)
 @given(seed=st.integers(0, 2**31 - 1), size=st.integers(1, 6), plain_only=st.booleans())
-def test_plain_steps_match_the_general_path_bitwise(seed, size, plain_only):
+def test_plain_steps_match_the_general_path_bitwise(path, seed, size, plain_only):
+    with plain_path(path):
+        plain_steps_match_the_general_path(seed, size, plain_only)
+
+
+def plain_steps_match_the_general_path(seed, size, plain_only):
     rng = random.Random(seed)
     kinds = [rng.choice(PLAIN if plain_only else list(KINDS)) for _ in range(size)]
     ours, theirs = requests_of(kinds), requests_of(kinds)
@@ -104,3 +135,24 @@ def test_rows_that_need_processing_are_not_plain():
         assert plain_requests(plan_of(requests_of([kind])).scheduled, logits) is None, kind
     assert plain_requests(plan_of(requests_of(["seeded"])).scheduled, logits) is not None
     assert plain_requests(plan_of(requests_of(["seeded"])).scheduled, logits.bfloat16()) is None
+
+
+@pytest.mark.skipif(not HAS_LIBRARY, reason="kvforge's C++ library cannot be built here")
+def test_a_plain_cpu_step_takes_one_kernel_call_for_finiteness_and_greedy_tokens(monkeypatch):
+    calls = []
+    real = step_sampling.greedy_rows
+
+    def counted(logits):
+        calls.append(logits.shape)
+        return real(logits)
+
+    monkeypatch.setattr(step_sampling, "greedy_rows", counted)
+    logits = torch.randn(3, VOCAB, generator=torch.Generator().manual_seed(2))
+    sampler = StepSampler(0, EngineMetrics())
+    out = sampler.sample(plan_of(requests_of(["greedy", "greedy seeded", "greedy"])), logits)
+    assert calls == [(3, VOCAB)]
+    assert [out.tokens[f"r{i}"].token_ids for i in range(3)] == [[t] for t in logits.argmax(dim=1).tolist()]
+    assert real(logits) is not None  # the kernel ran, not the numpy fallback
+    logits[1, 5] = float("nan")
+    out = sampler.sample(plan_of(requests_of(["greedy", "seeded", "greedy"])), logits)
+    assert out.non_finite == ["r1"] and sorted(out.tokens) == ["r0", "r2"]
