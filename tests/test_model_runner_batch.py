@@ -106,3 +106,33 @@ def test_live_block_tables_names_a_missing_request():
     kv.admit("a", [])
     with pytest.raises(Exception, match="'b'"):
         kv.live_block_tables(["a", "b"])
+
+
+class RecordingModel:
+    """A model that records whether each call of a step ran in inference mode."""
+
+    vocab_size = 5
+
+    def __init__(self):
+        self.modes: dict[str, bool] = {}
+
+    def plan(self, batch, output_rows=None):
+        self.modes["plan"] = torch.is_inference_mode_enabled()
+
+    def forward(self, input_ids, positions, kv_caches, plan):
+        self.modes["forward"] = torch.is_inference_mode_enabled()
+        return torch.zeros(input_ids.shape[0], 3)
+
+    def compute_logits(self, hidden):
+        self.modes["compute_logits"] = torch.is_inference_mode_enabled()
+        return torch.zeros(hidden.shape[0], self.vocab_size)
+
+
+@pytest.mark.parametrize("decode_only", [True, False])
+def test_a_step_runs_the_model_in_inference_mode_and_leaves_it_after(decode_only):
+    scheduled, kv = build(3, 4, decode_only)
+    model = RecordingModel()
+    logits = ModelRunner(model, kv, [], BS, torch.device("cpu")).execute(scheduled)
+    assert model.modes == {"plan": True, "forward": True, "compute_logits": True}
+    assert logits.is_inference() and logits.shape == (len(logit_rows(scheduled)), model.vocab_size)
+    assert not torch.is_inference_mode_enabled()
