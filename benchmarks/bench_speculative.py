@@ -15,7 +15,10 @@ came before: what prompt lookup feeds on), free (greedy continuations of
 ordinary openings) and unpredictable (the free openings sampled at temperature
 1.0, unseeded: output the drafts seldom guess; "identical" does not apply).
 
-Each engine runs the whole workload once untimed first (compilation, first
+A second engine without speculation, built last, is measured too ("none, second
+engine"): how far it reads from the first is how far two identical engines differ
+in one process, which no number of rounds removes. Each engine runs the whole
+workload once untimed first (compilation, first
 allocations, adaptive drafting's warm-up); then every configuration runs once per
 round, the order rotated round by round, and each row gives its fastest round
 against none's fastest and the median of its per-round ratios to none. With
@@ -67,6 +70,7 @@ def prompts(model: str, tokenizer, vocab: int, repetitive: bool, count: int, see
 
 
 TEXTS = ("repetitive", "free", "unpredictable")
+CONTROL = "none, second engine"
 
 
 def engine_for(model: str, batch: int, speculative: dict):
@@ -104,7 +108,10 @@ def settings_for(batch: int, num_tokens: int) -> list[tuple[str, dict]]:
         settings += [(f"{name}, fixed, off above {batch // 2}",
                       {"proposer": name, "num_tokens": num_tokens, "draft_policy": "fixed",
                        "disable_above_batch_size": batch // 2}) for name in proposers()]
-    return settings
+    # A second engine without speculation, built last: what it reads against the first is
+    # how far two identical engines differ in one process (memory placement), not noise
+    # of the rounds, which the median over rounds does not remove.
+    return settings + [(CONTROL, {})]
 
 
 def measure(model: str, path: str, *, batch: int, text: str, tokens: int, num_tokens: int,
