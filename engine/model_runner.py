@@ -103,17 +103,12 @@ class ModelRunner:
             lora.set_step(token_slots, output_rows)
         return self.model.forward(input_ids, positions, self.kv_caches, plan)
 
+    @torch.inference_mode()
     def execute(self, scheduled: Sequence[ScheduledRequest], lora_slots: Sequence[int] | None = None) -> torch.Tensor:
-        """Run one step, in inference mode; float32 logits of the last
-        `entry.num_prompt_logit_rows + entry.num_logit_rows` new tokens of every
-        scheduled entry, entry after entry. `lora_slots` gives each entry's LoRA slot
-        (-1: the base model; None: no entry runs an adapter)."""
-        # The guard `torch.inference_mode()` enters, without the decorator's Python
-        # frames (a new context object, its __enter__ and __exit__) on every step.
-        with torch._C._InferenceMode(True):
-            return self._execute(scheduled, lora_slots)
-
-    def _execute(self, scheduled: Sequence[ScheduledRequest], lora_slots: Sequence[int] | None) -> torch.Tensor:
+        """Run one step; float32 logits of the last `entry.num_prompt_logit_rows +
+        entry.num_logit_rows` new tokens of every scheduled entry, entry after entry.
+        `lora_slots` gives each entry's LoRA slot (-1: the base model; None: no
+        entry runs an adapter)."""
         self.apply_block_copies()
         input_ids, positions, batch = self.build_batch(scheduled)
         token_slots = token_slots_of(scheduled, lora_slots)
