@@ -25,18 +25,33 @@ inline uint16_t float_to_bf16(float f) {
   return static_cast<uint16_t>((bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16);
 }
 
-inline vf16 load_bf16x16(const uint16_t* p) {
-  const vu16 bits = __builtin_convertvector(*reinterpret_cast<const vh16*>(p), vu16) << 16;
-  return reinterpret_cast<const vf16&>(bits);
+// bfloat16 bits at p as floats, and float_to_bf16 on every lane, for a float
+// vector VF of any width with its uint32 and uint16 twins VU and VH (the
+// sixteen-lane ones below; native_vectors.h's vw). A template argument loses
+// the types' aligned(4) and aligned(2), so memory goes through memcpy: p need
+// not be aligned to the vector.
+template <typename VF, typename VU, typename VH>
+inline VF load_bf16_lanes(const uint16_t* p) {
+  VH half;
+  __builtin_memcpy(&half, p, sizeof half);
+  const VU bits = __builtin_convertvector(half, VU) << 16;
+  VF v;
+  __builtin_memcpy(&v, &bits, sizeof v);
+  return v;
 }
 
-// float_to_bf16 on sixteen lanes.
-inline void store_bf16x16(uint16_t* p, vf16 v) {
-  const vu16 bits = reinterpret_cast<const vu16&>(v);
-  const vu16 rounded = (bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16;
-  const vu16 nan = (bits & 0x7fffffffu) > 0x7f800000u;
-  *reinterpret_cast<vh16*>(p) = __builtin_convertvector(nan ? vu16{} + 0x7fc0u : rounded, vh16);
+template <typename VF, typename VU, typename VH>
+inline void store_bf16_lanes(uint16_t* p, VF v) {
+  VU bits;
+  __builtin_memcpy(&bits, &v, sizeof bits);
+  const VU rounded = (bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16;
+  const VU nan = (bits & 0x7fffffffu) > 0x7f800000u;
+  const VH half = __builtin_convertvector(nan ? VU{} + 0x7fc0u : rounded, VH);
+  __builtin_memcpy(p, &half, sizeof half);
 }
+
+inline vf16 load_bf16x16(const uint16_t* p) { return load_bf16_lanes<vf16, vu16, vh16>(p); }
+inline void store_bf16x16(uint16_t* p, vf16 v) { store_bf16_lanes<vf16, vu16, vh16>(p, v); }
 
 // The sum of v's lanes as a tree: four shuffles and additions, where a loop
 // over the lanes is a chain of 16 dependent scalar additions (GCC keeps it).

@@ -16,16 +16,7 @@ typedef uint16_t vwh __attribute__((vector_size(KVFORGE_VW_BYTES / 2), aligned(2
 constexpr int kW = KVFORGE_VW_BYTES / 4;
 #undef KVFORGE_VW_BYTES
 
-// kW bfloat16 values (raw bits) at p as floats (as load_bf16x16 does for vf16).
-inline vw load_bf16w(const uint16_t* p) {
-  const vwu bits = __builtin_convertvector(*reinterpret_cast<const vwh*>(p), vwu) << 16;
-  return reinterpret_cast<const vw&>(bits);
-}
-
-// float_to_bf16 on every lane of v, stored at p (as store_bf16x16 does for vf16).
-inline void store_bf16w(uint16_t* p, vw v) {
-  const vwu bits = reinterpret_cast<const vwu&>(v);
-  const vwu rounded = (bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16;
-  const vwu nan = (bits & 0x7fffffffu) > 0x7f800000u;
-  *reinterpret_cast<vwh*>(p) = __builtin_convertvector(nan ? vwu{} + 0x7fc0u : rounded, vwh);
-}
+// kW bfloat16 values (raw bits) at p as floats, and float_to_bf16 on every lane
+// of v stored at p (bf16_vectors.h, included before this header).
+inline vw load_bf16w(const uint16_t* p) { return load_bf16_lanes<vw, vwu, vwh>(p); }
+inline void store_bf16w(uint16_t* p, vw v) { store_bf16_lanes<vw, vwu, vwh>(p, v); }
