@@ -46,19 +46,20 @@ inline void generic_tile(const uint16_t* __restrict__ x, int64_t x_stride, const
   runs_at_least_once(k);
   for (int64_t p = 0; p < pairs; ++p) {
     prefetch_step(ahead, ahead_step, p);
-    vw lo[V], hi[V];
+    float x0[MR], x1[MR];
+    for (int m = 0; m < MR; ++m) {
+      x0[m] = bf16_to_float(x[m * x_stride + 2 * p]);
+      // An odd width's last pair has no second input (and a zero weight): never read past the row.
+      x1[m] = p < full ? bf16_to_float(x[m * x_stride + 2 * p + 1]) : 0.f;
+    }
+    // One weight vector split at a time, used by every row before the next: two
+    // registers for the weights, so more rows' sums fit.
     for (int v = 0; v < V; ++v) {
       const int b = v * kW / kLanes, lane0 = v * kW % kLanes;
       const vwu words = *reinterpret_cast<const vwu*>(w + ((b * pairs + p) * kLanes + lane0) * 2);
       const vwu even = words << 16, odd = words & 0xffff0000u;
-      lo[v] = reinterpret_cast<const vw&>(even);
-      hi[v] = reinterpret_cast<const vw&>(odd);
-    }
-    for (int m = 0; m < MR; ++m) {
-      const float x0 = bf16_to_float(x[m * x_stride + 2 * p]);
-      // An odd width's last pair has no second input (and a zero weight): never read past the row.
-      const float x1 = p < full ? bf16_to_float(x[m * x_stride + 2 * p + 1]) : 0.f;
-      for (int v = 0; v < V; ++v) acc[m][v] += x0 * lo[v] + x1 * hi[v];
+      const vw lo = reinterpret_cast<const vw&>(even), hi = reinterpret_cast<const vw&>(odd);
+      for (int m = 0; m < MR; ++m) acc[m][v] += x0[m] * lo + x1[m] * hi;
     }
   }
   for (int m = 0; m < MR; ++m) {
