@@ -1,23 +1,22 @@
 """The `batch1` scenario of `kvforge bench`: one sequence at a time, kvforge
 beside llama.cpp, per weight format.
 
-* kvforge runs its engine on a few requests one after another (each arrives
-  long after the previous one finished, so every step holds one sequence):
-  a P-token prompt, then N + 1 generated tokens (greedy, EOS ignored), in
-  float32, bfloat16, and with `int8_weight` weights, weight-only and W8A8.
-  Prefill tok/s is P over the TTFT; decode tok/s is one over the time per
-  output token after the first, i.e. over the N decode steps that follow the
-  prompt.
+* kvforge runs its engine on requests one after another (each arrives long
+  after the previous one finished, so every step holds one sequence), in
+  float32, bfloat16, and with `int8_weight` weights, weight-only and W8A8:
+  a few "prompt" requests, a P-token prompt then N + 1 generated tokens, and
+  as many "tg" requests, a one-token prompt then N + 1 generated tokens
+  (greedy, EOS ignored). Prefill tok/s is P over a prompt request's TTFT;
+  tg tok/s is one over a tg request's time per output token after the first
+  (N decode steps from an almost empty context); tg after P is the same over
+  a prompt request (N decode steps attending to P..P+N positions).
 * llama.cpp (`--peer llama.cpp=BIN_DIR`, peers/llama_cpp_peer.py) converts the
   same model to GGUF f32, bf16 and Q8_0 with its own converter and runs
-  `llama-bench -p P -n N`: its pp and tg tests. Its tg test decodes from an
-  empty context; kvforge's decode steps follow the prompt, so they attend to
-  P..P+N positions (the harder case): the ratios and targets are against tg
-  as llama-bench reports it, and llama.cpp's tg after a P-token context
-  (`-d P`) is reported beside them.
-* After the runs (`figures`): each pair's ratios, kvforge over llama.cpp, and
-  the targets: decode >= 1.0x llama.cpp per format (stretch: 1.2x), prefill
-  >= 1.5x.
+  `llama-bench -p P -n N` (its pp test, and its tg test from an empty
+  context) and `llama-bench -p 0 -n N -d P` (tg after a P-token context).
+* After the runs (`figures`): each pair's ratios, kvforge over llama.cpp,
+  like for like (tg against tg, tg after P against tg after P), and the
+  targets: tg >= 1.0x llama.cpp per format (stretch: 1.2x), prefill >= 1.5x.
 
 P, N = 512, 128 (`--quick`: 64, 16). The default model is `bench-llama-25m`
 (model_dirs.py); `--model` picks another.
@@ -51,6 +50,7 @@ PAIRS = {
     "int8 W8A8": ("kvforge int8_weight W8A8", "llama.cpp Q8_0"),
 }
 DECODE_TARGET, DECODE_STRETCH, PREFILL_TARGET = 1.0, 1.2, 1.5
+PROMPT, TG = "prompt", "tg"  # the request classes: a P-token prompt; a one-token prompt (decode from empty)
 BATCHED_SEQUENCES = [1, 4]  # llama-batched-bench's parallel sequence counts, beside llama-bench
 
 
@@ -69,27 +69,42 @@ def scenario(vocab: int, quick: bool, seed: int = 0) -> Scenario:
     # Far enough apart that each arrives after the previous one finished (prefill takes at most
     # `prompt` steps), so every step runs batch 1; the engine idles in between.
     spacing = prompt + decode + 8
-    requests = [request(i, _ids(rng, prompt, vocab), decode + 1, arrival_step=i * spacing) for i in range(count)]
+    requests = [request(i, _ids(rng, prompt, vocab), decode + 1, arrival_step=i * spacing, cls=PROMPT)
+                for i in range(count)]
+    requests += [request(count + i, _ids(rng, 1, vocab), decode + 1, arrival_step=count * spacing
+                         + i * (decode + 8), cls=TG) for i in range(count)]
     runs = [Run(label, "kvforge", options) for label, options in KVFORGE.items()]
     runs += [Run(label, "llama.cpp", {"outtype": outtype, **({} if quick else {"batched": BATCHED_SEQUENCES})})
              for label, outtype in LLAMA_CPP.items()]
     note = (f"One sequence at a time: {count} requests one after another, each a {prompt}-token prompt and "
-            f"{decode + 1} generated tokens (greedy, EOS ignored), prefix caching off; llama.cpp runs "
-            f"`llama-bench -p {prompt} -n {decode}` on the model converted by its own converter.")
-    return Scenario("batch1", requests, runs, "kvforge float32", note=note, default_model=None if quick else MODEL,
+            f"{decode + 1} generated tokens, then {count} with a one-token prompt and {decode + 1} generated "
+            f"tokens (greedy, EOS ignored), prefix caching off; llama.cpp runs `llama-bench -p {prompt} -n "
+            f"{decode}` and `-p 0 -n {decode} -d {prompt}` on the model converted by its own converter.")
+    return Scenario("batch1", requests, runs, "kvforge float32", latency_class=PROMPT, note=note,
+                    default_model=None if quick else MODEL,
                     figures=lambda summary, out_dir, model_dir: figures(summary, prompt))
 
 
+def _per_token(m: dict | None) -> float | None:
+    return 1 / m["tpot_p50_s"] if m and m.get("tpot_p50_s") else None
+
+
 def speeds(run: dict, prompt: int) -> dict | None:
-    """A run's prefill tok/s (prompt over TTFT p50) and decode tok/s (one over TPOT p50); None when it did not run."""
+    """A run's prefill tok/s (P over the prompt requests' TTFT p50), tg tok/s (decode from an empty context)
+    and tg tok/s after P (decode after a P-token prompt), each one over a TPOT p50; None when it did not run.
+    kvforge's tg is its tg requests'; llama.cpp's is llama-bench's tg test, its tg after P the `-d P` test's."""
     m = run.get("metrics")
     if not m or not m.get("ttft_p50_s") or not m.get("tpot_p50_s"):
         return None
-    return {"prefill_tps": prompt / m["ttft_p50_s"], "decode_tps": 1 / m["tpot_p50_s"]}
+    if run["peer"] == "llama.cpp":
+        tg, after = _per_token(m), run.get("info", {}).get("tg_after_prompt_tps")
+    else:
+        tg, after = _per_token(run.get("metrics_by_class", {}).get(TG)), _per_token(m)
+    return {"prefill_tps": prompt / m["ttft_p50_s"], "tg_tps": tg, "tg_after_prompt_tps": after}
 
 
 def _ratio(a: dict | None, b: dict | None, key: str) -> float | None:
-    return a[key] / b[key] if a and b else None
+    return a[key] / b[key] if a and b and a.get(key) and b.get(key) else None
 
 
 def target_row(text: str, value: float | None, threshold: float) -> dict:
@@ -106,20 +121,16 @@ def figures(summary: dict, prompt: int) -> dict:
     pairs, targets = {}, list(summary.get("targets", []))
     for fmt, (ours, theirs) in PAIRS.items():
         a, b = runs.get(ours), runs.get(theirs)
-        decode, prefill = _ratio(a, b, "decode_tps"), _ratio(a, b, "prefill_tps")
-        deep = by_label.get(theirs, {}).get("info", {}).get("tg_after_prompt_tps")
+        decode, prefill = _ratio(a, b, "tg_tps"), _ratio(a, b, "prefill_tps")
         pairs[fmt] = {"kvforge": ours, "llama.cpp": theirs, "decode": decode, "prefill": prefill,
-                      "decode_after_prompt": a["decode_tps"] / deep if a and deep else None}
-        targets += [target_row(f"batch1 {fmt}: decode >= {DECODE_TARGET:.1f}x {theirs}", decode, DECODE_TARGET),
-                    target_row(f"batch1 {fmt}: decode >= {DECODE_STRETCH:.1f}x {theirs} (stretch)", decode,
+                      "decode_after_prompt": _ratio(a, b, "tg_after_prompt_tps")}
+        targets += [target_row(f"batch1 {fmt}: tg >= {DECODE_TARGET:.1f}x {theirs}", decode, DECODE_TARGET),
+                    target_row(f"batch1 {fmt}: tg >= {DECODE_STRETCH:.1f}x {theirs} (stretch)", decode,
                                DECODE_STRETCH),
                     target_row(f"batch1 {fmt}: prefill >= {PREFILL_TARGET:.1f}x {theirs}", prefill, PREFILL_TARGET)]
     batched = {label: run["info"].get("batched") for label, run in by_label.items()
                if run.get("info", {}).get("batched") is not None}
-    after_prompt = {label: run["info"]["tg_after_prompt_tps"] for label, run in by_label.items()
-                    if run.get("info", {}).get("tg_after_prompt_tps")}
-    return {"batch1": {"prompt": prompt, "runs": runs, "clocks": clocks, "pairs": pairs, "batched": batched,
-                       "tg_after_prompt": after_prompt},
+    return {"batch1": {"prompt": prompt, "runs": runs, "clocks": clocks, "pairs": pairs, "batched": batched},
             "model_reason": "the scenario's own: the 24.65M Llama it compares with llama.cpp on",
             "targets": targets}
 
@@ -129,26 +140,25 @@ def _num(value, fmt="{:.1f}") -> str:
 
 
 def markdown(figures: dict) -> list[str]:
-    runs, clocks = figures["runs"], figures["clocks"]
-    deep = figures.get("tg_after_prompt", {})
-    lines = ["| weight format | kvforge run | prefill tok/s | decode tok/s | llama.cpp run | pp tok/s | tg tok/s "
-             f"| tg tok/s after {figures['prompt']} | prefill × | decode × | decode × tg after {figures['prompt']} |",
-             "|---|---|---:|---:|---|---:|---:|---:|---:|---:|---:|"]
+    runs, clocks, p = figures["runs"], figures["clocks"], figures["prompt"]
+    lines = [f"| weight format | kvforge run | prefill tok/s | tg tok/s | tg after {p} | llama.cpp run | pp tok/s "
+             f"| tg tok/s | tg after {p} | prefill × | tg × | tg after {p} × |",
+             "|---|---|---:|---:|---:|---|---:|---:|---:|---:|---:|---:|"]
     for fmt, pair in figures["pairs"].items():
         a, b = runs.get(pair["kvforge"]) or {}, runs.get(pair["llama.cpp"]) or {}
-        lines.append(f"| {fmt} | {pair['kvforge']} | {_num(a.get('prefill_tps'))} | {_num(a.get('decode_tps'))} "
-                     f"| {pair['llama.cpp']} | {_num(b.get('prefill_tps'))} | {_num(b.get('decode_tps'))} "
-                     f"| {_num(deep.get(pair['llama.cpp']))} | {_num(pair['prefill'], '{:.2f}')} "
-                     f"| {_num(pair['decode'], '{:.2f}')} | {_num(pair.get('decode_after_prompt'), '{:.2f}')} |")
+        lines.append(f"| {fmt} | {pair['kvforge']} | {_num(a.get('prefill_tps'))} | {_num(a.get('tg_tps'))} "
+                     f"| {_num(a.get('tg_after_prompt_tps'))} | {pair['llama.cpp']} | {_num(b.get('prefill_tps'))} "
+                     f"| {_num(b.get('tg_tps'))} | {_num(b.get('tg_after_prompt_tps'))} "
+                     f"| {_num(pair['prefill'], '{:.2f}')} | {_num(pair['decode'], '{:.2f}')} "
+                     f"| {_num(pair.get('decode_after_prompt'), '{:.2f}')} |")
     used = sorted({clocks[label] for label, speed in runs.items() if speed})
     clock = (f"clock: {used[0]} time on every run" if len(used) == 1 else
              "clocks: " + ", ".join(f"{label} {clocks[label]}" for label in runs if runs[label])
              + " (mixed: llama-bench times wall clock only; run with KVFORGE_BENCH_CLOCK unset to compare)")
     lines += ["", f"Medians over the requests (kvforge) and llama-bench's repetitions (llama.cpp); {clock}.", ""]
-    if deep:
-        lines += [f"`tg after {figures['prompt']}`: llama-bench's tg after a {figures['prompt']}-token context "
-                  f"(`-d {figures['prompt']}`), the context kvforge's decode steps see; the targets take tg as "
-                  "llama-bench reports it, from an empty context.", ""]
+    lines += [f"tg: decode from an empty context (llama-bench's tg; kvforge's one-token prompts); tg after {p}: "
+              f"decode after a {p}-token context (llama-bench `-d {p}`; kvforge's {p}-token prompts). The targets "
+              "take tg.", ""]
     for label, rows in figures.get("batched", {}).items():
         if isinstance(rows, str):
             lines += [f"{label} llama-batched-bench: {rows}", ""]

@@ -308,6 +308,9 @@ def run_scenario(scenario: Scenario, model_dir: str, out_dir: Path, *, peers: di
             records = outcome["result"]["requests"]
             flops = work.run_flops(hf_config, prompt_lengths, records) if work.counts(hf_config) else None
             entry["metrics"] = metrics(outcome["result"], scenario.latency_class, flops)
+            classes = sorted({r.get("cls") for r in records if r.get("cls") is not None})
+            if len(classes) > 1:  # TTFT/TPOT of each request class (the scenario's figures may compare them)
+                entry["metrics_by_class"] = {cls: metrics(outcome["result"], cls) for cls in classes}
             entry["info"] = outcome["result"].get("info", {})
             entry["rounds_tokens_per_s"] = [metrics(o["result"])["tokens_per_s"] for o in outcomes[i]]
     summary["ratios"] = ratios(summary["runs"], scenario.subject)

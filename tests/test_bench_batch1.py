@@ -33,11 +33,13 @@ def test_requests_arrive_one_at_a_time_with_the_prompt_and_decode_lengths():
     scenario = batch1.scenario(vocab=128, quick=False)
     prompt, decode, count = batch1.sizes(quick=False)
     assert (prompt, decode) == (512, 128)
-    assert [len(r["prompt_token_ids"]) for r in scenario.requests] == [prompt] * count
+    assert [len(r["prompt_token_ids"]) for r in scenario.requests] == [prompt] * count + [1] * count
+    assert [r["cls"] for r in scenario.requests] == [batch1.PROMPT] * count + [batch1.TG] * count
+    assert scenario.latency_class == batch1.PROMPT  # the bench's TTFT/TPOT columns: the prompt requests
     assert {r["max_tokens"] for r in scenario.requests} == {decode + 1}  # the first token comes from the prefill
-    steps = [r["arrival_step"] for r in scenario.requests]
-    # each arrives after the previous one's prefill (at most `prompt` steps) and decode steps are done
-    assert all(b - a > prompt + decode for a, b in zip(steps, steps[1:]))
+    # each arrives after the previous one's prefill (at most its prompt's steps) and decode steps are done
+    for a, b in zip(scenario.requests, scenario.requests[1:]):
+        assert b["arrival_step"] - a["arrival_step"] > len(a["prompt_token_ids"]) + decode
     assert scenario.default_model == batch1.MODEL
     assert {run.label for run in scenario.runs} == set(batch1.KVFORGE) | set(batch1.LLAMA_CPP)
 
@@ -148,10 +150,16 @@ def test_quick_run_measures_kvforge_and_skips_llama_cpp_with_its_reason(tmp_path
     assert runs["llama.cpp f32"]["status"].startswith("not run: llama.cpp: no llama-bench at")
     prompt, decode, count = batch1.sizes(quick=True)
     m = runs["kvforge float32"]["metrics"]
-    assert m["requests"] == count and m["output_tokens"] == count * (decode + 1)
+    assert m["requests"] == 2 * count and m["output_tokens"] == 2 * count * (decode + 1)
+    by_class = runs["kvforge float32"]["metrics_by_class"]
+    assert by_class[batch1.PROMPT]["tpot_p50_s"] == m["tpot_p50_s"]  # the bench's columns: the prompt requests
+    assert by_class[batch1.TG]["tpot_p50_s"] != m["tpot_p50_s"]
+    # a one-token prompt's first token comes sooner than a `prompt`-token one's
+    assert by_class[batch1.TG]["ttft_p50_s"] < by_class[batch1.PROMPT]["ttft_p50_s"]
     speeds = summary["batch1"]["runs"]["kvforge float32"]
     assert speeds["prefill_tps"] == pytest.approx(prompt / m["ttft_p50_s"])
-    assert speeds["decode_tps"] == pytest.approx(1 / m["tpot_p50_s"])
+    assert speeds["tg_after_prompt_tps"] == pytest.approx(1 / m["tpot_p50_s"])
+    assert speeds["tg_tps"] == pytest.approx(1 / by_class[batch1.TG]["tpot_p50_s"])
     assert summary["batch1"]["runs"]["llama.cpp f32"] is None
     pair = summary["batch1"]["pairs"]["float32"]
     assert pair["decode"] is None and pair["prefill"] is None
@@ -162,18 +170,30 @@ def test_quick_run_measures_kvforge_and_skips_llama_cpp_with_its_reason(tmp_path
     assert "| float32 | kvforge float32 |" in text and "no llama-bench at" in text
 
 
-def test_targets_are_the_ratios_of_each_pair():
-    def run(label, peer, ttft, tpot):
-        return {"label": label, "peer": peer, "status": "ok", "info": {},
-                "metrics": {"ttft_p50_s": ttft, "tpot_p50_s": tpot}}
-
-    summary = {"targets": [], "runs": [run("kvforge float32", "kvforge", 0.1, 0.004),
-                                       run("llama.cpp f32", "llama.cpp", 0.2, 0.005)]}
-    figures = batch1.figures(summary, prompt=512)
+def test_targets_are_the_like_for_like_ratios_of_each_pair():
+    # kvforge: decode after the prompt 250 tok/s, from an empty context 400; llama.cpp: tg 320, tg after 512 200
+    kvforge = {"label": "kvforge float32", "peer": "kvforge", "status": "ok", "info": {},
+               "metrics": {"ttft_p50_s": 0.1, "tpot_p50_s": 0.004},
+               "metrics_by_class": {batch1.PROMPT: {"ttft_p50_s": 0.1, "tpot_p50_s": 0.004},
+                                    batch1.TG: {"ttft_p50_s": 0.001, "tpot_p50_s": 0.0025}}}
+    llama = {"label": "llama.cpp f32", "peer": "llama.cpp", "status": "ok", "info": {"tg_after_prompt_tps": 200.0},
+             "metrics": {"ttft_p50_s": 0.2, "tpot_p50_s": 1 / 320}}
+    figures = batch1.figures({"targets": [], "runs": [kvforge, llama]}, prompt=512)
     pair = figures["batch1"]["pairs"]["float32"]
-    assert pair["prefill"] == pytest.approx(2.0) and pair["decode"] == pytest.approx(1.25)
+    assert pair["prefill"] == pytest.approx(2.0)
+    assert pair["decode"] == pytest.approx(400 / 320)  # tg against tg, not kvforge's after-prompt 250
+    assert pair["decode_after_prompt"] == pytest.approx(250 / 200)
     status = {t["target"]: t["status"] for t in figures["targets"]}
-    assert status["batch1 float32: decode >= 1.0x llama.cpp f32"] == "met"
-    assert status["batch1 float32: decode >= 1.2x llama.cpp f32 (stretch)"] == "met"
+    assert status["batch1 float32: tg >= 1.0x llama.cpp f32"] == "met"
+    assert status["batch1 float32: tg >= 1.2x llama.cpp f32 (stretch)"] == "met"
     assert status["batch1 float32: prefill >= 1.5x llama.cpp f32"] == "met"
-    assert status["batch1 bfloat16: decode >= 1.0x llama.cpp bf16"] == "not measured"
+    assert status["batch1 bfloat16: tg >= 1.0x llama.cpp bf16"] == "not measured"
+    text = "\n".join(batch1.markdown(figures["batch1"]))
+    assert "| float32 | kvforge float32 | 5120.0 | 400.0 | 250.0 | llama.cpp f32 | 2560.0 | 320.0 | 200.0 " in text
+
+
+def test_llama_bench_records_carry_the_requests_they_stand_for():
+    tests = llama_cpp_peer.bench_tests(json.loads(SAMPLE.read_text()))
+    requests = [{"id": f"r{i}", "cls": batch1.PROMPT} for i in range(len(tests["pp"]["samples_ns"]))]
+    rows = llama_cpp_peer.records(tests, requests)
+    assert [(r["id"], r["cls"]) for r in rows] == [(r["id"], r["cls"]) for r in requests]
