@@ -100,6 +100,7 @@ namespace {
 template <typename T>
 using TileFn = void (*)(const T*, int64_t, const T*, int64_t, float*, const char*, int64_t);
 using FinishFn = void (*)(const float*, int, int, int64_t, int64_t, const Epilogue&);
+using WidenFn = void (*)(const uint16_t*, int64_t, int64_t, int64_t, float*);
 
 // A register tile's size: rows x blocks of 16 channels. Blocks must be even:
 // silu_mul's interleaved gate and up blocks have to land in one tile.
@@ -115,12 +116,15 @@ struct Tiles {
   TileShape shape;
 };
 
-// Everything one ISA runs: the tiles of each dtype and the epilogue.
+// Everything one ISA runs: the tiles of each dtype and the epilogue; `widen`
+// (widen_bf16_blocks) where a bfloat16 product of many rows runs faster as
+// float32 tiles over weights widened once per call (see bf16_linear), else null.
 struct Path {
   Tiles<uint16_t> bf16;
   Tiles<float> f32;
   FinishFn finish;
   const char* name;
+  WidenFn widen;
 };
 
 #define KVFORGE_TILE_ROW(NS, FN, MR) {&NS::FN<MR, 1>, &NS::FN<MR, 2>, &NS::FN<MR, 3>, &NS::FN<MR, 4>}
@@ -131,22 +135,22 @@ struct Path {
 
 const Path kBaseline = {{KVFORGE_TILES(linear_base, generic_tile), {4, 4}},
                         {KVFORGE_TILES(linear_base, f32_tile), {4, 4}},
-                        &linear_base::finish_tile, "baseline"};
+                        &linear_base::finish_tile, "baseline", &linear_base::widen_bf16_blocks};
 #ifdef KVFORGE_HAS_X86_PATHS
 // AVX2 has 16 ymm registers and a 16-channel block takes two: 3 x 2 float32 tiles
 // (12 sums, 4 weight vectors); bfloat16 splits each weight vector in two, so 2 x 2.
 const Path kAvx2 = {{KVFORGE_TILES(linear_avx2, generic_tile), {2, 2}},
                     {KVFORGE_TILES(linear_avx2, f32_tile), {3, 2}},
-                    &linear_avx2::finish_tile, "avx2"};
+                    &linear_avx2::finish_tile, "avx2", &linear_avx2::widen_bf16_blocks};
 const Path kAvx512 = {{KVFORGE_TILES(linear_avx512, generic_tile), {4, 4}},
                       {KVFORGE_TILES(linear_avx512, f32_tile), {4, 4}},
-                      &linear_avx512::finish_tile, "avx512"};
+                      &linear_avx512::finish_tile, "avx512", &linear_avx512::widen_bf16_blocks};
 // bfloat16 8 rows x 2 blocks: 16 sums, and per input pair 2 weight loads for 16
 // vdpbf16ps, which measured faster than 4 x 4 at every row count once a
 // decode's weights stream from 2 MiB pages (docs/models.md).
 const Path kDpbf16 = {{KVFORGE_TILES(linear_dpbf16, dpbf16_tile), {8, 2}},
                       {KVFORGE_TILES(linear_dpbf16, f32_tile), {4, 4}},
-                      &linear_dpbf16::finish_tile, "avx512_bf16"};
+                      &linear_dpbf16::finish_tile, "avx512_bf16", nullptr};
 #endif
 
 const Path& path_here() {
@@ -159,6 +163,10 @@ const Path& path_here() {
 #endif
   return kBaseline;
 }
+
+// From this many rows bf16_linear widens the weights to float32 on paths with a
+// `widen` (docs/models.md, "bfloat16 linear layers").
+constexpr int64_t kWidenRows = 16;
 
 // Rows go in chunks of (about) this many: a chunk's inputs stay in cache while
 // every channel tile passes over them (a prefill's thousands of rows do not); a
@@ -292,9 +300,23 @@ at::Tensor bf16_linear(const at::Tensor& x, const at::Tensor& packed, int64_t ou
                        out_features, bias, epilogue, other, float_out);
   }
   const Path& path = path_here();
-  run_tiles(path.bf16, path.finish, reinterpret_cast<const uint16_t*>(x.data_ptr()), x.stride(0), m, k,
-            reinterpret_cast<const uint16_t*>(packed.data_ptr()), blocks, pairs * 32, k / 2,
-            epilogue_for(mode, bias, other, y));
+  const Epilogue e = epilogue_for(mode, bias, other, y);
+  const uint16_t* w = reinterpret_cast<const uint16_t*>(packed.data_ptr());
+  if (path.widen != nullptr && m >= kWidenRows) {
+    // Many rows on a path without a bfloat16 dot product: x and the weights as float32
+    // once (an odd width padded with a zero input), then the float32 tiles, whose
+    // sums take the bfloat16 tile's steps in its order: the same bits at any row count.
+    at::Tensor x32 = at::zeros({m, 2 * pairs}, x.options().dtype(at::kFloat));
+    x32.narrow(1, 0, k).copy_(x);
+    at::Tensor w32 = at::empty({blocks, 2 * pairs, 16}, x32.options());
+    float* wide = w32.data_ptr<float>();
+    at::parallel_for(0, blocks, 1, [&](int64_t b0, int64_t b1) { path.widen(w, pairs, b0, b1, wide); });
+    run_tiles(path.f32, path.finish, x32.data_ptr<float>(), x32.stride(0), m, 2 * pairs, wide, blocks, pairs * 32,
+              2 * pairs, e);
+    return y;
+  }
+  run_tiles(path.bf16, path.finish, reinterpret_cast<const uint16_t*>(x.data_ptr()), x.stride(0), m, k, w, blocks,
+            pairs * 32, k / 2, e);
   return y;
 }
 

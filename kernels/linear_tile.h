@@ -59,7 +59,12 @@ inline void generic_tile(const uint16_t* __restrict__ x, int64_t x_stride, const
       const vwu words = *reinterpret_cast<const vwu*>(w + ((b * pairs + p) * kLanes + lane0) * 2);
       const vwu even = words << 16, odd = words & 0xffff0000u;
       const vw lo = reinterpret_cast<const vw&>(even), hi = reinterpret_cast<const vw&>(odd);
-      for (int m = 0; m < MR; ++m) acc[m][v] += x0[m] * lo + x1[m] * hi;
+      // Input 2p then 2p + 1, one multiply-add each: the order (and bits) of f32_tile
+      // over the same weights as floats (widen_bf16_blocks), and two operations, not three.
+      for (int m = 0; m < MR; ++m) {
+        acc[m][v] += x0[m] * lo;
+        acc[m][v] += x1[m] * hi;
+      }
     }
   }
   for (int m = 0; m < MR; ++m) {
@@ -94,6 +99,26 @@ inline void f32_tile(const float* __restrict__ x, int64_t x_stride, const float*
   }
   for (int m = 0; m < MR; ++m) {
     for (int v = 0; v < V; ++v) *reinterpret_cast<vw*>(acc_out + m * kMaxBlocks * kLanes + v * kW) = acc[m][v];
+  }
+}
+
+// Blocks [block0, block1) of a packed bfloat16 weight ([blocks, pairs, 16, 2]) as
+// the float32 layout f32_tile reads ([blocks, 2 pairs, 16]): each pair's two
+// inputs become two rows of 16 channels (exact; an odd width's padding input
+// keeps its zero weights).
+inline void widen_bf16_blocks(const uint16_t* __restrict__ w, int64_t pairs, int64_t block0, int64_t block1,
+                              float* __restrict__ out) {
+  for (int64_t b = block0; b < block1; ++b) {
+    for (int64_t p = 0; p < pairs; ++p) {
+      const uint16_t* from = w + (b * pairs + p) * kLanes * 2;
+      float* to = out + (b * pairs + p) * kLanes * 2;
+      for (int lane0 = 0; lane0 < kLanes; lane0 += kW) {
+        const vwu words = *reinterpret_cast<const vwu*>(from + lane0 * 2);
+        const vwu even = words << 16, odd = words & 0xffff0000u;
+        *reinterpret_cast<vwu*>(to + lane0) = even;
+        *reinterpret_cast<vwu*>(to + kLanes + lane0) = odd;
+      }
+    }
   }
 }
 

@@ -149,6 +149,22 @@ def test_the_check_catches_a_float32_block_left_untransposed():
     assert kernel_error(broken, x, ws, bs, other, "none") > 10
 
 
+@pytest.mark.parametrize("level", LEVELS)
+@pytest.mark.parametrize("epilogue", EPILOGUES)
+@pytest.mark.parametrize("k", [37, 130], ids=["odd_in", "even_in"])
+def test_bfloat16_rows_have_the_same_bits_alone_and_among_many(level, epilogue, k, monkeypatch):
+    # Many rows may run as float32 tiles over widened weights, one row never does:
+    # every row's bits must not depend on how many rows came with it.
+    monkeypatch.setenv("KVFORGE_CPP_ISA", level)
+    if not kernel_path().startswith(level):
+        pytest.skip(f"this CPU runs {kernel_path()}, not {level}")
+    x, ws, bs, other = operands(70, k, 40, True, epilogue)
+    together = run_kernel(x, ws, bs, other, epilogue)
+    for rows in (slice(0, 1), slice(5, 6), slice(0, 3), slice(10, 25), slice(69, 70)):
+        part = run_kernel(x[rows], ws, bs, None if other is None else other[rows], epilogue)
+        assert torch.equal(part, together[rows]), f"rows {rows.start}-{rows.stop - 1} differ"
+
+
 @pytest.mark.parametrize("rows", [21, 70], ids=["one_chunk", "two_chunks"])  # the decode and the prefill tiles
 @pytest.mark.parametrize("dtype", DTYPES, ids=["bfloat16", "float32"])
 def test_strided_rows_zero_rows_and_rows_independent(dtype, rows):
