@@ -9,7 +9,7 @@
 from __future__ import annotations
 
 import itertools
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -60,12 +60,14 @@ class LLM:
         cached blocks were cleared."""
         return self.engine.reset_prefix_cache()
 
-    def generate(self, prompts: str | Sequence[str] | None = None,
+    def generate(self, prompts: str | Mapping | Sequence[str | Mapping] | None = None,
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None, *,
                  prompt_token_ids: Sequence[Sequence[int]] | None = None,
                  priority: Sequence[int] | None = None, use_tqdm: bool = False,
                  lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None) -> list[RequestOutput]:
-        """One finished output per prompt, in the order given. An invalid prompt gets
+        """One finished output per prompt, in the order given. A prompt is text, or as in
+        vLLM a dict `{"prompt": text}` or `{"prompt_token_ids": ids}`; token ids may
+        also come as `prompt_token_ids=[[...], ...]`. An invalid prompt gets
         an output with `finish_reason == "error"` and `.error` saying why; the
         others run normally. `lora_request` runs every prompt with one LoRA adapter,
         or (a list) each prompt with its own (None: the base model)."""
@@ -87,7 +89,7 @@ class LLM:
             progress.close()
         return [final[request_id] for request_id in order]
 
-    def stream(self, prompts: str | Sequence[str] | None = None,
+    def stream(self, prompts: str | Mapping | Sequence[str | Mapping] | None = None,
                sampling_params: SamplingParams | Sequence[SamplingParams] | None = None, *,
                prompt_token_ids: Sequence[Sequence[int]] | None = None,
                priority: Sequence[int] | None = None,
@@ -117,11 +119,30 @@ class LLM:
                 self.engine.abort_request(request_id)
 
 
+PROMPT_KEYS = ("prompt", "prompt_token_ids")  # a prompt dict holds one of them (vLLM's TextPrompt, TokensPrompt)
+
+
+def _prompt(item):
+    """A prompt as the engine takes it: text or token ids; a dict `{"prompt": text}`
+    or `{"prompt_token_ids": ids}` gives its one value."""
+    if not isinstance(item, Mapping):
+        return item
+    given = [key for key in PROMPT_KEYS if key in item]
+    other = sorted(str(key) for key in item if key not in PROMPT_KEYS)
+    if len(given) != 1 or other:
+        raise RequestError(
+            f"a prompt dict holds exactly one of {', '.join(repr(k) for k in PROMPT_KEYS)}, got keys "
+            f"{sorted(str(k) for k in item) or 'none'}" + (f" ({', '.join(other)} not supported)" if other else "")
+            + "; e.g. {'prompt_token_ids': [1, 2, 3]}")
+    value = item[given[0]]
+    return value if given[0] == "prompt" else list(value)
+
+
 def _inputs(prompts, prompt_token_ids) -> list:
     if prompts is not None and prompt_token_ids is not None:
         raise RequestError("pass prompts or prompt_token_ids, not both")
     if prompts is not None:
-        return [prompts] if isinstance(prompts, str) else list(prompts)
+        return [_prompt(prompts)] if isinstance(prompts, (str, Mapping)) else [_prompt(p) for p in prompts]
     if prompt_token_ids is None:
         raise RequestError("no prompts; pass prompts=[...] or prompt_token_ids=[[...], ...]")
     rows = list(prompt_token_ids)

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from kvforge import LLM, LLMEngine, SamplingParams
+from kvforge.core import RequestError
 
 sys.path.insert(0, str(Path(__file__).parent))  # the test-local fake model sits beside this file
 from engine_fakes import FakeCausalLM, FakeTokenizer, fake_engine, reference_greedy  # noqa: E402
@@ -262,3 +263,28 @@ def test_forked_samples_survive_preemption_and_recomputation_unchanged():
     greedy_out = llm(model=model, num_blocks=14, max_num_batched_tokens=12).generate(
         prompt_token_ids=prompts, sampling_params=greedy(10, n=2))
     assert all(c.token_ids == reference_greedy(model, p, 10) for p, o in zip(prompts, greedy_out) for c in o.outputs)
+
+
+def test_prompt_dicts_as_vllm_takes_them_give_the_same_tokens_as_plain_prompts():
+    params = greedy(5)
+    plain_ids = llm().generate(prompt_token_ids=[PROMPT], sampling_params=params)[0].token_ids
+    plain_text = llm().generate(["hello"], params)[0].token_ids
+    assert plain_ids != plain_text  # the two prompts are told apart below
+    alone = llm().generate({"prompt_token_ids": PROMPT}, params)
+    listed = llm().generate([{"prompt": "hello"}, {"prompt_token_ids": tuple(PROMPT)}, "hello"], params)
+    assert alone[0].prompt_token_ids == PROMPT and alone[0].token_ids == plain_ids
+    assert [o.token_ids for o in listed] == [plain_text, plain_ids, plain_text]
+    assert listed[0].prompt == "hello"
+
+
+@pytest.mark.parametrize("bad, named", [
+    ({"prompt": "hi", "prompt_token_ids": [1]}, "exactly one of"),
+    ({"prompt_ids": [1, 2]}, "prompt_ids not supported"),
+    ({}, "got keys none"),
+    ([{"prompt": "hi"}, {"multi_modal_data": {}}], "multi_modal_data not supported"),
+])
+def test_a_prompt_dict_with_other_keys_is_refused_naming_them_before_anything_runs(bad, named):
+    engine_llm = llm()
+    with pytest.raises(RequestError, match=named):
+        engine_llm.generate(bad, greedy(3))
+    assert not engine_llm.engine.has_unfinished_requests()
