@@ -165,8 +165,11 @@ const Path& path_here() {
 }
 
 // From this many rows bf16_linear widens the weights to float32 on paths with a
-// `widen` (docs/models.md, "bfloat16 linear layers").
-constexpr int64_t kWidenRows = 16;
+// `widen`: widening reads the bfloat16 weight and writes and reads one twice its
+// size, which the float32 tiles' speed pays back from about 64-96 rows when the
+// weights come from memory, as a model's layers do (docs/models.md, "Widening
+// bfloat16 for many rows").
+constexpr int64_t kWidenRows = 96;
 
 // Rows go in chunks of (about) this many: a chunk's inputs stay in cache while
 // every channel tile passes over them (a prefill's thousands of rows do not); a

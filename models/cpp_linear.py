@@ -94,7 +94,6 @@ def cpp_linear_pays(dtype: torch.dtype, device: torch.device) -> bool:
     return path in PAYS_ON[dtype]
 
 
-
 def kernel_path() -> str:
     """The instruction set the kernel runs with here ("avx512_bf16", "avx512", "avx2" or "baseline")."""
     load_kernel()
