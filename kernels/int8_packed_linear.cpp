@@ -49,6 +49,7 @@ inline vf16 widen_w16(const int8_t* p) {
 #include "native_vectors.h"
 inline vw widen_w(const int8_t* p) { return vw{float(p[0]), float(p[1]), float(p[2]), float(p[3])}; }
 constexpr int kPackedRows = 1;  // 16 of the 16 SSE registers hold one row's sums
+constexpr int kPackedUnroll = 1;  // no register is left for more inputs' x
 #include "int8_packed_tile.h"
 }  // namespace packed_base
 
@@ -70,6 +71,7 @@ inline vw widen_w(const int8_t* p) {
   return (vw)_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
 }
 constexpr int kPackedRows = 1;  // 8 of the 16 ymm registers hold one row's sums
+constexpr int kPackedUnroll = 4;  // with one input per pass the loop itself bound the tile
 #include "int8_packed_tile.h"
 }  // namespace packed_avx2
 #pragma GCC pop_options
@@ -84,6 +86,7 @@ inline vf16 widen_w16(const int8_t* p) {
 #include "native_vectors.h"
 inline vw widen_w(const int8_t* p) { return widen_w16(p); }
 constexpr int kPackedRows = 4;  // 16 of the 32 zmm registers hold the sums
+constexpr int kPackedUnroll = 4;
 #include "int8_packed_tile.h"
 }  // namespace packed_avx512
 #pragma GCC pop_options

@@ -7,8 +7,9 @@
 // bf16_vectors.h (vf16, store_bf16x16) and native_vectors.h (vw, kW,
 // store_bf16w), after
 // defining `widen_w16` (16 int8 weights as floats), `widen_w` (kW int8
-// weights as floats) and `kPackedRows` (rows per tile: as many as the
-// accumulators fit the registers). It includes nothing itself.
+// weights as floats), `kPackedRows` (rows per tile: as many as the
+// accumulators fit the registers) and `kPackedUnroll` (inputs per pass of a
+// one-row tile). It includes nothing itself.
 //
 // The decode tile keeps its sums in `vw` (see native_vectors.h: in vf16 it
 // read weights at a tenth of memory speed under AVX2).
@@ -36,14 +37,35 @@ inline void packed_tile(const float* __restrict__ x, int64_t x_stride, const int
   for (int m = 0; m < MR; ++m) {
     for (int u = 0; u < kV; ++u) acc[m][u] = vw{};
   }
-  for (int64_t d = 0; d < k; ++d) {
-    const int8_t* line = block + d * kPackChannels;
-    __builtin_prefetch(line + kWeightsAhead, 0, 2);  // the same stream kWeightsAhead on
-    vw wv[kV];
-    for (int u = 0; u < kV; ++u) wv[u] = widen_w(line + kW * u);
+  // One row takes kUnroll inputs per pass (the loop's own work was a third of
+  // each input's); the sums still add input d, then d + 1, ..., so the bits do
+  // not change. Each widened vector is used by every row as soon as it is made:
+  // with all kV of a line widened first, AVX2's 16 registers could not also
+  // hold the 8 sums, and GCC kept one on the stack, its multiply-add then
+  // waiting on a store and a load every input.
+  constexpr int kUnroll = MR == 1 ? kPackedUnroll : 1;
+  int64_t d = 0;
+  for (; d + kUnroll <= k; d += kUnroll) {
+    const int8_t* lines = block + d * kPackChannels;
+    for (int i = 0; i < kUnroll; ++i) {
+      __builtin_prefetch(lines + i * kPackChannels + kWeightsAhead, 0, 2);  // the same stream kWeightsAhead on
+    }
+    float xv[MR][kUnroll];
     for (int m = 0; m < MR; ++m) {
-      const float xv = x[m * x_stride + d];
-      for (int u = 0; u < kV; ++u) acc[m][u] += xv * wv[u];
+      for (int i = 0; i < kUnroll; ++i) xv[m][i] = x[m * x_stride + d + i];
+    }
+    for (int u = 0; u < kV; ++u) {
+      for (int i = 0; i < kUnroll; ++i) {
+        const vw wv = widen_w(lines + i * kPackChannels + kW * u);
+        for (int m = 0; m < MR; ++m) acc[m][u] += xv[m][i] * wv;
+      }
+    }
+  }
+  for (; d < k; ++d) {  // the last k % kUnroll inputs
+    const int8_t* line = block + d * kPackChannels;
+    for (int u = 0; u < kV; ++u) {
+      const vw wv = widen_w(line + kW * u);
+      for (int m = 0; m < MR; ++m) acc[m][u] += x[m * x_stride + d] * wv;
     }
   }
   for (int u = 0; u < kV; ++u) {
