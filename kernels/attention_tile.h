@@ -125,6 +125,22 @@ inline const float* scales_of(const Problem& p, const Tile& tile, int64_t logica
   return reinterpret_cast<const float*>(p.scales + block * p.scale_block_bytes);
 }
 
+// Asks for keys and values [k0, k0 + n) of the tile's KV head (into L2) while the
+// tile before them is computed: a tile reads rows scattered over blocks, which
+// the hardware prefetchers do not follow.
+template <typename K>
+inline void prefetch_key_tile(const Problem& p, const Tile& tile, int64_t k0, int64_t n) {
+  const int64_t bs = p.block_size, slot_stride = p.num_kv_heads * p.head_size;
+  const int64_t head_bytes = p.head_size * static_cast<int64_t>(sizeof(K));
+  for (int64_t j = 0; j < n;) {
+    const int64_t pos = k0 + j, slot = pos % bs, run = std::min(n - j, bs - slot);
+    const K* page = page_of<K>(p, tile, pos / bs);
+    prefetch_rows(page + slot * slot_stride, run, slot_stride, head_bytes);
+    prefetch_rows(page + (bs + slot) * slot_stride, run, slot_stride, head_bytes);
+    j += run;
+  }
+}
+
 // The tile's queries, scaled, into s.q as float32; its softmax state emptied.
 template <typename T>
 inline void begin_rows_as(const Problem& p, const TileRows& t, Scratch& s) {

@@ -39,7 +39,8 @@ SOURCES = [HERE / "paged_attention.cpp", HERE / "int8_linear.cpp", HERE / "int8_
            HERE / "linear.cpp", HERE / "rms_norm_rotary.cpp", HERE / "inverse_cdf.cpp", HERE / "lora.cpp",
            HERE / "decoder_stack.cpp", HERE / "int8_packed_linear.cpp", HERE / "greedy_rows.cpp"]
 HEADERS = [HERE / "cpu_isa.h", HERE / "vector_kernels.h", HERE / "vector_exp.h", HERE / "attention_tile.h",
-           HERE / "decode_tile.h", HERE / "prefill_tile.h", HERE / "prefill_bf16.h", HERE / "quantized_write.h",
+           HERE / "decode_tile.h", HERE / "prefill_tile.h", HERE / "prefill_tile_avx2.h", HERE / "prefill_bf16.h",
+           HERE / "quantized_write.h",
            HERE / "int8_linear_tile.h", HERE / "int8_linear_bf16.h", HERE / "bf16_vectors.h",
            HERE / "decoder_stack_ops.h",
            HERE / "linear_tile.h", HERE / "bf16_linear_dpbf16.h", HERE / "rms_norm_rotary_rows.h",

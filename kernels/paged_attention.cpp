@@ -75,7 +75,7 @@ struct Tile {
 // Per-thread buffers, allocated once per thread per call.
 struct Scratch {
   std::vector<float> q, acc, score, row_max, row_sum, keys, values;
-  std::vector<float> prefill;  // the AVX-512 prefill tile's buffers, sized on its first use (prefill_tile.h)
+  std::vector<float> prefill;  // the prefill tile's buffers, sized on its first use (prefill_tile.h, prefill_tile_avx2.h)
   std::vector<float> invariant;  // the batch-invariant tile's buffers, sized on its first use (invariant_tile.h)
   Scratch(int64_t rows, int64_t head_size, int64_t block_size)
       : q(rows * head_size), acc(rows * head_size), score(rows * std::max<int64_t>(round8(block_size), 16)),
@@ -133,6 +133,7 @@ namespace avx2 {
 #include "vector_kernels.h"
 #include "attention_tile.h"
 #include "invariant_tile.h"
+#include "prefill_tile_avx2.h"
 }  // namespace avx2
 #pragma GCC pop_options
 #pragma GCC push_options
@@ -277,7 +278,7 @@ void check_scales(const at::Tensor& scales, const at::Tensor& kv_cache) {
               "kvforge_cpp: kv_scales must be dense within each block, got strides ", scales.strides());
 }
 
-// Whether AVX-512 runs prompt tiles on the prefill tile (prefill_tile.h):
+// Whether AVX-512 and AVX2 run prompt tiles on the prefill tile (prefill_tile.h, prefill_tile_avx2.h):
 // KVFORGE_CPP_PREFILL=off sends them to the older tiles, for before/after figures.
 bool prefill_tile_enabled() {
   const char* flag = std::getenv("KVFORGE_CPP_PREFILL");
@@ -406,7 +407,13 @@ void paged_attention(const at::Tensor& query, const at::Tensor& kv_cache, const 
   }
   switch (isa()) {
     case Isa::kAvx512: avx512::run_tiles_fast(p, tiles, rows_max, prefill_tile_enabled()); return;
-    case Isa::kAvx2: avx2::run_tiles(p, tiles, rows_max); return;
+    case Isa::kAvx2:
+      if (prefill_tile_enabled()) {
+        avx2::run_tiles_prefill(p, tiles, rows_max);
+      } else {
+        avx2::run_tiles(p, tiles, rows_max);
+      }
+      return;
     case Isa::kBaseline: break;
   }
 #else

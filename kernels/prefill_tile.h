@@ -171,22 +171,6 @@ inline void load_key_tile(const Problem& p, const Tile& tile, int64_t k0, int64_
   std::fill(values + n * hs, values + padded * hs, 0.f);
 }
 
-// Asks for keys and values [k0, k0 + n) of the tile's KV head (into L2) while the
-// tile before them is computed: a tile reads rows scattered over blocks, which
-// the hardware prefetchers do not follow.
-template <typename K>
-inline void prefetch_key_tile(const Problem& p, const Tile& tile, int64_t k0, int64_t n) {
-  const int64_t bs = p.block_size, slot_stride = p.num_kv_heads * p.head_size;
-  const int64_t head_bytes = p.head_size * static_cast<int64_t>(sizeof(K));
-  for (int64_t j = 0; j < n;) {
-    const int64_t pos = k0 + j, slot = pos % bs, run = std::min(n - j, bs - slot);
-    const K* page = page_of<K>(p, tile, pos / bs);
-    prefetch_rows(page + slot * slot_stride, run, slot_stride, head_bytes);
-    prefetch_rows(page + (bs + slot) * slot_stride, run, slot_stride, head_bytes);
-    j += run;
-  }
-}
-
 // vt2[jp][d] = (v[2jp][d], v[2jp + 1][d]) as one 32-bit word, for the bfloat16
 // value sums (prefill_bf16.h): `pairs` key pairs from bfloat16 rows where they lie.
 inline void pair_value_rows(const c10::BFloat16* const* value_rows, int64_t pairs, int64_t hs, uint32_t* vt2) {

@@ -1,5 +1,6 @@
-"""The AVX-512 prefill tile of the cpp backend (kernels/prefill_tile.h) against
-the float64 reference: long prompts across many blocks, key tiles that straddle
+"""The prefill tiles of the cpp backend (kernels/prefill_tile.h on AVX-512,
+kernels/prefill_tile_avx2.h on AVX2), each on its own ISA level, against the
+float64 reference: long prompts across many blocks, key tiles that straddle
 blocks, GQA groups that fill 16 to 64 lanes, rows that leave lanes empty,
 sliding windows that cut key tiles, soft-cap, ALiBi, chunks with context, 16-bit
 and quantized caches, several threads. Each case is checked twice: with the
@@ -27,10 +28,11 @@ import test_attention_cpp_quantized as quantized  # noqa: E402
 from test_attention_cpp import TOLERANCE, isa_or_skip, relative_error, run_case  # noqa: E402
 
 
-@pytest.fixture(autouse=True)
-def avx512(monkeypatch):
+@pytest.fixture(autouse=True, params=["avx512", "avx2"])
+def level(monkeypatch, request):
     build.load()
-    isa_or_skip(monkeypatch, "avx512")
+    isa_or_skip(monkeypatch, request.param)
+    return request.param
 
 
 def both_tiles(monkeypatch, case):
@@ -189,3 +191,11 @@ def test_the_check_catches_a_row_missing_one_key():
     assert relative_error(out, expected) <= TOLERANCE[torch.float32]
     assert relative_error(planted.float(), expected) > TOLERANCE[torch.float32]
     assert (planted - expected).abs().amax(dim=(1, 2)).nonzero().flatten().tolist() == [299]  # one row differs
+
+
+@pytest.mark.parametrize("head_size", [8, 24, 40])
+def test_head_sizes_in_steps_of_8_take_the_avx2_tile(monkeypatch, level, head_size):
+    if level != "avx2":
+        pytest.skip("the AVX-512 tile serves head sizes in steps of 16")
+    layer = AttentionLayerSpec(num_heads=4, num_kv_heads=2, head_size=head_size)
+    check(monkeypatch, layer, torch.float32, [97, 40], [0, 0], 16, seed=head_size)
