@@ -197,6 +197,24 @@ struct Lookahead {
   const char* for_row_tile(int64_t t, int64_t steps) const { return next ? next + t * steps * step : nullptr; }
 };
 
+// Asks for what the epilogue of rows [r, r + mr) x blocks [block0, block0 + nb)
+// reads (the residual, mode 1) and writes (y), before the tile computes: a
+// prefill's residual and outputs are megabytes, and the epilogue stalled on
+// each row's first touch of them.
+inline void prefetch_epilogue(const Epilogue& e, int64_t r, int mr, int64_t block0, int nb) {
+  const int64_t c0 = (e.mode == 2 ? block0 / 2 : block0) * 16;
+  const int64_t channels = std::min<int64_t>((e.mode == 2 ? nb / 2 : nb) * 16, e.n - c0);
+  if (channels <= 0) return;
+  const int64_t y_bytes = e.y_float ? 4 : 2, other_bytes = e.other_float ? 4 : 2;
+  for (int m = 0; m < mr; ++m) {
+    const char* y = static_cast<const char*>(e.y) + ((r + m) * e.y_stride + c0) * y_bytes;
+    for (int64_t b = 0; b < channels * y_bytes; b += 64) __builtin_prefetch(y + b, 1, 3);
+    if (e.mode != 1) continue;
+    const char* other = static_cast<const char*>(e.other) + ((r + m) * e.other_stride + c0) * other_bytes;
+    for (int64_t b = 0; b < channels * other_bytes; b += 64) __builtin_prefetch(other + b, 0, 3);
+  }
+}
+
 // Every tile of y = epilogue(x W^T): `w` holds `blocks` packed blocks of
 // `block_elems` values each; a tile takes `steps` steps over the inputs.
 template <typename T>
@@ -206,6 +224,7 @@ void run_tiles(const Tiles<T>& tiles, FinishFn finish, const T* x, int64_t x_str
   const int64_t channel_tiles = (blocks + tile_blocks - 1) / tile_blocks;
   const int64_t chunk_rows = kChunkRows / tile_rows * tile_rows;
   const int64_t chunks = (m + chunk_rows - 1) / chunk_rows;
+  const bool many_rows = m > tile_rows;  // a decode's few outputs are in cache
   at::parallel_for(0, chunks * channel_tiles, 1, [&](int64_t i0, int64_t i1) {
     alignas(64) float acc[kMaxRows * kMaxBlocks * 16];
     for (int64_t i = i0; i < i1; ++i) {
@@ -218,6 +237,7 @@ void run_tiles(const Tiles<T>& tiles, FinishFn finish, const T* x, int64_t x_str
                             (row_end - row_begin + tile_rows - 1) / tile_rows, steps);
       for (int64_t r = row_begin; r < row_end; r += tile_rows) {
         const int mr = static_cast<int>(std::min<int64_t>(tile_rows, row_end - r));
+        if (many_rows) prefetch_epilogue(e, r, mr, block0, nb);
         tiles.at[mr - 1][nb - 1](x + r * x_stride, x_stride, w + block0 * block_elems, k, acc,
                                  ahead.for_row_tile((r - row_begin) / tile_rows, steps), ahead.step);
         finish(acc, mr, nb, r, block0, e);
