@@ -116,7 +116,7 @@ void dot_channels(const int16_t* xw, int64_t k, const int8_t* w, int64_t n, int6
     __m256i sum[MR];
     for (int r = 0; r < MR; ++r) sum[r] = _mm256_setzero_si256();
     for (int64_t d = 0; d < whole; d += 16) {
-      __builtin_prefetch(wc + d + kWeightsAhead, 0, 2);
+      __builtin_prefetch(wc + d + kWeightsAhead, 0, 0);  // non-temporal, as int8_packed_tile.h
       const __m256i wv = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(wc + d)));
       for (int r = 0; r < MR; ++r) {
         const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xw + r * k + d));

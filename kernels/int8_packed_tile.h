@@ -47,9 +47,10 @@ inline void packed_tile(const float* __restrict__ x, int64_t x_stride, const int
   int64_t d = 0;
   for (; d + kUnroll <= k; d += kUnroll) {
     const int8_t* lines = block + d * kPackChannels;
-    for (int i = 0; i < kUnroll; ++i) {
-      __builtin_prefetch(lines + i * kPackChannels + kWeightsAhead, 0, 2);  // the same stream kWeightsAhead on
-    }
+    // The same stream kWeightsAhead on, non-temporal: a model's weights streaming
+    // through L2 and L3 evicted the rest of a decode step's data there (the
+    // engine's and the interpreter's, activations, the KV cache) every step.
+    for (int i = 0; i < kUnroll; ++i) __builtin_prefetch(lines + i * kPackChannels + kWeightsAhead, 0, 0);
     float xv[MR][kUnroll];
     for (int m = 0; m < MR; ++m) {
       for (int i = 0; i < kUnroll; ++i) xv[m][i] = x[m * x_stride + d + i];
