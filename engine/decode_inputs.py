@@ -1,14 +1,16 @@
-"""The inputs of a pure-decode step (one known token per request), written into
-buffers kept across steps.
+"""The inputs of a decode step (one known token per request, plus the draft
+tokens it verifies, if any), written into buffers kept across steps.
 
-Most steps of a running engine are pure decodes, and at a small batch their
-inputs are a handful of integers per request. Building fresh tensors for them
-costs one torch call each, and right after the model's forward (which has
-swept the CPU's caches) every call is slow. Here the integers are written into
-numpy arrays that share memory with tensors made once: a step makes no tensor
-at all. A request's block-table row is written only when its blocks differ
-from the row's previous content (a block appended, a copy-on-write, another
-request in that row), compared as lists, so a row is never stale.
+Most steps of a running engine are decodes, and at a small batch their inputs
+are a handful of integers per request. Building fresh tensors for them costs
+one torch call each, and right after the model's forward (which has swept the
+CPU's caches) every call is slow: a step verifying drafts at batch 1 spent
+longer building its inputs with tensor ops than a plain step spends outside its
+forward. Here the integers are written into numpy arrays that share memory with
+tensors made once: a step makes no tensor at all. A request's block-table row
+is written only when its blocks differ from the row's previous content (a block
+appended, a copy-on-write, another request in that row), compared as lists, so
+a row is never stale.
 
 The tensors handed out are views of these buffers: valid until the next
 `DecodeInputs.build`, which overwrites them in place.
@@ -32,19 +34,21 @@ def token_at(request, position: int) -> int:
     return prompt[position] if position < len(prompt) else request.output_token_ids[position - len(prompt)]
 
 
-def is_pure_decode(scheduled: Sequence[ScheduledRequest]) -> bool:
-    """One known token per request and no drafts: what `DecodeInputs.build` takes."""
-    return all(entry.num_tokens == 1 and not entry.draft_token_ids for entry in scheduled)
+def is_decode(scheduled: Sequence[ScheduledRequest]) -> bool:
+    """One known token per request, then its drafts if any: what `DecodeInputs.build` takes."""
+    return all(entry.num_tokens == 1 + len(entry.draft_token_ids) for entry in scheduled)
 
 
 class DecodeInputs:
-    """Buffers for the inputs of pure-decode steps of up to any batch size; they grow
-    to the largest batch and block table seen."""
+    """Buffers for the inputs of decode steps of up to any batch size and draft count;
+    they grow to the largest batch, token count and block table seen."""
 
     def __init__(self, block_size: int):
         self.block_size = block_size
         self._rows = 0  # capacity of the per-request arrays
         self._views: dict[int, tuple] = {}  # batch size -> the per-request tensors
+        self._tokens = 0  # capacity of the per-token arrays of steps with drafts
+        self._draft_views: dict[tuple[int, int], tuple] = {}  # (batch, tokens) -> their tensors
         self._table = np.zeros(0, dtype=np.int32)  # flat block table, laid out [batch, width]
         self._table_tensor = torch.from_numpy(self._table)
         self._table_shape = (0, 0)
@@ -92,10 +96,31 @@ class DecodeInputs:
                 previous[row] = blocks[:]  # a copy: the manager changes its lists in place
         return self._table_view
 
+    def _grow_tokens(self, tokens: int) -> None:
+        tokens = max(tokens, 2 * self._tokens, 8)
+        # int64: input ids, positions, slots per token; int32: context lens, seq lens, query starts
+        self._draft_int64 = np.zeros((3, tokens), dtype=np.int64)
+        self._draft_int32 = np.zeros((3, tokens + 1), dtype=np.int32)  # a request has a token at least
+        self._draft_int64_tensor = torch.from_numpy(self._draft_int64)
+        self._draft_int32_tensor = torch.from_numpy(self._draft_int32)
+        self._tokens = tokens
+        self._draft_views = {}
+
+    def _with_drafts(self, batch: int, num_tokens: int) -> tuple:
+        views = self._draft_views.get((batch, num_tokens))
+        if views is None:
+            i64, i32 = self._draft_int64_tensor, self._draft_int32_tensor
+            views = (i64[0, :num_tokens], i64[1, :num_tokens], i64[2, :num_tokens], i32[0, :batch],
+                     i32[1, :batch], i32[2, :batch + 1])
+            self._draft_views[(batch, num_tokens)] = views
+        return views
+
     def build(self, scheduled: Sequence[ScheduledRequest], tables: Sequence[list[int]],
               device: torch.device) -> tuple[torch.Tensor, torch.Tensor, AttentionBatch]:
-        """`(input_ids, positions, batch)` of a pure-decode step (`is_pure_decode`),
-        `tables` being each request's block table; as `ModelRunner.build_batch`."""
+        """`(input_ids, positions, batch)` of a decode step (`is_decode`), `tables`
+        being each request's block table; as `ModelRunner.build_batch`."""
+        if any(entry.draft_token_ids for entry in scheduled):
+            return self._build_with_drafts(scheduled, tables, device)
         batch = len(scheduled)
         if batch > self._rows:
             self._grow(batch)
@@ -116,13 +141,50 @@ class DecodeInputs:
             int32[0, :batch] = starts
             int32[1, :batch] = starts
             int32[1, :batch] += 1
-        input_ids, positions, slots, context_lens, seq_lens, query_start_loc = self._per_request(batch)
+        return self._inputs(self._per_request(batch), tables, device, 1, max(starts) + 1)
+
+    def _build_with_drafts(self, scheduled: Sequence[ScheduledRequest], tables: Sequence[list[int]],
+                           device: torch.device) -> tuple[torch.Tensor, torch.Tensor, AttentionBatch]:
+        """`build` for a step in which some requests verify drafts: each request's
+        known token and its drafts are consecutive tokens from its `start`."""
+        size = self.block_size
+        ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        starts, ends, query_ends = [], [], []
+        for entry, table in zip(scheduled, tables):
+            start, end = entry.start, entry.start + entry.num_tokens
+            ids.append(token_at(entry.request, start))
+            ids += entry.draft_token_ids
+            positions += range(start, end)
+            slots += [table[p // size] * size + p % size for p in range(start, end)]
+            starts.append(start)
+            ends.append(end)
+            query_ends.append(len(ids))
+        batch, num_tokens = len(scheduled), len(ids)
+        if num_tokens > self._tokens:  # batch <= num_tokens: the per-request arrays fit too
+            self._grow_tokens(num_tokens)
+        int64, int32 = self._draft_int64, self._draft_int32
+        int64[0, :num_tokens] = ids
+        int64[1, :num_tokens] = positions
+        int64[2, :num_tokens] = slots
+        int32[0, :batch] = starts
+        int32[1, :batch] = ends
+        int32[2, 1:batch + 1] = query_ends
+        max_query_len = max(entry.num_tokens for entry in scheduled)
+        return self._inputs(self._with_drafts(batch, num_tokens), tables, device, max_query_len, max(ends))
+
+    def _inputs(self, views: tuple, tables: Sequence[list[int]], device: torch.device, max_query_len: int,
+                max_seq_len: int) -> tuple[torch.Tensor, torch.Tensor, AttentionBatch]:
+        """`(input_ids, positions, batch)` from the step's buffer views (moved to `device`
+        when it is not the CPU) and the block table."""
+        input_ids, positions, slots, context_lens, seq_lens, query_start_loc = views
         block_table = self._block_table(tables)
         if device.type != "cpu":
             input_ids, positions, slots, context_lens, seq_lens, query_start_loc, block_table = (
                 t.to(device) for t in (input_ids, positions, slots, context_lens, seq_lens, query_start_loc,
                                        block_table))
         attention = AttentionBatch(query_start_loc=query_start_loc, seq_lens=seq_lens, context_lens=context_lens,
-                                   block_table=block_table, slot_mapping=slots, block_size=size, max_query_len=1,
-                                   max_seq_len=max(starts) + 1)
+                                   block_table=block_table, slot_mapping=slots, block_size=self.block_size,
+                                   max_query_len=max_query_len, max_seq_len=max_seq_len)
         return input_ids, positions, attention

@@ -17,7 +17,7 @@ import torch
 
 from kvforge.core import AttentionBatch
 
-from .decode_inputs import DecodeInputs, is_pure_decode
+from .decode_inputs import DecodeInputs, is_decode
 from .request import token_slice
 from .scheduler_output import ScheduledRequest
 
@@ -31,17 +31,17 @@ class ModelRunner:
         self.kv_caches = kv_caches
         self.block_size = block_size
         self.device = torch.device(device)
-        self.decode_inputs = DecodeInputs(block_size)  # pure-decode steps' inputs, in buffers kept across steps
+        self.decode_inputs = DecodeInputs(block_size)  # decode steps' inputs, in buffers kept across steps
 
     def build_batch(self, scheduled: Sequence[ScheduledRequest]) -> tuple[torch.Tensor, torch.Tensor, AttentionBatch]:
         """`(input_ids, positions, batch)` for the scheduled requests, in order.
 
-        A step of pure decodes (one known token per request, the common case) is
-        written into buffers kept across steps (`DecodeInputs`): no tensor is made,
-        and the tensors returned are valid until the next call. Any other step
-        gathers per-request figures in one pass and computes the token-level
-        arrays (positions, slots) with tensor ops (`general_batch`)."""
-        if is_pure_decode(scheduled):
+        A step of decodes (one known token per request and its drafts, if any: the
+        common case) is written into buffers kept across steps (`DecodeInputs`):
+        no tensor is made, and the tensors returned are valid until the next call.
+        Any other step gathers per-request figures in one pass and computes the
+        token-level arrays (positions, slots) with tensor ops (`general_batch`)."""
+        if is_decode(scheduled):
             tables = self.kv.live_block_tables([entry.request.request_id for entry in scheduled])
             return self.decode_inputs.build(scheduled, tables, self.device)
         return self.general_batch(scheduled)

@@ -70,9 +70,14 @@ def plain_greedy(request: Request) -> bool:
 
 def verify_plain_greedy(logits: torch.Tensor, drafts: Sequence[list[int]]) -> Verified:
     """Greedy verification when every row is the raw logits (`plain_greedy`): one
-    argmax over all rows and one copy to the host, then the draft-by-draft compare
-    on at most k ints per request; no per-position bookkeeping."""
-    target = row_argmax(logits.float()).tolist()
+    argmax over all rows and one copy to the host, then `accept_greedy`."""
+    return accept_greedy(row_argmax(logits.float()).tolist(), drafts)
+
+
+def accept_greedy(target: Sequence[int], drafts: Sequence[list[int]]) -> Verified:
+    """Greedy verification from the target's token at every row (request after
+    request, `len(draft) + 1` rows each): the draft-by-draft compare on at most k
+    ints per request; no per-position bookkeeping."""
     emitted, start = [], 0
     for draft in drafts:
         row = target[start: start + len(draft) + 1]

@@ -21,7 +21,7 @@ import torch
 from kvforge.kernels import build as kernel_library
 
 from .metrics import EngineMetrics
-from .rejection_sampler import RejectionSampler
+from .rejection_sampler import RejectionSampler, accept_greedy, plain_greedy
 from .request import Request
 from .sampler import Sampler, logprob_record, raw_logprobs
 from .scheduler_output import SampledTokens, SamplerOutput, ScheduledRequest, SchedulerOutput
@@ -44,6 +44,10 @@ class StepSampler:
         tokens = None if requests is None else self._plain_tokens(requests, logits)
         if tokens is not None:
             return SamplerOutput({r.request_id: SampledTokens([t]) for r, t in zip(requests, tokens)})
+        if requests is None and plain_greedy_drafts(plan.scheduled, logits):
+            verified = self._verify_plain_greedy(plan.scheduled, logits)
+            if verified is not None:
+                return SamplerOutput(verified)
         entries, logits, non_finite = split_non_finite(plan.scheduled, logits)
         return SamplerOutput(self._sample(entries, logits), non_finite)
 
@@ -103,6 +107,27 @@ class StepSampler:
             sampled[request.request_id] = SampledTokens([token_ids[i]], records)
         return sampled
 
+    def _verify_plain_greedy(self, entries: list[ScheduledRequest], logits: torch.Tensor) -> dict[str, SampledTokens] | None:
+        """The tokens of a step of greedy decodes, some verifying drafts, whose rows need
+        no processing (`plain_greedy_drafts`): one C++ call finds every row's greedy
+        token (`greedy_rows`), then the drafts are compared on the host. None when that
+        call cannot run or a row is not finite (the general path then sets those
+        requests aside)."""
+        target = greedy_rows(logits)
+        if target is None or NON_FINITE in target:
+            return None
+        speculating = [e for e in entries if e.draft_token_ids]
+        verified = accept_greedy(target, [e.draft_token_ids for e in entries])
+        self._count(speculating, verified.num_accepted)
+        return {e.request.request_id: SampledTokens(tokens) for e, tokens in zip(entries, verified.token_ids)}
+
+    def _count(self, speculating: list[ScheduledRequest], num_accepted: list[int]) -> None:
+        """Add a step's verifications to the draft counters (`num_accepted` may list
+        requests without drafts too: they accept none)."""
+        self.stats.num_draft_tokens += sum(len(e.draft_token_ids) for e in speculating)
+        self.stats.num_accepted_tokens += sum(num_accepted)
+        self.stats.num_verifications += len(speculating)
+
     def _verify(self, speculated: list[tuple[ScheduledRequest, int]], logits: torch.Tensor) -> dict[str, SampledTokens]:
         """Verify the drafts of every speculating request in one batch."""
         flat = [r for entry, first in speculated for r in range(first, first + entry.num_logit_rows)]
@@ -112,9 +137,7 @@ class StepSampler:
         requests, drafts = [e.request for e in entries], [e.draft_token_ids for e in entries]
         verified = self.verifier(logits, requests, drafts, [e.draft_probs for e in entries],
                                  self._mask(requests, drafts))
-        self.stats.num_draft_tokens += len(flat) - len(entries)
-        self.stats.num_accepted_tokens += sum(verified.num_accepted)
-        self.stats.num_verifications += len(entries)
+        self._count(entries, verified.num_accepted)
         wanted = [e.request.params.logprobs for e in entries if e.request.logprobs is not None]
         if wanted:  # the raw logprobs of each emitted token, at the row it was drawn from
             starts = itertools.accumulate([e.num_logit_rows for e in entries], initial=0)
@@ -158,6 +181,23 @@ def plain_requests(entries: list[ScheduledRequest], logits: torch.Tensor) -> lis
             return None
         requests.append(request)
     return requests
+
+
+def plain_greedy_drafts(entries: list[ScheduledRequest], logits: torch.Tensor) -> bool:
+    """Whether a step is greedy decodes, some verifying drafts, whose every logit row
+    is sampled as it is: each entry samples all its rows (its known token's and each
+    draft's), in order, and is `plain_greedy` (nothing edits its logits at any draft
+    position), with no forks, grammar or logprobs."""
+    if not entries or logits.dtype != torch.float32:
+        return False
+    rows = 0
+    for entry in entries:
+        request = entry.request
+        if (not entry.samples or entry.forks or request.logprobs is not None or request.grammar is not None
+                or not plain_greedy(request)):
+            return False
+        rows += 1 + len(entry.draft_token_ids)
+    return rows == logits.shape[0]
 
 
 NON_FINITE = -1  # `greedy_rows`' entry for a row holding a NaN or an infinity

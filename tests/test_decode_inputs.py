@@ -1,8 +1,9 @@
-"""Pure-decode steps build their inputs in buffers kept across steps
-(`engine/decode_inputs.py`). Over runs of consecutive steps in which requests
-grow past block boundaries, fork and copy a shared block, finish and give their
-row to another request, and the batch shrinks and grows, every step's tensors
-must equal those `ModelRunner.general_batch` builds afresh for that step."""
+"""Decode steps (with or without drafts to verify) build their inputs in buffers
+kept across steps (`engine/decode_inputs.py`). Over runs of consecutive steps in
+which requests grow past block boundaries, fork and copy a shared block, verify
+drafts, finish and give their row to another request, and the batch shrinks and
+grows, every step's tensors must equal those `ModelRunner.general_batch` builds
+afresh for that step."""
 
 import random
 
@@ -58,11 +59,15 @@ class Decoding:
             request.num_computed_tokens = parent.num_computed_tokens
         self.running.insert(self.rng.randrange(len(self.running) + 1), request)
 
-    def plan(self) -> list[ScheduledRequest]:
-        """This step's entries, each request's blocks grown for its one new token."""
+    def plan(self, max_drafts: int = 0) -> list[ScheduledRequest]:
+        """This step's entries, each request's blocks grown for its one new token and
+        up to `max_drafts` draft tokens (a random count per request, often none)."""
+        scheduled = []
         for request in self.running:
-            self.kv.allocate_slots(request.request_id, request.num_computed_tokens + 1)
-        return [ScheduledRequest(r, r.num_computed_tokens, 1) for r in self.running]
+            drafts = [self.rng.randrange(100) for _ in range(self.rng.randint(0, max_drafts))]
+            self.kv.allocate_slots(request.request_id, request.num_computed_tokens + 1 + len(drafts))
+            scheduled.append(ScheduledRequest(request, request.num_computed_tokens, 1 + len(drafts), drafts))
+        return scheduled
 
     def advance(self, churn: bool = True) -> None:
         for request in self.running:
@@ -79,8 +84,10 @@ class Decoding:
 
 
 @settings(max_examples=40, deadline=None)
-@given(seed=st.integers(0, 2**31 - 1), start=st.integers(1, 6))
-def test_decode_steps_match_fresh_tensors_step_after_step(seed, start):
+@given(seed=st.integers(0, 2**31 - 1), start=st.integers(1, 6), max_drafts=st.sampled_from([0, 0, 1, 4, 9]))
+def test_decode_steps_match_fresh_tensors_step_after_step(seed, start, max_drafts):
+    """Steps with and without drafts alternate (each request drafts a random count,
+    often none), so buffers of either kind are reused after the other."""
     decoding = Decoding(seed)
     for _ in range(start):
         decoding.add()
@@ -88,7 +95,7 @@ def test_decode_steps_match_fresh_tensors_step_after_step(seed, start):
     for _ in range(40):
         if not decoding.running:
             decoding.add()
-        scheduled = decoding.plan()
+        scheduled = decoding.plan(max_drafts)
         assert_same_inputs(runner.build_batch(scheduled), runner.general_batch(scheduled))
         decoding.advance()
 
@@ -128,16 +135,37 @@ def test_a_row_is_rewritten_when_its_block_grows_under_an_unchanged_width():
         assert_same_inputs(runner.build_batch(scheduled), runner.general_batch(scheduled))
 
 
-def test_the_general_path_takes_steps_that_prefill_or_verify_drafts():
+def test_the_general_path_takes_steps_that_prefill():
     kv = KVCacheManager(NoCacheAllocator(64, BS), BS, False)
     request = Request("a", list(range(9)), SamplingParams())
     kv.admit("a", [])
     kv.allocate_slots("a", 12)
     runner = ModelRunner(None, kv, [], BS, torch.device("cpu"))
-    for entry in (ScheduledRequest(request, 0, 9), ScheduledRequest(request, 8, 3, [5, 6])):
+    for entry in (ScheduledRequest(request, 0, 9), ScheduledRequest(request, 6, 3, [5])):  # 2 known + 1 draft
         ids, positions, batch = runner.build_batch([entry])
         assert ids.shape[0] == entry.num_tokens and batch.max_query_len == entry.num_tokens
     assert runner.decode_inputs._table_shape == (0, 0)  # never touched
+
+
+def test_a_step_verifying_drafts_reads_each_draft_at_its_own_slot():
+    """One request verifying 5 drafts across a block boundary, beside one without:
+    the draft tokens follow the known one, positions and slots run on through the
+    next block, and the query starts count each request's tokens."""
+    kv = KVCacheManager(NoCacheAllocator(64, BS), BS, False)
+    drafting, plain = Request("d", list(range(2 * BS)), SamplingParams()), Request("p", [7, 8], SamplingParams())
+    for request, tokens in ((drafting, 2 * BS + 5), (plain, 2)):
+        kv.admit(request.request_id, [])
+        kv.allocate_slots(request.request_id, tokens)
+    runner = ModelRunner(None, kv, [], BS, torch.device("cpu"))
+    drafts = [50, 51, 52, 53, 54]
+    scheduled = [ScheduledRequest(drafting, 2 * BS - 1, 6, drafts), ScheduledRequest(plain, 1, 1)]
+    ids, positions, batch = runner.build_batch(scheduled)
+    table = kv.block_table("d")
+    assert ids.tolist() == [2 * BS - 1, *drafts, 8]
+    assert positions.tolist() == [*range(2 * BS - 1, 2 * BS + 5), 1]
+    assert batch.slot_mapping.tolist()[:6] == [table[p // BS] * BS + p % BS for p in range(2 * BS - 1, 2 * BS + 5)]
+    assert batch.query_start_loc.tolist() == [0, 6, 7] and batch.max_query_len == 6
+    assert_same_inputs((ids, positions, batch), runner.general_batch(scheduled))
 
 
 @pytest.mark.parametrize("batch", [1, 3, 20])

@@ -156,3 +156,41 @@ def test_a_plain_cpu_step_takes_one_kernel_call_for_finiteness_and_greedy_tokens
     logits[1, 5] = float("nan")
     out = sampler.sample(plan_of(requests_of(["greedy", "seeded", "greedy"])), logits)
     assert out.non_finite == ["r1"] and sorted(out.tokens) == ["r0", "r2"]
+
+
+@pytest.mark.parametrize("path", PATHS)
+@settings(max_examples=50, deadline=None)
+@given(seed=st.integers(0, 2**31 - 1), size=st.integers(1, 5), greedy_only=st.booleans())
+def test_greedy_steps_verifying_drafts_match_the_general_path(path, seed, size, greedy_only):
+    """Greedy decodes, some verifying drafts (`plain_greedy_drafts`): the tokens, the
+    requests set aside for non-finite logits and the draft counters are those of the
+    general path (the rejection sampler), drafts accepted or not."""
+    rng = random.Random(seed)
+    kinds = [rng.choice(["greedy", "greedy seeded"] if greedy_only else ["greedy", "penalties", "seeded"])
+             for _ in range(size)]
+    generator = torch.Generator().manual_seed(seed)
+    counts = [rng.randint(0, 4) for _ in range(size)]
+    logits = torch.randn(sum(counts) + size, VOCAB, generator=generator)
+    if rng.random() < 0.3:
+        logits = logits.round()  # ties: the first maximum is the target's token
+    if rng.random() < 0.2:
+        logits[rng.randrange(logits.shape[0]), rng.randrange(VOCAB)] = float("nan")
+    target, row, all_drafts = logits.argmax(dim=1).tolist(), 0, []
+    for count in counts:  # drafts that match the target for a while, then may not
+        all_drafts.append([target[row + j] if rng.random() < 0.7 else rng.randrange(VOCAB) for j in range(count)])
+        row += 1 + count
+
+    def plan_with_drafts():  # fresh requests: a seeded one's generator is drawn from
+        return SchedulerOutput([ScheduledRequest(r, r.num_tokens - 1, 1 + len(d), d)
+                                for r, d in zip(requests_of(kinds), all_drafts)])
+
+    plan = plan_with_drafts()
+    assert step_sampling.plain_greedy_drafts(plan.scheduled, logits) == all(k.startswith("greedy") for k in kinds)
+    fast, slow = StepSampler(seed % 1000, EngineMetrics()), StepSampler(seed % 1000, EngineMetrics())
+    with plain_path(path):
+        got = fast.sample(plan, logits.clone())
+    want = general(slow, plan_with_drafts(), logits.clone())
+    assert got.non_finite == want.non_finite
+    assert {k: v.token_ids for k, v in got.tokens.items()} == {k: v.token_ids for k, v in want.tokens.items()}
+    counters = ("num_draft_tokens", "num_accepted_tokens", "num_verifications")
+    assert [getattr(fast.stats, c) for c in counters] == [getattr(slow.stats, c) for c in counters]
