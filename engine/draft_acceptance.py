@@ -55,16 +55,13 @@ class RequestAcceptance:
         (the one after them, if scored, did not); earlier outcomes fade by `decay`."""
         self.hits += num_accepted > 0
         self.counted += 1
-        self.scored = [s * decay for s in self.scored]
-        self.accepted = [a * decay for a in self.accepted]
-        grow = num_scored - len(self.scored)
-        if grow > 0:
-            self.scored += [0.0] * grow
-            self.accepted += [0.0] * grow
-        for j in range(num_scored):
-            self.scored[j] += 1
-            if j < num_accepted:
-                self.accepted[j] += 1
+        scored, accepted = self.scored, self.accepted
+        if num_scored > len(scored):
+            scored += [0.0] * (num_scored - len(scored))
+            accepted += [0.0] * (num_scored - len(accepted))
+        for j in range(len(scored)):
+            scored[j] = scored[j] * decay + (j < num_scored)
+            accepted[j] = accepted[j] * decay + (j < num_accepted)
 
     def rates(self, num_positions: int, prior: Sequence[float]) -> list[float]:
         """Estimated chance that draft j + 1 is accepted given the j before it were,

@@ -50,7 +50,7 @@ MIN_PLAIN = 4  # plain steps in a bucket before its base is trusted
 MIN_DRAFTED = 8  # steps with drafts in a bucket before their cost is trusted (single steps are noisy)
 COST_PROBE_EVERY = 128  # plain steps in a row after which one step drafts again, to measure drafts anew
 PLAIN_REFRESH = 16  # steps with drafts in a row before a plain step is wanted, to keep the base current
-REFIT_EVERY = 8  # steps of a bucket between estimates (one costs tens of µs)
+REFIT_EVERY = 32  # steps of a bucket between estimates (one costs tens of µs; the window holds 32)
 
 
 def step_clock(device: torch.device):
@@ -226,7 +226,8 @@ def best_draft_counts(gains: Sequence[Sequence[float]], costs: StepCosts) -> lis
     best step takes the drafts of highest gain first: it is one of the prefixes of
     all drafts sorted by gain, each is scored and the best kept (the fewest drafts
     on a tie). Ties at the cut go to the earlier requests."""
-    ranked = sorted((g for row in gains for g in row), reverse=True)
+    # a row's gains never increase: one request's are ranked already (batch 1, the common case)
+    ranked = list(gains[0]) if len(gains) == 1 else sorted((g for row in gains for g in row), reverse=True)
     tokens = float(len(gains))
     best_rate, best_n = tokens / costs.seconds(0), 0
     seconds, last_rate = costs.base + costs.verify, 0.0

@@ -108,12 +108,19 @@ struct TileShape {
   int rows, blocks;
 };
 
-// One dtype's register tiles on one ISA: at[MR - 1][NB - 1] for tails, and the
-// full tile's size.
+// One dtype's register tiles on one ISA: at[MR - 1][NB - 1] for tails, the
+// full tile's size, and `one_block_rows`: up to how many rows a one-block tile
+// still keeps its sums in registers (0: none beyond `shape.rows`). A product of
+// a few more rows than `shape.rows` (a decode verifying drafts, a small batch)
+// takes one row tile of all its rows, each channel tile's blocks one after the
+// other through the one-block tile, so each weight is read once; `shape` tiles
+// read a channel tile's weights once per row tile (the first pass from memory
+// or L3, the others from L2).
 template <typename T>
 struct Tiles {
   TileFn<T> at[kMaxRows][kMaxBlocks];
   TileShape shape;
+  int one_block_rows;
 };
 
 // Everything one ISA runs: the tiles of each dtype and the epilogue; `widen`
@@ -133,23 +140,27 @@ struct Path {
    KVFORGE_TILE_ROW(NS, FN, 4), KVFORGE_TILE_ROW(NS, FN, 5), KVFORGE_TILE_ROW(NS, FN, 6),                       \
    KVFORGE_TILE_ROW(NS, FN, 7), KVFORGE_TILE_ROW(NS, FN, 8)}
 
-const Path kBaseline = {{KVFORGE_TILES(linear_base, generic_tile), {4, 4}},
-                        {KVFORGE_TILES(linear_base, f32_tile), {4, 4}},
+const Path kBaseline = {{KVFORGE_TILES(linear_base, generic_tile), {4, 4}, 0},
+                        {KVFORGE_TILES(linear_base, f32_tile), {4, 4}, 0},
                         &linear_base::finish_tile, "baseline", &linear_base::widen_bf16_blocks};
 #ifdef KVFORGE_HAS_X86_PATHS
 // AVX2 has 16 ymm registers and a 16-channel block takes two: 3 x 2 float32 tiles
 // (12 sums, 4 weight vectors); bfloat16 splits each weight vector in two, so 2 x 2.
-const Path kAvx2 = {{KVFORGE_TILES(linear_avx2, generic_tile), {2, 2}},
-                    {KVFORGE_TILES(linear_avx2, f32_tile), {3, 2}},
+// One block: 6 float32 rows (12 sums, 2 weight vectors, a broadcast input), and 4
+// bfloat16 rows (8 sums, the two halves of each weight vector, two inputs).
+const Path kAvx2 = {{KVFORGE_TILES(linear_avx2, generic_tile), {2, 2}, 4},
+                    {KVFORGE_TILES(linear_avx2, f32_tile), {3, 2}, 6},
                     &linear_avx2::finish_tile, "avx2", &linear_avx2::widen_bf16_blocks};
-const Path kAvx512 = {{KVFORGE_TILES(linear_avx512, generic_tile), {4, 4}},
-                      {KVFORGE_TILES(linear_avx512, f32_tile), {4, 4}},
+// (AVX-512 and its bfloat16 dot product keep their tiles at every row count: a
+// one-block tile there is not measured.)
+const Path kAvx512 = {{KVFORGE_TILES(linear_avx512, generic_tile), {4, 4}, 0},
+                      {KVFORGE_TILES(linear_avx512, f32_tile), {4, 4}, 0},
                       &linear_avx512::finish_tile, "avx512", &linear_avx512::widen_bf16_blocks};
 // bfloat16 8 rows x 2 blocks: 16 sums, and per input pair 2 weight loads for 16
 // vdpbf16ps, which measured faster than 4 x 4 at every row count once a
 // decode's weights stream from 2 MiB pages (docs/models.md).
-const Path kDpbf16 = {{KVFORGE_TILES(linear_dpbf16, dpbf16_tile), {8, 2}},
-                      {KVFORGE_TILES(linear_dpbf16, f32_tile), {4, 4}},
+const Path kDpbf16 = {{KVFORGE_TILES(linear_dpbf16, dpbf16_tile), {8, 2}, 0},
+                      {KVFORGE_TILES(linear_dpbf16, f32_tile), {4, 4}, 0},
                       &linear_dpbf16::finish_tile, "avx512_bf16", nullptr};
 #endif
 
@@ -220,7 +231,10 @@ inline void prefetch_epilogue(const Epilogue& e, int64_t r, int mr, int64_t bloc
 template <typename T>
 void run_tiles(const Tiles<T>& tiles, FinishFn finish, const T* x, int64_t x_stride, int64_t m, int64_t k,
                const T* w, int64_t blocks, int64_t block_elems, int64_t steps, const Epilogue& e) {
-  const int64_t tile_blocks = tiles.shape.blocks, tile_rows = tiles.shape.rows;
+  // A few rows more than the tile's: one row tile of them all, whose channel tile's
+  // blocks go through the one-block tile one after the other (`Tiles`).
+  const bool one_pass = m > tiles.shape.rows && m <= tiles.one_block_rows;
+  const int64_t tile_blocks = tiles.shape.blocks, tile_rows = one_pass ? m : tiles.shape.rows;
   const int64_t channel_tiles = (blocks + tile_blocks - 1) / tile_blocks;
   const int64_t chunk_rows = kChunkRows / tile_rows * tile_rows;
   const int64_t chunks = (m + chunk_rows - 1) / chunk_rows;
@@ -232,9 +246,20 @@ void run_tiles(const Tiles<T>& tiles, FinishFn finish, const T* x, int64_t x_str
       const int64_t block0 = i % channel_tiles * tile_blocks;
       const int nb = static_cast<int>(std::min<int64_t>(tile_blocks, blocks - block0));
       const int64_t next_block0 = (i + 1) % channel_tiles * tile_blocks;
+      // The next tile's weights are fetched over this tile's calls: its row tiles, or
+      // under `one_pass` its blocks' calls.
       const Lookahead ahead(i + 1 < i1 ? reinterpret_cast<const char*>(w + next_block0 * block_elems) : nullptr,
                             std::min<int64_t>(tile_blocks, blocks - next_block0) * block_elems * int64_t{sizeof(T)},
-                            (row_end - row_begin + tile_rows - 1) / tile_rows, steps);
+                            one_pass ? nb : (row_end - row_begin + tile_rows - 1) / tile_rows, steps);
+      if (one_pass) {
+        const int mr = static_cast<int>(m);
+        for (int j = 0; j < nb; ++j) {  // block j's sums where an nb-block tile keeps them
+          tiles.at[mr - 1][0](x, x_stride, w + (block0 + j) * block_elems, k, acc + j * 16,
+                              ahead.for_row_tile(j, steps), ahead.step);
+        }
+        finish(acc, mr, nb, 0, block0, e);
+        continue;
+      }
       for (int64_t r = row_begin; r < row_end; r += tile_rows) {
         const int mr = static_cast<int>(std::min<int64_t>(tile_rows, row_end - r));
         if (many_rows) prefetch_epilogue(e, r, mr, block0, nb);

@@ -15,8 +15,10 @@ import torch
 from kvforge.models.cpp_linear import interleave_blocks, kernel_path, linear, load_kernel, pack_bias, pack_weight
 
 # (rows, in, out): tails of the 8- and 4-row tiles and the 64-row chunk, of 16-channel
-# blocks and 32- and 64-channel tiles, and an odd `in` (a half-empty last input pair).
-SHAPES = [(1, 37, 23), (3, 100, 70), (8, 515, 129), (33, 48, 9), (129, 130, 67), (6, 1, 17), (75, 33, 50)]
+# blocks and 32- and 64-channel tiles, and an odd `in` (a half-empty last input pair);
+# 4 to 6 rows also run as one row tile of one-block calls where a path does that.
+SHAPES = [(1, 37, 23), (3, 100, 70), (8, 515, 129), (33, 48, 9), (129, 130, 67), (6, 1, 17), (75, 33, 50),
+          (4, 70, 100), (5, 131, 64)]
 LEVELS = ("avx512", "avx2", "baseline")  # the cap; avx512 runs avx512_bf16 where the CPU has it
 EPILOGUES = ("none", "float_out", "add", "silu_mul")
 ACCUMULATION = 2e-6  # float32 sums: a few ulps of the sum of |terms| (in <= 515 here)
@@ -160,7 +162,8 @@ def test_bfloat16_rows_have_the_same_bits_alone_and_among_many(level, epilogue, 
         pytest.skip(f"this CPU runs {kernel_path()}, not {level}")
     x, ws, bs, other = operands(130, k, 40, True, epilogue)  # past the 96 rows from which weights are widened
     together = run_kernel(x, ws, bs, other, epilogue)
-    for rows in (slice(0, 1), slice(5, 6), slice(0, 3), slice(10, 25), slice(129, 130), slice(0, 100)):
+    for rows in (slice(0, 1), slice(5, 6), slice(0, 3), slice(2, 6), slice(0, 5), slice(10, 25), slice(129, 130),
+                 slice(0, 100)):
         part = run_kernel(x[rows], ws, bs, None if other is None else other[rows], epilogue)
         assert torch.equal(part, together[rows]), f"rows {rows.start}-{rows.stop - 1} differ"
 
