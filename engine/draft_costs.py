@@ -50,6 +50,12 @@ MIN_PLAIN = 4  # plain steps in a bucket before its base is trusted
 MIN_DRAFTED = 8  # steps with drafts in a bucket before their cost is trusted (single steps are noisy)
 COST_PROBE_EVERY = 128  # plain steps in a row after which one step drafts again, to measure drafts anew
 PLAIN_REFRESH = 16  # steps with drafts in a row before a plain step is wanted, to keep the base current
+# Drafts are verified only where the estimate says they raise tokens per second by this
+# much: a request's gains are estimated from its recent drafts, and it drafts when they
+# happen to look good (so, on average, when they were overestimated), and the step after
+# a verification runs slower than one after a plain step (its caches hold the larger
+# step's data), which the step costs measured do not include.
+MIN_GAIN = 0.05
 REFIT_EVERY = 32  # steps of a bucket between estimates (one costs tens of µs; the window holds 32)
 
 
@@ -211,11 +217,12 @@ class StepCostModel:
 
 
 def may_pay(max_gain: float, num_positions: int, num_requests: int, costs: StepCosts) -> bool:
-    """Whether any drafts could raise tokens per second, knowing only the largest
-    gain of any draft and how many draft positions there are: n drafts add at most
-    n · max_gain tokens to `num_requests` for `verify + n · per_draft` seconds more."""
-    margin = max_gain * costs.base - num_requests * costs.per_draft
-    return margin > 0 and num_positions * margin > num_requests * costs.verify
+    """Whether any drafts could raise tokens per second by `MIN_GAIN`, knowing only the
+    largest gain of any draft and how many draft positions there are: n drafts add at
+    most n · max_gain tokens to `num_requests` for `verify + n · per_draft` seconds more."""
+    demand = 1 + MIN_GAIN
+    margin = max_gain * costs.base - num_requests * demand * costs.per_draft
+    return margin > 0 and num_positions * margin > num_requests * (demand * costs.verify + MIN_GAIN * costs.base)
 
 
 def best_draft_counts(gains: Sequence[Sequence[float]], costs: StepCosts) -> list[int]:
@@ -225,11 +232,12 @@ def best_draft_counts(gains: Sequence[Sequence[float]], costs: StepCosts) -> lis
     in j); every request emits one token anyway. Every draft costs the same, so the
     best step takes the drafts of highest gain first: it is one of the prefixes of
     all drafts sorted by gain, each is scored and the best kept (the fewest drafts
-    on a tie). Ties at the cut go to the earlier requests."""
+    on a tie), provided it beats a step without drafts by `MIN_GAIN`. Ties at the cut
+    go to the earlier requests."""
     # a row's gains never increase: one request's are ranked already (batch 1, the common case)
     ranked = list(gains[0]) if len(gains) == 1 else sorted((g for row in gains for g in row), reverse=True)
     tokens = float(len(gains))
-    best_rate, best_n = tokens / costs.seconds(0), 0
+    best_rate, best_n = tokens / costs.seconds(0) * (1 + MIN_GAIN), 0
     seconds, last_rate = costs.base + costs.verify, 0.0
     for n, gain in enumerate(ranked, start=1):
         tokens += gain

@@ -28,6 +28,9 @@ from .request import Request
 from .scheduler_output import ScheduledRequest
 
 
+QUIET_TIMED_EVERY = 4  # a quiet batch's plain steps timed: one in this many
+
+
 class ProposerError(KvforgeError, RuntimeError):
     """A speculative proposer returned something the contract forbids."""
 
@@ -49,7 +52,7 @@ class Drafter:
         self.max_model_len = max_model_len
         self.policy = (AdaptiveDraftPolicy(cheap_proposer=proposer.cheap) if draft_policy == "adaptive" else None)
         self.clock = step_clock(device)
-        self._step_started = 0.0
+        self._step_started: float | None = None  # when the step being run started, if it is timed
         # (requests, drafts) of the last step if it was pure decodes: it is timed up to the
         # next `propose`, so what the engine and its caller do per step after it counts too
         self._timing: tuple[int, int] | None = None
@@ -65,16 +68,25 @@ class Drafter:
     def propose(self, running: Sequence[Request]) -> dict[str, DraftProposal]:
         """Drafts for the running requests that speculate this step, by request id.
         Called first thing in a step: a step is timed from here to the next call."""
-        now = self.clock()
+        policy, now = self.policy, None
         if self._timing is not None:
+            now = self.clock()
             num_requests, num_drafts = self._timing
-            self.policy.timed(num_requests, num_drafts, now - self._step_started)
+            policy.timed(num_requests, num_drafts, now - self._step_started)
             self._timing = None
-        self._step_started = now
+        self._step_started = None
         if self.disable_above_batch_size is not None and len(running) > self.disable_above_batch_size:
             return {}
-        if self.policy is not None and self.policy.quiet(len(running)):
+        if policy is None:
+            pass
+        elif policy.quiet(len(running)):
+            # A quiet batch's plain steps only keep the plain median current: one in
+            # QUIET_TIMED_EVERY is timed.
+            if not policy.step % QUIET_TIMED_EVERY:
+                self._step_started = self.clock() if now is None else now
             return {}
+        else:
+            self._step_started = self.clock() if now is None else now
         asked, limits = [], []
         for request in running:
             if (request.params.speculative and request.output_token_ids
@@ -113,8 +125,8 @@ class Drafter:
         timed (up to the next `propose`)."""
         if self.policy is None or not scheduled:
             return
-        if all(e.num_tokens == 1 + len(e.draft_token_ids) for e in scheduled):  # pure decodes
-            self._timing = (len(scheduled), sum(len(e.draft_token_ids) for e in scheduled))
+        if self._step_started is not None and all(e.num_tokens == 1 + len(e.draft_token_ids) for e in scheduled):
+            self._timing = (len(scheduled), sum(len(e.draft_token_ids) for e in scheduled))  # pure decodes
         self.policy.observe()
 
     def check(self, proposals, asked: Sequence[Request], num_tokens: int) -> None:

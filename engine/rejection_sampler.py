@@ -16,13 +16,17 @@ temperature, top-k, top-p, min-p), giving `p_j`.
   token is drawn from `p_d`. Every emitted token is then distributed exactly as
   the target's. A deterministic proposer (no probs) has `q_j` one-hot on `x_j`.
 
-Everything runs as tensor ops over `[requests, d + 1, vocab]`; random numbers
-come from the request's own generator when it has a seed (so its output does not
-depend on what shares the batch), else from the engine's stream.
+It runs as tensor ops over `[requests, d + 1, vocab]`, except on CPU with
+deterministic proposers, where each request's accepts and final draw are read
+off on the host from the same distributions and random numbers (the same
+tokens, for a fraction of the torch calls). Random numbers come from the
+request's own generator when it has a seed (so its output does not depend on
+what shares the batch), else from the engine's stream.
 """
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -89,6 +93,17 @@ def accept_greedy(target: Sequence[int], drafts: Sequence[list[int]]) -> Verifie
     return Verified(emitted)
 
 
+def _positions(requests: Sequence[Request], drafts: Sequence[list[int]]) -> list:
+    """What the logits processors read at every verified row: each request, then
+    as it would stand after each of its drafts (`_Position`)."""
+    positions: list = []
+    for request, draft in zip(requests, drafts):
+        positions.append(request)
+        positions += [_Position(request.params, request.prompt_token_ids, request.output_token_ids + draft[:j],
+                                request.eos_token_id) for j in range(1, len(draft) + 1)]
+    return positions
+
+
 class RejectionSampler:
     """Verifies drafts; shares the sampler's engine-wide random stream."""
 
@@ -102,15 +117,62 @@ class RejectionSampler:
         given, edits the processed logits in place (the grammars' bitmasks)."""
         if mask is None and all(plain_greedy(r) for r in requests):
             return verify_plain_greedy(logits, drafts)
+        if logits.device.type == "cpu" and all(given is None for given in draft_probs):
+            return self._verify_one_hot(logits, requests, drafts, mask)
+        return self._verify_batched(logits, requests, drafts, draft_probs, mask)
+
+    def _verify_one_hot(self, logits: torch.Tensor, requests: Sequence[Request], drafts: Sequence[list[int]],
+                        mask) -> Verified:
+        """`__call__` on CPU when every proposer is deterministic (`q` one-hot): the
+        processed rows and the sampled rows' distributions are computed as in
+        `_verify_batched`, with the same random numbers (`_uniforms`), then each
+        request's accepts, residual and final draw are read off on the host, where
+        the batched path's gathers over `[R, k + 1, vocab]` cost a torch call each
+        (a sampled verification step at batch 1 spent longer in them than in the
+        model's forward). The tokens are the batched path's."""
+        positions = _positions(requests, drafts)
+        processed = processed_logits(logits, positions, mask)
+        greedy = [r.params.greedy for r in requests]
+        starts = list(itertools.accumulate((len(d) + 1 for d in drafts), initial=0))
+        emitted: list[list[int] | None] = [None] * len(requests)
+        if any(greedy):
+            target = row_argmax(processed).tolist()
+            for i, draft in enumerate(drafts):
+                if greedy[i]:
+                    emitted[i] = accept_greedy(target[starts[i]: starts[i + 1]], [draft]).token_ids[0]
+        if not all(greedy):
+            probs = sampling_probs(processed, [p.params for p in positions])
+            u = self._uniforms(requests, drafts, max(len(d) for d in drafts), logits.device)
+            p, uniform = probs.numpy(), u.numpy()
+            sampled, residuals, finals = [], [], []
+            for i, draft in enumerate(drafts):
+                if greedy[i]:
+                    continue
+                row, accepted = starts[i], 0
+                # u < p(x) / q(x) with q(x) = 1: accepted while the draft is likely enough
+                while accepted < len(draft) and uniform[i, accepted] < p[row + accepted, draft[accepted]]:
+                    accepted += 1
+                residual = probs[row + accepted].clone()
+                if accepted < len(draft):  # p - q: p with the rejected draft taken out
+                    residual[draft[accepted]] = 0
+                if not residual.sum() > 0:  # p == q: reached only by rounding; draw from p
+                    residual = probs[row + accepted]
+                sampled.append((i, accepted))
+                residuals.append(residual)
+                finals.append(uniform[i, len(draft)])
+            tokens = inverse_cdf(torch.stack(residuals), torch.tensor(finals, dtype=torch.float64)).tolist()
+            for (i, accepted), token in zip(sampled, tokens):
+                emitted[i] = drafts[i][:accepted] + [token]
+        return Verified(emitted)
+
+    def _verify_batched(self, logits: torch.Tensor, requests: Sequence[Request], drafts: Sequence[list[int]],
+                        draft_probs: Sequence[torch.Tensor | None], mask) -> Verified:
+        """`__call__` as tensor ops over `[R, k + 1, vocab]`, on any device and proposer."""
         device, vocab = logits.device, logits.shape[-1]
         counts = torch.tensor([len(d) + 1 for d in drafts], dtype=torch.int64)
         num_drafts = (counts - 1).to(device)
         k = int(counts.max()) - 1
-        positions: list = []
-        for request, draft in zip(requests, drafts):
-            positions.append(request)
-            positions += [_Position(request.params, request.prompt_token_ids, request.output_token_ids + draft[:j],
-                                    request.eos_token_id) for j in range(1, len(draft) + 1)]
+        positions = _positions(requests, drafts)
         processed = processed_logits(logits, positions, mask)
         # index[i, j]: the flat row of request i at position j (padding repeats its last row).
         steps = torch.arange(k + 1)

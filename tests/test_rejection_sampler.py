@@ -104,3 +104,39 @@ def test_zero_target_probability_is_never_emitted():
     params = SamplingParams(temperature=1.0)
     emitted = verify(rows, [request(params)] * 500, [[2, 2]] * 500)
     assert all(e[0] != 2 and len(e) == 1 for e in emitted)
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_the_host_path_for_deterministic_drafts_emits_the_batched_paths_tokens(seed):
+    """On CPU, deterministic drafts are verified on the host (`_verify_one_hot`):
+    for any mix of greedy, sampled, seeded, penalized and filtered rows, with drafts
+    of every length, likely or not, it emits exactly the tokens of the batched path,
+    which draws the same random numbers."""
+    import random
+
+    rng = random.Random(seed)
+    vocab = rng.choice([4, 37, 300])
+    kinds = [dict(temperature=0), dict(temperature=1.0), dict(temperature=0.7, seed=rng.randrange(99)),
+             dict(temperature=1.3, top_k=3, top_p=0.9), dict(temperature=0, repetition_penalty=1.4),
+             dict(temperature=1.0, min_p=0.2, frequency_penalty=0.5)]
+    size = rng.randint(1, 6)
+    params = [SamplingParams(max_tokens=50, **rng.choice(kinds)) for _ in range(size)]
+    drafts = [[rng.randrange(vocab) for _ in range(rng.randint(1, 5))] for _ in range(size)]
+    logits = torch.randn(sum(len(d) + 1 for d in drafts), vocab, generator=torch.Generator().manual_seed(seed)) * 2
+    if rng.random() < 0.5:
+        logits[:, rng.randrange(vocab)] = float("-inf")
+    row = 0
+    for draft in drafts:  # make some drafts the likeliest token, so runs of accepts happen
+        for j, token in enumerate(draft):
+            if rng.random() < 0.6:
+                logits[row + j, token] += 6.0
+        row += len(draft) + 1
+
+    def run(path: str):
+        requests = [Request(f"r{i}", [1, 2], p, eos_token_id=0) for i, p in enumerate(params)]
+        sampler = RejectionSampler(Sampler(seed))
+        verify = getattr(sampler, path)
+        args = (logits.clone(), requests, drafts) + (([None] * size,) if path == "_verify_batched" else ()) + (None,)
+        return verify(*args).token_ids
+
+    assert run("_verify_one_hot") == run("_verify_batched")
