@@ -7,10 +7,10 @@ verification and a draft model's run when it is timed inside the step):
 
 * plain steps (no drafts): the median of the last few is what a step costs
   now (`base`); a batch that drafts on every step is asked for one plain step
-  in `PLAIN_REFRESH` (`stale`), so the base does not drift from the steps
-  measured against it, and a batch that drafts nothing for `COST_PROBE_EVERY`
-  steps drafts on one (`probe_due`), so an estimate that once turned drafts
-  down can be revised;
+  in `PLAIN_REFRESH`, so the base does not drift from the steps measured
+  against it, and a batch that drafts nothing for `COST_PROBE_EVERY` steps
+  drafts on one, so an estimate that once turned drafts down can be revised
+  (`due`);
 * steps with drafts, each kept as its *ratio* to the plain median of the
   moment: a load that slows every step alike leaves the ratios unchanged, so
   what drafts cost relative to a plain step holds while the load swings.
@@ -49,7 +49,7 @@ PLAIN_WINDOW = 9  # plain steps kept per bucket: a short window, so the base fol
 MIN_PLAIN = 4  # plain steps in a bucket before its base is trusted
 MIN_DRAFTED = 8  # steps with drafts in a bucket before their cost is trusted (single steps are noisy)
 COST_PROBE_EVERY = 128  # plain steps in a row after which one step drafts again, to measure drafts anew
-PLAIN_REFRESH = 16  # steps with drafts in a row before a plain step is wanted, to keep the base current
+PLAIN_REFRESH = 32  # steps with drafts in a row before a plain step is wanted, to keep the base current
 # Drafts are verified only where the estimate says they raise tokens per second by this
 # much: a request's gains are estimated from its recent drafts, and it drafts when they
 # happen to look good (so, on average, when they were overestimated), and the step after
@@ -138,6 +138,10 @@ class _Bucket:
         return self.base
 
 
+def _ready(bucket: _Bucket | None) -> bool:
+    return bucket is not None and len(bucket.plain) >= MIN_PLAIN and len(bucket.drafted) >= MIN_DRAFTED
+
+
 class StepCostModel:
     """Per batch bucket: recent plain steps' median, and what drafts cost relative to it."""
 
@@ -154,34 +158,35 @@ class StepCostModel:
 
     def ready(self, num_requests: int) -> bool:
         """Whether enough steps of both kinds were seen at this batch to tell what drafts cost."""
-        bucket = self.buckets.get(batch_bucket(num_requests))
-        return bucket is not None and len(bucket.plain) >= MIN_PLAIN and len(bucket.drafted) >= MIN_DRAFTED
+        return _ready(self.buckets.get(batch_bucket(num_requests)))
 
     def stand_in(self, num_requests: int) -> StepCosts | None:
         """The costs of the nearest batch bucket that is `ready` (the larger on a tie,
         where drafts cost more of a step), to judge what warming up a new batch size
         costs; None when no bucket is ready yet."""
         key = batch_bucket(num_requests)
-        ready = [k for k, bucket in self.buckets.items()
-                 if len(bucket.plain) >= MIN_PLAIN and len(bucket.drafted) >= MIN_DRAFTED]
+        ready = [k for k, bucket in self.buckets.items() if _ready(bucket)]
         if not ready:
             return None
         nearest = min(ready, key=lambda k: (abs(k - key), -k))
         return self.costs(1 << (nearest - 1))
 
-    def stale(self, num_requests: int) -> bool:
-        """Whether this batch drafted `PLAIN_REFRESH` steps in a row: its base, and so
-        every ratio measured against it, may have drifted (longer sequences, another
-        load); one plain step renews it."""
+    def due(self, num_requests: int) -> str | None:
+        """What this batch's costs need before a choice can be trusted: "warm up" (not
+        `ready`); "plain" when it drafted `PLAIN_REFRESH` steps in a row (its base, and
+        so every ratio measured against it, may have drifted: longer sequences, another
+        load; one plain step renews it); "drafts" when it went `COST_PROBE_EVERY` steps
+        without drafts (what drafts cost was measured long ago, perhaps on a noisy
+        stretch that made them look too dear ever to try again; one step with drafts
+        measures it anew); else None."""
         bucket = self.buckets.get(batch_bucket(num_requests))
-        return bucket is not None and bucket.since_plain >= PLAIN_REFRESH
-
-    def probe_due(self, num_requests: int) -> bool:
-        """Whether this batch went `COST_PROBE_EVERY` steps without drafts: what drafts
-        cost was measured long ago (perhaps on a noisy stretch that made them look too
-        dear ever to try again), so one step with drafts measures it anew."""
-        bucket = self.buckets.get(batch_bucket(num_requests))
-        return bucket is not None and bucket.since_drafted >= COST_PROBE_EVERY
+        if not _ready(bucket):
+            return "warm up"
+        if bucket.since_plain >= PLAIN_REFRESH:
+            return "plain"
+        if bucket.since_drafted >= COST_PROBE_EVERY:
+            return "drafts"
+        return None
 
     def needs_steps_without_drafts(self, num_requests: int) -> bool:
         bucket = self.buckets.get(batch_bucket(num_requests))

@@ -131,14 +131,15 @@ class AdaptiveDraftPolicy:
         """Drafts each request verifies this step (at most its limit), and whether the
         proposer is asked for it (also to score drafts nobody verifies, or to probe).
         `everyone`: these are all the running requests (none is prefilling)."""
-        self.probing = set()
+        if self.probing:
+            self.probing = set()
         self._quiet_size = None
-        if not self.costs.ready(len(requests)):
+        due = self.costs.due(len(requests))
+        if due == "warm up":
             counts, asks = self._warm_up(len(requests), limits)
-        elif self.costs.stale(len(requests)) and not any(_seeded(r) for r in requests):
+        elif due == "plain" and not any(_seeded(r) for r in requests):
             counts, asks = [0] * len(requests), [False] * len(requests)  # a plain step renews the base
-        elif self.costs.probe_due(len(requests)) and self._spend(
-                _extra_steps(self.costs.costs(len(requests)), 0, sum(limits))):
+        elif due == "drafts" and self._spend(_extra_steps(self.costs.costs(len(requests)), 0, sum(limits))):
             counts, asks = list(limits), [True] * len(requests)  # a step with drafts measures them anew
         else:
             counts = self._best_counts(requests, limits)
@@ -248,8 +249,11 @@ class AdaptiveDraftPolicy:
         """The request is asked on this step: its wait starts short again when it drafts,
         and doubles when it was asked only to score or probe (not on its first step)."""
         pause = self.pauses.get(request_id)
-        if drafting or pause is None:
+        if pause is None:
             self.pauses[request_id] = _Pause(self.step, self._shortest_wait, self.acceptance.of(request_id).hits)
+        elif drafting:  # as a new _Pause, in place
+            pause.last_asked, pause.wait, pause.first = self.step, self._shortest_wait, False
+            pause.hits = self.acceptance.of(request_id).hits
         elif pause.first:
             pause.first = False
         else:

@@ -47,11 +47,8 @@ class FixedCosts:
     def needs_steps_without_drafts(self, num_requests: int) -> bool:
         return False
 
-    def stale(self, num_requests: int) -> bool:
-        return False
-
-    def probe_due(self, num_requests: int) -> bool:
-        return False
+    def due(self, num_requests: int) -> None:
+        return None
 
 
 class _Planted(SpeculativeProposer):
