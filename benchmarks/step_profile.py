@@ -64,6 +64,12 @@ class StepClock:
 
         engine.step = timed_step
 
+    def add_phase(self, label: str, target, name: str) -> None:
+        """Time `target.name` too, as the phase `label` (put back by `detach`)."""
+        self.seconds[label] = 0.0
+        self._originals.append((target, name, target.__dict__.get(name)))
+        setattr(target, name, self._timed(label, getattr(target, name)))
+
     def _timed(self, label, fn):
         seconds, clock = self.seconds, self.clock
 

@@ -59,6 +59,7 @@ measured times would make its output differ from run to run.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -73,6 +74,7 @@ WARM_UP_CYCLE = 4  # while costs are unknown: a plain step (until known), full, 
 SHADOW_AFTER_MAX = 8
 PROBE_AFTER = 16
 PROBE_AFTER_MAX = 128
+ASK_COST_WEIGHT = 0.1  # of the newest measurement in the moving averages of what asking and scoring cost
 PROBE_BUDGET = 0.02  # plain steps' worth of probing earned per step: probes cost at most 2% of the time
 ALLOWANCE_MAX = 4.0  # the most it saves up (plain steps)
 
@@ -100,8 +102,12 @@ class _Pause:
 class AdaptiveDraftPolicy:
     """Per-request draft counts from acceptance and measured cost (module docstring)."""
 
-    def __init__(self, *, cheap_proposer: bool):
+    def __init__(self, *, cheap_proposer: bool, clock=time.process_time):
         self.cheap_proposer = cheap_proposer
+        self.clock = clock  # the Drafter's step clock: what asking and scoring cost is measured with
+        # Seconds one request's proposal costs the engine: asking the proposer for it
+        # (measured by the Drafter, `asked`) and scoring it (`observe`); moving averages.
+        self.propose_seconds = self.score_seconds = 0.0
         self.acceptance = AcceptanceTracker()
         self.costs = StepCostModel()
         self.pauses: dict[str, _Pause] = {}
@@ -209,12 +215,20 @@ class AdaptiveDraftPolicy:
                 asks[i] = True
             elif self._due(request.request_id):
                 due.append(i)
+        self._affordable_at = 0
         if self.cheap_proposer:
-            for i in due:  # shadow drafts: scored, never verified
+            # Shadow drafts: scored, never verified; asking and scoring them is paid from
+            # the allowance (at a large batch, asking every request costs a good part of a
+            # step); until it covers them, they stay due.
+            if due and not self._spend(len(due) * self.ask_seconds / self.costs.costs(len(requests)).base):
+                short = min(len(due) * self.ask_seconds / self.costs.costs(len(requests)).base,
+                            ALLOWANCE_MAX) - self.allowance
+                self._affordable_at = self.step + 1 + int(short / PROBE_BUDGET)
+                return asks
+            for i in due:
                 self._asked(requests[i].request_id, drafting=False)
                 asks[i] = True
             return asks
-        self._affordable_at = 0
         costs, drafting, taken = self.costs.costs(len(requests)), sum(counts), 0
         for i in due:
             need = _extra_steps(costs, drafting, taken + limits[i])
@@ -277,9 +291,28 @@ class AdaptiveDraftPolicy:
         """The proposer's drafts for `request` this step (all it proposed, verified or not)."""
         self.acceptance.propose(request, token_ids, fresh=request.request_id in self.probing)
 
+    @property
+    def ask_seconds(self) -> float:
+        """Seconds asking a cheap proposer for one request's shadow drafts costs, with scoring them."""
+        return self.propose_seconds + self.score_seconds
+
+    def asked(self, num_requests: int, seconds: float) -> None:
+        """The proposer was asked for `num_requests` requests this step, which took `seconds`."""
+        self.propose_seconds += ASK_COST_WEIGHT * (seconds / num_requests - self.propose_seconds)
+
     def observe(self) -> None:
-        """After a step: score the proposals now decided."""
-        for state, request_id in self.acceptance.score_pending():
+        """After a step: score the proposals now decided (timed, for `ask_seconds`)."""
+        if not self.acceptance.waiting:
+            self._observed([])
+            return
+        start = self.clock()
+        scored = self.acceptance.score_pending()
+        if scored:
+            self.score_seconds += ASK_COST_WEIGHT * ((self.clock() - start) / len(scored) - self.score_seconds)
+        self._observed(scored)
+
+    def _observed(self, scored) -> None:
+        for state, request_id in scored:
             pause = self.pauses.get(request_id)
             if pause is not None and state.hits > pause.hits:
                 # a draft would have been accepted: under a cheap proposer look again sooner

@@ -50,8 +50,9 @@ class Drafter:
         self.disable_above_batch_size = disable_above_batch_size
         self.vocab_size = vocab_size
         self.max_model_len = max_model_len
-        self.policy = (AdaptiveDraftPolicy(cheap_proposer=proposer.cheap) if draft_policy == "adaptive" else None)
         self.clock = step_clock(device)
+        self.policy = (AdaptiveDraftPolicy(cheap_proposer=proposer.cheap, clock=self.clock)
+                       if draft_policy == "adaptive" else None)
         self._step_started: float | None = None  # when the step being run started, if it is timed
         # (requests, drafts) of the last step if it was pure decodes: it is timed up to the
         # next `propose`, so what the engine and its caller do per step after it counts too
@@ -106,17 +107,20 @@ class Drafter:
             asked, limits, counts = [asked[i] for i in kept], [limits[i] for i in kept], [counts[i] for i in kept]
         # a cheap proposer drafts to the limit, so drafts not verified are scored too
         num_tokens = max(limits if self.proposer.cheap else counts)
+        started = self.clock() if policy is not None else 0.0
         proposals = self.proposer.propose(
             [ProposalRequest(r.request_id, r.all_token_ids, r.params.temperature) for r in asked], num_tokens)
         self.check(proposals, asked, num_tokens)
         drafts = {}
         for request, proposal, count, limit in zip(asked, proposals, counts, limits):
-            if self.policy is not None:
-                self.policy.proposed(request, proposal.token_ids[:limit])
+            if policy is not None:
+                policy.proposed(request, proposal.token_ids[:limit])
             if proposal.token_ids and count:
                 token_ids = list(proposal.token_ids[:count])
                 probs = None if proposal.probs is None else proposal.probs[:count]
                 drafts[request.request_id] = DraftProposal(token_ids, probs)
+        if policy is not None:
+            policy.asked(len(asked), self.clock() - started)
         return drafts
 
     def observe(self, scheduled: Sequence[ScheduledRequest]) -> None:

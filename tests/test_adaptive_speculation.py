@@ -251,6 +251,35 @@ def test_requests_that_joined_at_different_steps_are_asked_on_the_same_steps():
     assert all(len(ids) == len(requests) for ids in late.values()), late
 
 
+def test_shadow_asks_at_a_large_batch_cost_at_most_the_probe_budget():
+    """Asking a cheap proposer for 32 requests' shadow drafts (and scoring them) costs a
+    good part of a step; those asks are paid from the allowance, so over many steps
+    they cost about PROBE_BUDGET of the time, and every request is still asked."""
+    from types import SimpleNamespace
+
+    from kvforge.engine.draft_policy import ALLOWANCE_MAX, PROBE_BUDGET, SHADOW_AFTER_MAX, AdaptiveDraftPolicy
+
+    policy = AdaptiveDraftPolicy(cheap_proposer=True)
+    policy.costs = FixedCosts()
+    policy.propose_seconds = 0.05 * COSTS.base  # one request's ask: 5% of a plain step; all 32: 1.6 steps
+    requests = [SimpleNamespace(request_id=f"r{i}", generator=None, params=SimpleNamespace(greedy=True))
+                for i in range(32)]
+    for request in requests:
+        for _ in range(20):  # every draft it was offered was rejected
+            policy.acceptance.of(request.request_id).count(0, 1, policy.acceptance.decay)
+    steps, asked = 600, {r.request_id: 0 for r in requests}
+    for _ in range(steps):
+        counts, asks = policy.choose(requests, [K] * len(requests), everyone=True)
+        assert counts == [0] * len(requests)
+        for request, ask in zip(requests, asks):
+            asked[request.request_id] += ask
+        policy.observe()
+    spent = sum(asked.values()) * 0.05
+    assert spent <= PROBE_BUDGET * steps + ALLOWANCE_MAX + 1.6, spent
+    assert sum(asked.values()) < len(requests) * steps / SHADOW_AFTER_MAX / 2  # the budget binds: fewer asks
+    assert min(asked.values()) >= 3, asked  # yet each request keeps being asked
+
+
 def test_warm_up_shows_the_cost_model_plain_full_and_half_drafts():
     engine = planted_engine("always-wrong")
     engine.drafter.policy.costs = StepCostModel()  # the real one, not yet ready
