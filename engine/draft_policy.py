@@ -72,6 +72,7 @@ from .request import Request
 DRAFT_POLICIES = ("adaptive", "fixed")
 WARM_UP_CYCLE = 4  # while costs are unknown: a plain step (until known), full, half, full
 SHADOW_AFTER_MAX = 8
+RECHOOSE_EVERY = 4  # steps a choice may be reused while nothing but the acceptance estimates changed
 PROBE_AFTER = 16
 PROBE_AFTER_MAX = 128
 ASK_COST_WEIGHT = 0.1  # of the newest measurement in the moving averages of what asking and scoring cost
@@ -97,6 +98,7 @@ class _Pause:
     wait: int
     hits: int = 0  # its acceptance's `hits` when last seen: a new hit shortens the wait
     first: bool = False  # asked on its first step (a cheap proposer): that ask leaves the wait as it is
+    drafting: bool = False  # it verified drafts when last asked
 
 
 class AdaptiveDraftPolicy:
@@ -106,14 +108,21 @@ class AdaptiveDraftPolicy:
         self.cheap_proposer = cheap_proposer
         self.clock = clock  # the Drafter's step clock: what asking and scoring cost is measured with
         # Seconds one request's proposal costs the engine: asking the proposer for it
-        # (measured by the Drafter, `asked`) and scoring it (`observe`); moving averages.
+        # (measured by the Drafter, `asked`) and scoring it (`observe`); moving averages,
+        # of the steps that asked for shadow drafts (`shadowed` of them) and the next.
         self.propose_seconds = self.score_seconds = 0.0
+        self.shadowed = 0
+        self._time_scoring = False
         self.acceptance = AcceptanceTracker()
         self.costs = StepCostModel()
         self.pauses: dict[str, _Pause] = {}
         self.step = 0
         self.probing: set[str] = set()  # request ids whose proposal this step restarts their estimate
         self._last_key: tuple | None = None
+        self._hits = 0  # unverified drafts that would have been accepted, so far: each makes `_best_counts` choose again
+        # A batch where every request drafts all it may: the choice stands until `_steady_until` (`steady`).
+        self._steady_key: tuple | None = None
+        self._steady_until = 0
         self._last_counts: list[int] = []
         # A quiet batch: every running request decodes, none drafts, none is due to be asked
         # before `_next_ask`; until then (or until something changes) `quiet` skips the step.
@@ -124,6 +133,18 @@ class AdaptiveDraftPolicy:
         # step) spend an allowance of plain steps that grows by PROBE_BUDGET a step.
         self.allowance = ALLOWANCE_MAX
         self._affordable_at = 0  # the step from which the allowance covers a probe put off
+
+    def steady(self, requests: Sequence[Request], limits: Sequence[int]) -> bool:
+        """Whether this step may reuse the last choice without making it again: it gave
+        every one of these same requests, with these same limits, all the drafts it may
+        verify, fewer than `RECHOOSE_EVERY` steps ago (while drafts pay that well, one
+        scored proposal does not turn them down, and choosing every step cost a batch-1
+        step more than the choices changed). The drafts are then verified as chosen."""
+        if self._steady_until <= self.step or self._steady_key != (tuple(r.request_id for r in requests),
+                                                                    tuple(limits)):
+            return False
+        self.shadowed = 0
+        return True
 
     def quiet(self, num_running: int) -> bool:
         """Whether this step drafts nothing and asks nobody, known without looking at
@@ -139,6 +160,7 @@ class AdaptiveDraftPolicy:
         `everyone`: these are all the running requests (none is prefilling)."""
         if self.probing:
             self.probing = set()
+        self.shadowed = 0
         self._quiet_size = None
         due = self.costs.due(len(requests))
         if due == "warm up":
@@ -153,6 +175,9 @@ class AdaptiveDraftPolicy:
             if everyone and not any(counts):
                 self._quiet_size, self._quiet_limit, self._quiet_positions = len(requests), max(limits), sum(limits)
                 self._next_ask = max(self._first_due(requests), self._affordable_at)
+            elif everyone and counts == list(limits) and not self.probing:
+                self._steady_key = (tuple(r.request_id for r in requests), tuple(limits))
+                self._steady_until = self.step + RECHOOSE_EVERY
         for i, request in enumerate(requests):
             if _seeded(request):
                 # A seeded sample's draws depend on its drafts; drafts chosen from measured
@@ -190,9 +215,13 @@ class AdaptiveDraftPolicy:
         return 1 if self.cheap_proposer else PROBE_AFTER
 
     def _best_counts(self, requests: Sequence[Request], limits: Sequence[int]) -> list[int]:
-        """`best_draft_counts` for these requests; the last answer again while neither the
-        requests, nor their limits, nor any estimate changed."""
-        key = (tuple(r.request_id for r in requests), tuple(limits), self.acceptance.changes, self.costs.fits)
+        """`best_draft_counts` for these requests; the last answer again while the
+        requests, their limits and the cost estimate stay the same, for up to
+        `RECHOOSE_EVERY` steps unless a request's unverified draft would have been
+        accepted (one scored proposal moves an estimate by a tenth at most, and choosing
+        every step cost a batch-1 step more than the choices changed)."""
+        key = (tuple(r.request_id for r in requests), tuple(limits), self.costs.fits, self.step // RECHOOSE_EVERY,
+               self._hits)
         if key != self._last_key:
             costs = self.costs.costs(len(requests))
             gains = [self.acceptance.gains(r.request_id, limit) for r, limit in zip(requests, limits)]
@@ -228,6 +257,7 @@ class AdaptiveDraftPolicy:
             for i in due:
                 self._asked(requests[i].request_id, drafting=False)
                 asks[i] = True
+            self.shadowed = len(due)
             return asks
         costs, drafting, taken = self.costs.costs(len(requests)), sum(counts), 0
         for i in due:
@@ -264,11 +294,15 @@ class AdaptiveDraftPolicy:
         and doubles when it was asked only to score or probe (not on its first step)."""
         pause = self.pauses.get(request_id)
         if pause is None:
-            self.pauses[request_id] = _Pause(self.step, self._shortest_wait, self.acceptance.of(request_id).hits)
-        elif drafting:  # as a new _Pause, in place
+            self.pauses[request_id] = _Pause(self.step, self._shortest_wait, self.acceptance.of(request_id).hits,
+                                             drafting=drafting)
+            return
+        if drafting:  # as a new _Pause, in place
             pause.last_asked, pause.wait, pause.first = self.step, self._shortest_wait, False
-            pause.hits = self.acceptance.of(request_id).hits
-        elif pause.first:
+            pause.hits, pause.drafting = self.acceptance.of(request_id).hits, True
+            return
+        pause.drafting = False
+        if pause.first:
             pause.first = False
         else:
             pause.last_asked = self.step
@@ -299,12 +333,15 @@ class AdaptiveDraftPolicy:
     def asked(self, num_requests: int, seconds: float) -> None:
         """The proposer was asked for `num_requests` requests this step, which took `seconds`."""
         self.propose_seconds += ASK_COST_WEIGHT * (seconds / num_requests - self.propose_seconds)
+        self._time_scoring = True
 
     def observe(self) -> None:
-        """After a step: score the proposals now decided (timed, for `ask_seconds`)."""
-        if not self.acceptance.waiting:
-            self._observed([])
+        """After a step: score the proposals now decided (timed after a step that asked
+        for shadow drafts, for `ask_seconds`)."""
+        if not self._time_scoring or not self.acceptance.waiting:
+            self._observed(self.acceptance.score_pending() if self.acceptance.waiting else [])
             return
+        self._time_scoring = False
         start = self.clock()
         scored = self.acceptance.score_pending()
         if scored:
@@ -319,6 +356,7 @@ class AdaptiveDraftPolicy:
                 # (under a costly one the probe's outcome is the estimate, which decides), and
                 # choose again if its drafts may pay now (a miss only lowers estimates)
                 pause.hits = state.hits
+                self._hits += not pause.drafting  # one that drafted nothing may pay now: choose again
                 if self.cheap_proposer:
                     pause.wait = max(self._shortest_wait, pause.wait // 2)
                 self._hit(request_id, pause)
@@ -343,5 +381,6 @@ class AdaptiveDraftPolicy:
 
     def release(self, request_id: str) -> None:
         self._quiet_size = None
+        self._steady_until = 0
         self.acceptance.release(request_id)
         self.pauses.pop(request_id, None)

@@ -99,15 +99,16 @@ class Drafter:
         if not asked:
             return {}
         counts = limits
-        if self.policy is not None:
-            counts, asks = self.policy.choose(asked, limits, everyone=len(asked) == len(running))
+        if policy is not None and not (len(asked) == len(running) and policy.steady(asked, limits)):
+            counts, asks = policy.choose(asked, limits, everyone=len(asked) == len(running))
             kept = [i for i, ask in enumerate(asks) if ask]
             if not kept:
                 return {}
             asked, limits, counts = [asked[i] for i in kept], [limits[i] for i in kept], [counts[i] for i in kept]
         # a cheap proposer drafts to the limit, so drafts not verified are scored too
         num_tokens = max(limits if self.proposer.cheap else counts)
-        started = self.clock() if policy is not None else 0.0
+        timed = policy is not None and policy.shadowed  # what asking for shadow drafts costs is measured
+        started = self.clock() if timed else 0.0
         proposals = self.proposer.propose(
             [ProposalRequest(r.request_id, r.all_token_ids, r.params.temperature) for r in asked], num_tokens)
         self.check(proposals, asked, num_tokens)
@@ -119,7 +120,7 @@ class Drafter:
                 token_ids = list(proposal.token_ids[:count])
                 probs = None if proposal.probs is None else proposal.probs[:count]
                 drafts[request.request_id] = DraftProposal(token_ids, probs)
-        if policy is not None:
+        if timed:
             policy.asked(len(asked), self.clock() - started)
         return drafts
 
