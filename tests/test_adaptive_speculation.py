@@ -280,6 +280,35 @@ def test_shadow_asks_at_a_large_batch_cost_at_most_the_probe_budget():
     assert min(asked.values()) >= 3, asked  # yet each request keeps being asked
 
 
+def test_a_choice_giving_every_request_all_its_drafts_stands_a_few_steps():
+    """A batch whose every request drafts all it may reuses that choice for
+    RECHOOSE_EVERY steps of the same requests and limits (choosing cost a batch-1 step
+    more than it changed), and chooses again once they change or a request ends."""
+    from types import SimpleNamespace
+
+    from kvforge.engine.draft_policy import RECHOOSE_EVERY, AdaptiveDraftPolicy
+
+    policy = AdaptiveDraftPolicy(cheap_proposer=True)
+    policy.costs = FixedCosts()
+    requests = [SimpleNamespace(request_id=f"r{i}", generator=None, params=SimpleNamespace(greedy=True))
+                for i in range(2)]
+    for request in requests:
+        for _ in range(20):  # every draft accepted
+            policy.acceptance.of(request.request_id).count(K, K, policy.acceptance.decay)
+    counts, asks = policy.choose(requests, [K, K], everyone=True)
+    assert counts == [K, K] and asks == [True, True]
+    policy.observe()
+    for _ in range(RECHOOSE_EVERY - 1):
+        assert policy.steady(requests, [K, K])
+        assert not policy.steady(requests, [K, K - 1]) and not policy.steady(requests[:1], [K])
+        policy.observe()
+    assert not policy.steady(requests, [K, K])  # the window is over: choose again
+    policy.choose(requests, [K, K], everyone=True)
+    assert policy.steady(requests, [K, K])
+    policy.release("r1")
+    assert not policy.steady(requests, [K, K])
+
+
 def test_warm_up_shows_the_cost_model_plain_full_and_half_drafts():
     engine = planted_engine("always-wrong")
     engine.drafter.policy.costs = StepCostModel()  # the real one, not yet ready
