@@ -5,8 +5,10 @@ Each configuration (no speculation, then every proposer with fixed drafting, so
 that every step it can drafts `--num-tokens` per request) decodes `--batch`
 greedy requests whose output loops (the bench's repetitive text: prompt lookup
 finds a draft at nearly every step). Only the steps that matter are kept: for
-no speculation its pure decode steps, for a proposer its steps that verified
-the full draft of every request. Phases (µs per kept step, this thread's CPU
+no speculation its pure decode steps, for a proposer its steps that verified at
+least three quarters of the most drafts the batch may take (at batch 1 all 4; at
+32 prompt lookup seldom finds a draft for every request at once), with their
+mean drafts. Phases (µs per kept step, this thread's CPU
 time, `step_profile.StepClock`): propose (the proposer and the drafting
 policy), build inputs, forward + logits (with the model's plan), sample (the
 verification), and the rest (scheduling, applying the result, outputs). The
@@ -27,9 +29,10 @@ from .step_profile import StepClock
 COLUMNS = ("propose", "build inputs", "forward + logits", "sample", "rest")
 
 
-def kept_steps(engine, clock: StepClock, requests: list[list[int]], tokens: int, drafts_wanted: int) -> list[dict]:
+def kept_steps(engine, clock: StepClock, requests: list[list[int]], tokens: int, most_drafts: int) -> list[dict]:
     """Run `requests` to `tokens` output tokens each, all admitted at once; each kept
-    step's phases in seconds (pure decodes verifying `drafts_wanted` drafts)."""
+    step's phases in seconds and its drafts (pure decodes verifying at least three
+    quarters of `most_drafts`, or none when it is 0)."""
     from kvforge import SamplingParams
 
     params = SamplingParams(max_tokens=tokens, temperature=0.0, ignore_eos=True, detokenize=False)
@@ -42,10 +45,11 @@ def kept_steps(engine, clock: StepClock, requests: list[list[int]], tokens: int,
         engine.step()
         if engine.stats.num_prompt_tokens != prompt_tokens or len(engine.scheduler.running) != len(requests):
             continue  # a prefill, or a batch already draining
-        if engine.stats.num_draft_tokens - drafts != drafts_wanted:
+        verified = engine.stats.num_draft_tokens - drafts
+        if (verified < 0.75 * most_drafts) if most_drafts else verified:
             continue
         step = {label: clock.seconds[label] - before[label] for label in clock.seconds}
-        step["total"] = clock.total - total
+        step["total"], step["drafts"] = clock.total - total, verified
         kept.append(step)
     return kept
 
@@ -53,10 +57,10 @@ def kept_steps(engine, clock: StepClock, requests: list[list[int]], tokens: int,
 def split(steps: list[dict]) -> dict:
     """Microseconds per step of each column of `COLUMNS`, and the whole step."""
     n = len(steps)
-    per = {label: sum(s[label] for s in steps) / n * 1e6 for label in steps[0]}
+    per = {label: sum(s[label] for s in steps) / n * 1e6 for label in steps[0] if label != "drafts"}
     row = {"propose": per.get("propose", 0.0), "build inputs": per["build inputs"],
            "forward + logits": per["plan"] + per["forward"] + per["logits"], "sample": per["sample"],
-           "step": per["total"], "steps": n}
+           "step": per["total"], "steps": n, "drafts": sum(s["drafts"] for s in steps) / n}
     row["rest"] = row["step"] - sum(row[c] for c in COLUMNS[:-1])
     return row
 
@@ -75,16 +79,16 @@ def measure(model: str, path: str, batch: int, num_tokens: int, tokens: int, rep
         clock = StepClock(engine)
         if engine.drafter is not None:  # the proposer and the policy, timed as a phase of the step
             clock.add_phase("propose", engine.drafter, "propose")
-        wanted = 0 if engine.drafter is None else batch * num_tokens
-        kept_steps(engine, clock, texts, tokens, wanted)  # warm-up
+        most = 0 if engine.drafter is None else batch * num_tokens
+        kept_steps(engine, clock, texts, tokens, most)  # warm-up
         best = None
         for _ in range(repeats):
-            steps = kept_steps(engine, clock, texts, tokens, wanted)
+            steps = kept_steps(engine, clock, texts, tokens, most)
             if steps and (best is None or split(steps)["step"] < best["step"]):
                 best = split(steps)
         if best is None:
             rows.append({"model": model, "batch": batch, "configuration": label,
-                         "error": "no step verified a full draft for every request"})
+                         "error": "no step verified three quarters of the drafts it may"})
             continue
         rows.append({"model": model, "batch": batch, "configuration": label, **best})
     plain = next((r["step"] for r in rows if r["configuration"] == "none" and "step" in r), None)
@@ -95,13 +99,14 @@ def measure(model: str, path: str, batch: int, num_tokens: int, tokens: int, rep
 
 
 def markdown(rows: list[dict]) -> str:
-    lines = ["| model | batch | configuration | steps kept | step µs | × plain | " + " | ".join(COLUMNS) + " |",
-             "|---|---:|---|---:|---:|---:|" + "---:|" * len(COLUMNS)]
+    lines = ["| model | batch | configuration | steps kept | drafts per step | step µs | × plain | "
+             + " | ".join(COLUMNS) + " |", "|---|---:|---|---:|---:|---:|---:|" + "---:|" * len(COLUMNS)]
     for r in rows:
         if "error" in r:
-            lines.append(f"| {r['model']} | {r['batch']} | {r['configuration']} | {r['error']} |" + " |" * 7)
+            lines.append(f"| {r['model']} | {r['batch']} | {r['configuration']} | {r['error']} |" + " |" * 8)
             continue
-        lines.append(f"| {r['model']} | {r['batch']} | {r['configuration']} | {r['steps']} | {r['step']:,.0f} | "
+        lines.append(f"| {r['model']} | {r['batch']} | {r['configuration']} | {r['steps']} | {r['drafts']:.1f} | "
+                     f"{r['step']:,.0f} | "
                      f"{r.get('x_plain', float('nan')):.2f} | " + " | ".join(f"{r[c]:,.0f}" for c in COLUMNS) + " |")
     return "\n".join(lines)
 
