@@ -1,0 +1,34 @@
+"""`benchmarks/spec_step_split.py` splits verification steps into phases: on
+kvforge-tiny at batch 1, the steps it keeps for a proposer verified every
+draft, the phases add up to the step, and a configuration that cannot run is
+reported rather than fatal."""
+
+import pytest
+
+from kvforge.benchmarks import spec_step_split
+from kvforge.benchmarks.model_dirs import model_dir
+
+
+@pytest.fixture(scope="module")
+def rows():
+    return spec_step_split.measure("kvforge-tiny", str(model_dir("kvforge-tiny")), batch=1, num_tokens=4,
+                                   tokens=24, repeats=1)
+
+
+def test_kept_steps_verify_every_draft_and_phases_add_up(rows):
+    by_name = {r["configuration"]: r for r in rows}
+    assert by_name["none"]["drafts"] == 0 and by_name["none"]["x_plain"] == 1.0
+    assert by_name["ngram"]["steps"] > 0 and by_name["ngram"]["drafts"] == 4
+    for row in rows:
+        if "error" in row:
+            continue
+        parts = sum(row[c] for c in spec_step_split.COLUMNS)
+        assert parts == pytest.approx(row["step"], rel=1e-9)
+        assert all(row[c] >= 0 for c in ("propose", "build inputs", "forward + logits", "sample"))
+    assert by_name["none"]["propose"] == 0 and by_name["ngram"]["propose"] > 0
+
+
+def test_the_table_has_a_row_per_configuration(rows):
+    table = spec_step_split.markdown(rows)
+    assert table.count("\n") == len(rows) + 1
+    assert "| kvforge-tiny | 1 | ngram |" in table
