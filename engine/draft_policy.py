@@ -13,7 +13,13 @@ Adaptive drafting, each step:
 3. if even the largest gain could not pay for a draft (`may_pay`), nobody drafts
    (the common case on unpredictable text, decided without the full choice);
    otherwise `best_draft_counts` picks the drafts that maximise expected tokens
-   per second, which may be none for some requests, or for all.
+   per second, which may be none for some requests, or for all (drafts are taken
+   only where they raise it by `draft_costs.MIN_GAIN`). A choice is made again
+   at most every `RECHOOSE_EVERY` steps while the requests, their limits and the
+   cost estimate stay the same and no request that drafted nothing would have
+   had a draft accepted; one that gives every request all it may is not even
+   looked at in between (`steady`): choosing every step cost a batch-1 step more
+   than it changed.
 
 While the cost model lacks steps at this batch size (a new engine, or a batch
 size not seen yet), requests draft as many as allowed, except that one step in
@@ -29,8 +35,10 @@ once another is known), spend an *allowance* counted in plain steps: it grows by
 `PROBE_BUDGET` a step up to `ALLOWANCE_MAX`, a probe goes only when it covers
 what the cost model says the probe adds to the step (one dearer than
 `ALLOWANCE_MAX` goes when it is full, the debt paid back by the next steps), and
-probes it does not cover wait. Learning so costs at most about `PROBE_BUDGET` of
-the decode time, whatever the batch and the proposer.
+probes it does not cover wait. A cheap proposer's shadow drafts (below) are paid
+from it too, at what asking and scoring them is measured to cost per request
+(`ask_seconds`). Learning so costs at most about `PROBE_BUDGET` of the decode
+time, whatever the batch and the proposer.
 
 A request that drafts nothing must be able to start again when its text becomes
 predictable, so it keeps being *probed*, at waits that double while drafting
@@ -249,10 +257,9 @@ class AdaptiveDraftPolicy:
             # Shadow drafts: scored, never verified; asking and scoring them is paid from
             # the allowance (at a large batch, asking every request costs a good part of a
             # step); until it covers them, they stay due.
-            if due and not self._spend(len(due) * self.ask_seconds / self.costs.costs(len(requests)).base):
-                short = min(len(due) * self.ask_seconds / self.costs.costs(len(requests)).base,
-                            ALLOWANCE_MAX) - self.allowance
-                self._affordable_at = self.step + 1 + int(short / PROBE_BUDGET)
+            cost = len(due) * self.ask_seconds / self.costs.costs(len(requests)).base if due else 0.0
+            if due and not self._spend(cost):
+                self._wait_for(cost)
                 return asks
             for i in due:
                 self._asked(requests[i].request_id, drafting=False)
@@ -263,9 +270,7 @@ class AdaptiveDraftPolicy:
         for i in due:
             need = _extra_steps(costs, drafting, taken + limits[i])
             if not self._affords(need):
-                # this one and the rest wait for the allowance (their waits stay as they are)
-                short = min(need, ALLOWANCE_MAX) - self.allowance
-                self._affordable_at = self.step + 1 + int(short / PROBE_BUDGET)
+                self._wait_for(need)  # this one and the rest (their waits stay as they are)
                 break
             taken += limits[i]
             counts[i] = limits[i]  # a probe: verified, and its outcome replaces the old estimate
@@ -307,6 +312,12 @@ class AdaptiveDraftPolicy:
         else:
             pause.last_asked = self.step
             pause.wait = min(2 * pause.wait, SHADOW_AFTER_MAX if self.cheap_proposer else PROBE_AFTER_MAX)
+
+    def _wait_for(self, extra_steps: float) -> None:
+        """Asks that cost `extra_steps` plain steps wait for the allowance: the first
+        step it covers them (`_affords`) is `_affordable_at`."""
+        short = min(extra_steps, ALLOWANCE_MAX) - self.allowance
+        self._affordable_at = self.step + 1 + int(short / PROBE_BUDGET)
 
     def _affords(self, extra_steps: float) -> bool:
         """Whether the probe allowance covers a probe that costs `extra_steps` plain
