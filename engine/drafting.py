@@ -78,16 +78,14 @@ class Drafter:
         self._step_started = None
         if self.disable_above_batch_size is not None and len(running) > self.disable_above_batch_size:
             return {}
-        if policy is None:
-            pass
-        elif policy.quiet(len(running)):
+        if policy is not None:
+            quiet = policy.quiet(len(running))
             # A quiet batch's plain steps only keep the plain median current: one in
             # QUIET_TIMED_EVERY is timed.
-            if not policy.step % QUIET_TIMED_EVERY:
+            if not quiet or not policy.step % QUIET_TIMED_EVERY:
                 self._step_started = self.clock() if now is None else now
-            return {}
-        else:
-            self._step_started = self.clock() if now is None else now
+            if quiet:
+                return {}
         asked, limits = [], []
         for request in running:
             if (request.params.speculative and request.output_token_ids

@@ -21,7 +21,7 @@ import torch
 from kvforge.kernels import build as kernel_library
 
 from .metrics import EngineMetrics
-from .rejection_sampler import RejectionSampler, accept_greedy, plain_greedy
+from .rejection_sampler import RejectionSampler, accept_greedy
 from .request import Request
 from .sampler import Sampler, logprob_record, raw_logprobs
 from .scheduler_output import SampledTokens, SamplerOutput, ScheduledRequest, SchedulerOutput
@@ -174,27 +174,32 @@ def plain_requests(entries: list[ScheduledRequest], logits: torch.Tensor) -> lis
         return None
     requests = []
     for entry in entries:
-        request, params = entry.request, entry.request.params
-        if (entry.draft_token_ids or entry.forks or not entry.samples or request.logprobs is not None
-                or request.grammar is not None or params.uses_penalties or params.logit_bias
-                or len(request.output_token_ids) < params.min_tokens):
+        if entry.draft_token_ids or not samples_raw_rows(entry):
             return None
-        requests.append(request)
+        requests.append(entry.request)
     return requests
+
+
+def samples_raw_rows(entry: ScheduledRequest) -> bool:
+    """Whether an entry samples each of its logit rows as it is: it reaches the end of
+    its tokens, forks nothing, and asks for no logprobs, grammar, penalties, logit
+    bias or `min_tokens` still to reach (drafts only lengthen the output, so this
+    holds at every draft position too)."""
+    request, params = entry.request, entry.request.params
+    return (entry.samples and not entry.forks and request.logprobs is None and request.grammar is None
+            and not params.uses_penalties and not params.logit_bias
+            and len(request.output_token_ids) >= params.min_tokens)
 
 
 def plain_greedy_drafts(entries: list[ScheduledRequest], logits: torch.Tensor) -> bool:
     """Whether a step is greedy decodes, some verifying drafts, whose every logit row
-    is sampled as it is: each entry samples all its rows (its known token's and each
-    draft's), in order, and is `plain_greedy` (nothing edits its logits at any draft
-    position), with no forks, grammar or logprobs."""
+    is sampled as it is (`samples_raw_rows`), the rows in order: its known token's
+    and each draft's."""
     if not entries or logits.dtype != torch.float32:
         return False
     rows = 0
     for entry in entries:
-        request = entry.request
-        if (not entry.samples or entry.forks or request.logprobs is not None or request.grammar is not None
-                or not plain_greedy(request)):
+        if not entry.request.params.greedy or not samples_raw_rows(entry):
             return False
         rows += 1 + len(entry.draft_token_ids)
     return rows == logits.shape[0]
