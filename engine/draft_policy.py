@@ -115,8 +115,9 @@ class AdaptiveDraftPolicy:
     def __init__(self, *, cheap_proposer: bool, clock=time.process_time):
         self.cheap_proposer = cheap_proposer
         self.clock = clock  # the Drafter's step clock: what asking and scoring cost is measured with
-        # Seconds one request's proposal costs the engine: asking the proposer for it
-        # (measured by the Drafter, `asked`) and scoring it (`observe`); moving averages,
+        # Seconds one request's proposal costs the engine: the drafting work of a step that
+        # asks for it (the choice, the proposer, the checks; measured by the Drafter, `asked`)
+        # and scoring it (`observe`); moving averages,
         # of the steps that asked for shadow drafts (`shadowed` of them) and the next.
         self.propose_seconds = self.score_seconds = 0.0
         self.shadowed = 0
@@ -342,7 +343,8 @@ class AdaptiveDraftPolicy:
         return self.propose_seconds + self.score_seconds
 
     def asked(self, num_requests: int, seconds: float) -> None:
-        """The proposer was asked for `num_requests` requests this step, which took `seconds`."""
+        """The proposer was asked for `num_requests` requests this step, and drafting took
+        `seconds` (the choice and the checks with it)."""
         self.propose_seconds += ASK_COST_WEIGHT * (seconds / num_requests - self.propose_seconds)
         self._time_scoring = True
 

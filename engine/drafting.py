@@ -105,8 +105,9 @@ class Drafter:
             asked, limits, counts = [asked[i] for i in kept], [limits[i] for i in kept], [counts[i] for i in kept]
         # a cheap proposer drafts to the limit, so drafts not verified are scored too
         num_tokens = max(limits if self.proposer.cheap else counts)
-        timed = policy is not None and policy.shadowed  # what asking for shadow drafts costs is measured
-        started = self.clock() if timed else 0.0
+        # What a step that asks for shadow drafts spends on drafting, from the start of this
+        # call (the choice and the checks too, not only the proposer), is what asking costs.
+        timed = policy is not None and policy.shadowed
         proposals = self.proposer.propose(
             [ProposalRequest(r.request_id, r.all_token_ids, r.params.temperature) for r in asked], num_tokens)
         self.check(proposals, asked, num_tokens)
@@ -119,7 +120,7 @@ class Drafter:
                 probs = None if proposal.probs is None else proposal.probs[:count]
                 drafts[request.request_id] = DraftProposal(token_ids, probs)
         if timed:
-            policy.asked(len(asked), self.clock() - started)
+            policy.asked(len(asked), self.clock() - self._step_started)
         return drafts
 
     def observe(self, scheduled: Sequence[ScheduledRequest]) -> None:

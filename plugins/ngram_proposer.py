@@ -8,7 +8,8 @@ model, and pays off wherever the output repeats its input: code edits, quoted
 text, summaries, retrieval answers.
 
 Each request keeps, for every n, the most recent position of each n-gram of its
-tokens that has a token after it; a step adds the new tokens to that index and
+tokens that has a token after it; a step adds the new tokens to that index (all
+of a request's new tokens at once, however many steps it was not asked) and
 reads it `max_n - min_n + 1` times, so proposing costs microseconds per request
 whatever its length (`ngram_lookup` is the same lookup as one scan of the tokens).
 """
@@ -20,6 +21,9 @@ from collections.abc import Sequence
 import numpy as np
 
 from kvforge.core import ConfigError, DraftProposal, ProposalRequest, SpeculativeProposer, cdiv, hookimpl
+
+
+SYNC_BATCHED = 8  # new tokens from which a history takes them in per-n batches
 
 
 class _History:
@@ -39,12 +43,23 @@ class _History:
         if len(token_ids) < known or (known and token_ids[known - 1] != self.tokens[known - 1]):
             self.__init__(self.min_n, self.max_n)  # not the sequence we followed (an id reused): start over
             known = 0
-        for token in token_ids[known:]:
-            self.tokens.append(token)
-            end = len(self.tokens) - 2  # the n-grams ending here now have a token after them
-            for n, ends in self.ends.items():
-                if end - n + 1 >= 0:
-                    ends[tuple(self.tokens[end - n + 1: end + 1])] = end
+        tokens = self.tokens
+        tokens.extend(token_ids[known:])
+        # The n-grams ending at known - 1 .. len - 2 now have a token after them, set in
+        # order so the most recent end wins. A few (a request asked every step) one by
+        # one; many (one asked again after a wait) in one `update` per n, zip building
+        # the tuples, which costs less from about SYNC_BATCHED tokens on.
+        last = len(tokens) - 1
+        if last - known < SYNC_BATCHED:
+            for end in range(max(known - 1, 0), last):
+                for n, ends in self.ends.items():
+                    if end >= n - 1:
+                        ends[tuple(tokens[end - n + 1: end + 1])] = end
+            return
+        for n, ends in self.ends.items():
+            first = max(known - 1, n - 1)
+            grams = zip(*(tokens[first - n + 1 + i: last - n + 1 + i] for i in range(n)))
+            ends.update(zip(grams, range(first, last)))
 
     def lookup(self, k: int) -> list[int]:
         """`ngram_lookup(tokens, min_n, max_n, k)`, from the index."""

@@ -74,6 +74,21 @@ def test_kept_history_follows_a_growing_sequence_and_an_id_reused_after_release(
     assert ngram.propose([ProposalRequest("a", other)], 3)[0].token_ids == [8, 7, 8]
 
 
+@pytest.mark.parametrize("seed", range(10))
+def test_kept_history_taking_many_tokens_at_once_drafts_as_a_scan(seed):
+    """A request asked again after many steps (adaptive drafting's waits) brings many
+    new tokens at once: the index takes them together and drafts as the scan does."""
+    rng = random.Random(seed)
+    min_n = rng.randint(1, 3)
+    max_n = rng.randint(min_n, 5)
+    ngram = proposer(min_n=min_n, max_n=max_n)
+    tokens = [rng.randrange(4) for _ in range(rng.randint(1, 6))]
+    for _ in range(12):
+        [draft] = ngram.propose([ProposalRequest("a", list(tokens))], 4)
+        assert draft.token_ids == brute_force(tokens, min_n, max_n, 4)
+        tokens += [rng.randrange(4) for _ in range(rng.randint(1, 40))]
+
+
 @pytest.mark.parametrize("options, message", [
     ({"min_n": 0}, "min_n .* must be an integer >= 1"),
     ({"min_n": 3, "max_n": 2}, r"min_n \(3\) .* exceeds max_n \(2\)"),
