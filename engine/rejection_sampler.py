@@ -33,7 +33,7 @@ from dataclasses import dataclass
 import torch
 
 from .request import Request
-from .sampler import Sampler, inverse_cdf, processed_logits, row_argmax, sampling_probs
+from .sampler import Sampler, inverse_cdf, inverse_cdf_row, processed_logits, row_argmax, sampling_probs
 from .sampling_params import SamplingParams
 
 
@@ -144,7 +144,6 @@ class RejectionSampler:
             probs = sampling_probs(processed, [p.params for p in positions])
             u = self._uniforms(requests, drafts, max(len(d) for d in drafts), logits.device)
             p, uniform = probs.numpy(), u.numpy()
-            sampled, residuals, finals = [], [], []
             for i, draft in enumerate(drafts):
                 if greedy[i]:
                     continue
@@ -152,17 +151,13 @@ class RejectionSampler:
                 # u < p(x) / q(x) with q(x) = 1: accepted while the draft is likely enough
                 while accepted < len(draft) and uniform[i, accepted] < p[row + accepted, draft[accepted]]:
                     accepted += 1
-                residual = probs[row + accepted].clone()
+                residual = p[row + accepted]
                 if accepted < len(draft):  # p - q: p with the rejected draft taken out
+                    residual = residual.copy()
                     residual[draft[accepted]] = 0
-                if not residual.sum() > 0:  # p == q: reached only by rounding; draw from p
-                    residual = probs[row + accepted]
-                sampled.append((i, accepted))
-                residuals.append(residual)
-                finals.append(uniform[i, len(draft)])
-            tokens = inverse_cdf(torch.stack(residuals), torch.tensor(finals, dtype=torch.float64)).tolist()
-            for (i, accepted), token in zip(sampled, tokens):
-                emitted[i] = drafts[i][:accepted] + [token]
+                    if not residual.sum() > 0:  # p == q: reached only by rounding; draw from p
+                        residual = p[row + accepted]
+                emitted[i] = draft[:accepted] + [inverse_cdf_row(residual, uniform[i, len(draft)])]
         return Verified(emitted)
 
     def _verify_batched(self, logits: torch.Tensor, requests: Sequence[Request], drafts: Sequence[list[int]],

@@ -17,6 +17,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from kvforge.kernels import build as kernel_library
@@ -179,6 +180,17 @@ def inverse_cdf(probs: torch.Tensor, u: torch.Tensor, out: torch.Tensor | None =
     if probs.device.type == "cpu" and not bool(impossible.any()):  # no sync to avoid on CPU
         return chosen  # the usual case: skip a full-vocabulary argmax
     return torch.where(impossible, probs.argmax(dim=-1), chosen)
+
+
+def inverse_cdf_row(probs: np.ndarray, u: float) -> int:
+    """`inverse_cdf` of one float32 row on the host, with the same sums and
+    comparisons (float64 running sums left to right, the first above `u * total`,
+    the last token when none is, the row's first maximum for a token of probability
+    0), so the same token: for a caller that already holds the row as an array,
+    where a torch call costs more than the draw."""
+    cdf = np.cumsum(probs, dtype=np.float64)
+    token = min(int(np.searchsorted(cdf, u * cdf[-1], side="right")), probs.shape[-1] - 1)
+    return int(np.argmax(probs)) if probs[token] == 0 else token
 
 
 def compiled_draw_ready(probs: torch.Tensor, u: torch.Tensor) -> bool:

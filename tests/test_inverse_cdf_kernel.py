@@ -1,5 +1,5 @@
-"""`kvforge_cpp::inverse_cdf`, the sampler's draw on CPU, against the torch path
-it replaces (float64 cumsum, searchsorted right, clamp, argmax for a token of
+"""`kvforge_cpp::inverse_cdf`, the sampler's draw on CPU, and `inverse_cdf_row`,
+the same draw of one row on the host, against the torch path they replace (float64 cumsum, searchsorted right, clamp, argmax for a token of
 probability 0): the same token in every row, bit for bit, on random rows and on
 rows built to land exactly on the kernel's edges (a threshold equal to a kept
 sum, u = 0 before masked tokens, a threshold at the very top)."""
@@ -34,6 +34,12 @@ def kernel_draw(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     return torch.ops.kvforge_cpp.inverse_cdf(probs, u)
 
 
+def host_draw(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """`sampler.inverse_cdf_row`, row by row on the arrays (the rejection sampler's host path)."""
+    rows, numbers = probs.numpy(), u.numpy()
+    return torch.tensor([sampler.inverse_cdf_row(row, number) for row, number in zip(rows, numbers)])
+
+
 @pytest.mark.parametrize("rows,vocab", [(1, 1), (3, 63), (8, 64), (13, 65), (64, 1000), (17, 16384)])
 @pytest.mark.parametrize("seed", [0, 1])
 def test_random_rows_draw_the_torch_paths_tokens(rows, vocab, seed):
@@ -46,6 +52,7 @@ def test_random_rows_draw_the_torch_paths_tokens(rows, vocab, seed):
     probs = torch.softmax(logits.masked_fill(cut, float("-inf")), dim=-1)
     u = torch.rand(rows, generator=g, dtype=torch.float64)
     assert torch.equal(kernel_draw(probs, u), torch_draw(probs, u))
+    assert torch.equal(host_draw(probs, u), torch_draw(probs, u))
 
 
 def test_a_threshold_equal_to_a_kept_sum_takes_the_next_stretch():
@@ -54,14 +61,14 @@ def test_a_threshold_equal_to_a_kept_sum_takes_the_next_stretch():
     # is the first sum strictly above it, 64, in the second stretch.
     probs = torch.full((1, 128), 2.0**-7)
     u = torch.tensor([0.5], dtype=torch.float64)
-    assert kernel_draw(probs, u).tolist() == torch_draw(probs, u).tolist() == [64]
+    assert kernel_draw(probs, u).tolist() == torch_draw(probs, u).tolist() == host_draw(probs, u).tolist() == [64]
 
 
 def test_u_zero_skips_tokens_of_probability_zero():
     # Strictly above 0: the first token with any probability, not token 0.
     probs = torch.tensor([[0.0, 0.0, 0.1, 0.9]])
     u = torch.tensor([0.0], dtype=torch.float64)
-    assert kernel_draw(probs, u).tolist() == torch_draw(probs, u).tolist() == [2]
+    assert kernel_draw(probs, u).tolist() == torch_draw(probs, u).tolist() == host_draw(probs, u).tolist() == [2]
 
 
 def test_a_threshold_at_the_top_falls_back_to_the_argmax_when_the_last_token_is_masked():
@@ -69,7 +76,7 @@ def test_a_threshold_at_the_top_falls_back_to_the_argmax_when_the_last_token_is_
     # exceeds it, the last token is taken, and at probability 0 the row's argmax.
     probs = torch.tensor([[0.2, 0.5, 0.3, 0.0], [0.25, 0.25, 0.25, 0.25]])
     u = torch.tensor([1.0, 1.0], dtype=torch.float64)
-    assert kernel_draw(probs, u).tolist() == torch_draw(probs, u).tolist() == [1, 3]
+    assert kernel_draw(probs, u).tolist() == torch_draw(probs, u).tolist() == host_draw(probs, u).tolist() == [1, 3]
 
 
 def test_two_threads_draw_what_one_does():
