@@ -219,11 +219,12 @@ def greedy_rows(logits: torch.Tensor) -> list[int] | None:
 
 
 def all_finite(logits: torch.Tensor) -> bool:
-    """Whether no logit is NaN or infinite. On CPU numpy's minimum and maximum (NaN
-    propagates through both) cost less than a torch reduction; elsewhere one sum,
+    """Whether no logit is NaN or infinite (one pass per step; `split_non_finite`
+    checks row by row only when not). On CPU numpy's minimum and maximum of float32
+    logits (NaN propagates through both) cost less than a torch reduction; else one sum,
     which any NaN or infinity makes non-finite (a finite sum that overflows only
     sends the step to the exact per-row check of `split_non_finite`)."""
-    if logits.device.type == "cpu":
+    if logits.device.type == "cpu" and logits.dtype == torch.float32:
         values = logits.numpy()
         return math.isfinite(values.min()) and math.isfinite(values.max())
     return math.isfinite(float(logits.sum()))
@@ -233,9 +234,7 @@ def split_non_finite(entries: list[ScheduledRequest],
                      logits: torch.Tensor) -> tuple[list[ScheduledRequest], torch.Tensor, list[str]]:
     """The entries whose logit rows are all finite, their rows, and the request
     ids of the others, in plan order."""
-    # One reduction per step: any NaN or infinity makes the sum non-finite (a finite
-    # sum that overflows only sends the step to the exact per-row check below).
-    if logits.numel() == 0 or math.isfinite(float(logits.sum())):
+    if logits.numel() == 0 or all_finite(logits):
         return entries, logits, []
     finite = torch.isfinite(logits).all(dim=-1)
     if bool(finite.all()):
