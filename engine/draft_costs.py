@@ -7,7 +7,7 @@ verification and a draft model's run when it is timed inside the step):
 
 * plain steps (no drafts): the median of the last few is what a step costs
   now (`base`); a batch that drafts on every step is asked for one plain step
-  in `PLAIN_REFRESH`, so the base does not drift from the steps measured
+  in `PLAIN_REFRESH` timed ones, so the base does not drift from the steps measured
   against it, and a batch that drafts nothing for `COST_PROBE_EVERY` steps
   drafts on one, so an estimate that once turned drafts down can be revised
   (`due`);
@@ -49,7 +49,7 @@ PLAIN_WINDOW = 9  # plain steps kept per bucket: a short window, so the base fol
 MIN_PLAIN = 4  # plain steps in a bucket before its base is trusted
 MIN_DRAFTED = 8  # steps with drafts in a bucket before their cost is trusted (single steps are noisy)
 COST_PROBE_EVERY = 128  # plain steps in a row after which one step drafts again, to measure drafts anew
-PLAIN_REFRESH = 32  # steps with drafts in a row before a plain step is wanted, to keep the base current
+PLAIN_REFRESH = 32  # timed steps with drafts in a row before a plain step is wanted, to keep the base current
 # Drafts are verified only where the estimate says they raise tokens per second by this
 # much: a request's gains are estimated from its recent drafts, and it drafts when they
 # happen to look good (so, on average, when they were overestimated), and the step after

@@ -28,7 +28,7 @@ from .request import Request
 from .scheduler_output import ScheduledRequest
 
 
-QUIET_TIMED_EVERY = 4  # a quiet batch's plain steps timed: one in this many
+TIMED_EVERY = 4  # steps of a quiet or steady batch timed: one in this many
 
 
 class ProposerError(KvforgeError, RuntimeError):
@@ -81,8 +81,8 @@ class Drafter:
         if policy is not None:
             quiet = policy.quiet(len(running))
             # A quiet batch's plain steps only keep the plain median current: one in
-            # QUIET_TIMED_EVERY is timed.
-            if not quiet or not policy.step % QUIET_TIMED_EVERY:
+            # TIMED_EVERY is timed (a steady batch's too, below).
+            if not quiet or not policy.step % TIMED_EVERY:
                 self._step_started = self.clock() if now is None else now
             if quiet:
                 return {}
@@ -97,12 +97,16 @@ class Drafter:
         if not asked:
             return {}
         counts = limits
-        if policy is not None and not (len(asked) == len(running) and policy.steady(asked, limits)):
-            counts, asks = policy.choose(asked, limits, everyone=len(asked) == len(running))
-            kept = [i for i, ask in enumerate(asks) if ask]
-            if not kept:
-                return {}
-            asked, limits, counts = [asked[i] for i in kept], [limits[i] for i in kept], [counts[i] for i in kept]
+        if policy is not None:
+            if len(asked) == len(running) and policy.steady(asked, limits):
+                if policy.step % TIMED_EVERY:  # as a quiet batch's: the cost model's window stays current
+                    self._step_started = None
+            else:
+                counts, asks = policy.choose(asked, limits, everyone=len(asked) == len(running))
+                kept = [i for i, ask in enumerate(asks) if ask]
+                if not kept:
+                    return {}
+                asked, limits, counts = [asked[i] for i in kept], [limits[i] for i in kept], [counts[i] for i in kept]
         # a cheap proposer drafts to the limit, so drafts not verified are scored too
         num_tokens = max(limits if self.proposer.cheap else counts)
         # What a step that asks for shadow drafts spends on drafting, from the start of this

@@ -17,7 +17,7 @@ from kvforge import LLM, LLMEngine, SamplingParams
 from kvforge.core import DraftProposal, SpeculativeProposer, build_registry, hookimpl, load_config
 from kvforge.engine.draft_acceptance import AcceptanceTracker
 from kvforge.engine.draft_costs import MIN_GAIN, StepCostModel, StepCosts, best_draft_counts, may_pay
-from kvforge.engine.draft_policy import PROBE_AFTER
+from kvforge.engine.draft_policy import PROBE_AFTER, RECHOOSE_EVERY
 
 sys.path.insert(0, str(Path(__file__).parent))  # the test-local fake model sits beside this file
 from engine_fakes import FakeCausalLM, fake_engine, reference_greedy  # noqa: E402
@@ -307,6 +307,21 @@ def test_a_choice_giving_every_request_all_its_drafts_stands_a_few_steps():
     assert policy.steady(requests, [K, K])
     policy.release("r1")
     assert not policy.steady(requests, [K, K])
+
+
+def test_a_steady_batch_times_one_step_in_timed_every():
+    """Steps that keep a choice giving every request all its drafts are timed one in
+    TIMED_EVERY (with the steps that choose), as a quiet batch's: timing every step
+    cost a batch-1 step more than the cost model needed."""
+    from kvforge.engine.drafting import TIMED_EVERY
+
+    engine = planted_engine("right-for-good")
+    timed = []
+    engine.drafter.policy.timed = lambda *args: timed.append(args)
+    _, drafts = run_recording_drafts(engine, {"good": PROMPT}, max_tokens=120)
+    verifying = sum(1 for _, d in drafts["good"] if d == K)
+    assert verifying >= 20  # every draft is right: it drafts all it may
+    assert 0 < len(timed) <= verifying / TIMED_EVERY + verifying / RECHOOSE_EVERY + 2, (len(timed), verifying)
 
 
 def test_warm_up_shows_the_cost_model_plain_full_and_half_drafts():
