@@ -17,9 +17,9 @@ Adaptive drafting, each step:
    only where they raise it by `draft_costs.MIN_GAIN`). A choice is made again
    at most every `RECHOOSE_EVERY` steps while the requests, their limits and the
    cost estimate stay the same and no request that drafted nothing would have
-   had a draft accepted; one that gives every request all it may is not even
-   looked at in between (`steady`): choosing every step cost a batch-1 step more
-   than it changed.
+   had a draft accepted; one that gives every request all it may stands for
+   `STEADY_FOR` steps without being looked at (`steady`): choosing every step,
+   then every fourth, cost a batch-1 step more than it changed.
 
 While the cost model lacks steps at this batch size (a new engine, or a batch
 size not seen yet), requests draft as many as allowed, except that one step in
@@ -81,6 +81,7 @@ DRAFT_POLICIES = ("adaptive", "fixed")
 WARM_UP_CYCLE = 4  # while costs are unknown: a plain step (until known), full, half, full
 SHADOW_AFTER_MAX = 8
 RECHOOSE_EVERY = 4  # steps a choice may be reused while nothing but the acceptance estimates changed
+STEADY_FOR = 8  # steps a choice giving every request all its drafts stands (`steady`)
 PROBE_AFTER = 16
 PROBE_AFTER_MAX = 128
 ASK_COST_WEIGHT = 0.1  # of the newest measurement in the moving averages of what asking and scoring cost
@@ -146,9 +147,9 @@ class AdaptiveDraftPolicy:
     def steady(self, requests: Sequence[Request], limits: Sequence[int]) -> bool:
         """Whether this step may reuse the last choice without making it again: it gave
         every one of these same requests, with these same limits, all the drafts it may
-        verify, fewer than `RECHOOSE_EVERY` steps ago (while drafts pay that well, one
-        scored proposal does not turn them down, and choosing every step cost a batch-1
-        step more than the choices changed). The drafts are then verified as chosen."""
+        verify, fewer than `STEADY_FOR` steps ago (while drafts pay that well, a few
+        scored proposals do not turn them down, and choosing every few steps cost a
+        batch-1 step more than the choices changed). The drafts are then verified as chosen."""
         if self._steady_until <= self.step or self._steady_key != (tuple(r.request_id for r in requests),
                                                                     tuple(limits)):
             return False
@@ -186,7 +187,7 @@ class AdaptiveDraftPolicy:
                 self._next_ask = max(self._first_due(requests), self._affordable_at)
             elif everyone and counts == list(limits) and not self.probing:
                 self._steady_key = (tuple(r.request_id for r in requests), tuple(limits))
-                self._steady_until = self.step + RECHOOSE_EVERY
+                self._steady_until = self.step + STEADY_FOR
         for i, request in enumerate(requests):
             if _seeded(request):
                 # A seeded sample's draws depend on its drafts; drafts chosen from measured

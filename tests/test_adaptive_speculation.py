@@ -17,7 +17,7 @@ from kvforge import LLM, LLMEngine, SamplingParams
 from kvforge.core import DraftProposal, SpeculativeProposer, build_registry, hookimpl, load_config
 from kvforge.engine.draft_acceptance import AcceptanceTracker
 from kvforge.engine.draft_costs import MIN_GAIN, StepCostModel, StepCosts, best_draft_counts, may_pay
-from kvforge.engine.draft_policy import PROBE_AFTER, RECHOOSE_EVERY
+from kvforge.engine.draft_policy import PROBE_AFTER, STEADY_FOR
 
 sys.path.insert(0, str(Path(__file__).parent))  # the test-local fake model sits beside this file
 from engine_fakes import FakeCausalLM, fake_engine, reference_greedy  # noqa: E402
@@ -282,11 +282,11 @@ def test_shadow_asks_at_a_large_batch_cost_at_most_the_probe_budget():
 
 def test_a_choice_giving_every_request_all_its_drafts_stands_a_few_steps():
     """A batch whose every request drafts all it may reuses that choice for
-    RECHOOSE_EVERY steps of the same requests and limits (choosing cost a batch-1 step
+    STEADY_FOR steps of the same requests and limits (choosing cost a batch-1 step
     more than it changed), and chooses again once they change or a request ends."""
     from types import SimpleNamespace
 
-    from kvforge.engine.draft_policy import RECHOOSE_EVERY, AdaptiveDraftPolicy
+    from kvforge.engine.draft_policy import STEADY_FOR, AdaptiveDraftPolicy
 
     policy = AdaptiveDraftPolicy(cheap_proposer=True)
     policy.costs = FixedCosts()
@@ -298,7 +298,7 @@ def test_a_choice_giving_every_request_all_its_drafts_stands_a_few_steps():
     counts, asks = policy.choose(requests, [K, K], everyone=True)
     assert counts == [K, K] and asks == [True, True]
     policy.observe()
-    for _ in range(RECHOOSE_EVERY - 1):
+    for _ in range(STEADY_FOR - 1):
         assert policy.steady(requests, [K, K])
         assert not policy.steady(requests, [K, K - 1]) and not policy.steady(requests[:1], [K])
         policy.observe()
@@ -321,7 +321,8 @@ def test_a_steady_batch_times_one_step_in_timed_every():
     _, drafts = run_recording_drafts(engine, {"good": PROMPT}, max_tokens=120)
     verifying = sum(1 for _, d in drafts["good"] if d == K)
     assert verifying >= 20  # every draft is right: it drafts all it may
-    assert 0 < len(timed) <= verifying / TIMED_EVERY + verifying / RECHOOSE_EVERY + 2, (len(timed), verifying)
+    full = sum(1 for _, num_drafts, _ in timed if num_drafts == K)  # steps verifying all K
+    assert 0 < full <= verifying / TIMED_EVERY + verifying / STEADY_FOR + 1, (full, verifying, timed)
 
 
 def test_warm_up_shows_the_cost_model_plain_full_and_half_drafts():
