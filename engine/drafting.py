@@ -68,7 +68,8 @@ class Drafter:
 
     def propose(self, running: Sequence[Request]) -> dict[str, DraftProposal]:
         """Drafts for the running requests that speculate this step, by request id.
-        Called first thing in a step: a step is timed from here to the next call."""
+        Called first thing in a step: a step is timed from here (once its requests are
+        known) to the next call."""
         policy, now = self.policy, None
         if self._timing is not None:
             now = self.clock()
@@ -78,14 +79,12 @@ class Drafter:
         self._step_started = None
         if self.disable_above_batch_size is not None and len(running) > self.disable_above_batch_size:
             return {}
-        if policy is not None:
-            quiet = policy.quiet(len(running))
+        if policy is not None and policy.quiet(len(running)):
             # A quiet batch's plain steps only keep the plain median current: one in
-            # TIMED_EVERY is timed (a steady batch's too, below).
-            if not quiet or not policy.step % TIMED_EVERY:
+            # TIMED_EVERY is timed.
+            if not policy.step % TIMED_EVERY:
                 self._step_started = self.clock() if now is None else now
-            if quiet:
-                return {}
+            return {}
         asked, limits = [], []
         for request in running:
             if (request.params.speculative and request.output_token_ids
@@ -94,23 +93,22 @@ class Drafter:
                 if limit > 0:
                     asked.append(request)
                     limits.append(limit)
+        steady = policy is not None and asked and len(asked) == len(running) and policy.steady(asked, limits)
+        if policy is not None and (not steady or not policy.step % TIMED_EVERY):  # a steady batch's: as a quiet one's
+            self._step_started = self.clock() if now is None else now
         if not asked:
             return {}
         counts = limits
-        if policy is not None:
-            if len(asked) == len(running) and policy.steady(asked, limits):
-                if policy.step % TIMED_EVERY:  # as a quiet batch's: the cost model's window stays current
-                    self._step_started = None
-            else:
-                counts, asks = policy.choose(asked, limits, everyone=len(asked) == len(running))
-                kept = [i for i, ask in enumerate(asks) if ask]
-                if not kept:
-                    return {}
-                asked, limits, counts = [asked[i] for i in kept], [limits[i] for i in kept], [counts[i] for i in kept]
+        if policy is not None and not steady:
+            counts, asks = policy.choose(asked, limits, everyone=len(asked) == len(running))
+            kept = [i for i, ask in enumerate(asks) if ask]
+            if not kept:
+                return {}
+            asked, limits, counts = [asked[i] for i in kept], [limits[i] for i in kept], [counts[i] for i in kept]
         # a cheap proposer drafts to the limit, so drafts not verified are scored too
         num_tokens = max(limits if self.proposer.cheap else counts)
-        # What a step that asks for shadow drafts spends on drafting, from the start of this
-        # call (the choice and the checks too, not only the proposer), is what asking costs.
+        # What a step that asks for shadow drafts spends on drafting, from the step's start
+        # (the choice and the checks too, not only the proposer), is what asking costs.
         timed = policy is not None and policy.shadowed
         proposals = self.proposer.propose(
             [ProposalRequest(r.request_id, r.all_token_ids, r.params.temperature) for r in asked], num_tokens)
