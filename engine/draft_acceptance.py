@@ -8,7 +8,9 @@ kept exactly when the emitted token equals it), and for drafts it did not verify
 (a proposal cut short, or not verified at all: *shadow* drafts) it is an unbiased
 stand-in: a deterministic draft `x` is accepted with probability `p(x)`, the
 chance the target emits `x`. So a request that drafts nothing can still be seen
-to become predictable again, at no verification cost.
+to become predictable again, at no verification cost. A proposal a step verified
+whole needs no later scoring: its outcome is counted as the verifier decided it
+(`verified`).
 
 Per request and draft position `j` it keeps decayed counts of drafts scored and
 accepted given the `j - 1` before were. A request's rate at `j` is pulled toward
@@ -29,6 +31,7 @@ from .request import Request, token_slice
 PRIOR_RATE = 0.5  # the engine's rate before any evidence
 PRIOR_WEIGHT = 2.0  # pseudo-drafts pulling a rate toward its prior
 PRIOR_REFRESH = 32  # scored proposals between reading the engine's rates again
+RESCALE_ABOVE = 1e100  # a `RequestAcceptance.scale` past this is folded back into its counts
 
 
 @dataclass
@@ -42,8 +45,11 @@ class _Pending:
 class RequestAcceptance:
     """One request's decayed counts per draft position and its proposals not yet scored."""
 
+    # Decayed counts per draft position, each held times `scale` (one factor fades every
+    # position at once: counting an outcome touches only the positions it reached).
     scored: list[float] = field(default_factory=list)  # drafts at position j+1 scored (earlier ones accepted)
     accepted: list[float] = field(default_factory=list)  # of those, accepted
+    scale: float = 1.0
     pending: list[_Pending] = field(default_factory=list)
     hits: int = 0  # scored proposals whose first draft was accepted
     counted: int = 0  # scored proposals: its rates change only when this grows
@@ -59,17 +65,23 @@ class RequestAcceptance:
         if num_scored > len(scored):
             scored += [0.0] * (num_scored - len(scored))
             accepted += [0.0] * (num_scored - len(accepted))
-        for j in range(len(scored)):
-            scored[j] = scored[j] * decay + (j < num_scored)
-            accepted[j] = accepted[j] * decay + (j < num_accepted)
+        scale = self.scale = self.scale / decay  # every count held fades by `decay`
+        if scale > RESCALE_ABOVE:
+            self.scored, self.accepted = [x / scale for x in scored], [x / scale for x in accepted]
+            scored, accepted, scale = self.scored, self.accepted, 1.0
+            self.scale = 1.0
+        for j in range(num_scored):
+            scored[j] += scale
+        for j in range(num_accepted):
+            accepted[j] += scale
 
     def rates(self, num_positions: int, prior: Sequence[float]) -> list[float]:
         """Estimated chance that draft j + 1 is accepted given the j before it were,
         pulled toward `prior[j]` (what all requests saw there)."""
-        rates = []
+        rates, scale = [], self.scale
         for j in range(num_positions):
-            scored = self.scored[j] if j < len(self.scored) else 0.0
-            accepted = self.accepted[j] if j < len(self.accepted) else 0.0
+            scored = self.scored[j] / scale if j < len(self.scored) else 0.0
+            accepted = self.accepted[j] / scale if j < len(self.accepted) else 0.0
             rates.append((accepted + prior[j] * PRIOR_WEIGHT) / (scored + PRIOR_WEIGHT))
         return rates
 
@@ -154,16 +166,28 @@ class AcceptanceTracker:
             while matched < seen and drafts[matched] == actual[matched]:
                 matched += 1
             if matched < seen or seen == len(drafts):  # decided (a mismatch: the rest is never reached)
-                if proposal.fresh:
-                    state.scored, state.accepted = [], []
-                state.count(matched, min(matched + 1, len(drafts)), self.decay)
-                self.engine.count(matched, min(matched + 1, len(drafts)), self.engine_decay)
-                self.changes += 1
-                if self.changes % PRIOR_REFRESH == 0:
-                    self._prior = None
+                self._count(state, matched, min(matched + 1, len(drafts)), proposal.fresh)
             else:
                 still.append(proposal)
         state.pending = still
+
+    def verified(self, request_id: str, num_accepted: int, num_scored: int, fresh: bool = False) -> RequestAcceptance:
+        """Count the outcome of a proposal a step verified, as its verifier decided it:
+        its first `num_accepted` of `num_scored` drafts accepted (kept nowhere to be
+        scored against the tokens later). Returns the request's state."""
+        state = self.of(request_id)
+        self._count(state, num_accepted, num_scored, fresh)
+        return state
+
+    def _count(self, state: RequestAcceptance, num_accepted: int, num_scored: int, fresh: bool) -> None:
+        """One decided proposal into the request's counts (afresh if `fresh`) and the engine's."""
+        if fresh:
+            state.scored, state.accepted = [], []
+        state.count(num_accepted, num_scored, self.decay)
+        self.engine.count(num_accepted, num_scored, self.engine_decay)
+        self.changes += 1
+        if self.changes % PRIOR_REFRESH == 0:
+            self._prior = None
 
     def release(self, request_id: str) -> None:
         self.requests.pop(request_id, None)

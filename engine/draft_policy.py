@@ -73,9 +73,10 @@ from dataclasses import dataclass
 
 from kvforge.core import cdiv
 
-from .draft_acceptance import AcceptanceTracker
+from .draft_acceptance import AcceptanceTracker, RequestAcceptance
 from .draft_costs import StepCostModel, StepCosts, best_draft_counts, may_pay
 from .request import Request
+from .scheduler_output import ScheduledRequest
 
 DRAFT_POLICIES = ("adaptive", "fixed")
 WARM_UP_CYCLE = 4  # while costs are unknown: a plain step (until known), full, half, full
@@ -128,10 +129,13 @@ class AdaptiveDraftPolicy:
         self.pauses: dict[str, _Pause] = {}
         self.step = 0
         self.probing: set[str] = set()  # request ids whose proposal this step restarts their estimate
+        # Proposals this step verifies whole, counted from its outcome: (request, its token
+        # count when proposed, drafts proposed, whether the outcome restarts its estimate).
+        self._verifying: list[tuple[Request, int, int, bool]] = []
         self._last_key: tuple | None = None
         self._hits = 0  # unverified drafts that would have been accepted, so far: each makes `_best_counts` choose again
         # A batch where every request drafts all it may: the choice stands until `_steady_until` (`steady`).
-        self._steady_key: tuple | None = None
+        self._steady_ids: list[str] = []
         self._steady_until = 0
         self._last_counts: list[int] = []
         # A quiet batch: every running request decodes, none drafts, none is due to be asked
@@ -144,14 +148,14 @@ class AdaptiveDraftPolicy:
         self.allowance = ALLOWANCE_MAX
         self._affordable_at = 0  # the step from which the allowance covers a probe put off
 
-    def steady(self, requests: Sequence[Request], limits: Sequence[int]) -> bool:
+    def steady(self, requests: Sequence[Request]) -> bool:
         """Whether this step may reuse the last choice without making it again: it gave
-        every one of these same requests, with these same limits, all the drafts it may
-        verify, fewer than `STEADY_FOR` steps ago (while drafts pay that well, a few
-        scored proposals do not turn them down, and choosing every few steps cost a
-        batch-1 step more than the choices changed). The drafts are then verified as chosen."""
-        if self._steady_until <= self.step or self._steady_key != (tuple(r.request_id for r in requests),
-                                                                    tuple(limits)):
+        every one of these same requests all the drafts it may verify, fewer than
+        `STEADY_FOR` steps ago (while drafts pay that well, a few scored proposals do not
+        turn them down, and choosing every few steps cost a batch-1 step more than the
+        choices changed). Each then verifies all it may now: a request's limit only
+        falls as it nears its end, and fewer drafts than a choice of all still pay."""
+        if self._steady_until <= self.step or self._steady_ids != [r.request_id for r in requests]:
             return False
         self.shadowed = 0
         return True
@@ -186,7 +190,7 @@ class AdaptiveDraftPolicy:
                 self._quiet_size, self._quiet_limit, self._quiet_positions = len(requests), max(limits), sum(limits)
                 self._next_ask = max(self._first_due(requests), self._affordable_at)
             elif everyone and counts == list(limits) and not self.probing:
-                self._steady_key = (tuple(r.request_id for r in requests), tuple(limits))
+                self._steady_ids = [r.request_id for r in requests]
                 self._steady_until = self.step + STEADY_FOR
         for i, request in enumerate(requests):
             if _seeded(request):
@@ -334,9 +338,16 @@ class AdaptiveDraftPolicy:
         self.allowance -= extra_steps
         return True
 
-    def proposed(self, request: Request, token_ids: Sequence[int]) -> None:
-        """The proposer's drafts for `request` this step (all it proposed, verified or not)."""
-        self.acceptance.propose(request, token_ids, fresh=request.request_id in self.probing)
+    def proposed(self, request: Request, token_ids: Sequence[int], num_verified: int = 0) -> None:
+        """The proposer's drafts for `request` this step (all it proposed), of which the
+        step verifies the first `num_verified`. A proposal verified whole is counted from
+        the step's outcome (`observe`); one that is not is kept to score against the
+        tokens that follow."""
+        fresh = request.request_id in self.probing
+        if token_ids and num_verified >= len(token_ids):
+            self._verifying.append((request, request.num_tokens, len(token_ids), fresh))
+        else:
+            self.acceptance.propose(request, token_ids, fresh)
 
     @property
     def ask_seconds(self) -> float:
@@ -349,18 +360,39 @@ class AdaptiveDraftPolicy:
         self.propose_seconds += ASK_COST_WEIGHT * (seconds / num_requests - self.propose_seconds)
         self._time_scoring = True
 
-    def observe(self) -> None:
-        """After a step: score the proposals now decided (timed after a step that asked
-        for shadow drafts, for `ask_seconds`)."""
+    def observe(self, scheduled: Sequence[ScheduledRequest] = ()) -> None:
+        """After a step (`scheduled`, its result applied): count the proposals it verified
+        whole and score the others now decided (timed after a step that asked for shadow
+        drafts, for `ask_seconds`)."""
+        verified = self._count_verified(scheduled) if self._verifying else []
         if not self._time_scoring or not self.acceptance.waiting:
-            self._observed(self.acceptance.score_pending() if self.acceptance.waiting else [])
+            self._observed(verified + self.acceptance.score_pending() if self.acceptance.waiting else verified)
             return
         self._time_scoring = False
         start = self.clock()
         scored = self.acceptance.score_pending()
         if scored:
             self.score_seconds += ASK_COST_WEIGHT * ((self.clock() - start) / len(scored) - self.score_seconds)
-        self._observed(scored)
+        self._observed(verified + scored)
+
+    def _count_verified(self, scheduled: Sequence[ScheduledRequest]) -> list[tuple[RequestAcceptance, str]]:
+        """The outcomes of the proposals this step verified whole, read off how many
+        tokens each request gained: all but the target's own token were accepted drafts.
+        Where the scheduler verified fewer drafts than proposed and all were accepted,
+        only those count (the next was not decided). A request that ended in the step,
+        or whose drafts were not scheduled in this step, counts nothing."""
+        verifying, self._verifying = self._verifying, []
+        entries = {e.request.request_id: e for e in scheduled if e.draft_token_ids}
+        counted = []
+        for request, start, num_proposed, fresh in verifying:
+            entry = entries.get(request.request_id)
+            if entry is None or entry.start + 1 != start or request.finished:
+                continue
+            drafts = len(entry.draft_token_ids)
+            accepted = request.num_tokens - start - 1
+            scored = min(accepted + 1, num_proposed) if accepted < drafts or drafts == num_proposed else accepted
+            counted.append((self.acceptance.verified(request.request_id, accepted, scored, fresh), request.request_id))
+        return counted
 
     def _observed(self, scored) -> None:
         for state, request_id in scored:

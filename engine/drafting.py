@@ -93,7 +93,7 @@ class Drafter:
                 if limit > 0:
                     asked.append(request)
                     limits.append(limit)
-        steady = policy is not None and asked and len(asked) == len(running) and policy.steady(asked, limits)
+        steady = policy is not None and asked and len(asked) == len(running) and policy.steady(asked)
         if policy is not None and (not steady or not policy.step % TIMED_EVERY):  # a steady batch's: as a quiet one's
             self._step_started = self.clock() if now is None else now
         if not asked:
@@ -116,7 +116,7 @@ class Drafter:
         drafts = {}
         for request, proposal, count, limit in zip(asked, proposals, counts, limits):
             if policy is not None:
-                policy.proposed(request, proposal.token_ids[:limit])
+                policy.proposed(request, proposal.token_ids[:limit], count)
             if proposal.token_ids and count:
                 token_ids = list(proposal.token_ids[:count])
                 probs = None if proposal.probs is None else proposal.probs[:count]
@@ -133,7 +133,7 @@ class Drafter:
             return
         if self._step_started is not None and all(e.num_tokens == 1 + len(e.draft_token_ids) for e in scheduled):
             self._timing = (len(scheduled), sum(len(e.draft_token_ids) for e in scheduled))  # pure decodes
-        self.policy.observe()
+        self.policy.observe(scheduled)
 
     def check(self, proposals, asked: Sequence[Request], num_tokens: int) -> None:
         """Raise `ProposerError` unless `proposals` keep the proposer contract."""

@@ -282,8 +282,9 @@ def test_shadow_asks_at_a_large_batch_cost_at_most_the_probe_budget():
 
 def test_a_choice_giving_every_request_all_its_drafts_stands_a_few_steps():
     """A batch whose every request drafts all it may reuses that choice for
-    STEADY_FOR steps of the same requests and limits (choosing cost a batch-1 step
-    more than it changed), and chooses again once they change or a request ends."""
+    STEADY_FOR steps of the same requests, whatever their limits fall to (choosing
+    cost a batch-1 step more than it changed), and chooses again once the requests
+    change or one ends."""
     from types import SimpleNamespace
 
     from kvforge.engine.draft_policy import STEADY_FOR, AdaptiveDraftPolicy
@@ -299,14 +300,14 @@ def test_a_choice_giving_every_request_all_its_drafts_stands_a_few_steps():
     assert counts == [K, K] and asks == [True, True]
     policy.observe()
     for _ in range(STEADY_FOR - 1):
-        assert policy.steady(requests, [K, K])
-        assert not policy.steady(requests, [K, K - 1]) and not policy.steady(requests[:1], [K])
+        assert policy.steady(requests)
+        assert not policy.steady(requests[:1]) and not policy.steady(requests[::-1])
         policy.observe()
-    assert not policy.steady(requests, [K, K])  # the window is over: choose again
+    assert not policy.steady(requests)  # the window is over: choose again
     policy.choose(requests, [K, K], everyone=True)
-    assert policy.steady(requests, [K, K])
+    assert policy.steady(requests)
     policy.release("r1")
-    assert not policy.steady(requests, [K, K])
+    assert not policy.steady(requests)
 
 
 def test_a_steady_batch_times_one_step_in_timed_every():
@@ -518,6 +519,76 @@ def test_shadow_scoring_counts_leading_matches_against_the_tokens_that_follow():
     request.output_token_ids += [8]
     tracker.score(request)
     assert state.scored == [1] and state.accepted == [1]  # a probe's outcome replaces what came before
+
+
+def test_decayed_counts_follow_the_recurrence_across_rescaling(monkeypatch):
+    """Counts held with one shared scale equal `x <- x * decay + outcome` per position,
+    also after the scale is folded back into them."""
+    import random
+
+    from kvforge.engine import draft_acceptance
+
+    monkeypatch.setattr(draft_acceptance, "RESCALE_ABOVE", 50.0)  # fold every few counts
+    rng = random.Random(7)
+    state, decay = draft_acceptance.RequestAcceptance(), 0.8
+    scored, accepted = [0.0] * K, [0.0] * K
+    for _ in range(200):
+        num_scored = rng.randint(1, K)
+        num_accepted = rng.choice([num_scored - 1, num_scored]) if num_scored < K else rng.randint(K - 1, K)
+        state.count(num_accepted, num_scored, decay)
+        for j in range(K):
+            scored[j] = scored[j] * decay + (j < num_scored)
+            accepted[j] = accepted[j] * decay + (j < num_accepted)
+        prior = [0.5] * K
+        want = [(a + 0.5 * draft_acceptance.PRIOR_WEIGHT) / (n + draft_acceptance.PRIOR_WEIGHT)
+                for a, n in zip(accepted, scored)]
+        assert state.rates(K, prior) == pytest.approx(want, rel=1e-9)
+    assert state.scale <= 50.0
+
+
+class _Step:
+    """A request a step verified drafts of, as `ScheduledRequest` names it."""
+
+    def __init__(self, request, drafts):
+        self.request, self.start, self.draft_token_ids = request, request.num_tokens - 1, drafts
+
+
+def test_a_proposal_verified_whole_counts_as_scoring_it_would():
+    """Counting a verified proposal from the tokens the step emitted gives the same
+    estimates as keeping it and scoring it against those tokens; where the scheduler
+    verified fewer drafts than proposed and all were accepted, only those count."""
+    import random
+
+    from kvforge.engine.draft_policy import AdaptiveDraftPolicy
+
+    rng = random.Random(3)
+    counting, scoring = AdaptiveDraftPolicy(cheap_proposer=True), AdaptiveDraftPolicy(cheap_proposer=True)
+    ids = {policy: _Tokens("r") for policy in (counting, scoring)}
+    for request in ids.values():
+        request.finished = False
+    for _ in range(100):
+        drafts = [rng.randrange(4) for _ in range(K)]
+        follow = [rng.randrange(4) for _ in range(K + 1)]  # the target's tokens at those positions
+        accepted = next((j for j in range(K) if drafts[j] != follow[j]), K)
+        emitted = drafts[:accepted] + [follow[accepted]]
+        counting.proposed(ids[counting], drafts, num_verified=K)
+        step = _Step(ids[counting], drafts)
+        ids[counting].output_token_ids += emitted
+        counting.observe([step])
+        scoring.proposed(ids[scoring], drafts)
+        ids[scoring].output_token_ids += emitted
+        scoring.observe()
+        assert counting.acceptance.gains("r", K) == pytest.approx(scoring.acceptance.gains("r", K))
+        assert counting.acceptance.of("r").hits == scoring.acceptance.of("r").hits
+    cut = AdaptiveDraftPolicy(cheap_proposer=True)
+    request = _Tokens("r")
+    request.finished = False
+    cut.proposed(request, [5, 5, 5, 5], num_verified=K)
+    step = _Step(request, [5, 5])  # the scheduler made room for two
+    request.output_token_ids += [5, 5, 6]
+    cut.observe([step])
+    state = cut.acceptance.of("r")
+    assert [x / state.scale for x in state.scored] == [1, 1] and state.accepted == state.scored
 
 
 # What probing may cost: probes that verify drafts spend an allowance
