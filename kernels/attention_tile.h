@@ -219,7 +219,9 @@ void attend_tile(const Problem& p, const Tile& tile, Scratch& s) {
     const int64_t count = j1 - j0;
     const K* page = page_of<K>(p, tile, logical);
     // The next block's keys and values, asked for head by head as this block's
-    // heads are computed (these again when there is no next block).
+    // heads are computed (these again when there is no next block): row by row as
+    // scores and accumulate read this block's rows in place (`Ahead`), or all at
+    // once where this block's rows are first converted or transposed.
     const int64_t ahead = logical < last / bs ? logical + 1 : logical;
     const K* next = page_of<K>(p, tile, ahead);
     const float* key_scales = nullptr;  // this block's, from slot j0 on
@@ -230,7 +232,12 @@ void attend_tile(const Problem& p, const Tile& tile, Scratch& s) {
       prefetch_rows(scales_of(p, tile, ahead), 1, 0, 2 * bs * heads * int64_t{sizeof(float)});
     }
     for (int64_t h = 0; h < tile.kv_heads; ++h) {
-      prefetch_rows(next + h * hs, 2 * bs, slot_stride, head_bytes);  // keys, then values
+      const int64_t row_bytes = slot_stride * static_cast<int64_t>(sizeof(K));
+      const Ahead next_keys{reinterpret_cast<const char*>(next + h * hs), row_bytes, bs, head_bytes};
+      const Ahead next_values{reinterpret_cast<const char*>(next + bs * slot_stride + h * hs), row_bytes, bs,
+                              head_bytes};
+      const bool row_by_row = std::is_same_v<K, float> && !transposed;
+      if (!row_by_row) prefetch_rows(next + h * hs, 2 * bs, slot_stride, head_bytes);  // keys, then values
       const int64_t r0 = h * head_rows;
       int64_t v_stride = 0;
       const float* values = rows_as_float(page + (bs + j0) * slot_stride + h * hs, count, slot_stride, hs,
@@ -256,7 +263,8 @@ void attend_tile(const Problem& p, const Tile& tile, Scratch& s) {
         const float* keys = rows_as_float(page + j0 * slot_stride + h * hs, count, slot_stride, hs,
                                           kScaled<K> ? key_scales + h : nullptr, heads, s.keys.data(), k_stride);
         for_row_groups(head_rows, [&](auto group_rows, int64_t r) {
-          scores<decltype(group_rows)::value>(q + (r0 + r) * hs, hs, keys, k_stride, count, score + r * ss, ss);
+          scores<decltype(group_rows)::value>(q + (r0 + r) * hs, hs, keys, k_stride, count, score + r * ss, ss,
+                                              r == 0 && row_by_row ? next_keys : Ahead{});
         });
       }
 
@@ -299,7 +307,8 @@ void attend_tile(const Problem& p, const Tile& tile, Scratch& s) {
       }
 
       for_row_groups(head_rows, [&](auto group_rows, int64_t r) {
-        accumulate<decltype(group_rows)::value>(acc + (r0 + r) * hs, hs, score + r * ss, ss, values, v_stride, count);
+        accumulate<decltype(group_rows)::value>(acc + (r0 + r) * hs, hs, score + r * ss, ss, values, v_stride, count,
+                                                r == 0 && row_by_row ? next_values : Ahead{});
       });
     }
   }

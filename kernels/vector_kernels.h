@@ -22,17 +22,88 @@ inline vf8 splat(float x) { return vf8{} + x; }
 
 inline vf8 exp8(vf8 x) { return exp_of<vf8, vi8>(x); }
 
+// Rows a loop asks for ahead of their use, one row per step of the loop (`bytes`
+// each, `stride` bytes apart): cache blocks sit at random places, which defeats
+// the hardware prefetcher, and asking for a whole block at once overflows the
+// misses a core can keep in flight, so each row is asked for as one is read.
+struct Ahead {
+  const char* rows = nullptr;
+  int64_t stride = 0, count = 0, bytes = 0;
+  void fetch(int64_t j) const {
+    if (j >= count) return;
+    for (int64_t offset = 0; offset < bytes; offset += 64) __builtin_prefetch(rows + j * stride + offset, 0, 2);
+  }
+  void fetch_from(int64_t j) const {
+    for (; j < count; ++j) fetch(j);
+  }
+};
+
 // Micro-kernels over R query rows at once: each key or value row loaded from
 // the cache serves R rows while the R partial results stay in registers.
 
-// out[r * out_stride + j] = q_r . key_j for r < R, j < count.
+typedef float vf4 __attribute__((vector_size(16), aligned(4), may_alias));
+
+// hsum of four vectors at once: {hsum(a), hsum(b), hsum(c), hsum(d)}, added in
+// hsum's order, so a sum does not depend on which keys were summed beside it.
+inline vf4 hsum4(vf8 a, vf8 b, vf8 c, vf8 d) {
+  const vf4 xa = __builtin_shufflevector(a, a, 0, 1, 2, 3) + __builtin_shufflevector(a, a, 4, 5, 6, 7);
+  const vf4 xb = __builtin_shufflevector(b, b, 0, 1, 2, 3) + __builtin_shufflevector(b, b, 4, 5, 6, 7);
+  const vf4 xc = __builtin_shufflevector(c, c, 0, 1, 2, 3) + __builtin_shufflevector(c, c, 4, 5, 6, 7);
+  const vf4 xd = __builtin_shufflevector(d, d, 0, 1, 2, 3) + __builtin_shufflevector(d, d, 4, 5, 6, 7);
+  const vf4 ab = __builtin_shufflevector(xa, xb, 0, 4, 1, 5) + __builtin_shufflevector(xa, xb, 2, 6, 3, 7);
+  const vf4 cd = __builtin_shufflevector(xc, xd, 0, 4, 1, 5) + __builtin_shufflevector(xc, xd, 2, 6, 3, 7);
+  return __builtin_shufflevector(ab, cd, 0, 1, 4, 5) + __builtin_shufflevector(ab, cd, 2, 3, 6, 7);
+}
+
+// Scores of J keys from `keys` (head size a multiple of 8) for R rows: one sum
+// per row and key over the head in order, then hsum, whatever R and J are.
+template <int R, int J>
+inline void scores_of_keys(const float* __restrict__ q, int64_t hs, const float* __restrict__ keys, int64_t k_stride,
+                           float* __restrict__ out, int64_t out_stride) {
+  vf8 s[R][J];
+  for (int r = 0; r < R; ++r) {
+    for (int i = 0; i < J; ++i) s[r][i] = vf8{};  // not `= {}`: GCC zeroes that with rep stos
+  }
+  for (int64_t d = 0; d < hs; d += 8) {
+    vf8 k[J];
+    for (int i = 0; i < J; ++i) k[i] = load8(keys + i * k_stride + d);
+    for (int r = 0; r < R; ++r) {
+      const vf8 qd = load8(q + r * hs + d);
+      for (int i = 0; i < J; ++i) s[r][i] += qd * k[i];
+    }
+  }
+  for (int r = 0; r < R; ++r) {
+    if constexpr (J == 4) {
+      const vf4 sums = hsum4(s[r][0], s[r][1], s[r][2], s[r][3]);
+      __builtin_memcpy(out + r * out_stride, &sums, sizeof(sums));
+    } else {
+      for (int i = 0; i < J; ++i) out[r * out_stride + i] = hsum(s[r][i]);
+    }
+  }
+}
+
+// out[r * out_stride + j] = q_r . key_j for r < R, j < count; row j of `ahead`
+// is asked for as key j is read (the rest of it after the last key).
 template <int R>
 inline void scores(const float* __restrict__ q, int64_t hs, const float* __restrict__ keys, int64_t k_stride,
-                   int64_t count, float* __restrict__ out, int64_t out_stride) {
-  for (int64_t j = 0; j < count; ++j) {
+                   int64_t count, float* __restrict__ out, int64_t out_stride, const Ahead& ahead = Ahead{}) {
+  int64_t j = 0;
+  if (hs % 8 == 0) {
+    constexpr int J = R <= 2 ? 4 : 2;  // R * J sums, J keys and a query vector in 16 registers
+    for (; j + J <= count; j += J) {
+      for (int i = 0; i < J; ++i) ahead.fetch(j + i);
+      scores_of_keys<R, J>(q, hs, keys + j * k_stride, k_stride, out + j, out_stride);
+    }
+    for (; j < count; ++j) {
+      ahead.fetch(j);
+      scores_of_keys<R, 1>(q, hs, keys + j * k_stride, k_stride, out + j, out_stride);
+    }
+  }
+  for (; j < count; ++j) {
+    ahead.fetch(j);
     const float* k = keys + j * k_stride;
     vf8 even[R], odd[R];  // two chains per row hide the FMA latency
-    for (int r = 0; r < R; ++r) even[r] = odd[r] = vf8{};  // not `= {}`: GCC zeroes that with rep stos
+    for (int r = 0; r < R; ++r) even[r] = odd[r] = vf8{};
     int64_t d = 0;
     for (; d + 16 <= hs; d += 16) {
       const vf8 k0 = load8(k + d), k1 = load8(k + d + 8);
@@ -51,6 +122,7 @@ inline void scores(const float* __restrict__ q, int64_t hs, const float* __restr
       out[r * out_stride + j] = sum;
     }
   }
+  ahead.fetch_from(count);
 }
 
 // The same scores from keys transposed to kt[d * kt_stride + j] (zero-padded to
@@ -94,10 +166,11 @@ inline void transpose_keys(float* __restrict__ kt, int64_t kt_stride, const K* _
   }
 }
 
-// acc_r += sum_j weights[r * w_stride + j] * value_j for r < R.
+// acc_r += sum_j weights[r * w_stride + j] * value_j for r < R; row j of `ahead`
+// is asked for as value j is first read (the rest of it after the last value).
 template <int R>
 inline void accumulate(float* __restrict__ acc, int64_t hs, const float* __restrict__ weights, int64_t w_stride,
-                       const float* __restrict__ values, int64_t v_stride, int64_t count) {
+                       const float* __restrict__ values, int64_t v_stride, int64_t count, const Ahead& ahead = Ahead{}) {
   int64_t d = 0;
   for (; d + 16 <= hs; d += 16) {  // two vectors per row: each broadcast weight feeds two FMAs
     vf8 a[R], b[R];
@@ -106,6 +179,7 @@ inline void accumulate(float* __restrict__ acc, int64_t hs, const float* __restr
       b[r] = load8(acc + r * hs + d + 8);
     }
     for (int64_t j = 0; j < count; ++j) {
+      if (d == 0) ahead.fetch(j);
       const vf8 v0 = load8(values + j * v_stride + d), v1 = load8(values + j * v_stride + d + 8);
       for (int r = 0; r < R; ++r) {
         const float w = weights[r * w_stride + j];
@@ -132,4 +206,5 @@ inline void accumulate(float* __restrict__ acc, int64_t hs, const float* __restr
       for (int r = 0; r < R; ++r) acc[r * hs + d] += weights[r * w_stride + j] * values[j * v_stride + d];
     }
   }
+  ahead.fetch_from(hs >= 16 ? count : 0);
 }
