@@ -3,7 +3,8 @@
 Each registered backend that is available here and serves the shape is timed on
 one layer's `forward` over a paged cache whose physical blocks are shuffled (the
 step's `plan` is built once, outside the timing, as an engine amortises it over
-its layers). Beside them, `contiguous-sdpa` runs PyTorch SDPA over an unpaged,
+its layers; on CPU the cache sits on 2 MiB pages where the system grants them, as
+the engine keeps its caches). Beside them, `contiguous-sdpa` runs PyTorch SDPA over an unpaged,
 contiguous copy of the same keys and values: the floor paging is measured against.
 
 Reported per row: median time, effective bandwidth (KV bytes read / time) and
