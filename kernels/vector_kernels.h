@@ -166,45 +166,58 @@ inline void transpose_keys(float* __restrict__ kt, int64_t kt_stride, const K* _
   }
 }
 
-// acc_r += sum_j weights[r * w_stride + j] * value_j for r < R; row j of `ahead`
-// is asked for as value j is first read (the rest of it after the last value).
+// acc_r[d, d + 8C) += sum_j weights[r * w_stride + j] * value_j[d, d + 8C) for r < R,
+// the R x C sums in registers over all `count` values; row j of `ahead` is asked
+// for as value j is read when Fetch.
+template <int R, int C, bool Fetch>
+inline void accumulate_slice(float* __restrict__ acc, int64_t hs, int64_t d, const float* __restrict__ weights,
+                             int64_t w_stride, const float* __restrict__ values, int64_t v_stride, int64_t count,
+                             const Ahead& ahead) {
+  vf8 a[R][C];
+  for (int r = 0; r < R; ++r) {
+    for (int c = 0; c < C; ++c) a[r][c] = load8(acc + r * hs + d + 8 * c);
+  }
+  for (int64_t j = 0; j < count; ++j) {
+    if constexpr (Fetch) ahead.fetch(j);
+    vf8 v[C];
+    for (int c = 0; c < C; ++c) v[c] = load8(values + j * v_stride + d + 8 * c);
+    for (int r = 0; r < R; ++r) {
+      const float w = weights[r * w_stride + j];
+      for (int c = 0; c < C; ++c) a[r][c] += w * v[c];
+    }
+  }
+  for (int r = 0; r < R; ++r) {
+    for (int c = 0; c < C; ++c) store8(acc + r * hs + d + 8 * c, a[r][c]);
+  }
+}
+
+// acc_r += sum_j weights[r * w_stride + j] * value_j for r < R: slices as wide as
+// the registers hold (each value row read in as few passes as that allows), each
+// sum in j order whatever the slice; row j of `ahead` is asked for as value j is
+// first read (the rest of it after the last value).
 template <int R>
 inline void accumulate(float* __restrict__ acc, int64_t hs, const float* __restrict__ weights, int64_t w_stride,
                        const float* __restrict__ values, int64_t v_stride, int64_t count, const Ahead& ahead = Ahead{}) {
+  constexpr int C = R <= 2 ? 4 : 2;  // R * C sums, C value vectors and a weight in 16 registers
   int64_t d = 0;
-  for (; d + 16 <= hs; d += 16) {  // two vectors per row: each broadcast weight feeds two FMAs
-    vf8 a[R], b[R];
-    for (int r = 0; r < R; ++r) {
-      a[r] = load8(acc + r * hs + d);
-      b[r] = load8(acc + r * hs + d + 8);
-    }
-    for (int64_t j = 0; j < count; ++j) {
-      if (d == 0) ahead.fetch(j);
-      const vf8 v0 = load8(values + j * v_stride + d), v1 = load8(values + j * v_stride + d + 8);
-      for (int r = 0; r < R; ++r) {
-        const float w = weights[r * w_stride + j];
-        a[r] += w * v0;
-        b[r] += w * v1;
-      }
-    }
-    for (int r = 0; r < R; ++r) {
-      store8(acc + r * hs + d, a[r]);
-      store8(acc + r * hs + d + 8, b[r]);
+  for (; d + 8 * C <= hs; d += 8 * C) {
+    if (d == 0) {
+      accumulate_slice<R, C, true>(acc, hs, d, weights, w_stride, values, v_stride, count, ahead);
+    } else {
+      accumulate_slice<R, C, false>(acc, hs, d, weights, w_stride, values, v_stride, count, ahead);
     }
   }
   for (; d + 8 <= hs; d += 8) {
-    vf8 a[R];
-    for (int r = 0; r < R; ++r) a[r] = load8(acc + r * hs + d);
-    for (int64_t j = 0; j < count; ++j) {
-      const vf8 v = load8(values + j * v_stride + d);
-      for (int r = 0; r < R; ++r) a[r] += weights[r * w_stride + j] * v;
+    if (d == 0) {
+      accumulate_slice<R, 1, true>(acc, hs, d, weights, w_stride, values, v_stride, count, ahead);
+    } else {
+      accumulate_slice<R, 1, false>(acc, hs, d, weights, w_stride, values, v_stride, count, ahead);
     }
-    for (int r = 0; r < R; ++r) store8(acc + r * hs + d, a[r]);
   }
   for (; d < hs; ++d) {
     for (int64_t j = 0; j < count; ++j) {
       for (int r = 0; r < R; ++r) acc[r * hs + d] += weights[r * w_stride + j] * values[j * v_stride + d];
     }
   }
-  ahead.fetch_from(hs >= 16 ? count : 0);
+  ahead.fetch_from(hs >= 8 ? count : 0);
 }
