@@ -155,7 +155,7 @@ def workload(shape: Shape, device: str, seed: int = 0) -> Workload:
         cache[table.long(), kv] = full.view(s.num_seqs, per_seq, bs, s.num_kv_heads, s.head_size)
     if s.kv_cache_dtype != "auto":
         cache = quantized_cache(cache, s.cache_spec())
-    if device == "cpu":  # where the engine keeps its caches: read at scattered blocks, 4 KiB pages miss the TLB
+    if device == "cpu":  # on 2 MiB pages, as the engine keeps its caches (models/huge_pages.py)
         placed = zeros_on_huge_pages([tuple(cache.shape)], cache.dtype)
         cache = cache if placed is None else placed[0].copy_(cache)
     pos = torch.arange(s.context_len, s.seq_len)

@@ -212,6 +212,8 @@ void attend_tile(const Problem& p, const Tile& tile, Scratch& s) {
   const int64_t heads = p.num_kv_heads;
   const int64_t slot_stride = heads * hs;  // between consecutive slots of one block
   const int64_t head_bytes = hs * static_cast<int64_t>(sizeof(K));  // one head's part of a slot
+  const int64_t row_bytes = slot_stride * static_cast<int64_t>(sizeof(K));  // between a head's rows
+  const bool row_by_row = std::is_same_v<K, float> && !transposed;
   for (int64_t logical = first / bs; logical <= last / bs; ++logical) {
     const int64_t start = logical * bs;
     const int64_t j0 = std::max(first, start) - start;
@@ -232,12 +234,13 @@ void attend_tile(const Problem& p, const Tile& tile, Scratch& s) {
       prefetch_rows(scales_of(p, tile, ahead), 1, 0, 2 * bs * heads * int64_t{sizeof(float)});
     }
     for (int64_t h = 0; h < tile.kv_heads; ++h) {
-      const int64_t row_bytes = slot_stride * static_cast<int64_t>(sizeof(K));
-      const Ahead next_keys{reinterpret_cast<const char*>(next + h * hs), row_bytes, bs, head_bytes};
-      const Ahead next_values{reinterpret_cast<const char*>(next + bs * slot_stride + h * hs), row_bytes, bs,
-                              head_bytes};
-      const bool row_by_row = std::is_same_v<K, float> && !transposed;
-      if (!row_by_row) prefetch_rows(next + h * hs, 2 * bs, slot_stride, head_bytes);  // keys, then values
+      Ahead next_keys, next_values;
+      if (row_by_row) {
+        next_keys = {reinterpret_cast<const char*>(next + h * hs), row_bytes, bs, head_bytes};
+        next_values = {reinterpret_cast<const char*>(next + bs * slot_stride + h * hs), row_bytes, bs, head_bytes};
+      } else {
+        prefetch_rows(next + h * hs, 2 * bs, slot_stride, head_bytes);  // keys, then values
+      }
       const int64_t r0 = h * head_rows;
       int64_t v_stride = 0;
       const float* values = rows_as_float(page + (bs + j0) * slot_stride + h * hs, count, slot_stride, hs,
@@ -264,7 +267,7 @@ void attend_tile(const Problem& p, const Tile& tile, Scratch& s) {
                                           kScaled<K> ? key_scales + h : nullptr, heads, s.keys.data(), k_stride);
         for_row_groups(head_rows, [&](auto group_rows, int64_t r) {
           scores<decltype(group_rows)::value>(q + (r0 + r) * hs, hs, keys, k_stride, count, score + r * ss, ss,
-                                              r == 0 && row_by_row ? next_keys : Ahead{});
+                                              r == 0 ? next_keys : Ahead{});
         });
       }
 
@@ -308,7 +311,7 @@ void attend_tile(const Problem& p, const Tile& tile, Scratch& s) {
 
       for_row_groups(head_rows, [&](auto group_rows, int64_t r) {
         accumulate<decltype(group_rows)::value>(acc + (r0 + r) * hs, hs, score + r * ss, ss, values, v_stride, count,
-                                                r == 0 && row_by_row ? next_values : Ahead{});
+                                                r == 0 ? next_values : Ahead{});
       });
     }
   }
