@@ -10,7 +10,7 @@ stand-in: a deterministic draft `x` is accepted with probability `p(x)`, the
 chance the target emits `x`. So a request that drafts nothing can still be seen
 to become predictable again, at no verification cost. A proposal a step verified
 whole needs no later scoring: its outcome is counted as the verifier decided it
-(`verified`).
+(`verified`, or `verified_all` for several at once).
 
 Per request and draft position `j` it keeps decayed counts of drafts scored and
 accepted given the `j - 1` before were. A request's rate at `j` is pulled toward
@@ -59,21 +59,28 @@ class RequestAcceptance:
     def count(self, num_accepted: int, num_scored: int, decay: float) -> None:
         """One proposal's outcome: its first `num_accepted` of `num_scored` drafts matched
         (the one after them, if scored, did not); earlier outcomes fade by `decay`."""
-        self.hits += num_accepted > 0
-        self.counted += 1
-        scored, accepted = self.scored, self.accepted
-        if num_scored > len(scored):
-            scored += [0.0] * (num_scored - len(scored))
-            accepted += [0.0] * (num_scored - len(accepted))
-        scale = self.scale = self.scale / decay  # every count held fades by `decay`
-        if scale > RESCALE_ABOVE:
-            self.scored, self.accepted = [x / scale for x in scored], [x / scale for x in accepted]
-            scored, accepted, scale = self.scored, self.accepted, 1.0
-            self.scale = 1.0
-        for j in range(num_scored):
-            scored[j] += scale
-        for j in range(num_accepted):
-            accepted[j] += scale
+        self.count_all(((num_accepted, num_scored),), decay)
+
+    def count_all(self, outcomes: Sequence[tuple[int, int]], decay: float) -> None:
+        """Proposals' outcomes (`count`'s two numbers each), oldest first: the same counts
+        as counting them one by one, in one pass."""
+        scored, accepted, scale = self.scored, self.accepted, self.scale
+        for num_accepted, num_scored in outcomes:
+            if num_scored > len(scored):
+                scored += [0.0] * (num_scored - len(scored))
+                accepted += [0.0] * (num_scored - len(accepted))
+            scale /= decay  # every count held fades by `decay`
+            if scale > RESCALE_ABOVE:
+                scored[:] = [x / scale for x in scored]
+                accepted[:] = [x / scale for x in accepted]
+                scale = 1.0
+            for j in range(num_scored):
+                scored[j] += scale
+            for j in range(num_accepted):
+                accepted[j] += scale
+            self.hits += num_accepted > 0
+        self.scale = scale
+        self.counted += len(outcomes)
 
     def rates(self, num_positions: int, prior: Sequence[float]) -> list[float]:
         """Estimated chance that draft j + 1 is accepted given the j before it were,
@@ -179,14 +186,34 @@ class AcceptanceTracker:
         self._count(state, num_accepted, num_scored, fresh)
         return state
 
+    def verified_all(self, outcomes: Sequence[tuple[str, int, int]]) -> list[tuple[RequestAcceptance, str]]:
+        """`verified` for several proposals' outcomes, (request id, accepted, scored),
+        oldest first, none fresh, in one pass per request: the same counts as one by one.
+        Returns each request's state once, with its id."""
+        by_request: dict[str, list[tuple[int, int]]] = {}
+        for request_id, num_accepted, num_scored in outcomes:
+            by_request.setdefault(request_id, []).append((num_accepted, num_scored))
+        states = []
+        for request_id, counts in by_request.items():
+            state = self.of(request_id)
+            state.count_all(counts, self.decay)
+            states.append((state, request_id))
+        self.engine.count_all([(a, s) for _, a, s in outcomes], self.engine_decay)
+        self._counted(len(outcomes))
+        return states
+
     def _count(self, state: RequestAcceptance, num_accepted: int, num_scored: int, fresh: bool) -> None:
         """One decided proposal into the request's counts (afresh if `fresh`) and the engine's."""
         if fresh:
             state.scored, state.accepted = [], []
         state.count(num_accepted, num_scored, self.decay)
         self.engine.count(num_accepted, num_scored, self.engine_decay)
-        self.changes += 1
-        if self.changes % PRIOR_REFRESH == 0:
+        self._counted(1)
+
+    def _counted(self, num_proposals: int) -> None:
+        """The engine's prior is read again once `PRIOR_REFRESH` more proposals are counted."""
+        before, self.changes = self.changes, self.changes + num_proposals
+        if before // PRIOR_REFRESH != self.changes // PRIOR_REFRESH:
             self._prior = None
 
     def release(self, request_id: str) -> None:

@@ -19,7 +19,9 @@ Adaptive drafting, each step:
    cost estimate stay the same and no request that drafted nothing would have
    had a draft accepted; one that gives every request all it may stands for
    `STEADY_FOR` steps without being looked at (`steady`): choosing every step,
-   then every fourth, cost a batch-1 step more than it changed.
+   then every fourth, cost a batch-1 step more than it changed. Such a window's
+   proposals are not handed to the policy: each step's outcomes are read off the
+   step and counted together when the window ends, in the order they came.
 
 While the cost model lacks steps at this batch size (a new engine, or a batch
 size not seen yet), requests draft as many as allowed, except that one step in
@@ -100,6 +102,15 @@ def _extra_steps(costs: StepCosts, drafting: int, more: int) -> float:
     return (costs.seconds(drafting + more) - costs.seconds(drafting)) / costs.base
 
 
+def _outcome(entry: ScheduledRequest) -> tuple[str, int, int]:
+    """(request id, drafts accepted, drafts decided) of a proposal the step (`entry`)
+    verified whole, read off how many tokens the request gained: all but the target's
+    own were accepted drafts. A rejected draft was decided too; where every draft the
+    scheduler verified was accepted, the next (if proposed, and cut) was not."""
+    accepted = entry.request.num_tokens - entry.start - 2
+    return entry.request.request_id, accepted, accepted + (accepted < len(entry.draft_token_ids))
+
+
 @dataclass
 class _Pause:
     """When a request that drafts nothing is next asked for drafts."""
@@ -130,12 +141,15 @@ class AdaptiveDraftPolicy:
         self.step = 0
         self.probing: set[str] = set()  # request ids whose proposal this step restarts their estimate
         # Proposals this step verifies whole, counted from its outcome: (request, its token
-        # count when proposed, drafts proposed, whether the outcome restarts its estimate).
-        self._verifying: list[tuple[Request, int, int, bool]] = []
+        # count when proposed, whether the outcome restarts its estimate).
+        self._verifying: list[tuple[Request, int, bool]] = []
+        # Outcomes of a steady window's steps (`_outcome`): nothing reads the estimates until
+        # the window ends, so they are counted then, in the order they came (`_count_held`).
+        self._held: list[tuple[str, int, int]] = []
         self._last_key: tuple | None = None
         self._hits = 0  # unverified drafts that would have been accepted, so far: each makes `_best_counts` choose again
         # A batch where every request drafts all it may: the choice stands until `_steady_until` (`steady`).
-        self._steady_ids: list[str] = []
+        self._steady_requests: Sequence[Request] = []
         self._steady_until = 0
         self._last_counts: list[int] = []
         # A quiet batch: every running request decodes, none drafts, none is due to be asked
@@ -154,8 +168,10 @@ class AdaptiveDraftPolicy:
         `STEADY_FOR` steps ago (while drafts pay that well, a few scored proposals do not
         turn them down, and choosing every few steps cost a batch-1 step more than the
         choices changed). Each then verifies all it may now: a request's limit only
-        falls as it nears its end, and fewer drafts than a choice of all still pay."""
-        if self._steady_until <= self.step or self._steady_ids != [r.request_id for r in requests]:
+        falls as it nears its end, and fewer drafts than a choice of all still pay. The
+        caller need not report the step's proposals (`proposed`): `observe` reads each
+        outcome off the step."""
+        if self._steady_until <= self.step or self._steady_requests != requests:  # requests compare by identity
             return False
         self.shadowed = 0
         return True
@@ -172,6 +188,8 @@ class AdaptiveDraftPolicy:
         """Drafts each request verifies this step (at most its limit), and whether the
         proposer is asked for it (also to score drafts nobody verifies, or to probe).
         `everyone`: these are all the running requests (none is prefilling)."""
+        if self._held:
+            self._count_held()
         if self.probing:
             self.probing = set()
         self.shadowed = 0
@@ -190,7 +208,7 @@ class AdaptiveDraftPolicy:
                 self._quiet_size, self._quiet_limit, self._quiet_positions = len(requests), max(limits), sum(limits)
                 self._next_ask = max(self._first_due(requests), self._affordable_at)
             elif everyone and counts == list(limits) and not self.probing:
-                self._steady_ids = [r.request_id for r in requests]
+                self._steady_requests = list(requests)
                 self._steady_until = self.step + STEADY_FOR
         for i, request in enumerate(requests):
             if _seeded(request):
@@ -345,7 +363,7 @@ class AdaptiveDraftPolicy:
         tokens that follow."""
         fresh = request.request_id in self.probing
         if token_ids and num_verified >= len(token_ids):
-            self._verifying.append((request, request.num_tokens, len(token_ids), fresh))
+            self._verifying.append((request, request.num_tokens, fresh))
         else:
             self.acceptance.propose(request, token_ids, fresh)
 
@@ -362,9 +380,19 @@ class AdaptiveDraftPolicy:
 
     def observe(self, scheduled: Sequence[ScheduledRequest] = ()) -> None:
         """After a step (`scheduled`, its result applied): count the proposals it verified
-        whole and score the others now decided (timed after a step that asked for shadow
-        drafts, for `ask_seconds`)."""
-        verified = self._count_verified(scheduled) if self._verifying else []
+        whole (held to the end of a steady window) and score the others now decided
+        (timed after a step that asked for shadow drafts, for `ask_seconds`)."""
+        if self.step < self._steady_until:
+            # A steady window verifies every proposal whole, none fresh (`steady`): each
+            # outcome is read off its request's entry, and held while nothing is pending.
+            self._verifying.clear()
+            self._held += [_outcome(e) for e in scheduled if e.draft_token_ids and not e.request.finished]
+            if not self.acceptance.waiting:
+                self._stepped()
+                return
+        if self._held:
+            self._count_held()
+        verified = self._count(self._verified_outcomes(scheduled)) if self._verifying else []
         if not self._time_scoring or not self.acceptance.waiting:
             self._observed(verified + self.acceptance.score_pending() if self.acceptance.waiting else verified)
             return
@@ -375,26 +403,40 @@ class AdaptiveDraftPolicy:
             self.score_seconds += ASK_COST_WEIGHT * ((self.clock() - start) / len(scored) - self.score_seconds)
         self._observed(verified + scored)
 
-    def _count_verified(self, scheduled: Sequence[ScheduledRequest]) -> list[tuple[RequestAcceptance, str]]:
-        """The outcomes of the proposals this step verified whole, read off how many
-        tokens each request gained: all but the target's own token were accepted drafts.
-        Where the scheduler verified fewer drafts than proposed and all were accepted,
-        only those count (the next was not decided). A request that ended in the step,
-        or whose drafts were not scheduled in this step, counts nothing."""
+    def _verified_outcomes(self, scheduled: Sequence[ScheduledRequest]) -> list[tuple[str, int, int, bool]]:
+        """The outcomes (`_outcome`, and whether each restarts its request's estimate) of
+        the proposals this step verified whole. A request that ended in the step, or
+        whose drafts were not scheduled in it, counts nothing."""
         verifying, self._verifying = self._verifying, []
         entries = {e.request.request_id: e for e in scheduled if e.draft_token_ids}
-        counted = []
-        for request, start, num_proposed, fresh in verifying:
+        outcomes = []
+        for request, start, fresh in verifying:
             entry = entries.get(request.request_id)
-            if entry is None or entry.start + 1 != start or request.finished:
-                continue
-            drafts = len(entry.draft_token_ids)
-            accepted = request.num_tokens - start - 1
-            scored = min(accepted + 1, num_proposed) if accepted < drafts or drafts == num_proposed else accepted
-            counted.append((self.acceptance.verified(request.request_id, accepted, scored, fresh), request.request_id))
-        return counted
+            if entry is not None and entry.start + 1 == start and not request.finished:
+                outcomes.append((*_outcome(entry), fresh))
+        return outcomes
+
+    def _count(self, outcomes: Sequence[tuple[str, int, int, bool]]) -> list[tuple[RequestAcceptance, str]]:
+        """Count verified outcomes into the estimates; the states they changed, with their ids."""
+        verified = self.acceptance.verified
+        return [(verified(request_id, accepted, scored, fresh), request_id)
+                for request_id, accepted, scored, fresh in outcomes]
+
+    def _count_held(self) -> None:
+        """Count a steady window's held outcomes, as if each had been counted on its step
+        (the requests drafted throughout, so only their hits are noted)."""
+        held, self._held = self._held, []
+        self._note_hits(self.acceptance.verified_all(held))
 
     def _observed(self, scored) -> None:
+        self._note_hits(scored)
+        self._stepped()
+
+    def _stepped(self) -> None:
+        self.allowance = min(self.allowance + PROBE_BUDGET, ALLOWANCE_MAX)
+        self.step += 1
+
+    def _note_hits(self, scored) -> None:
         for state, request_id in scored:
             pause = self.pauses.get(request_id)
             if pause is not None and state.hits > pause.hits:
@@ -406,8 +448,6 @@ class AdaptiveDraftPolicy:
                 if self.cheap_proposer:
                     pause.wait = max(self._shortest_wait, pause.wait // 2)
                 self._hit(request_id, pause)
-        self.allowance = min(self.allowance + PROBE_BUDGET, ALLOWANCE_MAX)
-        self.step += 1
 
     def _hit(self, request_id: str, pause: _Pause) -> None:
         """A quiet batch stays quiet after a hit unless the request's new estimate may
@@ -426,7 +466,9 @@ class AdaptiveDraftPolicy:
         self.costs.observe(num_requests, num_drafts, seconds)
 
     def release(self, request_id: str) -> None:
+        if self._held:
+            self._count_held()
         self._quiet_size = None
-        self._steady_until = 0
+        self._steady_until, self._steady_requests = 0, []
         self.acceptance.release(request_id)
         self.pauses.pop(request_id, None)

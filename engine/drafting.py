@@ -115,7 +115,7 @@ class Drafter:
         self.check(proposals, asked, num_tokens)
         drafts = {}
         for request, proposal, count, limit in zip(asked, proposals, counts, limits):
-            if policy is not None:
+            if policy is not None and not steady:  # a steady step's outcomes are read off the step
                 policy.proposed(request, proposal.token_ids[:limit], count)
             if proposal.token_ids and count:
                 token_ids = list(proposal.token_ids[:count])

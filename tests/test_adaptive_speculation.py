@@ -546,6 +546,83 @@ def test_decayed_counts_follow_the_recurrence_across_rescaling(monkeypatch):
     assert state.scale <= 50.0
 
 
+def test_counting_outcomes_together_equals_counting_them_one_by_one(monkeypatch):
+    """`verified_all` over interleaved requests' outcomes leaves every request's counts,
+    the engine's and the prior's refresh as counting each outcome in turn does, also
+    across rescaling."""
+    import random
+
+    from kvforge.engine import draft_acceptance
+
+    monkeypatch.setattr(draft_acceptance, "RESCALE_ABOVE", 50.0)
+    rng = random.Random(11)
+    one, together = AcceptanceTracker(), AcceptanceTracker()
+    for _ in range(40):
+        chunk = []
+        for _ in range(rng.randint(1, 9)):
+            num_scored = rng.randint(1, K)
+            chunk.append((f"r{rng.randrange(3)}", rng.choice([num_scored - 1, num_scored]), num_scored))
+        for request_id, num_accepted, num_scored in chunk:
+            one.verified(request_id, num_accepted, num_scored)
+        states = together.verified_all(chunk)
+        assert sorted(request_id for _, request_id in states) == sorted({request_id for request_id, *_ in chunk})
+        for tracker_state, other in [(together.engine, one.engine)] + [
+                (together.of(r), one.of(r)) for r in ("r0", "r1", "r2")]:
+            assert [x / tracker_state.scale for x in tracker_state.scored] == pytest.approx(
+                [x / other.scale for x in other.scored], rel=1e-12)
+            assert [x / tracker_state.scale for x in tracker_state.accepted] == pytest.approx(
+                [x / other.scale for x in other.accepted], rel=1e-12)
+            assert (tracker_state.hits, tracker_state.counted) == (other.hits, other.counted)
+        assert (together.changes, together._prior is None) == (one.changes, one._prior is None)
+        for request_id in ("r0", "r1", "r2"):
+            assert together.gains(request_id, K) == pytest.approx(one.gains(request_id, K), rel=1e-12)
+
+
+def test_a_steady_window_counts_every_steps_outcome_when_it_ends():
+    """Steps that keep a choice giving every request all its drafts are not shown to the
+    policy's proposal bookkeeping: their outcomes, read off the step, are held, and the
+    next choice counts them in the order they came, as counting each on its step would
+    (a request's estimate, the engine's, and its hits)."""
+    import random
+
+    from kvforge.engine.draft_policy import AdaptiveDraftPolicy
+
+    rng = random.Random(5)
+    policy, reference = AdaptiveDraftPolicy(cheap_proposer=True), AcceptanceTracker()
+    policy.costs = FixedCosts(StepCosts(base=1.0, per_draft=0.01, verify=0.1))  # drafts cheap: all pay
+    requests = [_Tokens(f"r{i}") for i in range(2)]
+    for request in requests:
+        request.finished = False
+        for _ in range(20):  # every draft accepted
+            policy.acceptance.verified(request.request_id, K, K)
+            reference.verified(request.request_id, K, K)
+    for window in range(3):
+        counts, _ = policy.choose(requests, [K, K], everyone=True)
+        assert counts == [K, K]
+        held_gains = [policy.acceptance.gains(r.request_id, K) for r in requests]
+        for request, held in zip(requests, held_gains):  # (reading the prior when the policy does)
+            assert held == pytest.approx(reference.gains(request.request_id, K), rel=1e-12)
+        for step in range(STEADY_FOR):
+            assert policy.steady(requests) or not step  # the choice's own step, then the window
+            entries = []
+            for request in requests:
+                if not step:
+                    policy.proposed(request, [7] * K, num_verified=K)
+                entries.append(_Step(request, [7] * K))
+                accepted = rng.choice([1, K - 1, K]) if window < 2 else 0  # the last window accepts nothing
+                request.output_token_ids += [7] * accepted + [1]
+                reference.verified(request.request_id, accepted, min(accepted + 1, K))
+            policy.observe(entries)
+            assert [policy.acceptance.gains(r.request_id, K) for r in requests] == held_gains  # held
+        assert not policy.steady(requests)
+    policy.choose(requests, [K, K], everyone=True)
+    for request, held in zip(requests, held_gains):
+        gains = policy.acceptance.gains(request.request_id, K)
+        assert gains == pytest.approx(reference.gains(request.request_id, K), rel=1e-12)
+        assert policy.acceptance.of(request.request_id).hits == reference.of(request.request_id).hits
+        assert gains[0] < 0.6 * held[0]  # the window that accepted nothing counted at its end
+
+
 class _Step:
     """A request a step verified drafts of, as `ScheduledRequest` names it."""
 
