@@ -21,7 +21,8 @@ Adaptive drafting, each step:
    `STEADY_FOR` steps without being looked at (`steady`): choosing every step,
    then every fourth, cost a batch-1 step more than it changed. Such a window's
    proposals are not handed to the policy: each step's outcomes are read off the
-   step and counted together when the window ends, in the order they came.
+   step and counted together when the window ends, in the order they came (on
+   their step while older proposals wait to be scored).
 
 While the cost model lacks steps at this batch size (a new engine, or a batch
 size not seen yet), requests draft as many as allowed, except that one step in
