@@ -28,6 +28,8 @@
 #include <cstdint>
 #include <optional>
 #include <string>
+#include <type_traits>
+#include <vector>
 
 #include "cpu_isa.h"
 #include "f32_packed_rows.h"
@@ -98,7 +100,7 @@ namespace linear_dpbf16 {
 namespace {
 
 template <typename T>
-using TileFn = void (*)(const T*, int64_t, const T*, int64_t, float*, const char*, int64_t);
+using TileFn = void (*)(const T*, int64_t, const T*, int64_t, float*, const char*, int64_t, int, float*);
 using FinishFn = void (*)(const float*, int, int, int64_t, int64_t, const Epilogue&);
 using WidenFn = void (*)(const uint16_t*, int64_t, int64_t, int64_t, float*);
 
@@ -125,13 +127,15 @@ struct Tiles {
 
 // Everything one ISA runs: the tiles of each dtype and the epilogue; `widen`
 // (widen_bf16_blocks) where a bfloat16 product of many rows runs faster as
-// float32 tiles over weights widened once per call (see bf16_linear), else null.
+// float32 tiles over weights widened once per call (see bf16_linear), else null;
+// and the runs a float32 weight is packed in here (`f32_weight_runs`).
 struct Path {
   Tiles<uint16_t> bf16;
   Tiles<float> f32;
   FinishFn finish;
   const char* name;
   WidenFn widen;
+  int f32_runs;
 };
 
 #define KVFORGE_TILE_ROW(NS, FN, MR) {&NS::FN<MR, 1>, &NS::FN<MR, 2>, &NS::FN<MR, 3>, &NS::FN<MR, 4>}
@@ -140,9 +144,18 @@ struct Path {
    KVFORGE_TILE_ROW(NS, FN, 4), KVFORGE_TILE_ROW(NS, FN, 5), KVFORGE_TILE_ROW(NS, FN, 6),                       \
    KVFORGE_TILE_ROW(NS, FN, 7), KVFORGE_TILE_ROW(NS, FN, 8)}
 
+// The runs an AVX2 float32 weight is packed in: input d of each 16-channel block
+// in run d % 4 ([blocks, 4, in / 4, 16]). A one-block tile walks the inputs in
+// order and so reads four places of its block at once, which the hardware
+// prefetchers stream from memory at the speed two blocks side by side reach,
+// where one run read at about two thirds of it (docs/models.md, "float32
+// weights in four runs"). The sums keep their order, so the bits are those of
+// one run at any row count.
+constexpr int kF32Runs = 4;
+
 const Path kBaseline = {{KVFORGE_TILES(linear_base, generic_tile), {4, 4}, 0},
                         {KVFORGE_TILES(linear_base, f32_tile), {4, 4}, 0},
-                        &linear_base::finish_tile, "baseline", &linear_base::widen_bf16_blocks};
+                        &linear_base::finish_tile, "baseline", &linear_base::widen_bf16_blocks, 1};
 #ifdef KVFORGE_HAS_X86_PATHS
 // AVX2 has 16 ymm registers and a 16-channel block takes two: 3 x 2 float32 tiles
 // (12 sums, 4 weight vectors); bfloat16 splits each weight vector in two, so 2 x 2.
@@ -150,18 +163,18 @@ const Path kBaseline = {{KVFORGE_TILES(linear_base, generic_tile), {4, 4}, 0},
 // bfloat16 rows (8 sums, the two halves of each weight vector, two inputs).
 const Path kAvx2 = {{KVFORGE_TILES(linear_avx2, generic_tile), {2, 2}, 4},
                     {KVFORGE_TILES(linear_avx2, f32_tile), {3, 2}, 6},
-                    &linear_avx2::finish_tile, "avx2", &linear_avx2::widen_bf16_blocks};
+                    &linear_avx2::finish_tile, "avx2", &linear_avx2::widen_bf16_blocks, kF32Runs};
 // (AVX-512 and its bfloat16 dot product keep their tiles at every row count: a
 // one-block tile there is not measured.)
 const Path kAvx512 = {{KVFORGE_TILES(linear_avx512, generic_tile), {4, 4}, 0},
                       {KVFORGE_TILES(linear_avx512, f32_tile), {4, 4}, 0},
-                      &linear_avx512::finish_tile, "avx512", &linear_avx512::widen_bf16_blocks};
+                      &linear_avx512::finish_tile, "avx512", &linear_avx512::widen_bf16_blocks, 1};
 // bfloat16 8 rows x 2 blocks: 16 sums, and per input pair 2 weight loads for 16
 // vdpbf16ps, which measured faster than 4 x 4 at every row count once a
 // decode's weights stream from 2 MiB pages (docs/models.md).
 const Path kDpbf16 = {{KVFORGE_TILES(linear_dpbf16, dpbf16_tile), {8, 2}, 0},
                       {KVFORGE_TILES(linear_dpbf16, f32_tile), {4, 4}, 0},
-                      &linear_dpbf16::finish_tile, "avx512_bf16", nullptr};
+                      &linear_dpbf16::finish_tile, "avx512_bf16", nullptr, 1};
 #endif
 
 const Path& path_here() {
@@ -186,6 +199,9 @@ constexpr int64_t kWidenRows = 96;
 // every channel tile passes over them (a prefill's thousands of rows do not); a
 // decode is one chunk.
 constexpr int64_t kChunkRows = 64;
+// Chunks of a float32 weight in runs, which pays a copy per chunk (run_tiles): twice
+// the rows halve it, and measured 1.02-1.07x one run's chunks at 64-512 rows.
+constexpr int64_t kCopyChunkRows = 128;
 
 // The prefetches a chunk of row tiles spreads the next channel tile's weights
 // over: each row tile's `steps` input steps fetch `step` bytes further on. A
@@ -228,19 +244,32 @@ inline void prefetch_epilogue(const Epilogue& e, int64_t r, int mr, int64_t bloc
 
 // Every tile of y = epilogue(x W^T): `w` holds `blocks` packed blocks of
 // `block_elems` values each; a tile takes `steps` steps over the inputs.
+//
+// A float32 weight in runs (`runs` > 1) is read from cache in one run: where a
+// chunk has more than one row tile, its first copies the channel tile's weights
+// into one run as it reads them (`f32_tile`'s `copy`) and the others read that
+// copy. Tiles reading the runs from cache, row tile after row tile, measured
+// 10-15% slower than over one run.
 template <typename T>
 void run_tiles(const Tiles<T>& tiles, FinishFn finish, const T* x, int64_t x_stride, int64_t m, int64_t k,
-               const T* w, int64_t blocks, int64_t block_elems, int64_t steps, const Epilogue& e) {
+               const T* w, int64_t blocks, int64_t block_elems, int64_t steps, const Epilogue& e, int runs = 1) {
   // A few rows more than the tile's: one row tile of them all, whose channel tile's
   // blocks go through the one-block tile one after the other (`Tiles`).
   const bool one_pass = m > tiles.shape.rows && m <= tiles.one_block_rows;
   const int64_t tile_blocks = tiles.shape.blocks, tile_rows = one_pass ? m : tiles.shape.rows;
   const int64_t channel_tiles = (blocks + tile_blocks - 1) / tile_blocks;
-  const int64_t chunk_rows = kChunkRows / tile_rows * tile_rows;
+  const int64_t chunk_rows = (runs > 1 ? kCopyChunkRows : kChunkRows) / tile_rows * tile_rows;
   const int64_t chunks = (m + chunk_rows - 1) / chunk_rows;
   const bool many_rows = m > tile_rows;  // a decode's few outputs are in cache
+  const bool copy_runs = runs > 1 && many_rows && !one_pass;
   at::parallel_for(0, chunks * channel_tiles, 1, [&](int64_t i0, int64_t i1) {
     alignas(64) float acc[kMaxRows * kMaxBlocks * 16];
+    // The channel tile's weights in one run, on whole cache lines (a load across two
+    // lines costs two): a buffer each thread keeps.
+    thread_local std::vector<float> one_run_buffer;
+    const size_t one_run_floats = copy_runs ? tile_blocks * k * 16 + 16 : 0;
+    if (one_run_buffer.size() < one_run_floats) one_run_buffer.resize(one_run_floats);
+    float* one_run = reinterpret_cast<float*>((reinterpret_cast<uintptr_t>(one_run_buffer.data()) + 63) & ~uintptr_t{63});
     for (int64_t i = i0; i < i1; ++i) {
       const int64_t row_begin = i / channel_tiles * chunk_rows, row_end = std::min(m, row_begin + chunk_rows);
       const int64_t block0 = i % channel_tiles * tile_blocks;
@@ -255,16 +284,20 @@ void run_tiles(const Tiles<T>& tiles, FinishFn finish, const T* x, int64_t x_str
         const int mr = static_cast<int>(m);
         for (int j = 0; j < nb; ++j) {  // block j's sums where an nb-block tile keeps them
           tiles.at[mr - 1][0](x, x_stride, w + (block0 + j) * block_elems, k, acc + j * 16,
-                              ahead.for_row_tile(j, steps), ahead.step);
+                              ahead.for_row_tile(j, steps), ahead.step, runs, nullptr);
         }
         finish(acc, mr, nb, 0, block0, e);
         continue;
       }
+      const bool copying = copy_runs && row_end - row_begin > tile_rows;  // (T is float then)
       for (int64_t r = row_begin; r < row_end; r += tile_rows) {
         const int mr = static_cast<int>(std::min<int64_t>(tile_rows, row_end - r));
         if (many_rows) prefetch_epilogue(e, r, mr, block0, nb);
-        tiles.at[mr - 1][nb - 1](x + r * x_stride, x_stride, w + block0 * block_elems, k, acc,
-                                 ahead.for_row_tile((r - row_begin) / tile_rows, steps), ahead.step);
+        const bool from_copy = copying && r != row_begin;
+        tiles.at[mr - 1][nb - 1](x + r * x_stride, x_stride,
+                                 from_copy ? reinterpret_cast<const T*>(one_run) : w + block0 * block_elems, k, acc,
+                                 ahead.for_row_tile((r - row_begin) / tile_rows, steps), ahead.step,
+                                 from_copy ? 1 : runs, copying && !from_copy ? one_run : nullptr);
         finish(acc, mr, nb, r, block0, e);
       }
     }
@@ -374,12 +407,14 @@ at::Tensor f32_linear(const at::Tensor& x, const at::Tensor& packed, int64_t out
   const char* op = "kvforge_cpp.f32_linear: ";
   const int mode = epilogue_mode(op, epilogue);
   check_x(op, x, packed, at::kFloat);
-  TORCH_CHECK(packed.dim() == 3 && packed.scalar_type() == at::kFloat && packed.size(2) == 16 &&
-                  packed.is_contiguous(), op,
-              "packed must be a contiguous float32 [blocks, in, 16] (pack the weight with "
-              "kvforge.models.cpp_linear.pack_weight), got ", packed.scalar_type(), " ", packed.sizes());
-  TORCH_CHECK(packed.size(1) == x.size(1), op, "x has ", x.size(1), " input features but the packed weight holds ",
-              packed.size(1));
+  const int runs = packed.dim() == 4 ? static_cast<int>(packed.size(1)) : 1;
+  TORCH_CHECK((packed.dim() == 3 || (packed.dim() == 4 && runs == kF32Runs)) && packed.scalar_type() == at::kFloat &&
+                  packed.size(-1) == 16 && packed.is_contiguous(), op,
+              "packed must be a contiguous float32 [blocks, in, 16] or [blocks, ", kF32Runs, ", in / ", kF32Runs,
+              ", 16] (pack the weight with kvforge.models.cpp_linear.pack_weight), got ", packed.scalar_type(), " ",
+              packed.sizes());
+  const int64_t held = runs * packed.size(-2);
+  TORCH_CHECK(held == x.size(1), op, "x has ", x.size(1), " input features but the packed weight holds ", held);
   check_epilogue(op, x, packed.size(0), out_features, bias, mode, other);
   const int64_t m = x.size(0), k = x.size(1), blocks = packed.size(0);
   at::Tensor y = at::empty({m, out_features}, x.options());
@@ -390,7 +425,7 @@ at::Tensor f32_linear(const at::Tensor& x, const at::Tensor& packed, int64_t out
   }
   const Path& path = path_here();
   run_tiles(path.f32, path.finish, x.data_ptr<float>(), x.stride(0), m, k, packed.data_ptr<float>(), blocks, k * 16, k,
-            epilogue_for(mode, bias, other, y));
+            epilogue_for(mode, bias, other, y), runs);
   return y;
 }
 
@@ -412,12 +447,16 @@ void bf16_packed_rows(const uint16_t* x, int64_t x_stride, int64_t m, int64_t k,
 // Which path the linear ops take here and now ("avx512_bf16", "avx512", "avx2" or "baseline").
 std::string bf16_linear_path() { return path_here().name; }
 
+// The runs pack_weight lays a float32 weight out in here (kF32Runs on AVX2, else 1).
+int64_t f32_weight_runs() { return path_here().f32_runs; }
+
 TORCH_LIBRARY_FRAGMENT(kvforge_cpp, m) {
   m.def("bf16_linear(Tensor x, Tensor packed, int out_features, Tensor? bias=None, str epilogue=\"none\", "
         "Tensor? other=None, bool float_out=False) -> Tensor");
   m.def("f32_linear(Tensor x, Tensor packed, int out_features, Tensor? bias=None, str epilogue=\"none\", "
         "Tensor? other=None) -> Tensor");
   m.def("bf16_linear_path() -> str");
+  m.def("f32_weight_runs() -> int");
 }
 
 TORCH_LIBRARY_IMPL(kvforge_cpp, CPU, m) {
@@ -427,6 +466,7 @@ TORCH_LIBRARY_IMPL(kvforge_cpp, CPU, m) {
 
 TORCH_LIBRARY_IMPL(kvforge_cpp, CompositeExplicitAutograd, m) {
   m.impl("bf16_linear_path", &bf16_linear_path);
+  m.impl("f32_weight_runs", &f32_weight_runs);
 }
 
 }  // namespace kvforge_cpp

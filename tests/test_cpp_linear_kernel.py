@@ -168,6 +168,50 @@ def test_bfloat16_rows_have_the_same_bits_alone_and_among_many(level, epilogue, 
         assert torch.equal(part, together[rows]), f"rows {rows.start}-{rows.stop - 1} differ"
 
 
+@pytest.mark.parametrize("level", LEVELS)
+@pytest.mark.parametrize("epilogue", ["none", "add", "silu_mul"])
+def test_float32_weights_in_runs_give_the_bits_of_one_run_at_every_row_count(level, epilogue, monkeypatch):
+    """A float32 weight packed in four runs (input d in run d % 4) is summed in the
+    inputs' order, as one run is: the same bits at 1 to 130 rows, through the few-row
+    tiles, the one-block tiles of 4-6 rows and the chunks whose first row tile copies
+    the runs into one for the others; and each row's bits alone equal its bits
+    among many."""
+    monkeypatch.setenv("KVFORGE_CPP_ISA", level)
+    if not kernel_path().startswith(level):
+        pytest.skip(f"this CPU runs {kernel_path()}, not {level}")
+    x, ws, bs, other = operands(130, 516, 70, True, epilogue, torch.float32)
+    in_runs = run_kernel(x, ws, bs, other, epilogue, pack=lambda w: pack_weight(w, runs=4))
+    assert kernel_error(in_runs, x, ws, bs, other, epilogue) <= 1
+    assert torch.equal(in_runs, run_kernel(x, ws, bs, other, epilogue, pack=lambda w: pack_weight(w, runs=1)))
+    for rows in (slice(0, 1), slice(0, 2), slice(1, 4), slice(0, 4), slice(3, 8), slice(0, 6), slice(0, 7),
+                 slice(5, 18), slice(0, 64), slice(60, 125)):
+        part = run_kernel(x[rows], ws, bs, None if other is None else other[rows], epilogue,
+                          pack=lambda w: pack_weight(w, runs=4))
+        assert torch.equal(part, in_runs[rows]), f"rows {rows.start}-{rows.stop - 1} differ"
+
+
+def test_the_check_catches_runs_read_as_one():
+    """Four runs read as one run (a layout bug: the op told the wrong layout) fail."""
+    x, ws, bs, other = operands(9, 64, 32, False, "none", torch.float32)
+    broken = run_kernel(x, ws, bs, other, "none", pack=lambda w: pack_weight(w, runs=4).view(-1, 64, 16))
+    assert kernel_error(broken, x, ws, bs, other, "none") > 10
+
+
+def test_pack_weight_lays_float32_inputs_out_in_the_runs_of_the_path(monkeypatch):
+    w = torch.randn(20, 12)
+    packed = pack_weight(w, runs=4)
+    assert packed.shape == (2, 4, 3, 16)
+    for b, r, i, c in [(0, 0, 0, 0), (0, 3, 2, 15), (1, 2, 1, 3), (0, 1, 0, 7)]:
+        assert packed[b, r, i, c] == w[16 * b + c, 4 * i + r]
+    assert torch.equal(packed[1, :, :, 4:], torch.zeros(4, 3, 12))  # padding channels 20-31
+    assert pack_weight(torch.randn(20, 6), runs=4).shape == (2, 6, 16)  # a width 4 does not divide: one run
+    for level, runs in (("avx2", 4), ("baseline", 1)):
+        monkeypatch.setenv("KVFORGE_CPP_ISA", level)
+        if kernel_path() == level:
+            assert torch.ops.kvforge_cpp.f32_weight_runs() == runs
+            assert pack_weight(w).shape == ((2, 4, 3, 16) if runs == 4 else (2, 12, 16))
+
+
 @pytest.mark.parametrize("rows", [21, 70], ids=["one_chunk", "two_chunks"])  # the decode and the prefill tiles
 @pytest.mark.parametrize("dtype", DTYPES, ids=["bfloat16", "float32"])
 def test_strided_rows_zero_rows_and_rows_independent(dtype, rows):
@@ -200,12 +244,14 @@ def test_bad_input_gets_a_clear_error(bad, message):
     (lambda x, p, n: (x.bfloat16(), p, n), "2-D float32"),
     (lambda x, p, n: (x[:, :10], p, n), "input features but the packed weight holds 16"),
     (lambda x, p, n: (x, p.bfloat16(), n), r"float32 \[blocks, in, 16\]"),
+    (lambda x, p, n: (x, p.view(p.shape[0], 2, -1, 16), n), r"or \[blocks, 4, in / 4, 16\]"),
+    (lambda x, p, n: (x[:, :12], p.view(p.shape[0], 4, -1, 16), n), "holds 16"),
     (lambda x, p, n: (x, p, n + 16), "does not fit"),
 ])
 def test_bad_float32_input_gets_a_clear_error(bad, message):
     x, ws, _, _ = operands(2, 16, 8, False, "none", torch.float32)
     with pytest.raises(RuntimeError, match=message):
-        torch.ops.kvforge_cpp.f32_linear(*bad(x, pack_weight(ws[0]), 8))
+        torch.ops.kvforge_cpp.f32_linear(*bad(x, pack_weight(ws[0], runs=1), 8))
     with pytest.raises(RuntimeError, match=r"needs `other`, a float32"):
         torch.ops.kvforge_cpp.f32_linear(x, pack_weight(ws[0]), 8, None, "add", torch.zeros(2, 8).bfloat16())
 
