@@ -202,6 +202,10 @@ constexpr int64_t kChunkRows = 64;
 // Chunks of a float32 weight in runs, which pays a copy per chunk (run_tiles): twice
 // the rows halve it, and measured 1.02-1.07x one run's chunks at 64-512 rows.
 constexpr int64_t kCopyChunkRows = 128;
+// Up to how many one-block row tiles a float32 weight in runs takes block by block
+// (run_tiles): 7-18 rows measured 1.05-1.10x one run that way, 24 rows 0.99x,
+// 32-48 rows 0.90x (the copy then: 0.96-0.98x).
+constexpr int64_t kByBlockRowTiles = 3;
 
 // The prefetches a chunk of row tiles spreads the next channel tile's weights
 // over: each row tile's `steps` input steps fetch `step` bytes further on. A
@@ -245,25 +249,32 @@ inline void prefetch_epilogue(const Epilogue& e, int64_t r, int mr, int64_t bloc
 // Every tile of y = epilogue(x W^T): `w` holds `blocks` packed blocks of
 // `block_elems` values each; a tile takes `steps` steps over the inputs.
 //
-// A float32 weight in runs (`runs` > 1) is read from cache in one run: where a
-// chunk has more than one row tile, its first copies the channel tile's weights
-// into one run as it reads them (`f32_tile`'s `copy`) and the others read that
-// copy. Tiles reading the runs from cache, row tile after row tile, measured
-// 10-15% slower than over one run.
+// A float32 weight in runs (`runs` > 1), for more rows than `one_block_rows`:
+// up to kByBlockRowTiles one-block row tiles go block by block (every row tile
+// over a block before the next block: each block streams its runs from memory
+// once, then stays in cache for the others), the sums kept for the epilogue
+// until the channel tile's last block. Past that the weights are read from
+// cache far more than from memory, and tiles reading runs from cache, row tile
+// after row tile, measured 10-15% slower than over one run: where a chunk has
+// more than one row tile, its first copies the channel tile's weights into one
+// run as it reads them (`f32_tile`'s `copy`) and the others read that copy.
 template <typename T>
 void run_tiles(const Tiles<T>& tiles, FinishFn finish, const T* x, int64_t x_stride, int64_t m, int64_t k,
                const T* w, int64_t blocks, int64_t block_elems, int64_t steps, const Epilogue& e, int runs = 1) {
   // A few rows more than the tile's: one row tile of them all, whose channel tile's
   // blocks go through the one-block tile one after the other (`Tiles`).
   const bool one_pass = m > tiles.shape.rows && m <= tiles.one_block_rows;
-  const int64_t tile_blocks = tiles.shape.blocks, tile_rows = one_pass ? m : tiles.shape.rows;
+  const bool block_by_block = runs > 1 && m > tiles.one_block_rows && m <= kByBlockRowTiles * tiles.one_block_rows;
+  const int64_t tile_blocks = tiles.shape.blocks;
+  const int64_t tile_rows = one_pass ? m : block_by_block ? tiles.one_block_rows : tiles.shape.rows;
   const int64_t channel_tiles = (blocks + tile_blocks - 1) / tile_blocks;
   const int64_t chunk_rows = (runs > 1 ? kCopyChunkRows : kChunkRows) / tile_rows * tile_rows;
   const int64_t chunks = (m + chunk_rows - 1) / chunk_rows;
   const bool many_rows = m > tile_rows;  // a decode's few outputs are in cache
-  const bool copy_runs = runs > 1 && many_rows && !one_pass;
+  const bool copy_runs = runs > 1 && many_rows && !one_pass && !block_by_block;
   at::parallel_for(0, chunks * channel_tiles, 1, [&](int64_t i0, int64_t i1) {
     alignas(64) float acc[kMaxRows * kMaxBlocks * 16];
+    alignas(64) float by_block_acc[kByBlockRowTiles * kMaxRows * kMaxBlocks * 16];  // block_by_block's sums
     // The channel tile's weights in one run, on whole cache lines (a load across two
     // lines costs two): a buffer each thread keeps.
     thread_local std::vector<float> one_run_buffer;
@@ -275,11 +286,12 @@ void run_tiles(const Tiles<T>& tiles, FinishFn finish, const T* x, int64_t x_str
       const int64_t block0 = i % channel_tiles * tile_blocks;
       const int nb = static_cast<int>(std::min<int64_t>(tile_blocks, blocks - block0));
       const int64_t next_block0 = (i + 1) % channel_tiles * tile_blocks;
+      const int64_t row_tiles = (row_end - row_begin + tile_rows - 1) / tile_rows;
       // The next tile's weights are fetched over this tile's calls: its row tiles, or
       // under `one_pass` its blocks' calls.
       const Lookahead ahead(i + 1 < i1 ? reinterpret_cast<const char*>(w + next_block0 * block_elems) : nullptr,
                             std::min<int64_t>(tile_blocks, blocks - next_block0) * block_elems * int64_t{sizeof(T)},
-                            one_pass ? nb : (row_end - row_begin + tile_rows - 1) / tile_rows, steps);
+                            one_pass ? nb : block_by_block ? nb * row_tiles : row_tiles, steps);
       if (one_pass) {
         const int mr = static_cast<int>(m);
         for (int j = 0; j < nb; ++j) {  // block j's sums where an nb-block tile keeps them
@@ -287,6 +299,23 @@ void run_tiles(const Tiles<T>& tiles, FinishFn finish, const T* x, int64_t x_str
                               ahead.for_row_tile(j, steps), ahead.step, runs, nullptr);
         }
         finish(acc, mr, nb, 0, block0, e);
+        continue;
+      }
+      if (block_by_block) {
+        for (int j = 0; j < nb; ++j) {
+          for (int64_t t = 0; t < row_tiles; ++t) {
+            const int64_t r = row_begin + t * tile_rows;
+            const int mr = static_cast<int>(std::min<int64_t>(tile_rows, row_end - r));
+            tiles.at[mr - 1][0](x + r * x_stride, x_stride, w + (block0 + j) * block_elems, k,
+                                by_block_acc + t * tile_rows * kMaxBlocks * 16 + j * 16,
+                                ahead.for_row_tile(j * row_tiles + t, steps), ahead.step, runs, nullptr);
+          }
+        }
+        for (int64_t t = 0; t < row_tiles; ++t) {
+          const int64_t r = row_begin + t * tile_rows;
+          finish(by_block_acc + t * tile_rows * kMaxBlocks * 16,
+                 static_cast<int>(std::min<int64_t>(tile_rows, row_end - r)), nb, r, block0, e);
+        }
         continue;
       }
       const bool copying = copy_runs && row_end - row_begin > tile_rows;  // (T is float then)

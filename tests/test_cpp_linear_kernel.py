@@ -173,9 +173,9 @@ def test_bfloat16_rows_have_the_same_bits_alone_and_among_many(level, epilogue, 
 def test_float32_weights_in_runs_give_the_bits_of_one_run_at_every_row_count(level, epilogue, monkeypatch):
     """A float32 weight packed in four runs (input d in run d % 4) is summed in the
     inputs' order, as one run is: the same bits at 1 to 130 rows, through the few-row
-    tiles, the one-block tiles of 4-6 rows and the chunks whose first row tile copies
-    the runs into one for the others; and each row's bits alone equal its bits
-    among many."""
+    tiles, the one-block tiles of 4-6 rows, 7-18 rows block by block and the chunks
+    whose first row tile copies the runs into one for the others; and each row's
+    bits alone equal its bits among many."""
     monkeypatch.setenv("KVFORGE_CPP_ISA", level)
     if not kernel_path().startswith(level):
         pytest.skip(f"this CPU runs {kernel_path()}, not {level}")
@@ -184,7 +184,7 @@ def test_float32_weights_in_runs_give_the_bits_of_one_run_at_every_row_count(lev
     assert kernel_error(in_runs, x, ws, bs, other, epilogue) <= 1
     assert torch.equal(in_runs, run_kernel(x, ws, bs, other, epilogue, pack=lambda w: pack_weight(w, runs=1)))
     for rows in (slice(0, 1), slice(0, 2), slice(1, 4), slice(0, 4), slice(3, 8), slice(0, 6), slice(0, 7),
-                 slice(5, 18), slice(0, 64), slice(60, 125)):
+                 slice(5, 18), slice(0, 18), slice(2, 21), slice(0, 64), slice(60, 125)):
         part = run_kernel(x[rows], ws, bs, None if other is None else other[rows], epilogue,
                           pack=lambda w: pack_weight(w, runs=4))
         assert torch.equal(part, in_runs[rows]), f"rows {rows.start}-{rows.stop - 1} differ"
