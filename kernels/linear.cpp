@@ -268,7 +268,13 @@ void run_tiles(const Tiles<T>& tiles, FinishFn finish, const T* x, int64_t x_str
   const int64_t tile_blocks = tiles.shape.blocks;
   const int64_t tile_rows = one_pass ? m : block_by_block ? tiles.one_block_rows : tiles.shape.rows;
   const int64_t channel_tiles = (blocks + tile_blocks - 1) / tile_blocks;
-  const int64_t chunk_rows = (runs > 1 ? kCopyChunkRows : kChunkRows) / tile_rows * tile_rows;
+  // The rows split evenly over the chunks (whole row tiles each), so that the threads'
+  // equal shares of (chunk, channel tile) items are equal work: full chunks and a
+  // short last one gave two threads 283 and 229 rows' work of 512 (64-row chunks),
+  // 315 and 197 (128), and 63 and 1 of 64.
+  const auto cdiv = [](int64_t a, int64_t b) { return (a + b - 1) / b; };
+  const int64_t most_rows = (runs > 1 ? kCopyChunkRows : kChunkRows) / tile_rows * tile_rows;
+  const int64_t chunk_rows = cdiv(cdiv(m, cdiv(m, most_rows)), tile_rows) * tile_rows;
   const int64_t chunks = (m + chunk_rows - 1) / chunk_rows;
   const bool many_rows = m > tile_rows;  // a decode's few outputs are in cache
   const bool copy_runs = runs > 1 && many_rows && !one_pass && !block_by_block;
