@@ -106,11 +106,7 @@ inline void f32_tile(const float* __restrict__ x, int64_t x_stride, const float*
   };
   const auto walk = [&](auto copying) __attribute__((always_inline)) {
     const int64_t run = k / 4 * kLanes;
-    if (runs == 4 && decltype(copying)::value) {
-      // The first of many row tiles, whose weights come from cache: one load walks the
-      // runs in turn (GCC spilled sums of the loop below with the copies in it).
-      for (int64_t d = 0; d < k; ++d) input(copying, d, w + (d & 3) * run + (d >> 2) * kLanes);
-    } else if (runs == 4) {
+    if (runs == 4) {
       // One load per run, each walking its run line by line (a constant stride per load).
       for (int64_t i = 0; i < k / 4; ++i) {
         const float* line = w + i * kLanes;
