@@ -200,11 +200,10 @@ constexpr int64_t kWidenRows = 96;
 // decode is one chunk.
 constexpr int64_t kChunkRows = 64;
 // Chunks of a float32 weight in runs, which pays a copy per chunk (run_tiles): twice
-// the rows halve it, and measured 1.02-1.07x one run's chunks at 64-512 rows.
+// the rows halve it (docs/models.md, "float32 weights in four runs").
 constexpr int64_t kCopyChunkRows = 128;
 // Up to how many one-block row tiles a float32 weight in runs takes block by block
-// (run_tiles): 7-18 rows measured 1.05-1.10x one run that way, 24 rows 0.99x,
-// 32-48 rows 0.90x (the copy then: 0.96-0.98x).
+// (run_tiles): past three, block by block fell behind the copy (same section).
 constexpr int64_t kByBlockRowTiles = 3;
 
 // The prefetches a chunk of row tiles spreads the next channel tile's weights
@@ -267,15 +266,15 @@ void run_tiles(const Tiles<T>& tiles, FinishFn finish, const T* x, int64_t x_str
   const bool block_by_block = runs > 1 && m > tiles.one_block_rows && m <= kByBlockRowTiles * tiles.one_block_rows;
   const int64_t tile_blocks = tiles.shape.blocks;
   const int64_t tile_rows = one_pass ? m : block_by_block ? tiles.one_block_rows : tiles.shape.rows;
-  const int64_t channel_tiles = (blocks + tile_blocks - 1) / tile_blocks;
+  const auto cdiv = [](int64_t a, int64_t b) { return (a + b - 1) / b; };
+  const int64_t channel_tiles = cdiv(blocks, tile_blocks);
   // The rows split evenly over the chunks (whole row tiles each), so that the threads'
   // equal shares of (chunk, channel tile) items are equal work: full chunks and a
   // short last one gave two threads 283 and 229 rows' work of 512 (64-row chunks),
   // 315 and 197 (128), and 63 and 1 of 64.
-  const auto cdiv = [](int64_t a, int64_t b) { return (a + b - 1) / b; };
   const int64_t most_rows = (runs > 1 ? kCopyChunkRows : kChunkRows) / tile_rows * tile_rows;
   const int64_t chunk_rows = cdiv(cdiv(m, cdiv(m, most_rows)), tile_rows) * tile_rows;
-  const int64_t chunks = (m + chunk_rows - 1) / chunk_rows;
+  const int64_t chunks = cdiv(m, chunk_rows);
   const bool many_rows = m > tile_rows;  // a decode's few outputs are in cache
   const bool copy_runs = runs > 1 && many_rows && !one_pass && !block_by_block;
   at::parallel_for(0, chunks * channel_tiles, 1, [&](int64_t i0, int64_t i1) {
@@ -292,7 +291,7 @@ void run_tiles(const Tiles<T>& tiles, FinishFn finish, const T* x, int64_t x_str
       const int64_t block0 = i % channel_tiles * tile_blocks;
       const int nb = static_cast<int>(std::min<int64_t>(tile_blocks, blocks - block0));
       const int64_t next_block0 = (i + 1) % channel_tiles * tile_blocks;
-      const int64_t row_tiles = (row_end - row_begin + tile_rows - 1) / tile_rows;
+      const int64_t row_tiles = cdiv(row_end - row_begin, tile_rows);
       // The next tile's weights are fetched over this tile's calls: its row tiles, or
       // under `one_pass` its blocks' calls.
       const Lookahead ahead(i + 1 < i1 ? reinterpret_cast<const char*>(w + next_block0 * block_elems) : nullptr,
