@@ -16,7 +16,7 @@ inline __m512bh x_last(const uint16_t* p) { return (__m512bh)_mm512_set1_epi32(s
 
 template <int MR, int NB>
 inline void dpbf16_tile(const uint16_t* __restrict__ x, int64_t x_stride, const uint16_t* __restrict__ w,
-                        int64_t k, float* __restrict__ acc_out, const char* ahead, int64_t ahead_step, int, float*) {
+                        int64_t k, float* __restrict__ acc_out, const char* ahead, int64_t ahead_step) {
   const int64_t pairs = (k + 1) / 2;
   __m512 acc[MR][NB] = {};
   const int64_t full = k / 2;

@@ -26,10 +26,10 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <cstdlib>
+#include <cstring>
 #include <optional>
 #include <string>
-#include <type_traits>
-#include <vector>
 
 #include "cpu_isa.h"
 #include "f32_packed_rows.h"
@@ -100,7 +100,7 @@ namespace linear_dpbf16 {
 namespace {
 
 template <typename T>
-using TileFn = void (*)(const T*, int64_t, const T*, int64_t, float*, const char*, int64_t, int, float*);
+using TileFn = void (*)(const T*, int64_t, const T*, int64_t, float*, const char*, int64_t);
 using FinishFn = void (*)(const float*, int, int, int64_t, int64_t, const Epilogue&);
 using WidenFn = void (*)(const uint16_t*, int64_t, int64_t, int64_t, float*);
 
@@ -117,25 +117,27 @@ struct TileShape {
 // takes one row tile of all its rows, each channel tile's blocks one after the
 // other through the one-block tile, so each weight is read once; `shape` tiles
 // read a channel tile's weights once per row tile (the first pass from memory
-// or L3, the others from L2).
+// or L3, the others from L2). Up to `wide_rows` rows (0: none), a decode's,
+// tiles span kMaxBlocks blocks: each block is one stream of weights, and the
+// hardware prefetchers bring four streams from memory faster than two
+// (docs/models.md, "Four-block tiles for a decode").
 template <typename T>
 struct Tiles {
   TileFn<T> at[kMaxRows][kMaxBlocks];
   TileShape shape;
   int one_block_rows;
+  int wide_rows;
 };
 
 // Everything one ISA runs: the tiles of each dtype and the epilogue; `widen`
 // (widen_bf16_blocks) where a bfloat16 product of many rows runs faster as
-// float32 tiles over weights widened once per call (see bf16_linear), else null;
-// and the runs a float32 weight is packed in here (`f32_weight_runs`).
+// float32 tiles over weights widened once per call (see bf16_linear), else null.
 struct Path {
   Tiles<uint16_t> bf16;
   Tiles<float> f32;
   FinishFn finish;
   const char* name;
   WidenFn widen;
-  int f32_runs;
 };
 
 #define KVFORGE_TILE_ROW(NS, FN, MR) {&NS::FN<MR, 1>, &NS::FN<MR, 2>, &NS::FN<MR, 3>, &NS::FN<MR, 4>}
@@ -144,37 +146,32 @@ struct Path {
    KVFORGE_TILE_ROW(NS, FN, 4), KVFORGE_TILE_ROW(NS, FN, 5), KVFORGE_TILE_ROW(NS, FN, 6),                       \
    KVFORGE_TILE_ROW(NS, FN, 7), KVFORGE_TILE_ROW(NS, FN, 8)}
 
-// The runs an AVX2 float32 weight is packed in: input d of each 16-channel block
-// in run d % 4 ([blocks, 4, in / 4, 16]). A one-block tile walks the inputs in
-// order and so reads four places of its block at once, which the hardware
-// prefetchers stream from memory at the speed two blocks side by side reach,
-// where one run read at about two thirds of it (docs/models.md, "float32
-// weights in four runs"). The sums keep their order, so the bits are those of
-// one run at any row count.
-constexpr int kF32Runs = 4;
-
-const Path kBaseline = {{KVFORGE_TILES(linear_base, generic_tile), {4, 4}, 0},
-                        {KVFORGE_TILES(linear_base, f32_tile), {4, 4}, 0},
-                        &linear_base::finish_tile, "baseline", &linear_base::widen_bf16_blocks, 1};
+const Path kBaseline = {{KVFORGE_TILES(linear_base, generic_tile), {4, 4}, 0, 0},
+                        {KVFORGE_TILES(linear_base, f32_tile), {4, 4}, 0, 0},
+                        &linear_base::finish_tile, "baseline", &linear_base::widen_bf16_blocks};
 #ifdef KVFORGE_HAS_X86_PATHS
 // AVX2 has 16 ymm registers and a 16-channel block takes two: 3 x 2 float32 tiles
 // (12 sums, 4 weight vectors); bfloat16 splits each weight vector in two, so 2 x 2.
 // One block: 6 float32 rows (12 sums, 2 weight vectors, a broadcast input), and 4
 // bfloat16 rows (8 sums, the two halves of each weight vector, two inputs).
-const Path kAvx2 = {{KVFORGE_TILES(linear_avx2, generic_tile), {2, 2}, 4},
-                    {KVFORGE_TILES(linear_avx2, f32_tile), {3, 2}, 6},
-                    &linear_avx2::finish_tile, "avx2", &linear_avx2::widen_bf16_blocks, kF32Runs};
+// Four blocks (`wide_rows`) up to 3 float32 rows and 2 bfloat16 rows: the 3 x 4
+// float32 tile keeps some of its 24 sums on the stack and still reads a decode's
+// weights faster than 3 x 2; 3 x 4 bfloat16 measured no faster than 3 rows through
+// the one-block tile.
+const Path kAvx2 = {{KVFORGE_TILES(linear_avx2, generic_tile), {2, 2}, 4, 2},
+                    {KVFORGE_TILES(linear_avx2, f32_tile), {3, 2}, 6, 3},
+                    &linear_avx2::finish_tile, "avx2", &linear_avx2::widen_bf16_blocks};
 // (AVX-512 and its bfloat16 dot product keep their tiles at every row count: a
 // one-block tile there is not measured.)
-const Path kAvx512 = {{KVFORGE_TILES(linear_avx512, generic_tile), {4, 4}, 0},
-                      {KVFORGE_TILES(linear_avx512, f32_tile), {4, 4}, 0},
-                      &linear_avx512::finish_tile, "avx512", &linear_avx512::widen_bf16_blocks, 1};
+const Path kAvx512 = {{KVFORGE_TILES(linear_avx512, generic_tile), {4, 4}, 0, 0},
+                      {KVFORGE_TILES(linear_avx512, f32_tile), {4, 4}, 0, 0},
+                      &linear_avx512::finish_tile, "avx512", &linear_avx512::widen_bf16_blocks};
 // bfloat16 8 rows x 2 blocks: 16 sums, and per input pair 2 weight loads for 16
 // vdpbf16ps, which measured faster than 4 x 4 at every row count once a
 // decode's weights stream from 2 MiB pages (docs/models.md).
-const Path kDpbf16 = {{KVFORGE_TILES(linear_dpbf16, dpbf16_tile), {8, 2}, 0},
-                      {KVFORGE_TILES(linear_dpbf16, f32_tile), {4, 4}, 0},
-                      &linear_dpbf16::finish_tile, "avx512_bf16", nullptr, 1};
+const Path kDpbf16 = {{KVFORGE_TILES(linear_dpbf16, dpbf16_tile), {8, 2}, 0, 0},
+                      {KVFORGE_TILES(linear_dpbf16, f32_tile), {4, 4}, 0, 0},
+                      &linear_dpbf16::finish_tile, "avx512_bf16", nullptr};
 #endif
 
 const Path& path_here() {
@@ -199,12 +196,6 @@ constexpr int64_t kWidenRows = 96;
 // every channel tile passes over them (a prefill's thousands of rows do not); a
 // decode is one chunk.
 constexpr int64_t kChunkRows = 64;
-// Chunks of a float32 weight in runs, which pays a copy per chunk (run_tiles): twice
-// the rows halve it (docs/models.md, "float32 weights in four runs").
-constexpr int64_t kCopyChunkRows = 128;
-// Up to how many one-block row tiles a float32 weight in runs takes block by block
-// (run_tiles): past three, block by block fell behind the copy (same section).
-constexpr int64_t kByBlockRowTiles = 3;
 
 // The prefetches a chunk of row tiles spreads the next channel tile's weights
 // over: each row tile's `steps` input steps fetch `step` bytes further on. A
@@ -245,93 +236,60 @@ inline void prefetch_epilogue(const Epilogue& e, int64_t r, int mr, int64_t bloc
   }
 }
 
+// Whether a decode's rows take four-block tiles where a path has them (`Tiles`):
+// yes unless KVFORGE_WIDE_TILES=off, which keeps the path's own tile at every row
+// count, for before/after figures (benchmarks/decode_tiles.py). Read per call, as
+// KVFORGE_CPP_ISA is.
+inline bool wide_tiles_on() {
+  const char* setting = std::getenv("KVFORGE_WIDE_TILES");
+  return setting == nullptr || std::strcmp(setting, "off") != 0;
+}
+
 // Every tile of y = epilogue(x W^T): `w` holds `blocks` packed blocks of
 // `block_elems` values each; a tile takes `steps` steps over the inputs.
-//
-// A float32 weight in runs (`runs` > 1), for more rows than `one_block_rows`:
-// up to kByBlockRowTiles one-block row tiles go block by block (every row tile
-// over a block before the next block: each block streams its runs from memory
-// once, then stays in cache for the others), the sums kept for the epilogue
-// until the channel tile's last block. Past that the weights are read from
-// cache far more than from memory, and tiles reading runs from cache, row tile
-// after row tile, measured 10-15% slower than over one run: where a chunk has
-// more than one row tile, its first copies the channel tile's weights into one
-// run as it reads them (`f32_tile`'s `copy`) and the others read that copy.
 template <typename T>
 void run_tiles(const Tiles<T>& tiles, FinishFn finish, const T* x, int64_t x_stride, int64_t m, int64_t k,
-               const T* w, int64_t blocks, int64_t block_elems, int64_t steps, const Epilogue& e, int runs = 1) {
+               const T* w, int64_t blocks, int64_t block_elems, int64_t steps, const Epilogue& e) {
   // A few rows more than the tile's: one row tile of them all, whose channel tile's
   // blocks go through the one-block tile one after the other (`Tiles`).
   const bool one_pass = m > tiles.shape.rows && m <= tiles.one_block_rows;
-  const bool block_by_block = runs > 1 && m > tiles.one_block_rows && m <= kByBlockRowTiles * tiles.one_block_rows;
-  const int64_t tile_blocks = tiles.shape.blocks;
-  const int64_t tile_rows = one_pass ? m : block_by_block ? tiles.one_block_rows : tiles.shape.rows;
+  const int64_t tile_blocks = m <= tiles.wide_rows && wide_tiles_on() ? kMaxBlocks : tiles.shape.blocks;
+  const int64_t tile_rows = one_pass ? m : tiles.shape.rows;
   const auto cdiv = [](int64_t a, int64_t b) { return (a + b - 1) / b; };
   const int64_t channel_tiles = cdiv(blocks, tile_blocks);
   // The rows split evenly over the chunks (whole row tiles each), so that the threads'
   // equal shares of (chunk, channel tile) items are equal work: full chunks and a
-  // short last one gave two threads 283 and 229 rows' work of 512 (64-row chunks),
-  // 315 and 197 (128), and 63 and 1 of 64.
-  const int64_t most_rows = (runs > 1 ? kCopyChunkRows : kChunkRows) / tile_rows * tile_rows;
+  // short last one gave two threads 283 and 229 rows' work of 512, and 63 and 1 of 64.
+  const int64_t most_rows = kChunkRows / tile_rows * tile_rows;
   const int64_t chunk_rows = cdiv(cdiv(m, cdiv(m, most_rows)), tile_rows) * tile_rows;
   const int64_t chunks = cdiv(m, chunk_rows);
   const bool many_rows = m > tile_rows;  // a decode's few outputs are in cache
-  const bool copy_runs = runs > 1 && many_rows && !one_pass && !block_by_block;
   at::parallel_for(0, chunks * channel_tiles, 1, [&](int64_t i0, int64_t i1) {
     alignas(64) float acc[kMaxRows * kMaxBlocks * 16];
-    alignas(64) float by_block_acc[kByBlockRowTiles * kMaxRows * kMaxBlocks * 16];  // block_by_block's sums
-    // The channel tile's weights in one run, on whole cache lines (a load across two
-    // lines costs two): a buffer each thread keeps.
-    thread_local std::vector<float> one_run_buffer;
-    const size_t one_run_floats = copy_runs ? tile_blocks * k * 16 + 16 : 0;
-    if (one_run_buffer.size() < one_run_floats) one_run_buffer.resize(one_run_floats);
-    float* one_run = reinterpret_cast<float*>((reinterpret_cast<uintptr_t>(one_run_buffer.data()) + 63) & ~uintptr_t{63});
     for (int64_t i = i0; i < i1; ++i) {
       const int64_t row_begin = i / channel_tiles * chunk_rows, row_end = std::min(m, row_begin + chunk_rows);
       const int64_t block0 = i % channel_tiles * tile_blocks;
       const int nb = static_cast<int>(std::min<int64_t>(tile_blocks, blocks - block0));
       const int64_t next_block0 = (i + 1) % channel_tiles * tile_blocks;
-      const int64_t row_tiles = cdiv(row_end - row_begin, tile_rows);
       // The next tile's weights are fetched over this tile's calls: its row tiles, or
       // under `one_pass` its blocks' calls.
       const Lookahead ahead(i + 1 < i1 ? reinterpret_cast<const char*>(w + next_block0 * block_elems) : nullptr,
                             std::min<int64_t>(tile_blocks, blocks - next_block0) * block_elems * int64_t{sizeof(T)},
-                            one_pass ? nb : block_by_block ? nb * row_tiles : row_tiles, steps);
+                            one_pass ? nb : cdiv(row_end - row_begin, tile_rows), steps);
       if (one_pass) {
         const int mr = static_cast<int>(m);
         for (int j = 0; j < nb; ++j) {  // block j's sums where an nb-block tile keeps them
           tiles.at[mr - 1][0](x, x_stride, w + (block0 + j) * block_elems, k, acc + j * 16,
-                              ahead.for_row_tile(j, steps), ahead.step, runs, nullptr);
+                              ahead.for_row_tile(j, steps), ahead.step);
         }
         finish(acc, mr, nb, 0, block0, e);
         continue;
       }
-      if (block_by_block) {
-        for (int j = 0; j < nb; ++j) {
-          for (int64_t t = 0; t < row_tiles; ++t) {
-            const int64_t r = row_begin + t * tile_rows;
-            const int mr = static_cast<int>(std::min<int64_t>(tile_rows, row_end - r));
-            tiles.at[mr - 1][0](x + r * x_stride, x_stride, w + (block0 + j) * block_elems, k,
-                                by_block_acc + t * tile_rows * kMaxBlocks * 16 + j * 16,
-                                ahead.for_row_tile(j * row_tiles + t, steps), ahead.step, runs, nullptr);
-          }
-        }
-        for (int64_t t = 0; t < row_tiles; ++t) {
-          const int64_t r = row_begin + t * tile_rows;
-          finish(by_block_acc + t * tile_rows * kMaxBlocks * 16,
-                 static_cast<int>(std::min<int64_t>(tile_rows, row_end - r)), nb, r, block0, e);
-        }
-        continue;
-      }
-      const bool copying = copy_runs && row_end - row_begin > tile_rows;  // (T is float then)
       for (int64_t r = row_begin; r < row_end; r += tile_rows) {
         const int mr = static_cast<int>(std::min<int64_t>(tile_rows, row_end - r));
         if (many_rows) prefetch_epilogue(e, r, mr, block0, nb);
-        const bool from_copy = copying && r != row_begin;
-        tiles.at[mr - 1][nb - 1](x + r * x_stride, x_stride,
-                                 from_copy ? reinterpret_cast<const T*>(one_run) : w + block0 * block_elems, k, acc,
-                                 ahead.for_row_tile((r - row_begin) / tile_rows, steps), ahead.step,
-                                 from_copy ? 1 : runs, copying && !from_copy ? one_run : nullptr);
+        tiles.at[mr - 1][nb - 1](x + r * x_stride, x_stride, w + block0 * block_elems, k, acc,
+                                 ahead.for_row_tile((r - row_begin) / tile_rows, steps), ahead.step);
         finish(acc, mr, nb, r, block0, e);
       }
     }
@@ -441,14 +399,12 @@ at::Tensor f32_linear(const at::Tensor& x, const at::Tensor& packed, int64_t out
   const char* op = "kvforge_cpp.f32_linear: ";
   const int mode = epilogue_mode(op, epilogue);
   check_x(op, x, packed, at::kFloat);
-  const int runs = packed.dim() == 4 ? static_cast<int>(packed.size(1)) : 1;
-  TORCH_CHECK((packed.dim() == 3 || (packed.dim() == 4 && runs == kF32Runs)) && packed.scalar_type() == at::kFloat &&
-                  packed.size(-1) == 16 && packed.is_contiguous(), op,
-              "packed must be a contiguous float32 [blocks, in, 16] or [blocks, ", kF32Runs, ", in / ", kF32Runs,
-              ", 16] (pack the weight with kvforge.models.cpp_linear.pack_weight), got ", packed.scalar_type(), " ",
-              packed.sizes());
-  const int64_t held = runs * packed.size(-2);
-  TORCH_CHECK(held == x.size(1), op, "x has ", x.size(1), " input features but the packed weight holds ", held);
+  TORCH_CHECK(packed.dim() == 3 && packed.scalar_type() == at::kFloat && packed.size(2) == 16 &&
+                  packed.is_contiguous(), op,
+              "packed must be a contiguous float32 [blocks, in, 16] (pack the weight with "
+              "kvforge.models.cpp_linear.pack_weight), got ", packed.scalar_type(), " ", packed.sizes());
+  TORCH_CHECK(packed.size(1) == x.size(1), op, "x has ", x.size(1), " input features but the packed weight holds ",
+              packed.size(1));
   check_epilogue(op, x, packed.size(0), out_features, bias, mode, other);
   const int64_t m = x.size(0), k = x.size(1), blocks = packed.size(0);
   at::Tensor y = at::empty({m, out_features}, x.options());
@@ -459,7 +415,7 @@ at::Tensor f32_linear(const at::Tensor& x, const at::Tensor& packed, int64_t out
   }
   const Path& path = path_here();
   run_tiles(path.f32, path.finish, x.data_ptr<float>(), x.stride(0), m, k, packed.data_ptr<float>(), blocks, k * 16, k,
-            epilogue_for(mode, bias, other, y), runs);
+            epilogue_for(mode, bias, other, y));
   return y;
 }
 
@@ -481,16 +437,12 @@ void bf16_packed_rows(const uint16_t* x, int64_t x_stride, int64_t m, int64_t k,
 // Which path the linear ops take here and now ("avx512_bf16", "avx512", "avx2" or "baseline").
 std::string bf16_linear_path() { return path_here().name; }
 
-// The runs pack_weight lays a float32 weight out in here (kF32Runs on AVX2, else 1).
-int64_t f32_weight_runs() { return path_here().f32_runs; }
-
 TORCH_LIBRARY_FRAGMENT(kvforge_cpp, m) {
   m.def("bf16_linear(Tensor x, Tensor packed, int out_features, Tensor? bias=None, str epilogue=\"none\", "
         "Tensor? other=None, bool float_out=False) -> Tensor");
   m.def("f32_linear(Tensor x, Tensor packed, int out_features, Tensor? bias=None, str epilogue=\"none\", "
         "Tensor? other=None) -> Tensor");
   m.def("bf16_linear_path() -> str");
-  m.def("f32_weight_runs() -> int");
 }
 
 TORCH_LIBRARY_IMPL(kvforge_cpp, CPU, m) {
@@ -500,7 +452,6 @@ TORCH_LIBRARY_IMPL(kvforge_cpp, CPU, m) {
 
 TORCH_LIBRARY_IMPL(kvforge_cpp, CompositeExplicitAutograd, m) {
   m.impl("bf16_linear_path", &bf16_linear_path);
-  m.impl("f32_weight_runs", &f32_weight_runs);
 }
 
 }  // namespace kvforge_cpp

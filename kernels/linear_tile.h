@@ -35,7 +35,7 @@ inline void prefetch_step(const char* ahead, int64_t ahead_step, int64_t d) {
 // The sums are kept in `vw`, as f32_tile's.
 template <int MR, int NB>
 inline void generic_tile(const uint16_t* __restrict__ x, int64_t x_stride, const uint16_t* __restrict__ w,
-                         int64_t k, float* __restrict__ acc_out, const char* ahead, int64_t ahead_step, int, float*) {
+                         int64_t k, float* __restrict__ acc_out, const char* ahead, int64_t ahead_step) {
   constexpr int V = NB * kLanes / kW;  // vectors per row of the tile
   const int64_t pairs = (k + 1) / 2;
   vw acc[MR][V];
@@ -72,58 +72,30 @@ inline void generic_tile(const uint16_t* __restrict__ x, int64_t x_stride, const
   }
 }
 
-// float32; blocks lie `k * 16` values apart, each in `runs` (1, or kF32Runs
-// in linear.cpp) runs of k / runs inputs: input d in run d % runs. The sums are
-// kept in `vw`, each block's 16 channels in kLanes / kW of them
-// (native_vectors.h: in vf16 this tile ran at a tenth of its speed under AVX2),
-// and take the inputs in order whatever the runs: the same bits either way.
-// Unless `copy` is null, the tile also writes the weights it reads there in one
-// run ([NB, k, 16]), for the chunk's other row tiles to read (run_tiles).
-// (GCC contracts the vector multiply-add into FMA.)
+// float32; blocks lie `k * 16` values apart. The sums are kept in `vw`, each
+// block's 16 channels in kLanes / kW of them (native_vectors.h: in vf16 this
+// tile ran at a tenth of its speed under AVX2). (GCC contracts the vector
+// multiply-add into FMA.)
 template <int MR, int NB>
 inline void f32_tile(const float* __restrict__ x, int64_t x_stride, const float* __restrict__ w, int64_t k,
-                     float* __restrict__ acc_out, const char* ahead, int64_t ahead_step, int runs,
-                     float* __restrict__ copy) {
+                     float* __restrict__ acc_out, const char* ahead, int64_t ahead_step) {
   constexpr int V = NB * kLanes / kW;  // vectors per row of the tile
   vw acc[MR][V];
   for (int m = 0; m < MR; ++m) {
     for (int v = 0; v < V; ++v) acc[m][v] = vw{};
   }
-  // Input d, whose 16 weights in the tile's first block start at `line`; `copying`
-  // (std::true_type or std::false_type) says at compile time whether to copy them.
-  const auto input = [&](auto copying, int64_t d, const float* line) __attribute__((always_inline)) {
+  runs_at_least_once(k);
+  for (int64_t d = 0; d < k; ++d) {
     prefetch_step(ahead, ahead_step, d);
     vw wv[V];
     for (int v = 0; v < V; ++v) {
       const int b = v * kW / kLanes, lane0 = v * kW % kLanes;
-      wv[v] = *reinterpret_cast<const vw*>(line + b * k * kLanes + lane0);
-      if constexpr (decltype(copying)::value) *reinterpret_cast<vw*>(copy + (b * k + d) * kLanes + lane0) = wv[v];
+      wv[v] = *reinterpret_cast<const vw*>(w + (b * k + d) * kLanes + lane0);
     }
     for (int m = 0; m < MR; ++m) {
       const float xv = x[m * x_stride + d];
       for (int v = 0; v < V; ++v) acc[m][v] += xv * wv[v];
     }
-  };
-  const auto walk = [&](auto copying) __attribute__((always_inline)) {
-    const int64_t run = k / 4 * kLanes;
-    if (runs == 4) {
-      // One load per run, each walking its run line by line (a constant stride per load).
-      for (int64_t i = 0; i < k / 4; ++i) {
-        const float* line = w + i * kLanes;
-        input(copying, 4 * i, line);
-        input(copying, 4 * i + 1, line + run);
-        input(copying, 4 * i + 2, line + 2 * run);
-        input(copying, 4 * i + 3, line + 3 * run);
-      }
-    } else {
-      for (int64_t d = 0; d < k; ++d) input(copying, d, w + d * kLanes);
-    }
-  };
-  runs_at_least_once(k);
-  if (copy != nullptr) {  // a loop of its own: a test per step cost the loop a register
-    walk(std::true_type{});
-  } else {
-    walk(std::false_type{});
   }
   for (int m = 0; m < MR; ++m) {
     for (int v = 0; v < V; ++v) *reinterpret_cast<vw*>(acc_out + m * kMaxBlocks * kLanes + v * kW) = acc[m][v];

@@ -100,28 +100,16 @@ def kernel_path() -> str:
     return torch.ops.kvforge_cpp.bf16_linear_path()
 
 
-def f32_weight_runs() -> int:
-    """The runs `pack_weight` lays a float32 weight's inputs out in here: 4 on AVX2
-    (kernels/linear.cpp, `kF32Runs`), else 1."""
-    load_kernel()
-    return int(torch.ops.kvforge_cpp.f32_weight_runs())
-
-
-def pack_weight(weight: torch.Tensor, runs: int | None = None) -> torch.Tensor:
+def pack_weight(weight: torch.Tensor) -> torch.Tensor:
     """`weight` `[out, in]` as the kernel of its dtype reads it, out padded with zero
-    channels to a multiple of 16: float32 `[blocks, in, 16]`, or in `runs` runs
-    `[blocks, runs, in / runs, 16]` (input d in run d % runs; `runs` defaults to
-    `f32_weight_runs()`, and a width it does not divide keeps one run); bfloat16
-    (any other dtype is rounded to it) `[blocks, pairs, 16, 2]`, in padded with a
-    zero input to an even count (the kernel never reads past a row of x for it)."""
+    channels to a multiple of 16: float32 `[blocks, in, 16]`; bfloat16 (any other
+    dtype is rounded to it) `[blocks, pairs, 16, 2]`, in padded with a zero input
+    to an even count (the kernel never reads past a row of x for it)."""
     out_features, in_features = weight.shape
     if weight.dtype == torch.float32:
         padded = torch.zeros(cdiv(out_features, LANES) * LANES, in_features, device=weight.device)
         padded[:out_features] = weight.detach()
-        runs = f32_weight_runs() if runs is None else runs
-        if runs == 1 or in_features % runs:
-            return padded.view(-1, LANES, in_features).transpose(1, 2).contiguous()
-        return padded.view(-1, LANES, in_features // runs, runs).permute(0, 3, 2, 1).contiguous()
+        return padded.view(-1, LANES, in_features).transpose(1, 2).contiguous()
     blocks, pairs = cdiv(out_features, LANES), cdiv(in_features, 2)
     padded = torch.zeros(blocks * LANES, pairs * 2, dtype=torch.bfloat16, device=weight.device)
     padded[:out_features, :in_features] = weight.detach()
