@@ -1,14 +1,16 @@
-"""A decode's linears through four-block tiles and through the path's own tile,
+"""The linears with four-block tiles where the path takes them (a decode's rows,
+and on AVX2 every bfloat16 row count) and without (`KVFORGE_WIDE_TILES=off`),
 side by side (docs/models.md, "Four-block tiles for a decode").
 
 Every linear of a synthetic bench model's decoder stack and head (default
 `bench-llama-50m`: per layer the fused q/k/v, o with its residual, the fused
 gate and up with SiLU, down with its residual; then the head), packed once per
 dtype on 2 MiB pages, as a loaded model's weights are. For each dtype and row
-count the stack runs with `KVFORGE_WIDE_TILES=off` (the path's own tile at
-every row count) and on (the default), in turn (which goes first alternates),
-as a decode step calls them: each weight read from memory once per pass. The
-outputs of the two are checked bitwise equal. One thread, CPU time
+count the stack runs with `KVFORGE_WIDE_TILES=off` (two-block tiles, and the
+one-block tile for a few rows more than a tile's) and on (the default), in
+turn (which goes first alternates), as a decode step calls them: each weight
+read from memory once per pass. The outputs of the two are checked bitwise
+equal. One thread, CPU time
 (`time.thread_time`), the median of `rounds` passes each.
 
     OMP_NUM_THREADS=1 python -m kvforge.benchmarks.decode_tiles [--model bench-llama-25m] [--rows 1,2,3] [--rounds 9]
@@ -28,7 +30,7 @@ from kvforge.models.huge_pages import on_huge_pages
 
 from .model_dirs import SYNTHETIC
 
-ROWS = (1, 2, 3, 5, 8, 64)
+ROWS = (1, 2, 3, 4, 5, 6, 8, 64)
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 SETTINGS = ("off", "on")  # KVFORGE_WIDE_TILES
 
@@ -110,7 +112,7 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(1)
     print(f"kernel path: {kernel_path()}")
-    print("| weights | rows | own tile ms | four-block tiles ms | four-block faster | weights GB/s, own / four-block |")
+    print("| weights | rows | off ms | on ms | on faster | weights GB/s, off / on |")
     print("|---|---|---|---|---|---|")
     for r in table(args.model, [int(m) for m in args.rows.split(",")], args.rounds):
         print(f"| {r['dtype']} | {r['rows']} | {r['off_ms']:.2f} | {r['on_ms']:.2f} | {r['speedup']:.2f}x | "

@@ -28,6 +28,7 @@
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
+#include <limits>
 #include <optional>
 #include <string>
 
@@ -117,10 +118,13 @@ struct TileShape {
 // takes one row tile of all its rows, each channel tile's blocks one after the
 // other through the one-block tile, so each weight is read once; `shape` tiles
 // read a channel tile's weights once per row tile (the first pass from memory
-// or L3, the others from L2). Up to `wide_rows` rows (0: none), a decode's,
-// tiles span kMaxBlocks blocks: each block is one stream of weights, and the
+// or L3, the others from L2). Up to `wide_rows` rows (0: none; kEveryRowCount:
+// all) the `shape.rows` tiles span kMaxBlocks blocks instead, and the one-block
+// tile is not used: each block is one stream of weights, and the
 // hardware prefetchers bring four streams from memory faster than two
 // (docs/models.md, "Four-block tiles for a decode").
+constexpr int kEveryRowCount = std::numeric_limits<int>::max();  // as `wide_rows`
+
 template <typename T>
 struct Tiles {
   TileFn<T> at[kMaxRows][kMaxBlocks];
@@ -151,15 +155,16 @@ const Path kBaseline = {{KVFORGE_TILES(linear_base, generic_tile), {4, 4}, 0, 0}
                         &linear_base::finish_tile, "baseline", &linear_base::widen_bf16_blocks};
 #ifdef KVFORGE_HAS_X86_PATHS
 // AVX2 has 16 ymm registers and a 16-channel block takes two: 3 x 2 float32 tiles
-// (12 sums, 4 weight vectors); bfloat16 splits each weight vector in two, so 2 x 2.
-// One block: 6 float32 rows (12 sums, 2 weight vectors, a broadcast input), and 4
-// bfloat16 rows (8 sums, the two halves of each weight vector, two inputs).
-// Four blocks (`wide_rows`) up to 3 float32 rows and 2 bfloat16 rows: the 3 x 4
-// float32 tile keeps some of its 24 sums on the stack and still reads a decode's
-// weights faster than 3 x 2; 3 x 4 bfloat16 measured no faster than 3 rows through
-// the one-block tile.
-const Path kAvx2 = {{KVFORGE_TILES(linear_avx2, generic_tile), {2, 2}, 4, 2},
-                    {KVFORGE_TILES(linear_avx2, f32_tile), {3, 2}, 6, 3},
+// (12 sums, 4 weight vectors), and one block for 6 float32 rows (12 sums, 2
+// weight vectors, a broadcast input). bfloat16 2 x 2, but four blocks
+// (`wide_rows`) at every row count: 2 x 4 (16 sums) read 11-13% faster than 2 x 2
+// at 8-64 rows, as fast at 5-6, and 1.2-1.3x 2 x 2 or one block at 1-4. Four float32
+// blocks (`wide_rows`) up to 5 rows: the 3 x 4 tile keeps some of its 24 sums on
+// the stack and still reads a decode's weights faster than 3 x 2, and 4-5 rows
+// (a decode verifying drafts) faster than the one-block tile; from 6 rows it
+// does not (docs/models.md, "Four-block tiles for a decode").
+const Path kAvx2 = {{KVFORGE_TILES(linear_avx2, generic_tile), {2, 2}, 0, kEveryRowCount},
+                    {KVFORGE_TILES(linear_avx2, f32_tile), {3, 2}, 6, 5},
                     &linear_avx2::finish_tile, "avx2", &linear_avx2::widen_bf16_blocks};
 // (AVX-512 and its bfloat16 dot product keep their tiles at every row count: a
 // one-block tile there is not measured.)
@@ -236,10 +241,9 @@ inline void prefetch_epilogue(const Epilogue& e, int64_t r, int mr, int64_t bloc
   }
 }
 
-// Whether a decode's rows take four-block tiles where a path has them (`Tiles`):
-// yes unless KVFORGE_WIDE_TILES=off, which keeps the path's own tile at every row
-// count, for before/after figures (benchmarks/decode_tiles.py). Read per call, as
-// KVFORGE_CPP_ISA is.
+// Whether rows take four-block tiles where a path has them (`Tiles`, `wide_rows`):
+// yes unless KVFORGE_WIDE_TILES=off, for before/after figures
+// (benchmarks/decode_tiles.py). Read per call, as KVFORGE_CPP_ISA is.
 inline bool wide_tiles_on() {
   const char* setting = std::getenv("KVFORGE_WIDE_TILES");
   return setting == nullptr || std::strcmp(setting, "off") != 0;
@@ -252,8 +256,9 @@ void run_tiles(const Tiles<T>& tiles, FinishFn finish, const T* x, int64_t x_str
                const T* w, int64_t blocks, int64_t block_elems, int64_t steps, const Epilogue& e) {
   // A few rows more than the tile's: one row tile of them all, whose channel tile's
   // blocks go through the one-block tile one after the other (`Tiles`).
-  const bool one_pass = m > tiles.shape.rows && m <= tiles.one_block_rows;
-  const int64_t tile_blocks = m <= tiles.wide_rows && wide_tiles_on() ? kMaxBlocks : tiles.shape.blocks;
+  const bool wide = m <= tiles.wide_rows && wide_tiles_on();
+  const bool one_pass = !wide && m > tiles.shape.rows && m <= tiles.one_block_rows;
+  const int64_t tile_blocks = wide ? kMaxBlocks : tiles.shape.blocks;
   const int64_t tile_rows = one_pass ? m : tiles.shape.rows;
   const auto cdiv = [](int64_t a, int64_t b) { return (a + b - 1) / b; };
   const int64_t channel_tiles = cdiv(blocks, tile_blocks);
