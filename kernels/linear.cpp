@@ -28,7 +28,6 @@
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
-#include <limits>
 #include <optional>
 #include <string>
 
@@ -111,26 +110,21 @@ struct TileShape {
   int rows, blocks;
 };
 
-// One dtype's register tiles on one ISA: at[MR - 1][NB - 1] for tails, the
-// full tile's size, and `one_block_rows`: up to how many rows a one-block tile
-// still keeps its sums in registers (0: none beyond `shape.rows`). A product of
-// a few more rows than `shape.rows` (a decode verifying drafts, a small batch)
-// takes one row tile of all its rows, each channel tile's blocks one after the
-// other through the one-block tile, so each weight is read once; `shape` tiles
-// read a channel tile's weights once per row tile (the first pass from memory
-// or L3, the others from L2). Up to `wide_rows` rows (0: none; kEveryRowCount:
-// all) the `shape.rows` tiles span kMaxBlocks blocks instead, and the one-block
-// tile is not used: each block is one stream of weights, and the
-// hardware prefetchers bring four streams from memory faster than two
-// (docs/models.md, "Four-block tiles for a decode").
-constexpr int kEveryRowCount = std::numeric_limits<int>::max();  // as `wide_rows`
-
+// One dtype's register tiles on one ISA: at[MR - 1][NB - 1] for tails; `shape`,
+// the path's tile; `many`, the tile for more than kMaxRows rows; and `few[m - 1]`,
+// the tile for a call of m <= kMaxRows rows (a decode, one verifying drafts, a
+// small batch). A tile of fewer rows than a call's reads the channel tile's
+// weights once per row tile (the first pass from memory, the others from L2);
+// its blocks are the streams it reads them from memory in, and the hardware
+// prefetchers bring four side by side faster than two (docs/models.md,
+// "Four-block tiles for a decode"). With KVFORGE_WIDE_TILES=off every call
+// takes `shape` (wide_tiles_on).
 template <typename T>
 struct Tiles {
   TileFn<T> at[kMaxRows][kMaxBlocks];
   TileShape shape;
-  int one_block_rows;
-  int wide_rows;
+  TileShape many;
+  TileShape few[kMaxRows];
 };
 
 // Everything one ISA runs: the tiles of each dtype and the epilogue; `widen`
@@ -150,32 +144,34 @@ struct Path {
    KVFORGE_TILE_ROW(NS, FN, 4), KVFORGE_TILE_ROW(NS, FN, 5), KVFORGE_TILE_ROW(NS, FN, 6),                       \
    KVFORGE_TILE_ROW(NS, FN, 7), KVFORGE_TILE_ROW(NS, FN, 8)}
 
-const Path kBaseline = {{KVFORGE_TILES(linear_base, generic_tile), {4, 4}, 0, 0},
-                        {KVFORGE_TILES(linear_base, f32_tile), {4, 4}, 0, 0},
+#define KVFORGE_SAME_TILE(R, B) {R, B}, {R, B}, {{R, B}, {R, B}, {R, B}, {R, B}, {R, B}, {R, B}, {R, B}, {R, B}}
+
+const Path kBaseline = {{KVFORGE_TILES(linear_base, generic_tile), KVFORGE_SAME_TILE(4, 4)},
+                        {KVFORGE_TILES(linear_base, f32_tile), KVFORGE_SAME_TILE(4, 4)},
                         &linear_base::finish_tile, "baseline", &linear_base::widen_bf16_blocks};
 #ifdef KVFORGE_HAS_X86_PATHS
 // AVX2 has 16 ymm registers and a 16-channel block takes two: 3 x 2 float32 tiles
-// (12 sums, 4 weight vectors), and one block for 6 float32 rows (12 sums, 2
-// weight vectors, a broadcast input). bfloat16 2 x 2, but four blocks
-// (`wide_rows`) at every row count: 2 x 4 (16 sums) read 11-13% faster than 2 x 2
-// at 8-64 rows, as fast at 5-6, and 1.2-1.3x 2 x 2 or one block at 1-4. Four float32
-// blocks (`wide_rows`) up to 5 rows: the 3 x 4 tile keeps some of its 24 sums on
-// the stack and still reads a decode's weights faster than 3 x 2, and 4-5 rows
-// (a decode verifying drafts) faster than the one-block tile; from 6 rows it
-// does not (docs/models.md, "Four-block tiles for a decode").
-const Path kAvx2 = {{KVFORGE_TILES(linear_avx2, generic_tile), {2, 2}, 0, kEveryRowCount},
-                    {KVFORGE_TILES(linear_avx2, f32_tile), {3, 2}, 6, 5},
+// (12 sums, 4 weight vectors), and 2 x 2 bfloat16 (each weight vector splits in
+// two). Tiles of more sums than registers keep some on the stack; where the
+// weights come from memory, four blocks read side by side pay for that: float32
+// 1-3 rows take 3 x 4, 4-5 rows one row tile of 4 blocks, 6-7 one of 2 blocks,
+// and bfloat16 2 x 4 at every row count (docs/models.md, "Four-block tiles for a
+// decode").
+const Path kAvx2 = {{KVFORGE_TILES(linear_avx2, generic_tile), {2, 2}, {2, 4},
+                     {{2, 4}, {2, 4}, {2, 4}, {2, 4}, {2, 4}, {2, 4}, {2, 4}, {2, 4}}},
+                    {KVFORGE_TILES(linear_avx2, f32_tile), {3, 2}, {3, 2},
+                     {{3, 4}, {3, 4}, {3, 4}, {4, 4}, {5, 4}, {6, 2}, {7, 2}, {3, 2}}},
                     &linear_avx2::finish_tile, "avx2", &linear_avx2::widen_bf16_blocks};
-// (AVX-512 and its bfloat16 dot product keep their tiles at every row count: a
-// one-block tile there is not measured.)
-const Path kAvx512 = {{KVFORGE_TILES(linear_avx512, generic_tile), {4, 4}, 0, 0},
-                      {KVFORGE_TILES(linear_avx512, f32_tile), {4, 4}, 0, 0},
+// (AVX-512 and its bfloat16 dot product keep their tiles at every row count: other
+// tiles there are not measured.)
+const Path kAvx512 = {{KVFORGE_TILES(linear_avx512, generic_tile), KVFORGE_SAME_TILE(4, 4)},
+                      {KVFORGE_TILES(linear_avx512, f32_tile), KVFORGE_SAME_TILE(4, 4)},
                       &linear_avx512::finish_tile, "avx512", &linear_avx512::widen_bf16_blocks};
 // bfloat16 8 rows x 2 blocks: 16 sums, and per input pair 2 weight loads for 16
 // vdpbf16ps, which measured faster than 4 x 4 at every row count once a
 // decode's weights stream from 2 MiB pages (docs/models.md).
-const Path kDpbf16 = {{KVFORGE_TILES(linear_dpbf16, dpbf16_tile), {8, 2}, 0, 0},
-                      {KVFORGE_TILES(linear_dpbf16, f32_tile), {4, 4}, 0, 0},
+const Path kDpbf16 = {{KVFORGE_TILES(linear_dpbf16, dpbf16_tile), KVFORGE_SAME_TILE(8, 2)},
+                      {KVFORGE_TILES(linear_dpbf16, f32_tile), KVFORGE_SAME_TILE(4, 4)},
                       &linear_dpbf16::finish_tile, "avx512_bf16", nullptr};
 #endif
 
@@ -241,8 +237,8 @@ inline void prefetch_epilogue(const Epilogue& e, int64_t r, int mr, int64_t bloc
   }
 }
 
-// Whether rows take four-block tiles where a path has them (`Tiles`, `wide_rows`):
-// yes unless KVFORGE_WIDE_TILES=off, for before/after figures
+// Whether calls take the `many` and `few` tiles (`Tiles`): yes unless
+// KVFORGE_WIDE_TILES=off, which keeps the path's `shape`, for before/after figures
 // (benchmarks/decode_tiles.py). Read per call, as KVFORGE_CPP_ISA is.
 inline bool wide_tiles_on() {
   const char* setting = std::getenv("KVFORGE_WIDE_TILES");
@@ -254,12 +250,8 @@ inline bool wide_tiles_on() {
 template <typename T>
 void run_tiles(const Tiles<T>& tiles, FinishFn finish, const T* x, int64_t x_stride, int64_t m, int64_t k,
                const T* w, int64_t blocks, int64_t block_elems, int64_t steps, const Epilogue& e) {
-  // A few rows more than the tile's: one row tile of them all, whose channel tile's
-  // blocks go through the one-block tile one after the other (`Tiles`).
-  const bool wide = m <= tiles.wide_rows && wide_tiles_on();
-  const bool one_pass = !wide && m > tiles.shape.rows && m <= tiles.one_block_rows;
-  const int64_t tile_blocks = wide ? kMaxBlocks : tiles.shape.blocks;
-  const int64_t tile_rows = one_pass ? m : tiles.shape.rows;
+  const TileShape tile = !wide_tiles_on() ? tiles.shape : m <= kMaxRows ? tiles.few[m - 1] : tiles.many;
+  const int64_t tile_blocks = tile.blocks, tile_rows = tile.rows;
   const auto cdiv = [](int64_t a, int64_t b) { return (a + b - 1) / b; };
   const int64_t channel_tiles = cdiv(blocks, tile_blocks);
   // The rows split evenly over the chunks (whole row tiles each), so that the threads'
@@ -276,20 +268,10 @@ void run_tiles(const Tiles<T>& tiles, FinishFn finish, const T* x, int64_t x_str
       const int64_t block0 = i % channel_tiles * tile_blocks;
       const int nb = static_cast<int>(std::min<int64_t>(tile_blocks, blocks - block0));
       const int64_t next_block0 = (i + 1) % channel_tiles * tile_blocks;
-      // The next tile's weights are fetched over this tile's calls: its row tiles, or
-      // under `one_pass` its blocks' calls.
+      // The next tile's weights are fetched over this tile's row tiles.
       const Lookahead ahead(i + 1 < i1 ? reinterpret_cast<const char*>(w + next_block0 * block_elems) : nullptr,
                             std::min<int64_t>(tile_blocks, blocks - next_block0) * block_elems * int64_t{sizeof(T)},
-                            one_pass ? nb : cdiv(row_end - row_begin, tile_rows), steps);
-      if (one_pass) {
-        const int mr = static_cast<int>(m);
-        for (int j = 0; j < nb; ++j) {  // block j's sums where an nb-block tile keeps them
-          tiles.at[mr - 1][0](x, x_stride, w + (block0 + j) * block_elems, k, acc + j * 16,
-                              ahead.for_row_tile(j, steps), ahead.step);
-        }
-        finish(acc, mr, nb, 0, block0, e);
-        continue;
-      }
+                            cdiv(row_end - row_begin, tile_rows), steps);
       for (int64_t r = row_begin; r < row_end; r += tile_rows) {
         const int mr = static_cast<int>(std::min<int64_t>(tile_rows, row_end - r));
         if (many_rows) prefetch_epilogue(e, r, mr, block0, nb);

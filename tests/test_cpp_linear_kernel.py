@@ -16,11 +16,11 @@ from kvforge.models.cpp_linear import interleave_blocks, kernel_path, linear, lo
 
 # (rows, in, out): tails of the 8- and 4-row tiles and the 64-row chunk, of 16-channel
 # blocks and 32- and 64-channel tiles, and an odd `in` (a half-empty last input pair);
-# 4 to 6 rows also run as one row tile of one-block calls, and 1 to 3 rows as tiles
-# of four blocks, where a path does that (out 100: seven blocks, a four-block tile and
-# a three-block tail; 14 interleaved for silu_mul).
+# 1 to 7 rows also run as one row tile of four or two blocks where a path does that
+# (out 100: seven blocks, a four-block tile and a three-block tail; 14 interleaved
+# for silu_mul).
 SHAPES = [(1, 37, 23), (3, 100, 70), (8, 515, 129), (33, 48, 9), (129, 130, 67), (6, 1, 17), (75, 33, 50),
-          (4, 70, 100), (5, 131, 64), (2, 66, 100), (1, 45, 100)]
+          (4, 70, 100), (5, 131, 64), (2, 66, 100), (1, 45, 100), (7, 50, 100), (6, 64, 100)]
 LEVELS = ("avx512", "avx2", "baseline")  # the cap; avx512 runs avx512_bf16 where the CPU has it
 EPILOGUES = ("none", "float_out", "add", "silu_mul")
 ACCUMULATION = 2e-6  # float32 sums: a few ulps of the sum of |terms| (in <= 515 here)
@@ -173,9 +173,9 @@ def test_the_check_catches_blocks_out_of_order(dtype):
 @pytest.mark.parametrize("epilogue", EPILOGUES)
 @pytest.mark.parametrize("k", [37, 130], ids=["odd_in", "even_in"])
 def test_rows_have_the_same_bits_alone_and_among_many(dtype, level, epilogue, k, monkeypatch):
-    # A few rows run through four-block or one-block tiles, many through the path's
-    # own tile, and many bfloat16 rows as float32 tiles over widened weights: every
-    # row's bits must not depend on how many rows came with it.
+    # A few rows run through tiles of their own (four blocks, or all the rows in one
+    # row tile), many through the path's, and many bfloat16 rows as float32 tiles over
+    # widened weights: every row's bits must not depend on how many rows came with it.
     if dtype == torch.float32 and epilogue == "float_out":
         pytest.skip("float32 output is the float32 kernel's only output")
     monkeypatch.setenv("KVFORGE_CPP_ISA", level)
@@ -184,8 +184,8 @@ def test_rows_have_the_same_bits_alone_and_among_many(dtype, level, epilogue, k,
     # past the 96 rows from which weights are widened; out 100: four-block tiles and a tail
     x, ws, bs, other = operands(130, k, 100, True, epilogue, dtype)
     together = run_kernel(x, ws, bs, other, epilogue)
-    for rows in (slice(0, 1), slice(5, 6), slice(0, 3), slice(2, 6), slice(0, 5), slice(10, 25), slice(129, 130),
-                 slice(0, 100)):
+    for rows in (slice(0, 1), slice(5, 6), slice(0, 3), slice(2, 6), slice(0, 5), slice(3, 9), slice(20, 27),
+                 slice(10, 25), slice(129, 130), slice(0, 100)):
         part = run_kernel(x[rows], ws, bs, None if other is None else other[rows], epilogue)
         assert torch.equal(part, together[rows]), f"rows {rows.start}-{rows.stop - 1} differ"
 
