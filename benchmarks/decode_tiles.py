@@ -25,13 +25,14 @@ import time
 
 import torch
 
+from kvforge.core import FLOAT_DTYPES
 from kvforge.models.cpp_linear import interleave_blocks, kernel_path, linear, load_kernel, pack_weight
 from kvforge.models.huge_pages import on_huge_pages
 
 from .model_dirs import SYNTHETIC
 
 ROWS = (1, 2, 3, 4, 5, 6, 8, 64)
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+DTYPES = ("float32", "bfloat16")  # names in FLOAT_DTYPES
 SETTINGS = ("off", "on")  # KVFORGE_WIDE_TILES
 
 
@@ -73,7 +74,8 @@ def table(model: str = "bench-llama-50m", rows=ROWS, rounds: int = 9) -> list[di
     before = os.environ.get("KVFORGE_WIDE_TILES")
     results = []
     try:
-        for dtype_name, dtype in DTYPES.items():
+        for dtype_name in DTYPES:
+            dtype = FLOAT_DTYPES[dtype_name]
             packed = packed_stack(shapes, dtype)
             weight_bytes = sum(p.nbytes for p in packed)
             for m in rows:
