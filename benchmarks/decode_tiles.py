@@ -1,17 +1,18 @@
-"""The linears with four-block tiles where the path takes them (a decode's rows,
-and on AVX2 every bfloat16 row count) and without (`KVFORGE_WIDE_TILES=off`),
-side by side (docs/models.md, "Four-block tiles for a decode").
+"""The linears with four-block tiles and walks where the path takes them (a
+decode's rows, one verifying drafts, and on AVX2 every bfloat16 row count) and
+without (`KVFORGE_WIDE_TILES=off`), side by side (docs/models.md, "Four-block
+tiles for a decode" and "Walking four blocks for 4-7 rows").
 
 Every linear of a synthetic bench model's decoder stack and head (default
 `bench-llama-50m`: per layer the fused q/k/v, o with its residual, the fused
 gate and up with SiLU, down with its residual; then the head), packed once per
 dtype on 2 MiB pages, as a loaded model's weights are. For each dtype and row
-count the stack runs with `KVFORGE_WIDE_TILES=off` (two-block tiles, and the
-one-block tile for a few rows more than a tile's) and on (the default), in
-turn (which goes first alternates), as a decode step calls them: each weight
-read from memory once per pass. The outputs of the two are checked bitwise
-equal. One thread, CPU time
-(`time.thread_time`), the median of `rounds` passes each.
+count the stack runs with `KVFORGE_WIDE_TILES=off` (the path's own tile at
+every row count: on AVX2 3 x 2 for float32, 2 x 2 for bfloat16) and on (the
+default), in turn (which goes first alternates), as a decode step calls them:
+each weight read from memory once per pass. The outputs of the two are checked
+bitwise equal. One thread, CPU time (`time.thread_time`), the median of
+`rounds` passes each.
 
     OMP_NUM_THREADS=1 python -m kvforge.benchmarks.decode_tiles [--model bench-llama-25m] [--rows 1,2,3] [--rounds 9]
 """
@@ -31,7 +32,7 @@ from kvforge.models.huge_pages import on_huge_pages
 
 from .model_dirs import SYNTHETIC
 
-ROWS = (1, 2, 3, 4, 5, 6, 8, 64)
+ROWS = (1, 2, 3, 4, 5, 6, 7, 8, 64)
 DTYPES = ("float32", "bfloat16")  # names in FLOAT_DTYPES
 SETTINGS = ("off", "on")  # KVFORGE_WIDE_TILES
 

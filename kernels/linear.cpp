@@ -105,9 +105,11 @@ using FinishFn = void (*)(const float*, int, int, int64_t, int64_t, const Epilog
 using WidenFn = void (*)(const uint16_t*, int64_t, int64_t, int64_t, float*);
 
 // A register tile's size: rows x blocks of 16 channels. Blocks must be even:
-// silu_mul's interleaved gate and up blocks have to land in one tile.
+// silu_mul's interleaved gate and up blocks have to land in one tile. `walk`:
+// the tile runs as a walk (f32_walk in linear_tile.h) from its Tiles' `walk`.
 struct TileShape {
   int rows, blocks;
+  bool walk = false;
 };
 
 // One dtype's register tiles on one ISA: at[MR - 1][NB - 1] for tails; `shape`,
@@ -118,13 +120,15 @@ struct TileShape {
 // its blocks are the streams it reads them from memory in, and the hardware
 // prefetchers bring four side by side faster than two (docs/models.md,
 // "Four-block tiles for a decode"). With KVFORGE_WIDE_TILES=off every call
-// takes `shape` (wide_tiles_on).
+// takes `shape` (wide_tiles_on). `walk`: the walks of a path whose `few` has
+// any (else null), indexed as `at`.
 template <typename T>
 struct Tiles {
   TileFn<T> at[kMaxRows][kMaxBlocks];
   TileShape shape;
   TileShape many;
   TileShape few[kMaxRows];
+  TileFn<T> walk[kMaxRows][kMaxBlocks];
 };
 
 // Everything one ISA runs: the tiles of each dtype and the epilogue; `widen`
@@ -154,13 +158,15 @@ const Path kBaseline = {{KVFORGE_TILES(linear_base, generic_tile), KVFORGE_SAME_
 // (12 sums, 4 weight vectors), and 2 x 2 bfloat16 (each weight vector splits in
 // two). Tiles of more sums than registers keep some on the stack; where the
 // weights come from memory, four blocks read side by side pay for that: float32
-// 1-3 rows take 3 x 4, 4-5 rows one row tile of 4 blocks, 6-7 one of 2 blocks,
-// and bfloat16 2 x 4 at every row count (docs/models.md, "Four-block tiles for a
-// decode").
+// 1-3 rows take 3 x 4, and bfloat16 2 x 4 but at 3-6 rows, where 2 x 2 reads
+// faster (docs/models.md, "Four-block tiles for a decode"). float32 4-7 rows
+// walk four blocks (4, 5 or 6 rows at once; 7 as 4 and 3), faster than any
+// tile there (docs/models.md, "Walking four blocks for 4-7 rows").
 const Path kAvx2 = {{KVFORGE_TILES(linear_avx2, generic_tile), {2, 2}, {2, 4},
-                     {{2, 4}, {2, 4}, {2, 4}, {2, 4}, {2, 4}, {2, 4}, {2, 4}, {2, 4}}},
+                     {{2, 4}, {2, 4}, {2, 2}, {2, 2}, {2, 2}, {2, 2}, {2, 4}, {2, 4}}},
                     {KVFORGE_TILES(linear_avx2, f32_tile), {3, 2}, {3, 2},
-                     {{3, 4}, {3, 4}, {3, 4}, {4, 4}, {5, 4}, {6, 2}, {7, 2}, {3, 2}}},
+                     {{3, 4}, {3, 4}, {3, 4}, {4, 4, true}, {5, 4, true}, {6, 4, true}, {4, 4, true}, {3, 2}},
+                     KVFORGE_TILES(linear_avx2, f32_walk)},
                     &linear_avx2::finish_tile, "avx2", &linear_avx2::widen_bf16_blocks};
 // (AVX-512 and its bfloat16 dot product keep their tiles at every row count: other
 // tiles there are not measured.)
@@ -275,8 +281,9 @@ void run_tiles(const Tiles<T>& tiles, FinishFn finish, const T* x, int64_t x_str
       for (int64_t r = row_begin; r < row_end; r += tile_rows) {
         const int mr = static_cast<int>(std::min<int64_t>(tile_rows, row_end - r));
         if (many_rows) prefetch_epilogue(e, r, mr, block0, nb);
-        tiles.at[mr - 1][nb - 1](x + r * x_stride, x_stride, w + block0 * block_elems, k, acc,
-                                 ahead.for_row_tile((r - row_begin) / tile_rows, steps), ahead.step);
+        const TileFn<T> run = (tile.walk ? tiles.walk : tiles.at)[mr - 1][nb - 1];
+        run(x + r * x_stride, x_stride, w + block0 * block_elems, k, acc,
+            ahead.for_row_tile((r - row_begin) / tile_rows, steps), ahead.step);
         finish(acc, mr, nb, r, block0, e);
       }
     }

@@ -102,6 +102,52 @@ inline void f32_tile(const float* __restrict__ x, int64_t x_stride, const float*
   }
 }
 
+// f32_tile's sums over NB blocks by a walk: the inputs in chunks of kWalkSteps,
+// and in each chunk one block at a time, its MR rows of sums in registers while
+// the other blocks' wait in `acc_out`. A tile of 4-7 rows and four blocks holds
+// more sums than registers and spills them every step; a walk keeps the four
+// weight streams and no spills. Each block's stream is fetched kWalkAhead bytes
+// ahead (into L2): with a few rows' arithmetic per weight, reads the hardware
+// prefetchers start too late had left the core waiting on memory and then
+// memory waiting on the core (docs/models.md, "Walking four blocks for 4-7
+// rows"). Each sum takes its products in the same order as in f32_tile, so the
+// bits are the same.
+constexpr int64_t kWalkSteps = 8;
+constexpr int64_t kWalkAhead = 64 * 1024;
+
+template <int MR, int NB>
+inline void f32_walk(const float* __restrict__ x, int64_t x_stride, const float* __restrict__ w, int64_t k,
+                     float* __restrict__ acc_out, const char* ahead, int64_t ahead_step) {
+  constexpr int V = kLanes / kW;  // vectors per row of one block
+  runs_at_least_once(k);
+  for (int64_t d0 = 0; d0 < k; d0 += kWalkSteps) {
+    const int64_t d1 = std::min<int64_t>(k, d0 + kWalkSteps);
+    for (int b = 0; b < NB; ++b) {
+      float* out = acc_out + b * kLanes;
+      vw acc[MR][V];
+      for (int m = 0; m < MR; ++m) {
+        for (int v = 0; v < V; ++v) {
+          acc[m][v] = d0 == 0 ? vw{} : *reinterpret_cast<const vw*>(out + m * kMaxBlocks * kLanes + v * kW);
+        }
+      }
+      const float* block = w + b * k * kLanes;
+      for (int64_t d = d0; d < d1; ++d) {
+        if (b == 0) prefetch_step(ahead, ahead_step, d);
+        __builtin_prefetch(reinterpret_cast<const char*>(block + d * kLanes) + kWalkAhead, 0, 2);
+        vw wv[V];
+        for (int v = 0; v < V; ++v) wv[v] = *reinterpret_cast<const vw*>(block + d * kLanes + v * kW);
+        for (int m = 0; m < MR; ++m) {
+          const float xv = x[m * x_stride + d];
+          for (int v = 0; v < V; ++v) acc[m][v] += xv * wv[v];
+        }
+      }
+      for (int m = 0; m < MR; ++m) {
+        for (int v = 0; v < V; ++v) *reinterpret_cast<vw*>(out + m * kMaxBlocks * kLanes + v * kW) = acc[m][v];
+      }
+    }
+  }
+}
+
 // Blocks [block0, block1) of a packed bfloat16 weight ([blocks, pairs, 16, 2]) as
 // the float32 layout f32_tile reads ([blocks, 2 pairs, 16]): each pair's two
 // inputs become two rows of 16 channels (exact; an odd width's padding input

@@ -16,9 +16,9 @@ from kvforge.models.cpp_linear import interleave_blocks, kernel_path, linear, lo
 
 # (rows, in, out): tails of the 8- and 4-row tiles and the 64-row chunk, of 16-channel
 # blocks and 32- and 64-channel tiles, and an odd `in` (a half-empty last input pair);
-# 1 to 7 rows also run as one row tile of four or two blocks where a path does that
-# (out 100: seven blocks, a four-block tile and a three-block tail; 14 interleaved
-# for silu_mul).
+# 1 to 7 rows also run as one row tile of four blocks, or a walk of four blocks in
+# chunks of 8 inputs, where a path does that (out 100: seven blocks, a four-block
+# tile and a three-block tail; 14 interleaved for silu_mul).
 SHAPES = [(1, 37, 23), (3, 100, 70), (8, 515, 129), (33, 48, 9), (129, 130, 67), (6, 1, 17), (75, 33, 50),
           (4, 70, 100), (5, 131, 64), (2, 66, 100), (1, 45, 100), (7, 50, 100), (6, 64, 100)]
 LEVELS = ("avx512", "avx2", "baseline")  # the cap; avx512 runs avx512_bf16 where the CPU has it
@@ -154,10 +154,11 @@ def test_the_check_catches_a_float32_block_left_untransposed():
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=["bfloat16", "float32"])
-def test_the_check_catches_blocks_out_of_order(dtype):
-    """Blocks 2 and 3 of a packed weight swapped (a four-block tile reading a block
-    of the wrong channels) fail the check at one row."""
-    x, ws, bs, other = operands(1, 40, 100, False, "none", dtype)
+@pytest.mark.parametrize("rows", [1, 5], ids=["one_row", "five_rows"])  # a tile of four blocks; a walk of them
+def test_the_check_catches_blocks_out_of_order(dtype, rows):
+    """Blocks 2 and 3 of a packed weight swapped (a four-block tile or walk reading
+    a block of the wrong channels) fail the check."""
+    x, ws, bs, other = operands(rows, 40, 100, False, "none", dtype)
 
     def swapped(w):
         packed = pack_weight(w).clone()
