@@ -107,9 +107,8 @@ inline void f32_tile(const float* __restrict__ x, int64_t x_stride, const float*
 // the other blocks' wait in `acc_out`. A tile of 4-7 rows and four blocks holds
 // more sums than registers and spills them every step; a walk keeps the four
 // weight streams and no spills. Each block's stream is fetched kWalkAhead bytes
-// ahead (into L2): with a few rows' arithmetic per weight, reads the hardware
-// prefetchers start too late had left the core waiting on memory and then
-// memory waiting on the core (docs/models.md, "Walking four blocks for 4-7
+// ahead (into L2): with a few rows' arithmetic per weight, reading and computing
+// hardly overlapped without it (docs/models.md, "Walking four blocks for 4-7
 // rows"). Each sum takes its products in the same order as in f32_tile, so the
 // bits are the same.
 constexpr int64_t kWalkSteps = 8;
