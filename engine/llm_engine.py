@@ -345,7 +345,8 @@ class LLMEngine:
             finished += update.finished
         if self.drafter is not None:
             self.drafter.observe(plan.scheduled)
-            self.drafter.release(finished)
+            if finished:
+                self.drafter.release(finished)
         self.stats.num_steps += 1
         outputs = []
         for group_id in touched:
