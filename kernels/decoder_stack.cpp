@@ -55,12 +55,9 @@ struct Linear {
       if (weight.scalar_type() == at::kFloat) return f32_linear(x, weight, out_features, bias, epilogue, other);
       return bf16_linear(x, weight, out_features, bias, epilogue, other, false);
     }
-    // Int8Linear: the fused post-ops of the packed layers run as in-place torch ops
-    // (packed_linear.linear_add: `layer(x).add_(other)`).
-    at::Tensor y = kind == kInt8Weight ? int8_weight_linear(x, weight, scale, bias)
-                                       : int8_dynamic_linear(x, weight, scale, bias);
-    if (other.has_value()) y.add_(*other);
-    return y;
+    // Int8Linear (Int8GateUp for silu_mul): the same epilogues, after the int8 kernel.
+    return kind == kInt8Weight ? int8_weight_linear(x, weight, scale, bias, epilogue, other)
+                               : int8_dynamic_linear(x, weight, scale, bias, epilogue, other);
   }
 };
 

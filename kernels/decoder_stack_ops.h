@@ -21,9 +21,11 @@ at::Tensor f32_linear(const at::Tensor& x, const at::Tensor& packed, int64_t out
                       const std::optional<at::Tensor>& bias, const std::string& epilogue,
                       const std::optional<at::Tensor>& other);
 at::Tensor int8_weight_linear(const at::Tensor& x_in, const at::Tensor& weight, const at::Tensor& scale_in,
-                              const std::optional<at::Tensor>& bias_in);
+                              const std::optional<at::Tensor>& bias_in, const std::string& epilogue,
+                              const std::optional<at::Tensor>& other);
 at::Tensor int8_dynamic_linear(const at::Tensor& x_in, const at::Tensor& weight, const at::Tensor& scale_in,
-                               const std::optional<at::Tensor>& bias_in);
+                               const std::optional<at::Tensor>& bias_in, const std::string& epilogue,
+                               const std::optional<at::Tensor>& other);
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps);
 at::Tensor rotary(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin);
 void paged_attention(const at::Tensor& query, const at::Tensor& kv_cache, const at::Tensor& query_start_loc,

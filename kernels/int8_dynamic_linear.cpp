@@ -1,6 +1,7 @@
 // W8A8 linear for CPUs (dynamic per-token int8 activations), a torch.library custom op:
 //
-//   kvforge_cpp::int8_dynamic_linear(x, weight, scale, bias=None) -> Tensor
+//   kvforge_cpp::int8_dynamic_linear(x, weight, scale, bias=None, epilogue="none",
+//                                    other=None) -> Tensor
 //
 // y = (q_x @ weight^T) * s_x * scale + bias, with x float32 or bfloat16
 // [rows, in], weight int8 [out, in], scale float32 [out] (one per output
@@ -12,6 +13,7 @@
 // (int8_rows.h). One call where the torch ops it replaces were ten
 // (quantize_rows and the rescale in models/quantized_linear.py, which stay the
 // path without this library and the reference the tests hold it to).
+// `epilogue` as int8_weight_linear's (int8_linear.cpp), on the float32 outputs.
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -139,6 +141,7 @@ void dot_channels(const int16_t* xw, int64_t k, const int8_t* w, int64_t n, int6
 namespace {
 
 constexpr const char* kOp = "kvforge_cpp.int8_dynamic_linear";
+constexpr const char* kOpPrefix = "kvforge_cpp.int8_dynamic_linear: ";  // for the messages of finish_rows
 // Values per parallel task of the row passes: fewer and a thread's start costs more than its work.
 constexpr int64_t kValuesPerTask = 16384;
 
@@ -229,18 +232,21 @@ at::Tensor int8_matmul(const at::Tensor& q, const at::Tensor& weight) {
 }  // namespace
 
 at::Tensor int8_dynamic_linear(const at::Tensor& x_in, const at::Tensor& weight, const at::Tensor& scale_in,
-                               const std::optional<at::Tensor>& bias_in) {
+                               const std::optional<at::Tensor>& bias_in, const std::string& epilogue,
+                               const std::optional<at::Tensor>& other) {
+  const int mode = epilogue_mode(kOpPrefix, epilogue);
   TORCH_CHECK(weight.dim() == 2, kOp, ": weight must be the int8 [out, in] (not packed by int8_pack_weight, which "
               "only int8_weight_linear reads), got ", weight.scalar_type(), " ", weight.sizes());
   check_int8_linear_inputs(kOp, x_in, weight, scale_in, bias_in);
   const int64_t m = x_in.size(0), k = x_in.size(1), n = weight.size(0);
   TORCH_CHECK(k > 0, kOp, ": the weight has no input features");
   const bool bf16 = x_in.scalar_type() == at::kBFloat16;
+  const bool bf16_out = bf16 && mode == 0;  // an epilogue takes float32 outputs, rounded once after it
   const at::Tensor x = x_in.stride(1) == 1 ? x_in : x_in.contiguous();
   const at::Tensor scale = scale_in.reshape({n}).contiguous();
   const at::Tensor bias = bias_in.has_value() ? bias_in->reshape({n}).to(at::kFloat).contiguous() : at::Tensor();
-  at::Tensor out = at::empty({m, n}, x_in.options());
-  if (m == 0 || n == 0) return out;
+  at::Tensor out = at::empty({m, n}, x_in.options().dtype(bf16_out ? at::kBFloat16 : at::kFloat));
+  if (m == 0 || n == 0) return finish_rows(kOpPrefix, out, mode, other, x_in.scalar_type());
 
   const Int8RowKernels& rows = row_kernels(isa());
   const float tiny = std::numeric_limits<float>::min();
@@ -262,7 +268,7 @@ at::Tensor int8_dynamic_linear(const at::Tensor& x_in, const at::Tensor& weight,
   const float* bias_ptr = bias.defined() ? bias.data_ptr<float>() : nullptr;
   at::parallel_for(0, m, rows_per_task(n), [&](int64_t r0, int64_t r1) {
     for (int64_t r = r0; r < r1; ++r) {
-      if (bf16) {
+      if (bf16_out) {
         rows.rescale_bf16(acc_ptr + r * n, n, row_scale[r], scale_ptr, bias_ptr,
                           reinterpret_cast<uint16_t*>(out.data_ptr()) + r * n);
       } else {
@@ -270,7 +276,7 @@ at::Tensor int8_dynamic_linear(const at::Tensor& x_in, const at::Tensor& weight,
       }
     }
   });
-  return out;
+  return finish_rows(kOpPrefix, out, mode, other, x_in.scalar_type());
 }
 
 // Which product int8_dynamic_linear takes for `rows` x `in_features` here and
@@ -282,7 +288,8 @@ std::string int8_dynamic_linear_path(int64_t rows, int64_t in_features) {
 }
 
 TORCH_LIBRARY_FRAGMENT(kvforge_cpp, m) {
-  m.def("int8_dynamic_linear(Tensor x, Tensor weight, Tensor scale, Tensor? bias=None) -> Tensor");
+  m.def("int8_dynamic_linear(Tensor x, Tensor weight, Tensor scale, Tensor? bias=None, str epilogue=\"none\", "
+        "Tensor? other=None) -> Tensor");
   m.def("int8_dynamic_linear_path(int rows, int in_features) -> str");
 }
 

@@ -1,6 +1,7 @@
 // kvforge's weight-only int8 linear for CPUs, a torch.library custom op:
 //
-//   kvforge_cpp::int8_weight_linear(x, weight, scale, bias=None) -> Tensor
+//   kvforge_cpp::int8_weight_linear(x, weight, scale, bias=None, epilogue="none",
+//                                   other=None) -> Tensor
 //
 // y = x (weight * scale[:, None])^T + bias, with x float32 or bfloat16 [rows, in],
 // weight int8 [out, in] (or packed by int8_pack_weight: int8_packed_linear.cpp,
@@ -16,6 +17,11 @@
 // (f32_packed_rows.h), groups in parallel: float32 times the scales for float32
 // rows; for bfloat16 rows on AVX-512 BF16, bfloat16 as it is (exact), the
 // scales applied to the sums in the epilogue.
+// `epilogue` "add" (+ other, a residual of x's dtype) or "silu_mul" (silu(gate)
+// * up, their rows alternating in blocks of 16: models/quantized_linear.py's
+// Int8GateUp) runs linear.cpp's epilogue on the float32 outputs before the one
+// rounding (finish_rows); the AVX-512 BF16 paths above hand it their bfloat16
+// outputs.
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -27,6 +33,7 @@
 #include <cstring>
 #include <memory>
 #include <optional>
+#include <string>
 #include <vector>
 
 #include "cpu_isa.h"
@@ -182,16 +189,19 @@ FloatBlock float_block_for(Isa level) {
 }  // namespace
 
 at::Tensor int8_weight_linear(const at::Tensor& x_in, const at::Tensor& weight, const at::Tensor& scale_in,
-                              const std::optional<at::Tensor>& bias_in) {
+                              const std::optional<at::Tensor>& bias_in, const std::string& epilogue,
+                              const std::optional<at::Tensor>& other) {
+  const char* op = "kvforge_cpp.int8_weight_linear: ";
+  const int mode = epilogue_mode(op, epilogue);
   check_int8_linear_inputs("kvforge_cpp.int8_weight_linear", x_in, weight, scale_in, bias_in);
-  if (weight.dim() == 3) return int8_packed_linear(x_in, weight, scale_in, bias_in);  // int8_pack_weight's layout
+  if (weight.dim() == 3) return int8_packed_linear(x_in, weight, scale_in, bias_in, mode, other);  // int8_pack_weight's
   const int64_t m = x_in.size(0), k = x_in.size(1), n = weight.size(0);
   const at::Tensor scale = scale_in.reshape({n}).contiguous();
   const at::Tensor bias = bias_in.has_value() ? bias_in->reshape({n}).to(at::kFloat).contiguous() : at::Tensor();
   const float* scale_ptr = scale.data_ptr<float>();
   const float* bias_ptr = bias.defined() ? bias.data_ptr<float>() : nullptr;
   const int8_t* w = weight.data_ptr<int8_t>();
-  if (m == 0 || n == 0) return at::empty({m, n}, x_in.options());
+  if (m == 0 || n == 0) return finish_rows(op, at::empty({m, n}, x_in.options()), mode, other, x_in.scalar_type());
   const int64_t blocks = (n + kChannelBlock - 1) / kChannelBlock;
   const Isa level = isa();
 
@@ -210,7 +220,7 @@ at::Tensor int8_weight_linear(const at::Tensor& x_in, const at::Tensor& weight, 
         bf16_packed_rows(reinterpret_cast<const uint16_t*>(x_ptr), x.stride(0), m, k, packed.get(),
                          (n1 - n0 + 15) / 16, s, b, out_ptr + n0, n, n1 - n0);
       });
-      return out;
+      return finish_rows(op, out, mode, other, at::kBFloat16);  // the epilogue on rounded outputs
     }
     at::Tensor out = at::empty({m, n}, x_in.options());  // bfloat16
     auto* out_ptr = reinterpret_cast<c10::BFloat16*>(out.data_ptr());
@@ -220,7 +230,7 @@ at::Tensor int8_weight_linear(const at::Tensor& x_in, const at::Tensor& weight, 
                                               b * kChannelBlock, std::min(n, (b + 1) * kChannelBlock));
       }
     });
-    return out;
+    return finish_rows(op, out, mode, other, at::kBFloat16);  // the epilogue on rounded outputs
 #endif
   }
   at::Tensor y = at::empty({m, n}, x_in.options().dtype(at::kFloat));
@@ -237,7 +247,7 @@ at::Tensor int8_weight_linear(const at::Tensor& x_in, const at::Tensor& weight, 
       dequantize_group(w, k, s, n0, n1, packed.get(), widen);  // the scales go into the weights
       f32_packed_rows(x_ptr, x.stride(0), m, k, packed.get(), (n1 - n0 + 15) / 16, b, y_ptr + n0, n, n1 - n0);
     });
-    return x_in.scalar_type() == at::kFloat ? y : y.to(x_in.scalar_type());
+    return finish_rows(op, y, mode, other, x_in.scalar_type());
   }
   const FloatBlock block = float_block_for(level);
   at::parallel_for(0, blocks, 1, [&](int64_t b0, int64_t b1) {
@@ -246,7 +256,7 @@ at::Tensor int8_weight_linear(const at::Tensor& x_in, const at::Tensor& weight, 
             std::min(n, (b + 1) * kChannelBlock));
     }
   });
-  return x_in.scalar_type() == at::kFloat ? y : y.to(x_in.scalar_type());
+  return finish_rows(op, y, mode, other, x_in.scalar_type());
 }
 
 // Which path int8_weight_linear takes for `dtype` here and now ("avx512_bf16",
@@ -263,7 +273,8 @@ std::string int8_linear_path(const std::string& dtype) {
 }
 
 TORCH_LIBRARY_FRAGMENT(kvforge_cpp, m) {
-  m.def("int8_weight_linear(Tensor x, Tensor weight, Tensor scale, Tensor? bias=None) -> Tensor");
+  m.def("int8_weight_linear(Tensor x, Tensor weight, Tensor scale, Tensor? bias=None, str epilogue=\"none\", "
+        "Tensor? other=None) -> Tensor");
   m.def("int8_linear_path(str dtype) -> str");
 }
 

@@ -9,6 +9,7 @@
 
 #include <algorithm>
 #include <optional>
+#include <string>
 #include <vector>
 
 namespace kvforge_cpp {
@@ -71,8 +72,23 @@ void in_channel_groups(int64_t n, int64_t group, const float* scale, const float
 
 // The weight-only op over a weight packed by int8_pack_weight
 // (int8_packed_linear.cpp); int8_weight_linear hands a 3-D weight to it.
+// `mode`: epilogue_mode's.
 at::Tensor int8_packed_linear(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scale,
-                              const std::optional<at::Tensor>& bias);
+                              const std::optional<at::Tensor>& bias, int mode, const std::optional<at::Tensor>& other);
+
+// The epilogues the int8 ops share with the packed linears (linear.cpp):
+// epilogue_mode reads a name ("none" 0, "add" 1, "silu_mul" 2; `op` names the
+// caller in the error), and finish_rows takes an op's outputs with its scales
+// and bias applied (`sums` [m, width], float32 or bfloat16) through the
+// packed linears' epilogue code into its result, an [m, n] tensor of
+// `out_dtype`: "none" only converts them (`sums` itself when of that dtype),
+// "add" adds `other` ([m, n] of `out_dtype`, a residual), "silu_mul" reads
+// gate and up as alternating blocks of 16 channels (n = width / 2). With
+// float32 sums the result is rounded once, at the end. It checks `other`
+// (absent unless "add").
+int epilogue_mode(const char* op, const std::string& name);
+at::Tensor finish_rows(const char* op, const at::Tensor& sums, int mode, const std::optional<at::Tensor>& other,
+                       at::ScalarType out_dtype);
 
 // x float32 or bfloat16 [rows, in], weight a contiguous int8 [out, in], one
 // float32 scale per output channel, an optional float bias of one value per

@@ -123,23 +123,27 @@ const PackedKernels& kernels_for(Isa level) {
 }  // namespace
 
 at::Tensor int8_packed_linear(const at::Tensor& x_in, const at::Tensor& packed, const at::Tensor& scale_in,
-                              const std::optional<at::Tensor>& bias_in) {
+                              const std::optional<at::Tensor>& bias_in, int mode,
+                              const std::optional<at::Tensor>& other) {
+  const char* op = "kvforge_cpp.int8_weight_linear: ";
   const int64_t m = x_in.size(0), k = x_in.size(1), n = scale_in.numel();
   const at::Tensor scale = scale_in.reshape({n}).contiguous();
   const at::Tensor bias = bias_in.has_value() ? bias_in->reshape({n}).to(at::kFloat).contiguous() : at::Tensor();
   const float* scale_ptr = scale.data_ptr<float>();
   const float* bias_ptr = bias.defined() ? bias.data_ptr<float>() : nullptr;
   const int8_t* w = packed.data_ptr<int8_t>();
-  at::Tensor out = at::empty({m, n}, x_in.options());
-  if (m == 0 || n == 0) return out;
+  if (m == 0 || n == 0) return finish_rows(op, at::empty({m, n}, x_in.options()), mode, other, x_in.scalar_type());
   const Isa level = isa();
   const PackedKernels& kernels = kernels_for(level);
-  const bool bf16_out = x_in.scalar_type() == at::kBFloat16;
+  const bool bf16_in = x_in.scalar_type() == at::kBFloat16;
+  const bool bf16_out = bf16_in && mode == 0;  // an epilogue takes float32 sums, rounded once after it
+  at::Tensor out = at::empty({m, n}, x_in.options().dtype(bf16_out ? at::kBFloat16 : at::kFloat));
   const int64_t block_bytes = k * kPackChannels;
 
 #ifdef KVFORGE_HAS_X86_PATHS
-  if (bf16_out && m >= kWidenBf16Rows && level == Isa::kAvx512 && has_avx512_bf16()) {
+  if (bf16_in && m >= kWidenBf16Rows && level == Isa::kAvx512 && has_avx512_bf16()) {
     const at::Tensor x = x_in.stride(1) == 1 ? x_in : x_in.contiguous();
+    if (!bf16_out) out = at::empty({m, n}, x_in.options());  // bfloat16: the epilogue then reads rounded outputs
     auto* out_ptr = reinterpret_cast<uint16_t*>(out.data_ptr());
     const int64_t pairs = (k + 1) / 2;
     const int64_t group = channel_group(n, pairs * 4, kPackChannels);
@@ -152,7 +156,7 @@ at::Tensor int8_packed_linear(const at::Tensor& x_in, const at::Tensor& packed, 
       bf16_packed_rows(reinterpret_cast<const uint16_t*>(x.data_ptr()), x.stride(0), m, k, widened.get(),
                        (n1 - n0 + 15) / 16, s, b, out_ptr + n0, n, n1 - n0);
     });
-    return out;
+    return finish_rows(op, out, mode, other, at::kBFloat16);
   }
 #endif
   // float32 rows as they are; bfloat16 rows widened once (rows x in: small next to the weight).
@@ -160,7 +164,7 @@ at::Tensor int8_packed_linear(const at::Tensor& x_in, const at::Tensor& packed, 
   const at::Tensor x = usable ? x_in : x_in.to(at::kFloat).contiguous();
   const float* x_ptr = x.data_ptr<float>();
   if (m >= kDequantizeRows) {
-    at::Tensor y = bf16_out ? at::empty({m, n}, x.options()) : out;
+    at::Tensor y = bf16_out ? at::empty({m, n}, x.options()) : out;  // float32
     float* y_ptr = y.data_ptr<float>();
     const int64_t group = channel_group(n, k * 4, kPackChannels);
     in_channel_groups(n, group, scale_ptr, bias_ptr, [&](int64_t n0, int64_t n1, const float* s, const float* b) {
@@ -170,8 +174,7 @@ at::Tensor int8_packed_linear(const at::Tensor& x_in, const at::Tensor& packed, 
       }
       f32_packed_rows(x_ptr, x.stride(0), m, k, widened.get(), (n1 - n0 + 15) / 16, b, y_ptr + n0, n, n1 - n0);
     });
-    if (bf16_out) out.copy_(y);
-    return out;
+    return finish_rows(op, y, mode, other, x_in.scalar_type());
   }
   const int64_t blocks = (n + kPackChannels - 1) / kPackChannels;
   at::parallel_for(0, blocks, 1, [&](int64_t b0, int64_t b1) {
@@ -187,7 +190,7 @@ at::Tensor int8_packed_linear(const at::Tensor& x_in, const at::Tensor& packed, 
       }
     }
   });
-  return out;
+  return finish_rows(op, out, mode, other, x_in.scalar_type());
 }
 
 at::Tensor int8_pack_weight(const at::Tensor& weight) {

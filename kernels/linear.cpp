@@ -33,6 +33,7 @@
 
 #include "cpu_isa.h"
 #include "f32_packed_rows.h"
+#include "int8_linear_common.h"
 
 #ifdef KVFORGE_HAS_X86_PATHS
 #include <immintrin.h>
@@ -290,16 +291,21 @@ void run_tiles(const Tiles<T>& tiles, FinishFn finish, const T* x, int64_t x_str
   });
 }
 
-int epilogue_mode(const char* op, const std::string& name) {
-  if (name == "none") return 0;
-  if (name == "add") return 1;
-  if (name == "silu_mul") return 2;
-  TORCH_CHECK(false, op, "epilogue must be 'none', 'add' or 'silu_mul', got '", name, "'");
-  return -1;
-}
-
 // The dtype as the kernels' names and messages spell it.
 const char* dtype_word(at::ScalarType t) { return t == at::kFloat ? "float32" : "bfloat16"; }
+
+// `other`: the residual [m, n] of `dtype` epilogue 'add' reads, absent otherwise.
+void check_other(const char* op, int mode, const std::optional<at::Tensor>& other, at::ScalarType dtype, int64_t m,
+                 int64_t n) {
+  if (mode == 1) {
+    TORCH_CHECK(other.has_value() && other->scalar_type() == dtype && other->dim() == 2 && other->size(0) == m &&
+                    other->size(1) == n && other->stride(1) == 1, op,
+                "epilogue 'add' needs `other`, a ", dtype_word(dtype), " [rows, out_features] = [", m, ", ", n,
+                "] with unit stride along out_features");
+  } else {
+    TORCH_CHECK(!other.has_value(), op, "`other` is only read by epilogue 'add'");
+  }
+}
 
 // The checks both ops share: out_features against the packed blocks, the bias, `other`.
 void check_epilogue(const char* op, const at::Tensor& x, int64_t blocks, int64_t n,
@@ -313,14 +319,7 @@ void check_epilogue(const char* op, const at::Tensor& x, int64_t blocks, int64_t
                 "bias must be a contiguous float32 tensor of ", blocks * 16,
                 " values (blocks x 16, in the packed order), got ", bias->scalar_type(), " ", bias->sizes());
   }
-  if (mode == 1) {
-    TORCH_CHECK(other.has_value() && other->scalar_type() == x.scalar_type() && other->dim() == 2 &&
-                    other->size(0) == x.size(0) && other->size(1) == n && other->stride(1) == 1, op,
-                "epilogue 'add' needs `other`, a ", dtype_word(x.scalar_type()), " [rows, out_features] = [", x.size(0), ", ",
-                n, "] with unit stride along out_features");
-  } else {
-    TORCH_CHECK(!other.has_value(), op, "`other` is only read by epilogue 'add'");
-  }
+  check_other(op, mode, other, x.scalar_type(), x.size(0), n);
 }
 
 void check_x(const char* op, const at::Tensor& x, const at::Tensor& packed, at::ScalarType dtype) {
@@ -344,6 +343,47 @@ Epilogue epilogue_for(int mode, const std::optional<at::Tensor>& bias, const std
 }
 
 }  // namespace
+
+int epilogue_mode(const char* op, const std::string& name) {
+  if (name == "none") return 0;
+  if (name == "add") return 1;
+  if (name == "silu_mul") return 2;
+  TORCH_CHECK(false, op, "epilogue must be 'none', 'add' or 'silu_mul', got '", name, "'");
+  return -1;
+}
+
+at::Tensor finish_rows(const char* op, const at::Tensor& sums, int mode, const std::optional<at::Tensor>& other,
+                       at::ScalarType out_dtype) {
+  const int64_t m = sums.size(0), width = sums.size(1), blocks = (width + 15) / 16;
+  TORCH_CHECK(mode != 2 || width % 32 == 0, op, "epilogue 'silu_mul' reads gate and up as alternating blocks of 16 "
+              "output channels, so the weight must have a multiple of 32 of them, got ", width);
+  const int64_t n = mode == 2 ? width / 2 : width;
+  check_other(op, mode, other, out_dtype, m, n);
+  if (mode == 0) return sums.scalar_type() == out_dtype ? sums : sums.to(out_dtype);
+  at::Tensor y = at::empty({m, n}, sums.options().dtype(out_dtype));
+  if (m == 0 || n == 0) return y;
+  const Epilogue e = epilogue_for(mode, std::nullopt, other, y);
+  const Path& path = path_here();
+  // Rows the finish reads in place: float32, whole blocks (it reads 16 channels at a
+  // time). Others go through a float32 row of whole blocks first.
+  const bool in_place = sums.scalar_type() == at::kFloat && width % 16 == 0 && sums.stride(1) == 1;
+  at::parallel_for(0, m, std::max<int64_t>(1, 16384 / std::max<int64_t>(1, width)), [&](int64_t r0, int64_t r1) {
+    at::Tensor row = in_place ? at::Tensor() : at::zeros({blocks * 16}, sums.options().dtype(at::kFloat));
+    for (int64_t r = r0; r < r1; ++r) {
+      const float* acc;
+      if (in_place) {
+        acc = sums.data_ptr<float>() + r * sums.stride(0);
+      } else {
+        row.narrow(0, 0, width).copy_(sums[r]);
+        acc = row.data_ptr<float>();
+      }
+      for (int64_t b = 0; b < blocks; b += kMaxBlocks) {
+        path.finish(acc + b * 16, 1, static_cast<int>(std::min<int64_t>(kMaxBlocks, blocks - b)), r, b, e);
+      }
+    }
+  });
+  return y;
+}
 
 at::Tensor bf16_linear(const at::Tensor& x, const at::Tensor& packed, int64_t out_features,
                        const std::optional<at::Tensor>& bias, const std::string& epilogue,

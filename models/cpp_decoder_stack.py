@@ -26,7 +26,7 @@ from kvforge.core import dtype_name
 
 from .cpp_linear import FUSED_ACTIVATIONS, CppGateUp, CppLinear
 from .layers import RMSNorm
-from .quantized_linear import CPP_DTYPES, Int8Linear
+from .quantized_linear import CPP_DTYPES, Int8GateUp, Int8Linear
 
 # How the C++ class runs a linear layer (decoder_stack.cpp's LinearKind).
 PACKED, INT8_WEIGHT, INT8_DYNAMIC = 0, 1, 2
@@ -39,14 +39,18 @@ def linear_entry(layer, name: str) -> tuple[list[torch.Tensor], list[int], str |
     if isinstance(layer, (CppLinear, CppGateUp)) and not getattr(layer, "float_out", False):
         bias = layer.bias
         return [layer.packed, NONE if bias is None else bias, NONE], [PACKED, layer.out_features, int(bias is not None)], None
+    out_features = layer.out_features if isinstance(layer, (Int8Linear, Int8GateUp)) else 0
+    if type(layer) is Int8GateUp:  # its fused weight, run with epilogue silu_mul
+        layer = layer.both
     if type(layer) is Int8Linear and layer.weight_int8.is_cpu:
         kind = INT8_WEIGHT if layer.activations == "none" else INT8_DYNAMIC
         if kind == INT8_DYNAMIC and not layer.fused_w8a8:
             return [], [], f"{name} is W8A8 without its C++ kernel"
         bias = layer.bias
         return ([layer.weight_int8, NONE if bias is None else bias, layer.weight_scale],
-                [kind, layer.out_features, int(bias is not None)], None)
-    return [], [], f"{name} is a {type(layer).__name__}, not a C++ linear layer (CppLinear, CppGateUp or Int8Linear)"
+                [kind, out_features, int(bias is not None)], None)
+    return [], [], (f"{name} is a {type(layer).__name__}, not a C++ linear layer (CppLinear, CppGateUp, Int8Linear "
+                    "or Int8GateUp)")
 
 
 def layer_entry(model, index: int, spec_index: int) -> tuple[tuple[list, list, list] | None, str | None]:

@@ -32,6 +32,7 @@ from kvforge.core.errors import UnsupportedConfigurationError
 
 from .huge_pages import on_huge_pages
 from .packed_linear import linear_weight
+from .quantized_linear import Int8Linear, fuse_int8_gate_up, place_on_huge_pages
 
 LANES = 16  # output channels per packed block
 DTYPES = (torch.bfloat16, torch.float32)  # what the kernels run
@@ -211,21 +212,28 @@ FUSED_ACTIVATIONS = ("silu", "swish")  # what CppGateUp's epilogue computes
 @torch.no_grad()
 def use_cpp_linears(model: nn.Module) -> int:
     """Replace the linear layers of a loaded bfloat16 or float32 CPU model by CppLinear, fuse
-    each SiLU MLP's gate and up into a CppGateUp (set as the MLP's `gate_up_proj`),
+    each SiLU MLP's gate and up into a CppGateUp (set as the MLP's `gate_up_proj`;
+    an int8 pair that `quantize_linears` made into an Int8GateUp),
     and give the model a float32-output head (`lm_head_layer`); the number of
     weights packed. The packed weights then sit side by side on 2 MiB pages in
     the order the model runs them (`huge_pages`)."""
-    count = 0
+    count, int8_fused = 0, False
     for module in list(model.modules()):
         gate, up = getattr(module, "gate_proj", None), getattr(module, "up_proj", None)
+        if not hasattr(module, "gate_up_proj") or getattr(module, "act", None) not in FUSED_ACTIVATIONS:
+            continue
         # A LoRA layer (lora_layers.LoRALinear, for which linear_weight is None) is not fused: its
         # adapter's update must land on gate and up before SiLU and the product, which CppGateUp
         # computes inside its one kernel. The wrapper keeps its own CppLinear, the post-ops in torch.
-        if (hasattr(module, "gate_up_proj") and getattr(module, "act", None) in FUSED_ACTIVATIONS
-                and linear_weight(gate) is not None and linear_weight(up) is not None):
+        if linear_weight(gate) is not None and linear_weight(up) is not None:
             module.gate_up_proj = CppGateUp(gate, up)
-            del module.gate_proj, module.up_proj
             count += 2
+        else:  # quantized weights (quantize_linears came first): the int8 kernel's epilogue does the same
+            module.gate_up_proj = fuse_int8_gate_up(gate, up, model.dtype)
+            if module.gate_up_proj is None:
+                continue
+            int8_fused = True
+        del module.gate_proj, module.up_proj
     head = model.lm_head_weight() if hasattr(model, "lm_head_weight") else None
     head_layer = CppLinear(head, None, float_out=True) if head is not None else None
     count += int(head_layer is not None)
@@ -243,4 +251,6 @@ def use_cpp_linears(model: nn.Module) -> int:
     packed_layers = [m for m in model.modules() if isinstance(m, (CppLinear, CppGateUp))]
     for layer, packed in zip(packed_layers, on_huge_pages([m.packed for m in packed_layers])):
         layer.packed = packed
+    if int8_fused:  # the fused weights are new tensors: the int8 weights side by side again, in order
+        place_on_huge_pages([m for m in model.modules() if isinstance(m, Int8Linear)])
     return count

@@ -12,8 +12,11 @@ weight packed for the C++ kernel (64 channels of one input side by side) and
 widens it inside the kernel's register tiles; "int8" (W8A8, CPU only)
 rounds each row to int8 with its own scale, so a row never depends on the rest
 of the batch. Without the C++ library W8A8 runs the same arithmetic as torch
-ops; on other devices weight-only widens the weight inside `F.linear`. The
-fused post-ops of `packed_linear` run as separate in-place ops here. Which
+ops; on other devices weight-only widens the weight inside `F.linear`. With
+the C++ kernels a residual add (`Int8Linear.binary`, what
+`packed_linear.linear_add` calls) and a SwiGLU MLP's gate and up projections
+(`Int8GateUp`, fused by `cpp_linear.use_cpp_linears`) run in the kernel's
+epilogue; elsewhere the post-ops are separate in-place torch ops. Which
 kernel wins where, and why: docs/models.md, "Quantized weights".
 """
 
@@ -169,6 +172,29 @@ class Int8Linear(nn.Module):
             return gemm(x)
         return gemm(x.reshape(-1, self.in_features)).view(*x.shape[:-1], self.out_features)
 
+    def binary(self, x: torch.Tensor, other: torch.Tensor, op: str) -> torch.Tensor:
+        """`(x W^T + b) op other` for op "add" (in the C++ kernel's epilogue where it
+        runs, one rounding) or "mul" (`packed_linear.linear_add` and `linear_mul`)."""
+        if op == "add" and x.is_cpu and self.runs_epilogues(x.dtype):
+            rows = x.reshape(-1, self.in_features)
+            y = self.call(rows, "add", other.reshape(-1, self.out_features).contiguous())
+            return y if x.dim() == 2 else y.view(*x.shape[:-1], self.out_features)
+        y = self(x)
+        return y.mul_(other) if op == "mul" else y.add_(other)
+
+    def runs_epilogues(self, dtype: torch.dtype) -> bool:
+        """Whether `call` runs on CPU inputs of `dtype`: float32 or bfloat16, weights on
+        the CPU and a C++ kernel for them."""
+        return (self.weight_int8.is_cpu and dtype in CPP_DTYPES
+                and (self.activations == "none" or self.fused_w8a8))
+
+    def call(self, x: torch.Tensor, epilogue: str, other: torch.Tensor | None) -> torch.Tensor:
+        """The C++ op on 2-D CPU `x` (`runs_epilogues`) with its `epilogue` ("none", "add"
+        with `other`, or "silu_mul": kernels/linear.cpp's epilogues)."""
+        op = (torch.ops.kvforge_cpp.int8_weight_linear.default if self.activations == "none"
+              else torch.ops.kvforge_cpp.int8_dynamic_linear.default)
+        return op(x, self.weight_int8, self.weight_scale, self.bias, epilogue, other)
+
     # The ops' overloads themselves (`.default`): calling the overload packet costs a resolution per call.
     def _weight_only_gemm(self, x: torch.Tensor) -> torch.Tensor:
         op = torch.ops.kvforge_cpp.int8_weight_linear.default
@@ -198,6 +224,58 @@ class Int8Linear(nn.Module):
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, "
                 f"int8 weights, activations={self.activations}")
+
+
+GATE_UP_BLOCK = 16  # channels of gate, then of up, alternating in Int8GateUp's weight (linear.cpp's epilogue)
+
+
+def alternate_blocks(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """The rows (output channels) of two `[out, ...]` tensors alternating in blocks of
+    `GATE_UP_BLOCK`: gate's first, up's first, gate's second, ..."""
+    rest = gate.shape[1:]
+    blocks = [t.reshape(-1, GATE_UP_BLOCK, *rest) for t in (gate, up)]
+    return torch.stack(blocks, dim=1).reshape(-1, *rest).contiguous()
+
+
+class Int8GateUp(nn.Module):
+    """`silu(x G^T + bg) * (x U^T + bu)` with int8 G and U: a SwiGLU MLP's gate and up
+    projections as one int8 linear (`both`), whose rows alternate blocks of 16 gate
+    and 16 up channels, and whose kernel's epilogue multiplies each gate block's SiLU
+    with the up block beside it: one call, no pass outside it. Built from two
+    Int8Linear of one shape (`fuse_int8_gate_up`); the quantized values and scales
+    are theirs."""
+
+    def __init__(self, gate: Int8Linear, up: Int8Linear):
+        super().__init__()
+        self.out_features, self.in_features = gate.out_features, gate.in_features
+        bias = None
+        if gate.bias is not None or up.bias is not None:
+            zeros = torch.zeros(self.out_features, dtype=torch.float32)
+            bias = alternate_blocks(zeros if gate.bias is None else gate.bias.float(),
+                                    zeros if up.bias is None else up.bias.float())
+        self.both = Int8Linear(alternate_blocks(gate.int8_rows(), up.int8_rows()),
+                               alternate_blocks(gate.weight_scale, up.weight_scale), bias, gate.activations)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x if x.dim() == 2 else x.reshape(-1, self.in_features)
+        y = self.both.call(rows, "silu_mul", None)
+        return y if x.dim() == 2 else y.view(*x.shape[:-1], self.out_features)
+
+    def extra_repr(self) -> str:
+        return (f"in_features={self.in_features}, out_features={self.out_features}, silu(gate) * up, int8 weights, "
+                f"activations={self.both.activations}")
+
+
+def fuse_int8_gate_up(gate: nn.Module, up: nn.Module, x_dtype: torch.dtype) -> Int8GateUp | None:
+    """`Int8GateUp(gate, up)` where its kernel serves them: two CPU Int8Linear of one
+    shape and kind whose outputs are whole blocks of 16, for `x_dtype` inputs with a
+    C++ kernel (`Int8Linear.runs_epilogues`); None otherwise (they stay two layers)."""
+    if type(gate) is not Int8Linear or type(up) is not Int8Linear or not gate.runs_epilogues(x_dtype):
+        return None
+    if ((gate.out_features, gate.in_features, gate.activations) != (up.out_features, up.in_features, up.activations)
+            or gate.out_features % GATE_UP_BLOCK):
+        return None
+    return Int8GateUp(gate, up)
 
 
 def int8_linear(module: nn.Module, quantizer: Quantizer, activations: str = "none") -> Int8Linear | None:

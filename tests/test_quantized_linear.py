@@ -17,7 +17,8 @@ from kvforge.core import (PER_CHANNEL, PER_TOKEN, QUANTIZER, QuantizedTensor, Qu
 from kvforge.models import load_model
 from tests.model_driver import save_llama
 from kvforge.models.packed_linear import PackedLinear, linear_act, linear_add, linear_mul
-from kvforge.models.quantized_linear import Int8Linear, int8_linear_unsupported, quantize_linears, quantize_rows
+from kvforge.models.quantized_linear import (Int8GateUp, Int8Linear, int8_linear_unsupported, quantize_linears,
+                                             quantize_rows)
 
 INT8_WEIGHT = build_registry().select(QUANTIZER, "int8_weight").cls
 
@@ -351,7 +352,9 @@ def test_engine_runs_end_to_end_with_int8_weights(tmp_path, activations):
     extra = {} if activations is None else {"activations": activations}
     engine = LLMEngine(engine_config(path, "int8_weight", **extra))
     layers = [m for m in engine.model.modules() if isinstance(m, Int8Linear)]
-    assert len(layers) == 11  # 5 per layer and the head
+    # 4 per layer and the head: gate and up as one Int8GateUp (its `both`), on the C++ kernels here
+    assert len(layers) == 9
+    assert sum(isinstance(m, Int8GateUp) for m in engine.model.modules()) == 2
     assert {m.activations for m in layers} == {activations or "none"}  # weight-only unless asked
     params = SamplingParams(max_tokens=6, ignore_eos=True, temperature=0.0)
     for i in range(3):
@@ -397,7 +400,7 @@ def test_engine_takes_a_third_party_weight_quantizer_by_name(tmp_path):
     theirs = LLMEngine(engine_config(path, "acme_int8_channel"), registry=registry_with_acme()).model
     ours = LLMEngine(engine_config(path, "int8_weight")).model
     pairs = [(a, b) for a, b in zip(theirs.modules(), ours.modules()) if isinstance(a, Int8Linear)]
-    assert len(pairs) == 11
+    assert len(pairs) == 9  # 4 per layer (gate and up fused) and the head
     for a, b in pairs:
         assert torch.equal(a.weight_int8, b.weight_int8) and torch.equal(a.weight_scale, b.weight_scale)
 
