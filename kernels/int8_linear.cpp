@@ -194,7 +194,8 @@ at::Tensor int8_weight_linear(const at::Tensor& x_in, const at::Tensor& weight, 
   const char* op = "kvforge_cpp.int8_weight_linear: ";
   const int mode = epilogue_mode(op, epilogue);
   check_int8_linear_inputs("kvforge_cpp.int8_weight_linear", x_in, weight, scale_in, bias_in);
-  if (weight.dim() == 3) return int8_packed_linear(x_in, weight, scale_in, bias_in, mode, other);  // int8_pack_weight's
+  // int8_pack_weight's layout
+  if (weight.dim() == 3) return int8_packed_linear(x_in, weight, scale_in, bias_in, mode, other);
   const int64_t m = x_in.size(0), k = x_in.size(1), n = weight.size(0);
   const at::Tensor scale = scale_in.reshape({n}).contiguous();
   const at::Tensor bias = bias_in.has_value() ? bias_in->reshape({n}).to(at::kFloat).contiguous() : at::Tensor();

@@ -174,7 +174,7 @@ class Int8Linear(nn.Module):
 
     def binary(self, x: torch.Tensor, other: torch.Tensor, op: str) -> torch.Tensor:
         """`(x W^T + b) op other` for op "add" (in the C++ kernel's epilogue where it
-        runs, one rounding) or "mul" (`packed_linear.linear_add` and `linear_mul`)."""
+        runs, one rounding: what `packed_linear.linear_add` calls) or "mul"."""
         if op == "add" and x.is_cpu and self.runs_epilogues(x.dtype):
             rows = x.reshape(-1, self.in_features)
             y = self.call(rows, "add", other.reshape(-1, self.out_features).contiguous())
