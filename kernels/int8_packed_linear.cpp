@@ -136,14 +136,12 @@ at::Tensor int8_packed_linear(const at::Tensor& x_in, const at::Tensor& packed, 
   const Isa level = isa();
   const PackedKernels& kernels = kernels_for(level);
   const bool bf16_in = x_in.scalar_type() == at::kBFloat16;
-  const bool bf16_out = bf16_in && mode == 0;  // an epilogue takes float32 sums, rounded once after it
-  at::Tensor out = at::empty({m, n}, x_in.options().dtype(bf16_out ? at::kBFloat16 : at::kFloat));
   const int64_t block_bytes = k * kPackChannels;
 
 #ifdef KVFORGE_HAS_X86_PATHS
   if (bf16_in && m >= kWidenBf16Rows && level == Isa::kAvx512 && has_avx512_bf16()) {
     const at::Tensor x = x_in.stride(1) == 1 ? x_in : x_in.contiguous();
-    if (!bf16_out) out = at::empty({m, n}, x_in.options());  // bfloat16: the epilogue then reads rounded outputs
+    at::Tensor out = at::empty({m, n}, x_in.options());  // bfloat16: an epilogue reads these rounded outputs
     auto* out_ptr = reinterpret_cast<uint16_t*>(out.data_ptr());
     const int64_t pairs = (k + 1) / 2;
     const int64_t group = channel_group(n, pairs * 4, kPackChannels);
@@ -164,7 +162,7 @@ at::Tensor int8_packed_linear(const at::Tensor& x_in, const at::Tensor& packed, 
   const at::Tensor x = usable ? x_in : x_in.to(at::kFloat).contiguous();
   const float* x_ptr = x.data_ptr<float>();
   if (m >= kDequantizeRows) {
-    at::Tensor y = bf16_out ? at::empty({m, n}, x.options()) : out;  // float32
+    at::Tensor y = at::empty({m, n}, x.options());  // float32, made x's dtype by finish_rows
     float* y_ptr = y.data_ptr<float>();
     const int64_t group = channel_group(n, k * 4, kPackChannels);
     in_channel_groups(n, group, scale_ptr, bias_ptr, [&](int64_t n0, int64_t n1, const float* s, const float* b) {
@@ -176,6 +174,8 @@ at::Tensor int8_packed_linear(const at::Tensor& x_in, const at::Tensor& packed, 
     });
     return finish_rows(op, y, mode, other, x_in.scalar_type());
   }
+  const bool bf16_out = bf16_in && mode == 0;  // an epilogue takes float32 sums, rounded once after it
+  at::Tensor out = at::empty({m, n}, x_in.options().dtype(bf16_out ? at::kBFloat16 : at::kFloat));
   const int64_t blocks = (n + kPackChannels - 1) / kPackChannels;
   at::parallel_for(0, blocks, 1, [&](int64_t b0, int64_t b1) {
     for (int64_t b = b0; b < b1; ++b) {

@@ -251,6 +251,7 @@ def use_cpp_linears(model: nn.Module) -> int:
     packed_layers = [m for m in model.modules() if isinstance(m, (CppLinear, CppGateUp))]
     for layer, packed in zip(packed_layers, on_huge_pages([m.packed for m in packed_layers])):
         layer.packed = packed
-    if int8_fused:  # the fused weights are new tensors: the int8 weights side by side again, in order
+    if int8_fused:  # the fused weights are new tensors: every int8 weight side by side again, in order (which
+        # also frees quantize_linears' arena, where the separate gate and up weights still sat)
         place_on_huge_pages([m for m in model.modules() if isinstance(m, Int8Linear)])
     return count

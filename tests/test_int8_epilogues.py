@@ -152,9 +152,14 @@ def test_int8_gate_up_is_the_two_layers_it_fuses(activations, dtype):
     assert fuse_int8_gate_up(odd, odd, dtype) is None  # 40 channels: no whole blocks of 16
 
 
-def test_int8_linear_binary_add_is_the_fused_epilogue():
+def test_int8_linear_binary_adds_in_the_kernels_epilogue(monkeypatch):
     x, w, scale, b = operands(4, 32, 64, True, seed=3)
     layer = Int8Linear(w, scale, b)
     other = torch.randn(4, 64)
-    assert torch.equal(layer.binary(x, other, "add"), layer(x) + other)
+    epilogues, call = [], Int8Linear.call
+    monkeypatch.setattr(Int8Linear, "call", lambda self, rows, epilogue, residual:
+                        epilogues.append(epilogue) or call(self, rows, epilogue, residual))
+    y = layer.binary(x.view(2, 2, 32), other.view(2, 2, 64), "add")  # any leading shape, as the models call it
+    assert epilogues == ["add"]  # one call of the op with its epilogue, not a torch add after it
+    assert y.shape == (2, 2, 64) and torch.equal(y.view(4, 64), layer(x) + other)
     assert torch.equal(layer.binary(x, other, "mul"), layer(x) * other)
