@@ -24,6 +24,10 @@ inline void for_row_groups(int64_t rows, F&& f) {
 
 // Asks for `count` rows of `bytes` each, `stride` elements apart, ahead of use:
 // blocks sit at random places in the cache, which defeats the hardware prefetcher.
+// Its callers are the AVX-512 tiles (prefill_tile.h, narrow_rows.h). It is not
+// KVFORGE_PREFETCH_HELPER (cpu_isa.h), so GCC may delete the calls it does not
+// inline: forced in, the AVX2 tiles' decode read long contexts slower and their
+// prefill no faster, and the AVX-512 tiles have not been timed that way.
 template <typename T>
 inline void prefetch_rows(const T* rows, int64_t count, int64_t stride, int64_t bytes) {
   for (int64_t j = 0; j < count; ++j) {
@@ -211,36 +215,19 @@ void attend_tile(const Problem& p, const Tile& tile, Scratch& s) {
 
   const int64_t heads = p.num_kv_heads;
   const int64_t slot_stride = heads * hs;  // between consecutive slots of one block
-  const int64_t head_bytes = hs * static_cast<int64_t>(sizeof(K));  // one head's part of a slot
-  const int64_t row_bytes = slot_stride * static_cast<int64_t>(sizeof(K));  // between a head's rows
-  const bool row_by_row = std::is_same_v<K, float> && !transposed;
   for (int64_t logical = first / bs; logical <= last / bs; ++logical) {
     const int64_t start = logical * bs;
     const int64_t j0 = std::max(first, start) - start;
     const int64_t j1 = std::min(last + 1, start + bs) - start;
     const int64_t count = j1 - j0;
     const K* page = page_of<K>(p, tile, logical);
-    // The next block's keys and values, asked for head by head as this block's
-    // heads are computed (these again when there is no next block): row by row as
-    // scores and accumulate read this block's rows in place (`Ahead`), or all at
-    // once where this block's rows are first converted or transposed.
-    const int64_t ahead = logical < last / bs ? logical + 1 : logical;
-    const K* next = page_of<K>(p, tile, ahead);
     const float* key_scales = nullptr;  // this block's, from slot j0 on
     const float* value_scales = nullptr;
     if constexpr (kScaled<K>) {
       key_scales = scales_of(p, tile, logical) + j0 * heads + tile.kv_head;
       value_scales = key_scales + bs * heads;
-      prefetch_rows(scales_of(p, tile, ahead), 1, 0, 2 * bs * heads * int64_t{sizeof(float)});
     }
     for (int64_t h = 0; h < tile.kv_heads; ++h) {
-      Ahead next_keys, next_values;
-      if (row_by_row) {
-        next_keys = {reinterpret_cast<const char*>(next + h * hs), row_bytes, bs, head_bytes};
-        next_values = {reinterpret_cast<const char*>(next + bs * slot_stride + h * hs), row_bytes, bs, head_bytes};
-      } else {
-        prefetch_rows(next + h * hs, 2 * bs, slot_stride, head_bytes);  // keys, then values
-      }
       const int64_t r0 = h * head_rows;
       int64_t v_stride = 0;
       const float* values = rows_as_float(page + (bs + j0) * slot_stride + h * hs, count, slot_stride, hs,
@@ -266,8 +253,7 @@ void attend_tile(const Problem& p, const Tile& tile, Scratch& s) {
         const float* keys = rows_as_float(page + j0 * slot_stride + h * hs, count, slot_stride, hs,
                                           kScaled<K> ? key_scales + h : nullptr, heads, s.keys.data(), k_stride);
         for_row_groups(head_rows, [&](auto group_rows, int64_t r) {
-          scores<decltype(group_rows)::value>(q + (r0 + r) * hs, hs, keys, k_stride, count, score + r * ss, ss,
-                                              r == 0 ? next_keys : Ahead{});
+          scores<decltype(group_rows)::value>(q + (r0 + r) * hs, hs, keys, k_stride, count, score + r * ss, ss);
         });
       }
 
@@ -310,8 +296,7 @@ void attend_tile(const Problem& p, const Tile& tile, Scratch& s) {
       }
 
       for_row_groups(head_rows, [&](auto group_rows, int64_t r) {
-        accumulate<decltype(group_rows)::value>(acc + (r0 + r) * hs, hs, score + r * ss, ss, values, v_stride, count,
-                                                r == 0 ? next_values : Ahead{});
+        accumulate<decltype(group_rows)::value>(acc + (r0 + r) * hs, hs, score + r * ss, ss, values, v_stride, count);
       });
     }
   }

@@ -12,6 +12,12 @@
 #define KVFORGE_HAS_X86_PATHS 1
 #endif
 
+// For a helper whose only work is prefetching (asking for lines ahead of use).
+// GCC counts a prefetch as no effect at all, so a helper it does not inline
+// early is found to do nothing and its calls are deleted, every prefetch with
+// them; forced inline, the prefetches land in the caller's loop.
+#define KVFORGE_PREFETCH_HELPER inline __attribute__((always_inline))
+
 namespace kvforge_cpp {
 
 enum class Isa { kBaseline, kAvx2, kAvx512 };

@@ -230,7 +230,7 @@ struct Lookahead {
 // reads (the residual, mode 1) and writes (y), before the tile computes: a
 // prefill's residual and outputs are megabytes, and the epilogue stalled on
 // each row's first touch of them.
-inline void prefetch_epilogue(const Epilogue& e, int64_t r, int mr, int64_t block0, int nb) {
+KVFORGE_PREFETCH_HELPER void prefetch_epilogue(const Epilogue& e, int64_t r, int mr, int64_t block0, int nb) {
   const int64_t c0 = (e.mode == 2 ? block0 / 2 : block0) * 16;
   const int64_t channels = std::min<int64_t>((e.mode == 2 ? nb / 2 : nb) * 16, e.n - c0);
   if (channels <= 0) return;

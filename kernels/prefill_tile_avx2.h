@@ -196,7 +196,6 @@ void attend_tile_prefill(const Problem& p, const Tile& tile, Scratch& s) {
     }
     if (v_lo >= v_hi) continue;
     lane_key_rows<K>(p, tile, k0, n, tile_keys, tile_values, key_rows, value_rows, zeros);
-    if (k0 + kKeyTile <= t.last) prefetch_key_tile<K>(p, tile, k0 + kKeyTile, std::min(kKeyTile, t.last + 1 - k0 - kKeyTile));
     for_row_vectors(v_lo, v_hi, [&](auto count, int64_t v0) {
       constexpr int RV = decltype(count)::value;
       constexpr int J = kBlockWidth<RV>;

@@ -22,22 +22,6 @@ inline vf8 splat(float x) { return vf8{} + x; }
 
 inline vf8 exp8(vf8 x) { return exp_of<vf8, vi8>(x); }
 
-// Rows a loop asks for ahead of their use, one row per step of the loop (`bytes`
-// each, `stride` bytes apart): cache blocks sit at random places, which defeats
-// the hardware prefetcher, and asking for a whole block at once overflows the
-// misses a core can keep in flight, so each row is asked for as one is read.
-struct Ahead {
-  const char* rows = nullptr;
-  int64_t stride = 0, count = 0, bytes = 0;
-  void fetch(int64_t j) const {
-    if (j >= count) return;
-    for (int64_t offset = 0; offset < bytes; offset += 64) __builtin_prefetch(rows + j * stride + offset, 0, 2);
-  }
-  void fetch_from(int64_t j) const {
-    for (; j < count; ++j) fetch(j);
-  }
-};
-
 // Micro-kernels over R query rows at once: each key or value row loaded from
 // the cache serves R rows while the R partial results stay in registers.
 
@@ -82,25 +66,21 @@ inline void scores_of_keys(const float* __restrict__ q, int64_t hs, const float*
   }
 }
 
-// out[r * out_stride + j] = q_r . key_j for r < R, j < count; row j of `ahead`
-// is asked for as key j is read (the rest of it after the last key).
+// out[r * out_stride + j] = q_r . key_j for r < R, j < count.
 template <int R>
 inline void scores(const float* __restrict__ q, int64_t hs, const float* __restrict__ keys, int64_t k_stride,
-                   int64_t count, float* __restrict__ out, int64_t out_stride, const Ahead& ahead = Ahead{}) {
+                   int64_t count, float* __restrict__ out, int64_t out_stride) {
   int64_t j = 0;
   if (hs % 8 == 0) {
     constexpr int J = R <= 2 ? 4 : 2;  // R * J sums, J keys and a query vector in 16 registers
     for (; j + J <= count; j += J) {
-      for (int i = 0; i < J; ++i) ahead.fetch(j + i);
       scores_of_keys<R, J>(q, hs, keys + j * k_stride, k_stride, out + j, out_stride);
     }
     for (; j < count; ++j) {
-      ahead.fetch(j);
       scores_of_keys<R, 1>(q, hs, keys + j * k_stride, k_stride, out + j, out_stride);
     }
   }
   for (; j < count; ++j) {
-    ahead.fetch(j);
     const float* k = keys + j * k_stride;
     vf8 even[R], odd[R];  // two chains per row hide the FMA latency
     for (int r = 0; r < R; ++r) even[r] = odd[r] = vf8{};
@@ -122,7 +102,6 @@ inline void scores(const float* __restrict__ q, int64_t hs, const float* __restr
       out[r * out_stride + j] = sum;
     }
   }
-  ahead.fetch_from(count);
 }
 
 // The same scores from keys transposed to kt[d * kt_stride + j] (zero-padded to
@@ -167,18 +146,15 @@ inline void transpose_keys(float* __restrict__ kt, int64_t kt_stride, const K* _
 }
 
 // acc_r[d, d + 8C) += sum_j weights[r * w_stride + j] * value_j[d, d + 8C) for r < R,
-// the R x C sums in registers over all `count` values; row j of `ahead` is asked
-// for as value j is read when Fetch.
-template <int R, int C, bool Fetch>
+// the R x C sums in registers over all `count` values.
+template <int R, int C>
 inline void accumulate_slice(float* __restrict__ acc, int64_t hs, int64_t d, const float* __restrict__ weights,
-                             int64_t w_stride, const float* __restrict__ values, int64_t v_stride, int64_t count,
-                             const Ahead& ahead) {
+                             int64_t w_stride, const float* __restrict__ values, int64_t v_stride, int64_t count) {
   vf8 a[R][C];
   for (int r = 0; r < R; ++r) {
     for (int c = 0; c < C; ++c) a[r][c] = load8(acc + r * hs + d + 8 * c);
   }
   for (int64_t j = 0; j < count; ++j) {
-    if constexpr (Fetch) ahead.fetch(j);
     vf8 v[C];
     for (int c = 0; c < C; ++c) v[c] = load8(values + j * v_stride + d + 8 * c);
     for (int r = 0; r < R; ++r) {
@@ -193,31 +169,19 @@ inline void accumulate_slice(float* __restrict__ acc, int64_t hs, int64_t d, con
 
 // acc_r += sum_j weights[r * w_stride + j] * value_j for r < R: slices as wide as
 // the registers hold (each value row read in as few passes as that allows), each
-// sum in j order whatever the slice; row j of `ahead` is asked for as value j is
-// first read (the rest of it after the last value).
+// sum in j order whatever the slice.
 template <int R>
 inline void accumulate(float* __restrict__ acc, int64_t hs, const float* __restrict__ weights, int64_t w_stride,
-                       const float* __restrict__ values, int64_t v_stride, int64_t count, const Ahead& ahead = Ahead{}) {
+                       const float* __restrict__ values, int64_t v_stride, int64_t count) {
   constexpr int C = R <= 2 ? 4 : 2;  // R * C sums, C value vectors and a weight in 16 registers
   int64_t d = 0;
   for (; d + 8 * C <= hs; d += 8 * C) {
-    if (d == 0) {
-      accumulate_slice<R, C, true>(acc, hs, d, weights, w_stride, values, v_stride, count, ahead);
-    } else {
-      accumulate_slice<R, C, false>(acc, hs, d, weights, w_stride, values, v_stride, count, ahead);
-    }
+    accumulate_slice<R, C>(acc, hs, d, weights, w_stride, values, v_stride, count);
   }
-  for (; d + 8 <= hs; d += 8) {
-    if (d == 0) {
-      accumulate_slice<R, 1, true>(acc, hs, d, weights, w_stride, values, v_stride, count, ahead);
-    } else {
-      accumulate_slice<R, 1, false>(acc, hs, d, weights, w_stride, values, v_stride, count, ahead);
-    }
-  }
+  for (; d + 8 <= hs; d += 8) accumulate_slice<R, 1>(acc, hs, d, weights, w_stride, values, v_stride, count);
   for (; d < hs; ++d) {
     for (int64_t j = 0; j < count; ++j) {
       for (int r = 0; r < R; ++r) acc[r * hs + d] += weights[r * w_stride + j] * values[j * v_stride + d];
     }
   }
-  ahead.fetch_from(hs >= 8 ? count : 0);
 }
