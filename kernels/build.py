@@ -50,6 +50,9 @@ HEADERS = [HERE / "cpu_isa.h", HERE / "vector_kernels.h", HERE / "vector_exp.h",
 CACHE_ENV = "KVFORGE_CACHE_DIR"
 # -O3 vectorises the inner loops; the AVX2+FMA variant is chosen at run time
 # inside the library, so no -march=native (the build must run on any x86-64).
+# Every function and loop starts a 64-byte line, so a kernel whose code did not
+# change keeps its loops' alignment when other code grows or shrinks
+# (docs/cpp_backend.md, "Building").
 CFLAGS = ["-O3", "-fopenmp", "-std=c++17", "-falign-functions=64", "-falign-loops=64"]
 
 # A build takes a minute or two; torch's lock file older than this belongs to a
