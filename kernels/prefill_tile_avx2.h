@@ -8,9 +8,10 @@
 //   values  acc[d][r] += p[j][r] * v[j][d]        (again a broadcast per (j, d))
 //
 // with no horizontal sum or per-row scalar loop in the hot path. Register
-// blocks of up to four row vectors (32 rows) by two keys or head dims, or two
-// row vectors by four, keep 8 sums live beside their operands in AVX2's 16
-// registers. Keys come in tiles of kKeyTile, read through the block table
+// blocks of up to three row vectors (24 rows) by four keys or head dims keep 12
+// sums live beside their operands in AVX2's 16 registers: an FMA's result is
+// ready about 5 cycles after it issues and two issue a cycle, so blocks of 8
+// sums (4 x 2, 2 x 4) would leave the FMA units idle a fifth of the time. Keys come in tiles of kKeyTile, read through the block table
 // across block boundaries and copied as float32 into two small tile buffers
 // (a quantized cache times its scales).
 // A key tile no lane of a row vector sees is skipped for that row vector, so
@@ -29,9 +30,9 @@ constexpr int64_t kKeyTile = 32;   // keys per softmax step (a multiple of kKeyP
 constexpr int64_t kKeyPad = 4;     // key counts are padded to a multiple of every score block's keys
 constexpr float kMaxSlack = 8.f;   // how far a score may pass its lane's running maximum before the rescale
 
-// Keys (or head dims) per register block for RV row vectors: 4 x 2 or 2 x 4 sums.
+// Keys (or head dims) per register block of RV row vectors (RV x 4 sums).
 template <int RV>
-constexpr int kBlockWidth = RV >= 3 ? 2 : 4;
+constexpr int kBlockWidth = 4;
 
 inline int64_t pad_keys(int64_t n) { return (n + kKeyPad - 1) / kKeyPad * kKeyPad; }
 
@@ -85,15 +86,14 @@ inline void lane_values(float* __restrict__ acct, const float* __restrict__ pt, 
 }
 
 // Calls f(std::integral_constant<int, RV>, first_vector) over row vectors
-// [v_lo, v_hi) in groups of up to four.
+// [v_lo, v_hi) in groups of up to three.
 template <typename F>
 inline void for_row_vectors(int64_t v_lo, int64_t v_hi, F&& f) {
-  for (int64_t v = v_lo; v < v_hi; v += 4) {
-    switch (std::min<int64_t>(4, v_hi - v)) {
+  for (int64_t v = v_lo; v < v_hi; v += 3) {
+    switch (std::min<int64_t>(3, v_hi - v)) {
       case 1: f(std::integral_constant<int, 1>{}, v); break;
       case 2: f(std::integral_constant<int, 2>{}, v); break;
-      case 3: f(std::integral_constant<int, 3>{}, v); break;
-      default: f(std::integral_constant<int, 4>{}, v); break;
+      default: f(std::integral_constant<int, 3>{}, v); break;
     }
   }
 }
