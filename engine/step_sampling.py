@@ -215,7 +215,7 @@ def greedy_rows(logits: torch.Tensor) -> list[int] | None:
     kvforge's C++ library not loaded (the sampler never starts a build)."""
     if logits.device.type != "cpu" or not logits.is_contiguous() or not kernel_library.is_loaded():
         return None
-    return torch.ops.kvforge_cpp.greedy_rows(logits)
+    return torch.ops.kvforge_cpp.greedy_rows.default(logits)
 
 
 def all_finite(logits: torch.Tensor) -> bool:

@@ -4,7 +4,13 @@
 //
 //   stack = torch.classes.kvforge_cpp.DecoderStack()
 //   stack.add_layer(tensors, ints, floats)          # once per layer, in order
-//   x = stack.forward(x, cos, sin, kv_caches, plans, slot_mapping, rows, last_plan, batch_invariant)
+//   stack.set_ends(embedding, norm, eps)            # once: the token embedding and the final RMSNorm
+//   h = stack.forward_tokens(input_ids, positions, cos_table, sin_table, kv_caches, plans, slot_mapping,
+//                            rows, last_plan, batch_invariant)
+//
+// forward_tokens is the model's forward from token ids to the final norm's
+// output: the embedding rows, the positions' rows of the rotary tables, every
+// layer (forward, on hidden states), then the final RMSNorm.
 //
 // Each layer calls the same C++ functions the per-layer torch ops run
 // (decoder_stack_ops.h) in the same order with the same arguments, so its
@@ -129,6 +135,31 @@ class DecoderStack : public torch::CustomClassHolder {
 
   int64_t num_layers() const { return static_cast<int64_t>(layers_.size()); }
 
+  // The token embedding [vocab, hidden] and the final RMSNorm that forward_tokens runs around the layers.
+  void set_ends(at::Tensor embedding, at::Tensor norm, double eps) {
+    TORCH_CHECK(embedding.dim() == 2 && norm.dim() == 1 && norm.size(0) == embedding.size(1),
+                "kvforge_cpp.DecoderStack.set_ends: expects an embedding [vocab, hidden] and a norm weight "
+                "[hidden], got ", embedding.sizes(), " and ", norm.sizes());
+    embedding_ = embedding;
+    norm_ = norm;
+    norm_eps_ = eps;
+  }
+
+  // The model's forward on token ids (int64 [tokens]) at positions (int64 [tokens]):
+  // the embedding (torch.embedding's rows), the positions' rows of the float32
+  // rotary tables [N, head / 2], forward, then the final RMSNorm.
+  at::Tensor forward_tokens(at::Tensor input_ids, at::Tensor positions, at::Tensor cos_table, at::Tensor sin_table,
+                            std::vector<at::Tensor> kv_caches, std::vector<at::Tensor> plans,
+                            at::Tensor slot_mapping, std::optional<at::Tensor> rows, std::vector<at::Tensor> last_plan,
+                            bool batch_invariant) {
+    TORCH_CHECK(embedding_.defined(), "kvforge_cpp.DecoderStack.forward_tokens: call set_ends first");
+    at::Tensor x = at::embedding(embedding_, input_ids);
+    x = forward(x, cos_table.index_select(0, positions), sin_table.index_select(0, positions),
+                std::move(kv_caches), std::move(plans), std::move(slot_mapping), std::move(rows),
+                std::move(last_plan), batch_invariant);
+    return rms_norm(x, norm_, norm_eps_);
+  }
+
   // Every layer on `x` [tokens, hidden]; the hidden states after the last one
   // ([rows, hidden] with `rows`). cos, sin: float32 [tokens, head / 2] (cpp
   // rotary tables); kv_caches: one float cache per layer; plans: 4 tensors per
@@ -193,6 +224,8 @@ class DecoderStack : public torch::CustomClassHolder {
   }
 
   std::vector<Layer> layers_;
+  at::Tensor embedding_, norm_;
+  double norm_eps_ = 0.0;
 };
 
 TORCH_LIBRARY_FRAGMENT(kvforge_cpp, m) {
@@ -200,7 +233,9 @@ TORCH_LIBRARY_FRAGMENT(kvforge_cpp, m) {
       .def(torch::init<>())
       .def("add_layer", &DecoderStack::add_layer)
       .def("num_layers", &DecoderStack::num_layers)
-      .def("forward", &DecoderStack::forward);
+      .def("set_ends", &DecoderStack::set_ends)
+      .def("forward", &DecoderStack::forward)
+      .def("forward_tokens", &DecoderStack::forward_tokens);
 }
 
 }  // namespace kvforge_cpp

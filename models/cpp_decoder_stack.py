@@ -21,6 +21,7 @@ model then runs its layers in Python.
 from __future__ import annotations
 
 import torch
+from torch import nn
 
 from kvforge.core import dtype_name
 
@@ -110,6 +111,11 @@ def decoder_stack_unavailable(model) -> str | None:
         return "LoRA adapters are enabled (their updates run in Python around each linear layer)"
     if getattr(model.rotary, "kernel", None) != "cpp":
         return "rotary embeddings do not run on the C++ kernel (linear_kernel 'cpp' or 'auto' sets it)"
+    embed, norm = model.model.embed_tokens, model.model.norm
+    if type(embed) is not nn.Embedding or embed.max_norm is not None:
+        return f"the token embedding ({type(embed).__name__}) is not a plain row lookup (nn.Embedding, no max_norm)"
+    if type(norm) is not RMSNorm or norm.kernel != "cpp":
+        return "the final RMSNorm does not run on the C++ kernel (linear_kernel 'cpp' or 'auto' sets it)"
     if not len(model.model.layers):
         return "the model has no decoder layers"
     for i in range(len(model.model.layers)):
@@ -132,6 +138,9 @@ class CppDecoderStack:
             if why_not is not None:
                 raise ValueError(f"the C++ decoder stack cannot run this model: {why_not}")
             self.stack.add_layer(*entry)
+        norm = model.model.norm
+        self.stack.set_ends(model.model.embed_tokens.weight, norm.weight, float(norm.eps))
+        self.rotary = model.rotary
         # The backends it runs attention for, by registry name (models do not import
         # backends), and whether they ask for the batch-invariant kernel.
         self._invariant = {"cpp": False, "cpp_batch_invariant": True}
@@ -154,8 +163,9 @@ class CppDecoderStack:
             return "a quantized KV cache (its writes and views run in Python)"
         return None
 
-    def __call__(self, x: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor], kv_caches: list[torch.Tensor],
+    def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor],
                  plan) -> torch.Tensor:
+        """The model's forward: embedding, every layer and the final norm in one call."""
         plans = []
         for spec in self.specs:
             p = plan.backends[spec][1]
@@ -167,8 +177,10 @@ class CppDecoderStack:
             if p is not None:
                 last_plan = [p.query_start_loc, p.seq_lens, p.context_lens, p.block_table]
         backend = plan.backends[self.last_spec][0]
-        return self.stack.forward(x, cos_sin[0], cos_sin[1], kv_caches, plans, plan.batch.slot_mapping.to(torch.int64),
-                                  rows, last_plan, self._invariant[backend.name])
+        cos, sin = self.rotary.tables(plan.batch.max_seq_len)
+        return self.stack.forward_tokens(input_ids, positions, cos, sin, kv_caches, plans,
+                                         plan.batch.slot_mapping.to(torch.int64), rows, last_plan,
+                                         self._invariant[backend.name])
 
 
 def decoder_stack_for(model) -> tuple[CppDecoderStack | None, str | None]:

@@ -80,18 +80,36 @@ class RotaryEmbedding(nn.Module):
     `forward(positions)` gives the step's (cos, sin) once, `[T, 1, head/2]` in the
     model's dtype (both halves of a head share them); `rotate` uses them in every
     layer. With `kernel` "cpp" (set by `cpp_norms.use_cpp_norms`) they are float32
-    `[T, head/2]`, the tables of kvforge's C++ rotation (one pass, one rounding)."""
+    `[T, head/2]` for kvforge's C++ rotation (one pass, one rounding): the positions'
+    rows of `tables`, made once rather than every step."""
 
     def __init__(self, inv_freq: torch.Tensor):
         super().__init__()
         self.inv_freq = inv_freq  # a plain attribute, so meta-device construction leaves it real
         self.kernel = "torch"
+        self._tables: tuple[torch.Tensor, torch.Tensor] | None = None
 
-    def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        angles = positions.float()[:, None] * self.inv_freq.to(positions.device)[None, :]
+    def forward(self, positions: torch.Tensor, dtype: torch.dtype,
+                limit: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """`limit` (kernel "cpp"): a bound on the positions (the step's longest
+        sequence), so the rows come from `tables` without reading the positions."""
         if self.kernel == "cpp":
-            return angles.cos(), angles.sin()
+            if limit is None:
+                limit = int(positions.max()) + 1 if positions.numel() else 0
+            cos, sin = self.tables(limit)
+            return cos.index_select(0, positions), sin.index_select(0, positions)
+        angles = positions.float()[:, None] * self.inv_freq.to(positions.device)[None, :]
         return angles[:, None, :].cos().to(dtype), angles[:, None, :].sin().to(dtype)
+
+    def tables(self, limit: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The C++ kernel's float32 cos and sin `[N, head/2]` of positions 0 .. N - 1,
+        N >= `limit`: made once (grown by doubling) by the same elementwise float32 ops a
+        step's positions alone would take, so a row is bitwise what those give."""
+        if self._tables is None or self._tables[0].shape[0] < limit:
+            size = max(limit, 2 * (0 if self._tables is None else self._tables[0].shape[0]), 256)
+            angles = torch.arange(size).float()[:, None] * self.inv_freq.cpu()[None, :]
+            self._tables = angles.cos(), angles.sin()
+        return self._tables
 
 
 def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

@@ -153,11 +153,11 @@ class LlamaForCausalLM(CausalLM):
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor],
                 plan: ModelPlan) -> torch.Tensor:
-        x = self.model.embed_tokens(input_ids)
-        cos_sin = self.rotary(positions, x.dtype)
         stack = self.decoder_stack
         if stack is not None and stack.refusal(plan) is None:
-            return self.model.norm(stack(x, cos_sin, kv_caches, plan))
+            return stack(input_ids, positions, kv_caches, plan)
+        x = self.model.embed_tokens(input_ids)
+        cos_sin = self.rotary(positions, x.dtype, plan.batch.max_seq_len)
         last = len(self.model.layers) - 1
         for i, (layer, kv_cache) in enumerate(zip(self.model.layers, kv_caches)):
             x = layer(x, cos_sin, kv_cache, plan.for_last_layer() if i == last else plan)

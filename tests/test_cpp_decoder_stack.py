@@ -191,6 +191,10 @@ def test_stack_is_not_used_and_says_why(saved, monkeypatch):
     attach_decoder_stack(torch_linears)
     assert torch_linears.decoder_stack is None
     assert "layer 0's qkv_proj is a Linear, not a C++ linear layer" in torch_linears.decoder_stack_reason
+    clipped = load(path, "float32")  # an embedding that renormalises its rows is not a row lookup
+    clipped.model.embed_tokens.max_norm = 1.0
+    attach_decoder_stack(clipped)
+    assert clipped.decoder_stack is None and "token embedding" in clipped.decoder_stack_reason
     monkeypatch.setenv("KVFORGE_DECODER_STACK", "off")
     off = load(path, "float32")
     assert off.decoder_stack is None and "KVFORGE_DECODER_STACK=off" in off.decoder_stack_reason

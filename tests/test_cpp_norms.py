@@ -120,6 +120,26 @@ def test_the_model_layers_switch_and_agree_with_the_torch_path():
     torch.testing.assert_close(rotate(q, cos, sin), torch_rotated, rtol=0.02, atol=0.02)
 
 
+@pytest.mark.parametrize("head", [32, 64, 128])
+def test_rotary_table_rows_are_bitwise_a_steps_own_cos_and_sin(head):
+    """Kernel "cpp" takes each position's row of `tables`, made once: it must be bitwise
+    the cos and sin a step computes from its positions alone (float32 angles
+    position x inv_freq), for positions past the first table (which then grows),
+    in any order and with repeats."""
+    inv_freq = 1.0 / (10000 ** (torch.arange(0, head, 2).float() / head))
+    rotary = RotaryEmbedding(inv_freq)
+    rotary.kernel = "cpp"
+    first = rotary.tables(8)[0].shape[0]
+    positions = torch.cat([torch.randint(0, 5 * first, (200,)), torch.tensor([0, 5 * first - 1, 7, 7])])
+    cos, sin = rotary(positions, torch.float32)
+    assert rotary.tables(1)[0].shape[0] >= 5 * first > first  # grown to cover them
+    angles = positions.float()[:, None] * inv_freq[None, :]
+    assert torch.equal(cos, angles.cos()) and torch.equal(sin, angles.sin())
+    assert torch.equal(rotary(positions, torch.float32, limit=5 * first)[0], cos)  # a bound given, the same rows
+    shifted = (positions + 1).float()[:, None] * inv_freq[None, :]  # a table off by one position fails
+    assert not torch.equal(cos, shifted.cos())
+
+
 @pytest.mark.parametrize("call, message", [
     (lambda: torch.ops.kvforge_cpp.rms_norm(torch.zeros(2, 8).half(), torch.zeros(8).half(), 1e-5), "float32 or bf"),
     (lambda: torch.ops.kvforge_cpp.rms_norm(torch.zeros(2, 8), torch.zeros(7), 1e-5), "8 values in x's dtype"),
