@@ -1,15 +1,17 @@
-"""A Llama-family model's decoder layers run in one C++ call per step.
+"""A Llama-family model's forward (token embedding, decoder layers, final norm)
+run in one C++ call per step.
 
 `LlamaForCausalLM.forward` runs its layers one by one in Python: some ten torch
 ops per layer (RMSNorm, the q/k/v GEMM, rotary, the KV write, attention, o_proj
 with the residual, RMSNorm, gate-and-up, down with the residual), each a Python
 call and a dispatch. At batch 1 on a small model those fixed costs are a large
 share of the step (docs/benchmarks.md, "batch1"). `CppDecoderStack` holds each
-layer's weights in `torch.classes.kvforge_cpp.DecoderStack`
-(kernels/decoder_stack.cpp), registered once at load, and runs every layer of a
-step in one call that invokes the same C++ kernel functions the per-layer ops
-run, in the same order: its hidden states are bitwise the per-layer path's, for
-any batch (prefill, decode, mixed, output rows only).
+layer's weights, the embedding and the final norm in
+`torch.classes.kvforge_cpp.DecoderStack` (kernels/decoder_stack.cpp), registered
+once at load, and runs a step's forward in one call that invokes the same C++
+kernel functions the per-layer ops run, in the same order: its hidden states are
+bitwise the Python path's, for any batch (prefill, decode, mixed, output rows
+only).
 
 `decoder_stack_for(model)` (the loader calls it) builds one when everything in
 the layers is something the C++ call runs, and otherwise says why not:
