@@ -234,7 +234,6 @@ TORCH_LIBRARY_FRAGMENT(kvforge_cpp, m) {
       .def("add_layer", &DecoderStack::add_layer)
       .def("num_layers", &DecoderStack::num_layers)
       .def("set_ends", &DecoderStack::set_ends)
-      .def("forward", &DecoderStack::forward)
       .def("forward_tokens", &DecoderStack::forward_tokens);
 }
 

@@ -11,8 +11,9 @@
 // blocks of up to three row vectors (24 rows) by four keys or head dims keep 12
 // sums live beside their operands in AVX2's 16 registers: an FMA's result is
 // ready about 5 cycles after it issues and two issue a cycle, so blocks of 8
-// sums (4 x 2, 2 x 4) would leave the FMA units idle a fifth of the time. Keys come in tiles of kKeyTile, read through the block table
-// across block boundaries and copied as float32 into two small tile buffers
+// sums (4 x 2, 2 x 4) would leave the FMA units idle a fifth of the time.
+// Keys come in tiles of kKeyTile, read through the block table across block
+// boundaries and copied as float32 into two small tile buffers
 // (a quantized cache times its scales).
 // A key tile no lane of a row vector sees is skipped for that row vector, so
 // the causal upper triangle and everything left of a sliding window cost
@@ -30,8 +31,7 @@ constexpr int64_t kKeyTile = 32;   // keys per softmax step (a multiple of kKeyP
 constexpr int64_t kKeyPad = 4;     // key counts are padded to a multiple of every score block's keys
 constexpr float kMaxSlack = 8.f;   // how far a score may pass its lane's running maximum before the rescale
 
-// Keys (or head dims) per register block of RV row vectors (RV x 4 sums).
-template <int RV>
+// Keys (or head dims) per register block: RV row vectors x kBlockWidth sums.
 constexpr int kBlockWidth = 4;
 
 inline int64_t pad_keys(int64_t n) { return (n + kKeyPad - 1) / kKeyPad * kKeyPad; }
@@ -198,7 +198,7 @@ void attend_tile_prefill(const Problem& p, const Tile& tile, Scratch& s) {
     lane_key_rows<K>(p, tile, k0, n, tile_keys, tile_values, key_rows, value_rows, zeros);
     for_row_vectors(v_lo, v_hi, [&](auto count, int64_t v0) {
       constexpr int RV = decltype(count)::value;
-      constexpr int J = kBlockWidth<RV>;
+      constexpr int J = kBlockWidth;
       for (int64_t j = 0; j < n; j += J) {
         lane_scores<RV, J>(qt + 8 * v0, hs, key_rows + j, st + j * kLanes + 8 * v0);
       }
@@ -253,7 +253,7 @@ void attend_tile_prefill(const Problem& p, const Tile& tile, Scratch& s) {
     }
     for_row_vectors(v_lo, v_hi, [&](auto count, int64_t v0) {
       constexpr int RV = decltype(count)::value;
-      constexpr int D = kBlockWidth<RV>;
+      constexpr int D = kBlockWidth;
       for (int64_t d = 0; d < hs; d += D) {
         lane_values<RV, D>(acct + d * kLanes + 8 * v0, st + 8 * v0, value_rows, d, n);
       }
