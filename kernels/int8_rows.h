@@ -9,8 +9,6 @@
 // nothing, and ends with that namespace's kRowKernels (Int8RowKernels, declared
 // in int8_dynamic_linear.cpp).
 
-typedef int8_t vb16 __attribute__((vector_size(16), aligned(1), may_alias));
-
 // Adding and then subtracting 1.5 * 2^23 rounds a float below 2^22 in
 // magnitude to the nearest integer, ties to even, as torch.round does (the
 // quantized values lie within [-127, 127]). The build has no -ffast-math,
@@ -27,39 +25,37 @@ inline void store16(uint16_t* p, vf16 v) { store_bf16x16(p, v); }
 inline void store1(float* p, float v) { *p = v; }
 inline void store1(uint16_t* p, float v) { *p = float_to_bf16(v); }
 
+// The bits of |v|. For non-negative floats their order as integers is the
+// float order, and every NaN's bits lie above infinity's.
+inline int32_t magnitude_bits(float v) {
+  int32_t bits;
+  __builtin_memcpy(&bits, &v, 4);
+  return bits & 0x7fffffff;
+}
+
 // The largest |x_i| of a row, NaN if any x_i is NaN (a NaN row then gives NaN
-// outputs, as the torch path does, never finite garbage).
+// outputs, as the torch path does, never finite garbage): the integer max of
+// magnitude_bits, which the compiler vectorises (a float compare-and-select
+// that keeps NaN would not be).
 template <typename T>
 inline float row_absmax(const T* x, int64_t k) {
-  vf16 top{};
-  int64_t i = 0;
-  for (; i + 16 <= k; i += 16) {
-    const vf16 v = load16(x + i);
-    const vf16 a = v < 0 ? -v : v;
-    top = (a > top) | (a != a) ? a : top;  // a NaN lane stays NaN: nothing compares greater
-  }
-  float result = 0.f;
-  for (int j = 0; j < 16; ++j) result = (top[j] > result) || top[j] != top[j] ? top[j] : result;
-  for (; i < k; ++i) {
-    const float a = std::fabs(load1(x + i));
-    result = (a > result) || a != a ? a : result;
-  }
-  return result;
+  int32_t top = 0;
+  for (int64_t i = 0; i < k; ++i) top = std::max(top, magnitude_bits(load1(x + i)));
+  float absmax;
+  __builtin_memcpy(&absmax, &top, 4);
+  return absmax;
 }
 
 // q = round(x / scale) with scale = max(absmax / 127, tiny) (a zero row gives
-// zeros and a positive scale); returns the scale.
+// zeros and a positive scale); returns the scale. A plain loop: the compiler
+// vectorises it, narrowing the int32 lanes to bytes with packs.
 template <typename T>
 inline float quantize_row(const T* x, int64_t k, int8_t* q, float tiny) {
   const float absmax = row_absmax(x, k) / kInt8Max;
   const float scale = absmax < tiny ? tiny : absmax;  // NaN stays NaN
-  int64_t i = 0;
-  for (; i + 16 <= k; i += 16) {
-    const vf16 rounded = (load16(x + i) / scale + kRoundToEven) - kRoundToEven;
-    *reinterpret_cast<vb16*>(q + i) = __builtin_convertvector(__builtin_convertvector(rounded, vi16), vb16);
+  for (int64_t i = 0; i < k; ++i) {
+    q[i] = static_cast<int8_t>(static_cast<int32_t>((load1(x + i) / scale + kRoundToEven) - kRoundToEven));
   }
-  for (; i < k; ++i) q[i] = static_cast<int8_t>(static_cast<int32_t>((load1(x + i) / scale + kRoundToEven) -
-                                                                     kRoundToEven));
   return scale;
 }
 

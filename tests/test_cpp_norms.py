@@ -86,6 +86,34 @@ def test_rotary_matches_float64_on_every_path(level, dtype, shape, monkeypatch):
     assert relative_error(torch.ops.kvforge_cpp.rotary(x, cos, sin), ref, dtype, magnitude) <= 1
 
 
+@pytest.mark.parametrize("level", LEVELS)
+@pytest.mark.parametrize("d", (62, 64))
+def test_bfloat16_outputs_round_as_torch_does_special_values_included(level, d, monkeypatch):
+    """The kernels' float32 -> bfloat16 store, bit for bit torch's on every
+    number: ties to even (cos = 1 + 2^-8 puts each product exactly half a
+    bfloat16 ulp up, and bfloat16's largest finite value over the top) and
+    infinities; every NaN, whatever its payload, as the one quiet NaN 0x7fc0
+    (a payload of 0x7fff would carry into the sign bit without the NaN check
+    and come out as -0.0)."""
+    monkeypatch.setenv("KVFORGE_CPP_ISA", level)
+    if torch.ops.kvforge_cpp.isa() != level:
+        pytest.skip(f"this CPU runs {torch.ops.kvforge_cpp.isa()}, not {level}")
+    tokens, half = 9, d // 2
+    x = torch.randn(tokens, 2, d).bfloat16()
+    bits = x.view(torch.int16)
+    specials = torch.tensor([0x7FFF, -0x0001, 0x7FC1, 0x7F80, -0x0080, 0x7F7F, -0x0081, 0x0001], dtype=torch.int16)
+    bits[:, 0, :len(specials)] = specials  # NaNs with payloads, -NaN, +-inf, +-largest finite, a subnormal
+    cos = torch.full((tokens, half), 1 + 2.0**-8)
+    cos[::2] = 1.0
+    sin = torch.zeros(tokens, half)
+    expected = rotary_reference(x.float(), cos, sin).float().to(torch.bfloat16)
+    out = torch.ops.kvforge_cpp.rotary(x, cos, sin).view(torch.int16)
+    nan = expected.isnan()
+    assert nan.any() and expected.isinf().any() and (expected.view(torch.int16) == 0x7F80).any()
+    assert torch.equal(out[~nan], expected.view(torch.int16)[~nan])
+    assert (out[nan] == 0x7FC0).all()  # torch keeps a payload here; the kernels write the one quiet NaN
+
+
 def test_the_checks_catch_a_weight_on_the_wrong_channel_and_swapped_tables():
     x = strided_rows(6, 2, 62, torch.bfloat16)
     w = (torch.rand(62) + 0.5).bfloat16()
