@@ -25,6 +25,8 @@ namespace kvforge_cpp {
 
 namespace rows_base {
 #include "bf16_vectors.h"
+#define KVFORGE_VW_BYTES 16
+#include "native_vectors.h"
 #include "rms_norm_rotary_rows.h"
 }  // namespace rows_base
 
@@ -33,6 +35,8 @@ namespace rows_base {
 #pragma GCC target("avx2,fma,f16c")
 namespace rows_avx2 {
 #include "bf16_vectors.h"
+#define KVFORGE_VW_BYTES 32
+#include "native_vectors.h"
 #include "rms_norm_rotary_rows.h"
 }  // namespace rows_avx2
 #pragma GCC pop_options
@@ -40,6 +44,8 @@ namespace rows_avx2 {
 #pragma GCC target("avx512f,avx512bw,avx512dq,avx512vl,avx2,fma,f16c")
 namespace rows_avx512 {
 #include "bf16_vectors.h"
+#define KVFORGE_VW_BYTES 64
+#include "native_vectors.h"
 #include "rms_norm_rotary_rows.h"
 }  // namespace rows_avx512
 #pragma GCC pop_options
