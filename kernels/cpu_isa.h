@@ -1,6 +1,6 @@
 // Which x86 instruction set the kernels of this library run with: read once
 // per call from the CPU's flags, capped by KVFORGE_CPP_ISA (baseline, avx2 or
-// avx512; tests run every level). KVFORGE_CPP_PORTABLE=1 still means baseline.
+// avx512; tests run every level), unless an IsaPin holds it. KVFORGE_CPP_PORTABLE=1 still means baseline.
 // Shared by every translation unit of the library, so one cap governs them all.
 #pragma once
 
@@ -22,7 +22,13 @@ namespace kvforge_cpp {
 
 enum class Isa { kBaseline, kAvx2, kAvx512 };
 
+namespace detail {
+// The level an IsaPin holds on this thread, or -1 when none does.
+inline thread_local int pinned_isa = -1;
+}  // namespace detail
+
 inline Isa isa() {
+  if (detail::pinned_isa >= 0) return static_cast<Isa>(detail::pinned_isa);
 #ifdef KVFORGE_HAS_X86_PATHS
   static const bool avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
                            __builtin_cpu_supports("f16c");
@@ -38,6 +44,21 @@ inline Isa isa() {
   return Isa::kBaseline;
 #endif
 }
+
+// isa() read once and held on this thread for the pin's lifetime: for one call
+// that runs many kernels (the decoder stack's forward), whose every kernel
+// would otherwise read the environment again. Pins nest; each restores the
+// one before it.
+class IsaPin {
+ public:
+  IsaPin() : saved_(detail::pinned_isa) { detail::pinned_isa = static_cast<int>(isa()); }
+  ~IsaPin() { detail::pinned_isa = saved_; }
+  IsaPin(const IsaPin&) = delete;
+  IsaPin& operator=(const IsaPin&) = delete;
+
+ private:
+  int saved_;
+};
 
 // AVX-512 BF16 (vdpbf16ps: bfloat16 pairs multiplied and summed into float32),
 // used by the bfloat16 paths when isa() is kAvx512 and the CPU has it.

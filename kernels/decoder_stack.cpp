@@ -36,6 +36,7 @@
 #include <string>
 #include <vector>
 
+#include "cpu_isa.h"
 #include "decoder_stack_ops.h"
 
 namespace kvforge_cpp {
@@ -153,6 +154,7 @@ class DecoderStack : public torch::CustomClassHolder {
                             at::Tensor slot_mapping, std::optional<at::Tensor> rows, std::vector<at::Tensor> last_plan,
                             bool batch_invariant) {
     TORCH_CHECK(embedding_.defined(), "kvforge_cpp.DecoderStack.forward_tokens: call set_ends first");
+    const IsaPin pin;  // one read of the environment for every kernel of the forward
     at::Tensor x = at::embedding(embedding_, input_ids);
     x = forward(x, cos_table.index_select(0, positions), sin_table.index_select(0, positions),
                 std::move(kv_caches), std::move(plans), std::move(slot_mapping), std::move(rows),

@@ -140,6 +140,24 @@ def test_stack_is_bitwise_the_per_layer_path(saved, weights):
         assert torch.equal(a, b), f"{arch} {weights}: KV cache of layer {layer} differs"
 
 
+@pytest.mark.parametrize("level", ("baseline", "avx2"))
+def test_the_stack_takes_the_level_set_when_it_is_called_and_pins_it_no_longer(saved, level, monkeypatch):
+    """A forward reads the instruction-set cap once and holds it for its kernels:
+    under each cap it is still bitwise the Python loop, whose ops read the cap
+    one by one (the levels round differently: FMA or not), and once it returns
+    the cap is read afresh."""
+    arch, path = saved
+    best = torch.ops.kvforge_cpp.isa()
+    if level == "avx2" and best == "baseline":
+        pytest.skip("this CPU runs baseline only")
+    model = load(path, "float32")
+    monkeypatch.setenv("KVFORGE_CPP_ISA", level)
+    ours, theirs, _, _ = run_both(model)
+    assert all(torch.equal(a, b) for a, b in zip(ours, theirs)), f"{arch} under {level}"
+    monkeypatch.setenv("KVFORGE_CPP_ISA", "avx512")  # no cap below the CPU's best
+    assert torch.ops.kvforge_cpp.isa() == best
+
+
 def test_the_comparison_catches_a_stack_given_the_wrong_layers_cache(saved):
     """The same check, with every layer of the stack handed layer 0's cache: it must fail."""
     arch, path = saved
