@@ -1,18 +1,29 @@
-// y = x W^T + bias over rows and a weight packed as models/cpp_linear.py
-// pack_weight packs it: linear.cpp's float32 and bfloat16 register tiles, for
-// the library's other kernels that pack such a weight on the fly
-// (int8_linear.cpp widens a prefill's int8 weights into it).
+// linear.cpp's float32 and bfloat16 register tiles over a weight packed as
+// models/cpp_linear.py pack_weight packs it, for the library's other kernels
+// that pack such a weight on the fly (the int8 linears widen a prefill's int8
+// weights into it).
 #pragma once
 
+#include <ATen/ATen.h>
+
 #include <cstdint>
+#include <functional>
+#include <optional>
 
 namespace kvforge_cpp {
 
-// y[r * y_stride + c] for rows r < m and channels c < n; `bias` holds blocks * 16
-// values in the packed order (zeros past n), or is null. Runs on the calling
-// thread when called inside a parallel region.
-void f32_packed_rows(const float* x, int64_t x_stride, int64_t m, int64_t k, const float* packed, int64_t blocks,
-                     const float* bias, float* y, int64_t y_stride, int64_t n);
+// The weight-only int8 ops' result for many rows: the weight widened to the
+// float32 tiles' layout one channel group at a time (`widen(n0, n1, scale,
+// out)` writes channels [n0, n1) with `scale`, the group's scales, applied;
+// channel_group's groups of a multiple of `multiple` channels, in parallel),
+// and the float32 tiles run over each group with `bias` and the epilogue `mode`
+// (epilogue_mode's) in them, as the float linears run theirs: no pass over the
+// sums after. An [m, n] result (n / 2 for "silu_mul") of `out_dtype`; x is
+// float32 [m, k], rows x_stride apart.
+at::Tensor widened_linear(const char* op, const float* x, int64_t x_stride, int64_t m, int64_t k, int64_t n,
+                          int64_t multiple, const float* scale, const float* bias, int mode,
+                          const std::optional<at::Tensor>& other, at::ScalarType out_dtype,
+                          const std::function<void(int64_t, int64_t, const float*, float*)>& widen);
 
 // The same over bfloat16 rows and a bfloat16 weight packed [blocks, (k + 1) / 2,
 // 16, 2] (raw bits), into bfloat16 y; `scale` (blocks * 16 values in the packed

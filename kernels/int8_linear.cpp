@@ -15,13 +15,15 @@
 // the reading: groups of about 1 MiB of the weight are widened once into the
 // layout of linear.cpp's tiles, which then run over every row
 // (f32_packed_rows.h), groups in parallel: float32 times the scales for float32
-// rows; for bfloat16 rows on AVX-512 BF16, bfloat16 as it is (exact), the
-// scales applied to the sums in the epilogue.
+// rows, the epilogue in the tiles (widened_linear); for bfloat16 rows on
+// AVX-512 BF16, bfloat16 as it is (exact), the scales applied to the sums in
+// the epilogue.
 // `epilogue` "add" (+ other, a residual of x's dtype) or "silu_mul" (silu(gate)
 // * up, their rows alternating in blocks of 16: models/quantized_linear.py's
 // Int8GateUp) runs linear.cpp's epilogue on the float32 outputs before the one
-// rounding (finish_rows); the AVX-512 BF16 paths above hand it their bfloat16
-// outputs.
+// rounding: in the tiles for many float32 rows (widened_linear), else over the
+// outputs after (finish_rows; the AVX-512 BF16 paths above hand it their
+// bfloat16 outputs).
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -234,22 +236,19 @@ at::Tensor int8_weight_linear(const at::Tensor& x_in, const at::Tensor& weight, 
     return finish_rows(op, out, mode, other, at::kBFloat16);  // the epilogue on rounded outputs
 #endif
   }
-  at::Tensor y = at::empty({m, n}, x_in.options().dtype(at::kFloat));
-  float* y_ptr = y.data_ptr<float>();
   // float32 rows as they are; bfloat16 rows widened once (rows x in: small next to the weight).
   const bool usable = x_in.scalar_type() == at::kFloat && x_in.stride(1) == 1;
   const at::Tensor x = usable ? x_in : x_in.to(at::kFloat).contiguous();
   const float* x_ptr = x.data_ptr<float>();
   if (m >= kDequantizeRows) {
     const WidenBlock widen = widen_block_for(level);
-    const int64_t group = channel_group(n, k * 4);
-    in_channel_groups(n, group, scale_ptr, bias_ptr, [&](int64_t n0, int64_t n1, const float* s, const float* b) {
-      const std::unique_ptr<float[]> packed(new float[group * k]);  // all written below
-      dequantize_group(w, k, s, n0, n1, packed.get(), widen);  // the scales go into the weights
-      f32_packed_rows(x_ptr, x.stride(0), m, k, packed.get(), (n1 - n0 + 15) / 16, b, y_ptr + n0, n, n1 - n0);
-    });
-    return finish_rows(op, y, mode, other, x_in.scalar_type());
+    return widened_linear(op, x_ptr, x.stride(0), m, k, n, 16, scale_ptr, bias_ptr, mode, other, x_in.scalar_type(),
+                          [&](int64_t n0, int64_t n1, const float* s, float* packed) {
+                            dequantize_group(w, k, s, n0, n1, packed, widen);  // the scales go into the weights
+                          });
   }
+  at::Tensor y = at::empty({m, n}, x_in.options().dtype(at::kFloat));
+  float* y_ptr = y.data_ptr<float>();
   const FloatBlock block = float_block_for(level);
   at::parallel_for(0, blocks, 1, [&](int64_t b0, int64_t b1) {
     for (int64_t b = b0; b < b1; ++b) {

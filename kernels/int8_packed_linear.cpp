@@ -16,8 +16,8 @@
 //   small next to the weight), bfloat16 outputs written by the tile.
 // - More rows widen the weight once per call as int8_linear.cpp does for an
 //   unpacked one, a line at a time without a transpose: float32 times the
-//   scales into f32_packed_rows, or (bfloat16 rows on AVX-512 BF16, from
-//   kWidenBf16Rows) bfloat16 pairs into bf16_packed_rows.
+//   scales into widened_linear (the epilogue in its tiles), or (bfloat16 rows
+//   on AVX-512 BF16, from kWidenBf16Rows) bfloat16 pairs into bf16_packed_rows.
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -162,17 +162,13 @@ at::Tensor int8_packed_linear(const at::Tensor& x_in, const at::Tensor& packed, 
   const at::Tensor x = usable ? x_in : x_in.to(at::kFloat).contiguous();
   const float* x_ptr = x.data_ptr<float>();
   if (m >= kDequantizeRows) {
-    at::Tensor y = at::empty({m, n}, x.options());  // float32, made x's dtype by finish_rows
-    float* y_ptr = y.data_ptr<float>();
-    const int64_t group = channel_group(n, k * 4, kPackChannels);
-    in_channel_groups(n, group, scale_ptr, bias_ptr, [&](int64_t n0, int64_t n1, const float* s, const float* b) {
-      const std::unique_ptr<float[]> widened(new float[group * k]);  // blocks of n0..n1 written
-      for (int64_t c = n0; c < n1; c += kPackChannels) {
-        kernels.dequantize(w + c / kPackChannels * block_bytes, k, s + (c - n0), widened.get() + (c - n0) * k);
-      }
-      f32_packed_rows(x_ptr, x.stride(0), m, k, widened.get(), (n1 - n0 + 15) / 16, b, y_ptr + n0, n, n1 - n0);
-    });
-    return finish_rows(op, y, mode, other, x_in.scalar_type());
+    return widened_linear(op, x_ptr, x.stride(0), m, k, n, kPackChannels, scale_ptr, bias_ptr, mode, other,
+                          x_in.scalar_type(), [&](int64_t n0, int64_t n1, const float* s, float* widened) {
+                            for (int64_t c = n0; c < n1; c += kPackChannels) {
+                              kernels.dequantize(w + c / kPackChannels * block_bytes, k, s + (c - n0),
+                                                 widened + (c - n0) * k);
+                            }
+                          });
   }
   const bool bf16_out = bf16_in && mode == 0;  // an epilogue takes float32 sums, rounded once after it
   at::Tensor out = at::empty({m, n}, x_in.options().dtype(bf16_out ? at::kBFloat16 : at::kFloat));

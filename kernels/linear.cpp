@@ -28,6 +28,8 @@
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
+#include <functional>
+#include <memory>
 #include <optional>
 #include <string>
 
@@ -329,6 +331,12 @@ void check_x(const char* op, const at::Tensor& x, const at::Tensor& packed, at::
               " ", x.sizes(), " strides ", x.strides());
 }
 
+// "silu_mul" reads gate and up as alternating blocks of 16 output channels.
+void check_gate_up_width(const char* op, int mode, int64_t width) {
+  TORCH_CHECK(mode != 2 || width % 32 == 0, op, "epilogue 'silu_mul' reads gate and up as alternating blocks of 16 "
+              "output channels, so the weight must have a multiple of 32 of them, got ", width);
+}
+
 Epilogue epilogue_for(int mode, const std::optional<at::Tensor>& bias, const std::optional<at::Tensor>& other,
                       at::Tensor& y) {
   return Epilogue{mode,
@@ -355,8 +363,7 @@ int epilogue_mode(const char* op, const std::string& name) {
 at::Tensor finish_rows(const char* op, const at::Tensor& sums, int mode, const std::optional<at::Tensor>& other,
                        at::ScalarType out_dtype) {
   const int64_t m = sums.size(0), width = sums.size(1), blocks = (width + 15) / 16;
-  TORCH_CHECK(mode != 2 || width % 32 == 0, op, "epilogue 'silu_mul' reads gate and up as alternating blocks of 16 "
-              "output channels, so the weight must have a multiple of 32 of them, got ", width);
+  check_gate_up_width(op, mode, width);
   const int64_t n = mode == 2 ? width / 2 : width;
   check_other(op, mode, other, out_dtype, m, n);
   if (mode == 0) return sums.scalar_type() == out_dtype ? sums : sums.to(out_dtype);
@@ -453,11 +460,30 @@ at::Tensor f32_linear(const at::Tensor& x, const at::Tensor& packed, int64_t out
   return y;
 }
 
-void f32_packed_rows(const float* x, int64_t x_stride, int64_t m, int64_t k, const float* packed, int64_t blocks,
-                     const float* bias, float* y, int64_t y_stride, int64_t n) {
+at::Tensor widened_linear(const char* op, const float* x, int64_t x_stride, int64_t m, int64_t k, int64_t n,
+                          int64_t multiple, const float* scale, const float* bias, int mode,
+                          const std::optional<at::Tensor>& other, at::ScalarType out_dtype,
+                          const std::function<void(int64_t, int64_t, const float*, float*)>& widen) {
+  check_gate_up_width(op, mode, n);
+  const int64_t out_n = mode == 2 ? n / 2 : n;
+  check_other(op, mode, other, out_dtype, m, out_n);
+  at::Tensor y = at::empty({m, out_n}, at::TensorOptions().dtype(out_dtype));
   const Path& path = path_here();
-  const Epilogue e{0, bias, nullptr, false, 0, y, true, y_stride, n};
-  run_tiles(path.f32, path.finish, x, x_stride, m, k, packed, blocks, k * 16, k, e);
+  const int64_t y_bytes = y.element_size(), other_bytes = mode == 1 ? other->element_size() : 0;
+  // Groups of whole gate and up pairs (32 channels) for "silu_mul".
+  const int64_t group = channel_group(n, k * 4, mode == 2 ? std::max<int64_t>(multiple, 32) : multiple);
+  in_channel_groups(n, group, scale, bias, [&](int64_t n0, int64_t n1, const float* s, const float* b) {
+    const std::unique_ptr<float[]> packed(new float[group * k]);  // channels n0..n1 written
+    widen(n0, n1, s, packed.get());
+    const int64_t first = mode == 2 ? n0 / 2 : n0;  // the group's first output column
+    Epilogue e = epilogue_for(mode, std::nullopt, other, y);
+    e.bias = b;
+    e.y = static_cast<char*>(e.y) + first * y_bytes;
+    if (mode == 1) e.other = static_cast<const char*>(e.other) + n0 * other_bytes;
+    e.n = (mode == 2 ? (n1 - n0) / 2 : n1 - n0);
+    run_tiles(path.f32, path.finish, x, x_stride, m, k, packed.get(), (n1 - n0 + 15) / 16, k * 16, k, e);
+  });
+  return y;
 }
 
 void bf16_packed_rows(const uint16_t* x, int64_t x_stride, int64_t m, int64_t k, const uint16_t* packed,

@@ -101,6 +101,36 @@ def test_silu_mul_multiplies_each_gate_blocks_silu_with_the_up_block_beside_it(k
     assert float(((y.double() - ref).abs() / bound).max()) <= 1
 
 
+@pytest.mark.parametrize("kind", ["weight-only", "weight-only packed"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_the_widened_path_runs_its_epilogue_in_every_channel_group(kind, dtype):
+    """From 32 rows the weight-only ops widen the weight in groups of about 1 MiB,
+    each group's tiles writing its own columns and running the epilogue there:
+    weights of several groups (and a last one cut short), "add" and "silu_mul"."""
+    op, hold = op_of(kind)
+    rows, inner = 40, 4128  # gate and up: 8,256 channels of 64 inputs, 2.1 MB as float32
+    x, gate, gate_scale, gate_bias = operands(rows, 64, inner, True, seed=11)
+    _, up, up_scale, up_bias = operands(rows, 64, inner, True, seed=12)
+    x = x.to(dtype)
+    w, scale, b = (alternate_blocks(gate, up), alternate_blocks(gate_scale, up_scale),
+                   alternate_blocks(gate_bias, up_bias))
+    y = op(x, hold(w), scale, b, "silu_mul", None)
+    g, g_mag = float64_sums(kind, x, gate, gate_scale, gate_bias)
+    u, u_mag = float64_sums(kind, x, up, up_scale, up_bias)
+    ref = F.silu(g) * u
+    bound = 1.1 * allowed(g_mag, g, torch.float32) * u.abs() + F.silu(g).abs() * allowed(u_mag, u, torch.float32)
+    bound = bound + 1e-6 * ref.abs() + (2.0**-8 * ref.abs() if dtype == torch.bfloat16 else 0)
+    assert y.shape == (rows, inner) and float(((y.double() - ref).abs() / bound).max()) <= 1
+    other = torch.randn(rows, 2 * inner).to(dtype)
+    added = op(x, hold(w), scale, b, "add", other)
+    ref, magnitude = float64_sums(kind, x, w, scale, b)
+    ref = ref + other.double()
+    error = (added.double() - ref).abs() / allowed(magnitude + other.double().abs(), ref, dtype)
+    assert float(error.max()) <= 1
+    if dtype == torch.float32:
+        assert torch.equal(added, op(x, hold(w), scale, b) + other)
+
+
 def test_the_check_catches_gate_and_up_read_from_the_wrong_blocks():
     # gate and up side by side as two halves (not alternating blocks): the same weights,
     # but every block pairs the wrong channels, which the reference must reject
