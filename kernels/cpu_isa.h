@@ -1,7 +1,8 @@
 // Which x86 instruction set the kernels of this library run with: read once
 // per call from the CPU's flags, capped by KVFORGE_CPP_ISA (baseline, avx2 or
-// avx512; tests run every level), unless an IsaPin holds it. KVFORGE_CPP_PORTABLE=1 still means baseline.
-// Shared by every translation unit of the library, so one cap governs them all.
+// avx512; tests run every level), unless an IsaPin holds it.
+// KVFORGE_CPP_PORTABLE=1 still means baseline. Shared by every translation
+// unit of the library, so one cap governs them all.
 #pragma once
 
 #include <cstdint>

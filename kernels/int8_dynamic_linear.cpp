@@ -13,7 +13,8 @@
 // (int8_rows.h). One call where the torch ops it replaces were ten
 // (quantize_rows and the rescale in models/quantized_linear.py, which stay the
 // path without this library and the reference the tests hold it to).
-// `epilogue` as int8_weight_linear's (int8_linear.cpp), on the float32 outputs.
+// `epilogue` as int8_weight_linear's (int8_linear.cpp), on the float32 outputs,
+// each row rescaled straight into it (finish_each_row).
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -245,8 +246,8 @@ at::Tensor int8_dynamic_linear(const at::Tensor& x_in, const at::Tensor& weight,
   const at::Tensor x = x_in.stride(1) == 1 ? x_in : x_in.contiguous();
   const at::Tensor scale = scale_in.reshape({n}).contiguous();
   const at::Tensor bias = bias_in.has_value() ? bias_in->reshape({n}).to(at::kFloat).contiguous() : at::Tensor();
-  at::Tensor out = at::empty({m, n}, x_in.options().dtype(bf16_out ? at::kBFloat16 : at::kFloat));
-  if (m == 0 || n == 0) return finish_rows(kOpPrefix, out, mode, other, x_in.scalar_type());
+  const at::TensorOptions out_options = x_in.options().dtype(bf16_out ? at::kBFloat16 : at::kFloat);
+  if (m == 0 || n == 0) return finish_rows(kOpPrefix, at::empty({m, n}, out_options), mode, other, x_in.scalar_type());
 
   const Int8RowKernels& rows = row_kernels(isa());
   const float tiny = std::numeric_limits<float>::min();
@@ -266,6 +267,13 @@ at::Tensor int8_dynamic_linear(const at::Tensor& x_in, const at::Tensor& weight,
   const int32_t* acc_ptr = acc.data_ptr<int32_t>();
   const float* scale_ptr = scale.data_ptr<float>();
   const float* bias_ptr = bias.defined() ? bias.data_ptr<float>() : nullptr;
+  if (mode != 0) {  // each row rescaled straight into the epilogue
+    return finish_each_row(kOpPrefix, m, n, mode, other, x_in.scalar_type(), [&](int64_t r, float* row) {
+      rows.rescale_f32(acc_ptr + r * n, n, row_scale[r], scale_ptr, bias_ptr, row);
+      return static_cast<const float*>(row);
+    });
+  }
+  at::Tensor out = at::empty({m, n}, out_options);
   at::parallel_for(0, m, rows_per_task(n), [&](int64_t r0, int64_t r1) {
     for (int64_t r = r0; r < r1; ++r) {
       if (bf16_out) {

@@ -8,6 +8,7 @@
 #include <ATen/Parallel.h>
 
 #include <algorithm>
+#include <functional>
 #include <optional>
 #include <string>
 #include <vector>
@@ -89,6 +90,13 @@ at::Tensor int8_packed_linear(const at::Tensor& x, const at::Tensor& packed, con
 int epilogue_mode(const char* op, const std::string& name);
 at::Tensor finish_rows(const char* op, const at::Tensor& sums, int mode, const std::optional<at::Tensor>& other,
                        at::ScalarType out_dtype);
+// finish_rows for an op that makes its float32 sums a row at a time (W8A8's
+// rescale), so that no [m, width] tensor of them is written and read back:
+// rows in parallel, `row_sums(r, buffer)` returns row r's `width` sums, written
+// into `buffer` (whole blocks of 16, zeros past `width`) or found elsewhere.
+// Epilogues "add" and "silu_mul" (mode 1 or 2).
+at::Tensor finish_each_row(const char* op, int64_t m, int64_t width, int mode, const std::optional<at::Tensor>& other,
+                           at::ScalarType out_dtype, const std::function<const float*(int64_t, float*)>& row_sums);
 
 // x float32 or bfloat16 [rows, in], weight a contiguous int8 [out, in], one
 // float32 scale per output channel, an optional float bias of one value per

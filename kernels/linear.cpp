@@ -32,6 +32,7 @@
 #include <memory>
 #include <optional>
 #include <string>
+#include <vector>
 
 #include "cpu_isa.h"
 #include "f32_packed_rows.h"
@@ -360,36 +361,42 @@ int epilogue_mode(const char* op, const std::string& name) {
   return -1;
 }
 
-at::Tensor finish_rows(const char* op, const at::Tensor& sums, int mode, const std::optional<at::Tensor>& other,
-                       at::ScalarType out_dtype) {
-  const int64_t m = sums.size(0), width = sums.size(1), blocks = (width + 15) / 16;
+at::Tensor finish_each_row(const char* op, int64_t m, int64_t width, int mode, const std::optional<at::Tensor>& other,
+                           at::ScalarType out_dtype, const std::function<const float*(int64_t, float*)>& row_sums) {
+  const int64_t blocks = (width + 15) / 16;
   check_gate_up_width(op, mode, width);
   const int64_t n = mode == 2 ? width / 2 : width;
   check_other(op, mode, other, out_dtype, m, n);
-  if (mode == 0) return sums.scalar_type() == out_dtype ? sums : sums.to(out_dtype);
-  at::Tensor y = at::empty({m, n}, sums.options().dtype(out_dtype));
+  at::Tensor y = at::empty({m, n}, at::TensorOptions().dtype(out_dtype));
   if (m == 0 || n == 0) return y;
   const Epilogue e = epilogue_for(mode, std::nullopt, other, y);
   const Path& path = path_here();
-  // Rows the finish reads in place: float32, whole blocks (it reads 16 channels at a
-  // time). Others go through a float32 row of whole blocks first.
-  const bool in_place = sums.scalar_type() == at::kFloat && width % 16 == 0 && sums.stride(1) == 1;
   at::parallel_for(0, m, std::max<int64_t>(1, 16384 / std::max<int64_t>(1, width)), [&](int64_t r0, int64_t r1) {
-    at::Tensor row = in_place ? at::Tensor() : at::zeros({blocks * 16}, sums.options().dtype(at::kFloat));
+    std::vector<float> buffer(blocks * 16);  // whole blocks (the finish reads 16 channels at a time), zeros past width
     for (int64_t r = r0; r < r1; ++r) {
-      const float* acc;
-      if (in_place) {
-        acc = sums.data_ptr<float>() + r * sums.stride(0);
-      } else {
-        row.narrow(0, 0, width).copy_(sums[r]);
-        acc = row.data_ptr<float>();
-      }
+      const float* acc = row_sums(r, buffer.data());
       for (int64_t b = 0; b < blocks; b += kMaxBlocks) {
         path.finish(acc + b * 16, 1, static_cast<int>(std::min<int64_t>(kMaxBlocks, blocks - b)), r, b, e);
       }
     }
   });
   return y;
+}
+
+at::Tensor finish_rows(const char* op, const at::Tensor& sums, int mode, const std::optional<at::Tensor>& other,
+                       at::ScalarType out_dtype) {
+  const int64_t m = sums.size(0), width = sums.size(1);
+  if (mode == 0) {
+    check_other(op, mode, other, out_dtype, m, width);
+    return sums.scalar_type() == out_dtype ? sums : sums.to(out_dtype);
+  }
+  // Rows the finish reads in place: float32, whole blocks. Others are copied into the row buffer first.
+  const bool in_place = sums.scalar_type() == at::kFloat && width % 16 == 0 && sums.stride(1) == 1;
+  return finish_each_row(op, m, width, mode, other, out_dtype, [&](int64_t r, float* buffer) -> const float* {
+    if (in_place) return sums.data_ptr<float>() + r * sums.stride(0);
+    at::from_blob(buffer, {width}, at::TensorOptions().dtype(at::kFloat)).copy_(sums[r]);
+    return buffer;
+  });
 }
 
 at::Tensor bf16_linear(const at::Tensor& x, const at::Tensor& packed, int64_t out_features,
