@@ -25,6 +25,13 @@ inline uint16_t float_to_bf16(float f) {
   return static_cast<uint16_t>((bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16);
 }
 
+// One float32 or bfloat16 (raw bits) value as float32, and back: the row
+// kernels' tails, one overload per dtype.
+inline float load1(const float* p) { return *p; }
+inline float load1(const uint16_t* p) { return bf16_to_float(*p); }
+inline void store1(float* p, float v) { *p = v; }
+inline void store1(uint16_t* p, float v) { *p = float_to_bf16(v); }
+
 // bfloat16 bits at p as floats, and float_to_bf16 on every lane, for a float
 // vector VF of any width with its uint32 and uint16 twins VU and VH (the
 // sixteen-lane ones below; native_vectors.h's vw). A template argument loses

@@ -4,8 +4,8 @@
 // channels and a block is one stream, read front to back.
 //
 // Included by int8_packed_linear.cpp once per ISA, each time after
-// bf16_vectors.h (vf16, store_bf16x16) and native_vectors.h (vw, kW,
-// store_bf16w), after
+// bf16_vectors.h (vf16, store_bf16x16, store1) and native_vectors.h (vw, kW,
+// storew), after
 // defining `widen_w16` (16 int8 weights as floats), `widen_w` (kW int8
 // weights as floats), `kPackedRows` (rows per tile: as many as the
 // accumulators fit the registers) and `kPackedUnroll` (inputs per pass of a
@@ -15,12 +15,6 @@
 // read weights at a tenth of memory speed under AVX2).
 
 constexpr int kV = kPackChannels / kW;  // vectors per 64-channel line
-
-// Outputs as float32 or bfloat16 (raw bits, rounded to nearest even as torch).
-inline void store_out(float* p, vw v) { *reinterpret_cast<vw*>(p) = v; }
-inline void store_out(uint16_t* p, vw v) { store_bf16w(p, v); }
-inline void store_out1(float* p, float v) { *p = v; }
-inline void store_out1(uint16_t* p, float v) { *p = float_to_bf16(v); }
 
 // MR rows of x (x_stride apart) against one packed block of 64 channels,
 // `channels` of which are real (the rest of the last block is padding):
@@ -74,12 +68,12 @@ inline void packed_tile(const float* __restrict__ x, int64_t x_stride, const int
     if (c0 + kW <= channels) {
       const vw s = *reinterpret_cast<const vw*>(scale + c0);
       const vw b = bias != nullptr ? *reinterpret_cast<const vw*>(bias + c0) : vw{};
-      for (int m = 0; m < MR; ++m) store_out(y + m * y_stride + c0, acc[m][u] * s + b);
+      for (int m = 0; m < MR; ++m) storew(y + m * y_stride + c0, acc[m][u] * s + b);
       continue;
     }
     for (int64_t c = c0; c < channels; ++c) {  // the last block's real channels
       for (int m = 0; m < MR; ++m) {
-        store_out1(y + m * y_stride + c, acc[m][u][c - c0] * scale[c] + (bias != nullptr ? bias[c] : 0.f));
+        store1(y + m * y_stride + c, acc[m][u][c - c0] * scale[c] + (bias != nullptr ? bias[c] : 0.f));
       }
     }
   }

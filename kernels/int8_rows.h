@@ -5,7 +5,7 @@
 // for operation, so both give the same bits.
 //
 // Included once per ISA namespace after bf16_vectors.h (vf16, vi16,
-// load_bf16x16, store_bf16x16, bf16_to_float, float_to_bf16); it includes
+// load_bf16x16, store_bf16x16, load1, store1); it includes
 // nothing, and ends with that namespace's kRowKernels (Int8RowKernels, declared
 // in int8_dynamic_linear.cpp).
 
@@ -18,12 +18,8 @@ constexpr float kInt8Max = 127.f;
 
 inline vf16 load16(const float* p) { return *reinterpret_cast<const vf16*>(p); }
 inline vf16 load16(const uint16_t* p) { return load_bf16x16(p); }
-inline float load1(const float* p) { return *p; }
-inline float load1(const uint16_t* p) { return bf16_to_float(*p); }
 inline void store16(float* p, vf16 v) { *reinterpret_cast<vf16*>(p) = v; }
 inline void store16(uint16_t* p, vf16 v) { store_bf16x16(p, v); }
-inline void store1(float* p, float v) { *p = v; }
-inline void store1(uint16_t* p, float v) { *p = float_to_bf16(v); }
 
 // The bits of |v|. For non-negative floats their order as integers is the
 // float order, and every NaN's bits lie above infinity's.

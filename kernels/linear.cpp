@@ -332,10 +332,16 @@ void check_x(const char* op, const at::Tensor& x, const at::Tensor& packed, at::
               " ", x.sizes(), " strides ", x.strides());
 }
 
-// "silu_mul" reads gate and up as alternating blocks of 16 output channels.
-void check_gate_up_width(const char* op, int mode, int64_t width) {
+// The checks of an epilogue over `width` sums per row and the [m, n] result it
+// writes (n = width / 2 for "silu_mul", which reads gate and up as alternating
+// blocks of 16 output channels).
+at::Tensor epilogue_output(const char* op, int64_t m, int64_t width, int mode, const std::optional<at::Tensor>& other,
+                           at::ScalarType out_dtype) {
   TORCH_CHECK(mode != 2 || width % 32 == 0, op, "epilogue 'silu_mul' reads gate and up as alternating blocks of 16 "
               "output channels, so the weight must have a multiple of 32 of them, got ", width);
+  const int64_t n = mode == 2 ? width / 2 : width;
+  check_other(op, mode, other, out_dtype, m, n);
+  return at::empty({m, n}, at::TensorOptions().dtype(out_dtype));
 }
 
 Epilogue epilogue_for(int mode, const std::optional<at::Tensor>& bias, const std::optional<at::Tensor>& other,
@@ -364,11 +370,8 @@ int epilogue_mode(const char* op, const std::string& name) {
 at::Tensor finish_each_row(const char* op, int64_t m, int64_t width, int mode, const std::optional<at::Tensor>& other,
                            at::ScalarType out_dtype, const std::function<const float*(int64_t, float*)>& row_sums) {
   const int64_t blocks = (width + 15) / 16;
-  check_gate_up_width(op, mode, width);
-  const int64_t n = mode == 2 ? width / 2 : width;
-  check_other(op, mode, other, out_dtype, m, n);
-  at::Tensor y = at::empty({m, n}, at::TensorOptions().dtype(out_dtype));
-  if (m == 0 || n == 0) return y;
+  at::Tensor y = epilogue_output(op, m, width, mode, other, out_dtype);
+  if (y.numel() == 0) return y;
   const Epilogue e = epilogue_for(mode, std::nullopt, other, y);
   const Path& path = path_here();
   at::parallel_for(0, m, std::max<int64_t>(1, 16384 / std::max<int64_t>(1, width)), [&](int64_t r0, int64_t r1) {
@@ -471,10 +474,7 @@ at::Tensor widened_linear(const char* op, const float* x, int64_t x_stride, int6
                           int64_t multiple, const float* scale, const float* bias, int mode,
                           const std::optional<at::Tensor>& other, at::ScalarType out_dtype,
                           const std::function<void(int64_t, int64_t, const float*, float*)>& widen) {
-  check_gate_up_width(op, mode, n);
-  const int64_t out_n = mode == 2 ? n / 2 : n;
-  check_other(op, mode, other, out_dtype, m, out_n);
-  at::Tensor y = at::empty({m, out_n}, at::TensorOptions().dtype(out_dtype));
+  at::Tensor y = epilogue_output(op, m, n, mode, other, out_dtype);
   const Path& path = path_here();
   const int64_t y_bytes = y.element_size(), other_bytes = mode == 1 ? other->element_size() : 0;
   // Groups of whole gate and up pairs (32 channels) for "silu_mul".

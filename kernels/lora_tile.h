@@ -13,7 +13,7 @@
 // them into several registers.
 //
 // Included by lora.cpp once per ISA namespace, after bf16_vectors.h (for the
-// scalar bfloat16 conversions) and after that namespace's kLanes and tile sizes
+// scalar bfloat16 conversions, load1 and store1) and after that namespace's kLanes and tile sizes
 // (kShrinkTokens, kShrinkRanks, kExpandTokens, kExpandVectors, each 1 to 4).
 
 typedef float vlf __attribute__((vector_size(kLanes * 4), aligned(4), may_alias));
@@ -33,10 +33,6 @@ inline void store_lanes(uint16_t* p, vlf v) {
   const vlu nan = (bits & 0x7fffffffu) > 0x7f800000u;
   *reinterpret_cast<vlh*>(p) = __builtin_convertvector(nan ? vlu{} + 0x7fc0u : rounded, vlh);
 }
-inline float load1(const float* p) { return *p; }
-inline float load1(const uint16_t* p) { return bf16_to_float(*p); }
-inline void store1(float* p, float v) { *p = v; }
-inline void store1(uint16_t* p, float v) { *p = float_to_bf16(v); }
 
 inline float lane_sum(vlf v) {
   float sum = 0.f;

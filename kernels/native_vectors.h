@@ -20,3 +20,9 @@ constexpr int kW = KVFORGE_VW_BYTES / 4;
 // of v stored at p (bf16_vectors.h, included before this header).
 inline vw load_bf16w(const uint16_t* p) { return load_bf16_lanes<vw, vwu, vwh>(p); }
 inline void store_bf16w(uint16_t* p, vw v) { store_bf16_lanes<vw, vwu, vwh>(p, v); }
+
+// kW float32 or bfloat16 values at p as floats, and back: one overload per dtype.
+inline vw loadw(const float* p) { return *reinterpret_cast<const vw*>(p); }
+inline vw loadw(const uint16_t* p) { return load_bf16w(p); }
+inline void storew(float* p, vw v) { *reinterpret_cast<vw*>(p) = v; }
+inline void storew(uint16_t* p, vw v) { store_bf16w(p, v); }

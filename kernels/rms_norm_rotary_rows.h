@@ -1,16 +1,8 @@
 // Row kernels of RMSNorm and rotary embeddings (rms_norm_rotary.cpp) for
 // float32 and bfloat16 rows, float32 math inside. Included once per ISA
-// namespace after bf16_vectors.h and native_vectors.h (vw, kW, load_bf16w,
-// store_bf16w); it includes nothing itself.
+// namespace after bf16_vectors.h (load1, store1) and native_vectors.h (vw,
+// kW, loadw, storew, load_bf16w, store_bf16w); it includes nothing itself.
 
-inline float load1(const float* p) { return *p; }
-inline float load1(const uint16_t* p) { return bf16_to_float(*p); }
-inline void store1(float* p, float v) { *p = v; }
-inline void store1(uint16_t* p, float v) { *p = float_to_bf16(v); }
-inline vw loadw(const float* p) { return *reinterpret_cast<const vw*>(p); }
-inline vw loadw(const uint16_t* p) { return load_bf16w(p); }
-inline void storew(float* p, vw v) { *reinterpret_cast<vw*>(p) = v; }
-inline void storew(uint16_t* p, vw v) { store_bf16w(p, v); }
 
 // v as the row's own dtype would hold it: bfloat16 rounds, float32 is as is.
 inline float as_stored(float v, const float*) { return v; }
