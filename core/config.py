@@ -93,6 +93,13 @@ class SchedulerConfig(Section):
     policy: str = Field("auto", description="scheduler_policy name, or auto (fcfs among the built-in ones)")
     max_num_seqs: int = Field(128, ge=1, description="most requests running at once")
     max_num_batched_tokens: int = Field(2048, ge=1, description="token budget of one step")
+    num_scheduler_steps: int = Field(
+        1, ge=1, le=64, description="most decode steps run per scheduler step (multi-step decoding): while every "
+                                    "running request decodes plainly (no drafts, grammar, penalties, logit bias or "
+                                    "logprobs), the engine runs up to this many forward passes before it schedules, "
+                                    "applies results and reports outputs again, so that work is paid once per burst; "
+                                    "outputs then arrive in bursts, and a new request starts at the next burst. 1: "
+                                    "every step is scheduled. See docs/engine.md")
 
 
 class QuantizationConfig(Section):

@@ -202,10 +202,7 @@ class DriverRunner(ModelRunner):
         copy_blocks(self.kv_caches, self._copies, self.device)
         return len(self._copies)
 
-    @torch.inference_mode()
-    def execute(self, scheduled, lora_slots=None) -> torch.Tensor:
-        self.apply_block_copies()
-        input_ids, positions, batch = self.build_batch(scheduled)
+    def run(self, scheduled, input_ids, positions, batch, lora_slots) -> torch.Tensor:
         rows = torch.tensor(logit_rows(scheduled), dtype=torch.int64)
         token_slots = token_slots_of(scheduled, lora_slots)
         self.executor.check_workers("step")

@@ -54,6 +54,7 @@ class DecodeInputs:
         self._table_shape = (0, 0)
         self._table_view: torch.Tensor | None = None
         self._table_rows: list[list[int] | None] = []  # each row's content as last written
+        self._last: tuple | None = None  # (block tables, starts) of the last plain step, for `advance`
 
     def _grow(self, rows: int) -> None:
         rows = max(rows, 2 * self._rows, 8)
@@ -120,27 +121,47 @@ class DecodeInputs:
         """`(input_ids, positions, batch)` of a decode step (`is_decode`), `tables`
         being each request's block table; as `ModelRunner.build_batch`."""
         if any(entry.draft_token_ids for entry in scheduled):
+            self._last = None
             return self._build_with_drafts(scheduled, tables, device)
         batch = len(scheduled)
         if batch > self._rows:
             self._grow(batch)
-        size = self.block_size
         starts = [entry.start for entry in scheduled]
+        return self._plain([token_at(entry.request, start) for entry, start in zip(scheduled, starts)], starts,
+                           tables, device)
+
+    def advance(self, tokens: Sequence[int], device: torch.device) -> tuple[torch.Tensor, torch.Tensor, AttentionBatch]:
+        """The inputs of the decode step after the last plain one (`build` without
+        drafts, or `advance`): each request one position further on, fed its token
+        in `tokens`, with the same block tables (which must hold that position)."""
+        if self._last is None:
+            raise ValueError("advance follows a plain decode step's build (one token per request, no drafts)")
+        tables, starts = self._last
+        if len(tokens) != len(starts):
+            raise ValueError(f"advance takes one token per request of the last decode step ({len(starts)}), "
+                             f"got {len(tokens)}")
+        return self._plain(tokens, [start + 1 for start in starts], tables, device)
+
+    def _plain(self, ids: Sequence[int], starts: list[int], tables: Sequence[list[int]],
+               device: torch.device) -> tuple[torch.Tensor, torch.Tensor, AttentionBatch]:
+        """A plain decode step's inputs: request i fed `ids[i]` at position `starts[i]`."""
+        batch, size = len(starts), self.block_size
         int64, int32 = self._int64, self._int32
         if batch == 1:  # scalar writes: no list to convert
             start = starts[0]
-            int64[0, 0] = token_at(scheduled[0].request, start)
+            int64[0, 0] = ids[0]
             int64[1, 0] = start
             int64[2, 0] = tables[0][start // size] * size + start % size
             int32[0, 0] = start
             int32[1, 0] = start + 1
         else:
-            int64[0, :batch] = [token_at(entry.request, entry.start) for entry in scheduled]
+            int64[0, :batch] = ids
             int64[1, :batch] = starts
             int64[2, :batch] = [t[s // size] * size + s % size for t, s in zip(tables, starts)]
             int32[0, :batch] = starts
             int32[1, :batch] = starts
             int32[1, :batch] += 1
+        self._last = (tables, starts)
         return self._inputs(self._per_request(batch), tables, device, 1, max(starts) + 1)
 
     def _build_with_drafts(self, scheduled: Sequence[ScheduledRequest], tables: Sequence[list[int]],

@@ -29,9 +29,11 @@ from .model_runner import ModelRunner
 from .outputs import RequestOutput, completion_of, timings_of
 from .prompt_logprobs import PromptScorer
 from .request import FinishReason, Request
+from .decode_bursts import burst_length, run_burst
 from .drafting import Drafter
 from .sampling_params import SamplingParams
 from .scheduler import Scheduler
+from .scheduler_output import SamplerOutput
 from .step_sampling import StepSampler
 from .vocabulary import vocabulary_of
 from .warmup import warm_up
@@ -134,6 +136,8 @@ class LLMEngine:
         self.max_model_len = int(model.max_model_len)
         self.vocab_size = int(model.vocab_size)
         self.drafter = None
+        # multi-step bursts; speculation decides per step, so it runs every step
+        self.max_burst = config.scheduler.num_scheduler_steps
         proposer = components.build_proposer(self.registry, config, ProposerTarget(
             config.model, self.vocab_size, self.max_model_len, self.device, self.dtype))
         if proposer is not None:
@@ -142,6 +146,7 @@ class LLMEngine:
                                    disable_above_batch_size=spec.disable_above_batch_size,
                                    vocab_size=self.vocab_size, max_model_len=self.max_model_len,
                                    draft_policy=spec.draft_policy, device=self.device)
+            self.max_burst = 1
         self.selected = components.selected_names(model, allocator, policy, kv_quantizer, weight_quantizer, proposer)
         log.info("%s", components.describe_selection(self.selected))
         self.groups: dict[str, _Group] = {}
@@ -333,9 +338,7 @@ class LLMEngine:
         if plan.scheduled:
             self.stats.num_prompt_tokens += sum(
                 max(0, min(e.request.num_prompt_tokens, e.start + e.num_tokens) - e.start) for e in plan.scheduled)
-            logits = self.runner.execute(plan.scheduled, lora_slots=self._lora_slots(plan.scheduled))
-            logits = self.prompt_scorer.take(plan.scheduled, logits)
-            sampled = self.step_sampler.sample(plan, logits)
+            sampled = self._run(plan)
             if self.loras is not None:
                 self.loras.count_tokens(plan.scheduled, sampled.tokens)
             update = self.scheduler.update_from_output(plan, sampled)
@@ -364,6 +367,20 @@ class LLMEngine:
         if not self.groups:
             self._check_no_blocks_held()
         return outputs
+
+    def _run(self, plan) -> SamplerOutput:
+        """The model over the plan's entries, sampled: one step, or a multi-step burst
+        where `scheduler.num_scheduler_steps` allows one (`decode_bursts`)."""
+        lora_slots = self._lora_slots(plan.scheduled)
+        steps = 1
+        if self.max_burst > 1:
+            steps = burst_length(plan.scheduled, self.max_burst, self.max_model_len)
+            steps = self.scheduler.reserve_steps(plan, steps) if steps > 1 else 1
+        if steps > 1:
+            return run_burst(self.runner, self.step_sampler, plan, steps, lora_slots)
+        logits = self.runner.execute(plan.scheduled, lora_slots=lora_slots)
+        logits = self.prompt_scorer.take(plan.scheduled, logits)
+        return self.step_sampler.sample(plan, logits)
 
     def _lora_slots(self, scheduled) -> list[int] | None:
         """Each scheduled entry's LoRA slot (-1: the base model); None when no entry runs an adapter."""

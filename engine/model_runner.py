@@ -110,7 +110,36 @@ class ModelRunner:
         `lora_slots` gives each entry's LoRA slot (-1: the base model; None: no
         entry runs an adapter)."""
         self.apply_block_copies()
+        return self.run(scheduled, *self.build_batch(scheduled), lora_slots)
+
+    @torch.inference_mode()
+    def execute_next(self, scheduled: Sequence[ScheduledRequest], tokens: Sequence[int],
+                     lora_slots: Sequence[int] | None = None) -> torch.Tensor:
+        """The decode step after the last `execute` or `execute_next` of the same
+        plain decode entries (one token each, no drafts), each request fed its token
+        in `tokens` one position further on (a multi-step burst, `decode_bursts`;
+        the blocks those positions land in must be reserved); its logits as `execute`'s."""
+        return self.run(scheduled, *self.decode_inputs.advance(tokens, self.device), lora_slots)
+
+    @torch.inference_mode()
+    def greedy_burst(self, scheduled: Sequence[ScheduledRequest], steps: int,
+                     stop_ids: list[int]) -> list[list[int]] | None:
+        """Up to `steps` greedy decode steps of plain decode entries (their blocks
+        reserved) in one call of the model's C++ decoder stack with its LM head
+        (`CppDecoderStack.greedy_burst`): each step's greedy tokens, entry by entry,
+        ending after a step in which every entry sampled one of `stop_ids` and before
+        one whose logits are not finite. None where the model has no such stack or
+        it cannot run this step (the caller then runs the steps one by one)."""
+        stack = getattr(self.model, "decoder_stack", None)
+        if stack is None or stack.head_reason is not None:
+            return None
+        self.apply_block_copies()
         input_ids, positions, batch = self.build_batch(scheduled)
+        return stack.greedy_burst(input_ids, positions, self.kv_caches, self.model.plan(batch), steps, stop_ids)
+
+    def run(self, scheduled: Sequence[ScheduledRequest], input_ids: torch.Tensor, positions: torch.Tensor,
+            batch: AttentionBatch, lora_slots: Sequence[int] | None) -> torch.Tensor:
+        """The model over a built batch of `scheduled`; the logits `execute` returns."""
         token_slots = token_slots_of(scheduled, lora_slots)
         rows = logit_rows(scheduled)
         if len(rows) == input_ids.shape[0]:  # rows are increasing: as many as tokens means every token

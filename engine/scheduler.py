@@ -136,6 +136,16 @@ class Scheduler:
             return True
         return self.kv.allocate_slots(request.request_id, num_total_tokens)
 
+    def reserve_steps(self, plan: SchedulerOutput, steps: int) -> int:
+        """Room in the KV cache for `steps` decode steps of every entry of `plan`
+        (a multi-step burst, `decode_bursts`): `steps` when every request's blocks
+        could grow to hold them, else 1. Nobody is preempted for a burst; blocks
+        grown before one fell short stay with their requests for the next steps."""
+        for entry in plan.scheduled:
+            if not self.grow(entry.request, entry.start + steps):
+                return 1
+        return steps
+
     def schedule(self, drafts: Mapping[str, DraftProposal] | None = None) -> SchedulerOutput:
         """This step's plan: the running requests first (`_schedule_running`), then
         waiting ones admitted with what is left (`_schedule_waiting`). `drafts`

@@ -7,10 +7,16 @@
 //   stack.set_ends(embedding, norm, eps)            # once: the token embedding and the final RMSNorm
 //   h = stack.forward_tokens(input_ids, positions, cos_table, sin_table, kv_caches, plans, slot_mapping,
 //                            rows, last_plan, batch_invariant)
+//   stack.set_head(tensors, ints)                   # once: the LM head, for decode_greedy
+//   tokens = stack.decode_greedy(input_ids, positions, cos_table, sin_table, kv_caches, plans, slot_mapping,
+//                                steps, block_size, stop_ids, batch_invariant)
 //
 // forward_tokens is the model's forward from token ids to the final norm's
 // output: the embedding rows, the positions' rows of the rotary tables, every
-// layer (forward, on hidden states), then the final RMSNorm.
+// layer (forward, on hidden states), then the final RMSNorm. decode_greedy
+// runs several greedy decode steps of a plain decode batch in one call (a
+// multi-step burst, engine/decode_bursts.py): forward_tokens, the LM head and
+// each row's greedy token, fed back as the next step's input.
 //
 // Each layer calls the same C++ functions the per-layer torch ops run
 // (decoder_stack_ops.h) in the same order with the same arguments, so its
@@ -31,6 +37,7 @@
 #include <torch/custom_class.h>
 #include <torch/library.h>
 
+#include <algorithm>
 #include <cstdint>
 #include <optional>
 #include <string>
@@ -48,10 +55,12 @@ enum LinearKind : int64_t {
   kPacked = 0,      // cpp_linear.CppLinear / CppGateUp: f32_linear or bf16_linear by the weight's dtype
   kInt8Weight = 1,  // quantized_linear.Int8Linear, activations "none": int8_weight_linear
   kInt8Dynamic = 2, // quantized_linear.Int8Linear, activations "int8" (W8A8): int8_dynamic_linear
+  kPlain = 3,       // the LM head only: a float weight [out, in] through at::linear, as F.linear
 };
 
 struct Linear {
   int64_t kind = kPacked, out_features = 0;
+  bool float_out = false;  // a bfloat16 packed weight's output in float32 (CppLinear's float_out: the LM head)
   at::Tensor weight, scale;
   std::optional<at::Tensor> bias;
 
@@ -60,8 +69,9 @@ struct Linear {
                         const std::optional<at::Tensor>& other = std::nullopt) const {
     if (kind == kPacked) {
       if (weight.scalar_type() == at::kFloat) return f32_linear(x, weight, out_features, bias, epilogue, other);
-      return bf16_linear(x, weight, out_features, bias, epilogue, other, false);
+      return bf16_linear(x, weight, out_features, bias, epilogue, other, float_out);
     }
+    if (kind == kPlain) return at::linear(x, weight);
     // Int8Linear (Int8GateUp for silu_mul): the same epilogues, after the int8 kernel.
     return kind == kInt8Weight ? int8_weight_linear(x, weight, scale, bias, epilogue, other)
                                : int8_dynamic_linear(x, weight, scale, bias, epilogue, other);
@@ -162,6 +172,95 @@ class DecoderStack : public torch::CustomClassHolder {
     return rms_norm(x, norm_, norm_eps_);
   }
 
+  // The LM head that decode_greedy runs after the final norm, as the model's
+  // compute_logits does: tensors (weight, bias, scale), ints (kind, out_features,
+  // has_bias, float_out); kind kPlain is a float weight [vocab, hidden] (a tied
+  // embedding, or a head the C++ linears do not hold) through at::linear.
+  void set_head(std::vector<at::Tensor> tensors, std::vector<int64_t> ints) {
+    const char* op = "kvforge_cpp.DecoderStack.set_head: ";
+    TORCH_CHECK(tensors.size() == 3 && ints.size() == 4, op, "expects 3 tensors (weight, bias, scale) and 4 ints "
+                "(kind, out_features, has_bias, float_out), got ", tensors.size(), " and ", ints.size());
+    TORCH_CHECK(ints[0] >= kPacked && ints[0] <= kPlain, op, "kind must be 0 (packed), 1 (int8 weight-only), 2 "
+                "(W8A8) or 3 (a float weight through at::linear), got ", ints[0]);
+    head_.kind = ints[0];
+    head_.out_features = ints[1];
+    head_.weight = tensors[0];
+    head_.bias = ints[2] != 0 ? std::optional<at::Tensor>(tensors[1]) : std::nullopt;
+    head_.scale = tensors[2];
+    head_.float_out = ints[3] != 0;
+    has_head_ = true;
+  }
+
+  // Up to `steps` greedy decode steps of a plain decode batch (one token per
+  // sequence, every row sampled): forward_tokens, the head, then each row's
+  // greedy token (greedy_rows), fed back as the next step's input one position
+  // further on. Step s reads the plans' seq_lens and context_lens plus s and
+  // writes each row's key and value at block_table[row][p / block_size] *
+  // block_size + p % block_size (the block table of plans' first spec, whose
+  // blocks for every step must be reserved); the rotary tables must hold the
+  // last position. Every step computes what the same step run alone computes.
+  // Returns the tokens, step after step (rows per step); it stops after a step
+  // in which every row sampled one of `stop_ids`, and before a step in which a
+  // row's logits hold a NaN or an infinity (whose tokens are not returned).
+  std::vector<int64_t> decode_greedy(at::Tensor input_ids, at::Tensor positions, at::Tensor cos_table,
+                                     at::Tensor sin_table, std::vector<at::Tensor> kv_caches,
+                                     std::vector<at::Tensor> plans, at::Tensor slot_mapping, int64_t steps,
+                                     int64_t block_size, std::vector<int64_t> stop_ids, bool batch_invariant) {
+    const char* op = "kvforge_cpp.DecoderStack.decode_greedy: ";
+    TORCH_CHECK(has_head_, op, "call set_head first");
+    const int64_t rows = input_ids.size(0);
+    TORCH_CHECK(input_ids.dim() == 1 && positions.sizes() == input_ids.sizes() &&
+                    slot_mapping.sizes() == input_ids.sizes() && !plans.empty() && plans.size() % 4 == 0 &&
+                    block_size > 0,
+                op, "expects one token per sequence (input_ids, positions and slot_mapping [rows]), 4 plan "
+                "tensors per layer spec and a block size > 0");
+    for (size_t i = 0; i < plans.size(); i += 4) {
+      TORCH_CHECK(plans[i].numel() == rows + 1 && plans[i + 1].numel() == rows && plans[i + 2].numel() == rows,
+                  op, "every plan must hold ", rows, " sequences of one token each");
+    }
+    const at::Tensor block_table = plans[3].contiguous();
+    const auto table = block_table.accessor<int32_t, 2>();
+    const at::Tensor first_positions = positions.to(at::kLong).contiguous();
+    const int64_t* first = first_positions.data_ptr<int64_t>();
+    std::vector<int64_t> out, next(rows);
+    out.reserve(static_cast<size_t>(std::max<int64_t>(steps, 0) * rows));
+    std::vector<bool> stopped(rows, false);
+    at::Tensor ids = input_ids, pos = positions, slots = slot_mapping;
+    std::vector<at::Tensor> metas = plans;
+    for (int64_t s = 0; s < steps; ++s) {
+      if (s > 0) {
+        ids = at::from_blob(next.data(), {rows}, at::kLong).clone();
+        pos = first_positions + s;
+        slots = at::empty({rows}, at::kLong);
+        int64_t* slot = slots.data_ptr<int64_t>();
+        for (int64_t r = 0; r < rows; ++r) {
+          const int64_t p = first[r] + s;
+          TORCH_CHECK(p / block_size < table.size(1), op, "position ", p, " of row ", r, " lies past its ",
+                      table.size(1), " reserved blocks");
+          slot[r] = static_cast<int64_t>(table[r][p / block_size]) * block_size + p % block_size;
+        }
+        for (size_t i = 0; i < plans.size(); i += 4) {
+          metas[i + 1] = plans[i + 1] + s;
+          metas[i + 2] = plans[i + 2] + s;
+        }
+      }
+      const at::Tensor hidden = forward_tokens(ids, pos, cos_table, sin_table, kv_caches, metas, slots, std::nullopt,
+                                               {}, batch_invariant);
+      const at::Tensor logits = head_(hidden).to(at::kFloat).contiguous();
+      const std::vector<int64_t> tokens = greedy_rows(logits);
+      if (std::find(tokens.begin(), tokens.end(), int64_t{-1}) != tokens.end()) break;
+      bool all_stopped = true;
+      for (int64_t r = 0; r < rows; ++r) {
+        out.push_back(tokens[r]);
+        next[r] = tokens[r];
+        stopped[r] = stopped[r] || std::find(stop_ids.begin(), stop_ids.end(), tokens[r]) != stop_ids.end();
+        all_stopped = all_stopped && stopped[r];
+      }
+      if (all_stopped) break;
+    }
+    return out;
+  }
+
   // Every layer on `x` [tokens, hidden]; the hidden states after the last one
   // ([rows, hidden] with `rows`). cos, sin: float32 [tokens, head / 2] (cpp
   // rotary tables); kv_caches: one float cache per layer; plans: 4 tensors per
@@ -228,6 +327,8 @@ class DecoderStack : public torch::CustomClassHolder {
   std::vector<Layer> layers_;
   at::Tensor embedding_, norm_;
   double norm_eps_ = 0.0;
+  Linear head_;
+  bool has_head_ = false;
 };
 
 TORCH_LIBRARY_FRAGMENT(kvforge_cpp, m) {
@@ -236,7 +337,9 @@ TORCH_LIBRARY_FRAGMENT(kvforge_cpp, m) {
       .def("add_layer", &DecoderStack::add_layer)
       .def("num_layers", &DecoderStack::num_layers)
       .def("set_ends", &DecoderStack::set_ends)
-      .def("forward_tokens", &DecoderStack::forward_tokens);
+      .def("forward_tokens", &DecoderStack::forward_tokens)
+      .def("set_head", &DecoderStack::set_head)
+      .def("decode_greedy", &DecoderStack::decode_greedy);
 }
 
 }  // namespace kvforge_cpp

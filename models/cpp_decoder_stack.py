@@ -31,8 +31,8 @@ from .cpp_linear import FUSED_ACTIVATIONS, CppGateUp, CppLinear
 from .layers import RMSNorm
 from .quantized_linear import CPP_DTYPES, Int8GateUp, Int8Linear
 
-# How the C++ class runs a linear layer (decoder_stack.cpp's LinearKind).
-PACKED, INT8_WEIGHT, INT8_DYNAMIC = 0, 1, 2
+# How the C++ class runs a linear layer (decoder_stack.cpp's LinearKind; PLAIN: the LM head only).
+PACKED, INT8_WEIGHT, INT8_DYNAMIC, PLAIN = 0, 1, 2, 3
 NONE = torch.empty(0)  # the placeholder for an absent tensor (bias, q/k norm, int8 scale)
 
 
@@ -54,6 +54,23 @@ def linear_entry(layer, name: str) -> tuple[list[torch.Tensor], list[int], str |
                 [kind, out_features, int(bias is not None)], None)
     return [], [], (f"{name} is a {type(layer).__name__}, not a C++ linear layer (CppLinear, CppGateUp, Int8Linear "
                     "or Int8GateUp)")
+
+
+def head_entry(model) -> tuple[tuple[list, list] | None, str | None]:
+    """(tensors, ints) of the model's LM head for `DecoderStack.set_head`, computing
+    what `compute_logits` computes, or why the C++ class cannot run it."""
+    head = getattr(model, "lm_head_layer", None)
+    if head is None:  # compute_logits: F.linear with the float weight
+        weight = model.lm_head_weight()
+        if weight is None:
+            return None, "the model has no LM head weight"
+        return ([weight, NONE, NONE], [PLAIN, weight.shape[0], 0, 0]), None
+    if isinstance(head, CppLinear):
+        bias = head.bias
+        return ([head.packed, NONE if bias is None else bias, NONE],
+                [PACKED, head.out_features, int(bias is not None), int(head.float_out)]), None
+    found, meta, why_not = linear_entry(head, "the LM head")
+    return (None, why_not) if why_not is not None else ((found, [*meta, 0]), None)
 
 
 def layer_entry(model, index: int, spec_index: int) -> tuple[tuple[list, list, list] | None, str | None]:
@@ -142,6 +159,9 @@ class CppDecoderStack:
             self.stack.add_layer(*entry)
         norm = model.model.norm
         self.stack.set_ends(model.model.embed_tokens.weight, norm.weight, float(norm.eps))
+        head, self.head_reason = head_entry(model)  # None: decode_greedy runs the head
+        if head is not None:
+            self.stack.set_head(*head)
         self.rotary = model.rotary
         # The backends it runs attention for, by registry name (models do not import
         # backends), and whether they ask for the batch-invariant kernel.
@@ -165,13 +185,36 @@ class CppDecoderStack:
             return "a quantized KV cache (its writes and views run in Python)"
         return None
 
-    def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor],
-                 plan) -> torch.Tensor:
-        """The model's forward: embedding, every layer and the final norm in one call."""
+    def _plans(self, plan) -> list[torch.Tensor]:
+        """The four CppPlan tensors of each distinct layer spec, in `specs` order."""
         plans = []
         for spec in self.specs:
             p = plan.backends[spec][1]
             plans += (p.query_start_loc, p.seq_lens, p.context_lens, p.block_table)
+        return plans
+
+    def greedy_burst(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor], plan,
+                     steps: int, stop_ids: list[int]) -> list[list[int]] | None:
+        """Up to `steps` greedy decode steps of a plain decode batch in one call
+        (`DecoderStack.decode_greedy`): the tokens of each step, every row's; it ends
+        after a step in which every row sampled one of `stop_ids`, and before one whose
+        logits are not finite. None where the class cannot: no head it runs
+        (`head_reason`), output rows, or a plan it refuses."""
+        if self.head_reason is not None or plan.last_layer is not None or self.refusal(plan) is not None:
+            return None
+        backend = plan.backends[self.last_spec][0]
+        batch = plan.batch
+        cos, sin = self.rotary.tables(batch.max_seq_len + steps - 1)
+        flat = self.stack.decode_greedy(input_ids, positions, cos, sin, kv_caches, self._plans(plan),
+                                        batch.slot_mapping.to(torch.int64), steps, batch.block_size, stop_ids,
+                                        self._invariant[backend.name])
+        rows = input_ids.shape[0]
+        return [flat[i:i + rows] for i in range(0, len(flat), rows)]
+
+    def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor],
+                 plan) -> torch.Tensor:
+        """The model's forward: embedding, every layer and the final norm in one call."""
+        plans = self._plans(plan)
         last_plan, rows = [], None
         if plan.last_layer is not None:
             rows = plan.last_layer.rows

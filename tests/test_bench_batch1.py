@@ -137,8 +137,9 @@ def test_a_report_without_a_tg_test_is_refused():
 
 def test_quick_run_measures_kvforge_and_skips_llama_cpp_with_its_reason(tmp_path, tiny_model):
     scenario = batch1.scenario(vocab=128, quick=True)
-    # two of the kvforge runs (their process start dominates this test's time) and one llama.cpp run
-    keep = {"kvforge float32", "kvforge int8_weight W8A8", "llama.cpp f32", "llama.cpp Q8_0"}
+    # three of the kvforge runs (their process start dominates this test's time) and one llama.cpp run
+    keep = {"kvforge float32", "kvforge float32" + batch1.BURST, "kvforge int8_weight W8A8", "llama.cpp f32",
+            "llama.cpp Q8_0"}
     scenario.runs = [run for run in scenario.runs if run.label in keep]
     peers = {"kvforge": sys.executable, "llama.cpp": str(tmp_path / "no-llama")}
     summary = harness.run_scenario(scenario, tiny_model, tmp_path, peers=peers, kv_cache_gib=0.05, timeout=300,
@@ -147,6 +148,10 @@ def test_quick_run_measures_kvforge_and_skips_llama_cpp_with_its_reason(tmp_path
     runs = {run["label"]: run for run in summary["runs"]}
     assert runs["kvforge float32"]["status"] == "ok", runs["kvforge float32"]["status"]
     assert runs["kvforge int8_weight W8A8"]["status"] == "ok", runs["kvforge int8_weight W8A8"]["status"]
+    bursts = runs["kvforge float32" + batch1.BURST]
+    assert bursts["status"] == "ok", bursts["status"]
+    assert bursts["metrics"]["output_tokens"] == runs["kvforge float32"]["metrics"]["output_tokens"]
+    assert bursts["info"]["metrics"]["steps"] < runs["kvforge float32"]["info"]["metrics"]["steps"]  # bursts ran
     assert runs["llama.cpp f32"]["status"].startswith("not run: llama.cpp: no llama-bench at")
     prompt, decode, count = batch1.sizes(quick=True)
     m = runs["kvforge float32"]["metrics"]

@@ -178,3 +178,40 @@ def test_buffers_grow_with_the_batch_and_keep_earlier_sizes_right(batch):
         decoding.running = decoding.running[:size]
         scheduled = decoding.plan()
         assert_same_inputs(runner.build_batch(scheduled), runner.general_batch(scheduled))
+
+
+@settings(max_examples=30, deadline=None)
+@given(seed=st.integers(0, 2**31 - 1), batch=st.sampled_from([1, 2, 5]), steps=st.integers(2, 11))
+def test_advancing_a_decode_step_gives_the_next_steps_inputs(seed, batch, steps):
+    """A multi-step burst feeds each request the token the pass before sampled, one
+    position on, with blocks reserved for every pass up front (engine/decode_bursts.py):
+    each `advance` must equal the inputs built afresh for that step."""
+    decoding = Decoding(seed)
+    for _ in range(batch):
+        decoding.add()
+    for request in decoding.running:  # room for the whole burst, as Scheduler.reserve_steps makes
+        decoding.kv.allocate_slots(request.request_id, request.num_computed_tokens + steps)
+    runner = ModelRunner(None, decoding.kv, [], BS, torch.device("cpu"))
+    scheduled = [ScheduledRequest(r, r.num_computed_tokens, 1) for r in decoding.running]
+    runner.build_batch(scheduled)
+    for _ in range(steps - 1):
+        decoding.advance(churn=False)
+        tokens = [request.output_token_ids[-1] for request in decoding.running]
+        fresh = [ScheduledRequest(r, r.num_computed_tokens, 1) for r in decoding.running]
+        assert_same_inputs(runner.decode_inputs.advance(tokens, torch.device("cpu")), runner.general_batch(fresh))
+
+
+def test_advance_follows_a_plain_decode_step_only():
+    kv = KVCacheManager(NoCacheAllocator(64, BS), BS, False)
+    request = Request("a", list(range(3)), SamplingParams())
+    kv.admit("a", [])
+    kv.allocate_slots("a", 8)
+    runner = ModelRunner(None, kv, [], BS, torch.device("cpu"))
+    with pytest.raises(ValueError, match="plain decode"):
+        runner.decode_inputs.advance([1], torch.device("cpu"))
+    runner.build_batch([ScheduledRequest(request, 2, 1)])
+    with pytest.raises(ValueError, match="one token per request"):
+        runner.decode_inputs.advance([1, 2], torch.device("cpu"))
+    runner.build_batch([ScheduledRequest(request, 2, 3, [4, 5])])  # a step verifying drafts
+    with pytest.raises(ValueError, match="plain decode"):
+        runner.decode_inputs.advance([1], torch.device("cpu"))

@@ -1,0 +1,90 @@
+"""Multi-step decoding: several decode steps per scheduler step.
+
+A decode step at batch 1 on a small model spends a tenth of its time outside
+the model: scheduling, applying the result (stop checks, cached blocks) and
+building output objects. With `scheduler.num_scheduler_steps = K` the engine
+runs a *burst* of up to K forward passes when every scheduled request decodes
+plainly, and pays that work once per burst (vLLM's multi-step scheduling does
+the same). Within a burst each pass feeds every request the token the pass
+before sampled (`ModelRunner.execute_next`); the scheduler reserved KV blocks
+for all K positions beforehand (`Scheduler.reserve_steps`), and the K tokens
+are applied together, with the stop checks token by token, as accepted drafts
+are. Where every request is greedy and the model's C++ decoder stack runs its
+LM head too, the whole burst is one C++ call (`ModelRunner.greedy_burst`:
+forward, head and greedy token per pass, no Python between passes).
+
+Output is the same as one step at a time: each pass samples its rows exactly
+as a plain step does (the same greedy rows, the same draws from the same
+generators, in the same order). A request that stops inside a burst keeps the
+tokens up to its stop; the passes after it are wasted work for it (the burst
+ends early once every request has sampled an EOS or stop token id).
+
+A burst runs only where nothing of a step depends on the tokens before it
+beyond the model's input (`burst_length`): every entry a plain decode
+(`step_sampling.samples_raw_rows`: no drafts, forks, grammar, penalties, logit
+bias, logprobs or `min_tokens` still to reach) of a request that has its first
+token already, so time to first token never waits for a burst.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from .scheduler_output import SampledTokens, SamplerOutput, ScheduledRequest, SchedulerOutput
+from .step_sampling import samples_raw_rows
+
+
+def burst_length(scheduled: Sequence[ScheduledRequest], max_steps: int, max_model_len: int) -> int:
+    """How many decode steps this step's entries may run in one burst: 1 unless
+    every entry is a plain decode of a request past its first token; else
+    `max_steps`, capped where a request would reach `max_tokens` or the model's
+    context (the last pass computes position `max_model_len - 1` at most)."""
+    steps = max_steps
+    if steps <= 1 or not scheduled:
+        return 1
+    for entry in scheduled:
+        request = entry.request
+        if (entry.num_tokens != 1 or entry.draft_token_ids or not request.output_token_ids
+                or entry.num_prompt_logit_rows or not samples_raw_rows(entry)):
+            return 1
+        steps = min(steps, request.params.max_tokens - len(request.output_token_ids),
+                    max_model_len - request.num_tokens + 1)
+    return max(1, steps)
+
+
+def run_burst(runner, sampler, plan: SchedulerOutput, steps: int, lora_slots: Sequence[int] | None) -> SamplerOutput:
+    """Up to `steps` decode steps of `plan`'s entries (`burst_length` of them at
+    most, their blocks reserved), sampled by `sampler` (a `StepSampler`) one pass
+    at a time; every request's tokens, in order, as one `SamplerOutput`.
+
+    A pass whose logits hold a NaN or an infinity ends the burst before it: its
+    tokens are dropped, so the requests it concerns are set aside by the next
+    step as by a plain one (or by this one, when it is the first pass)."""
+    scheduled = plan.scheduled
+    requests = [entry.request for entry in scheduled]
+    stop_ids = [{request.eos_token_id, *request.params.stop_token_ids} - {None} for request in requests]
+    if all(request.params.greedy for request in requests):
+        # One C++ call where the model's decoder stack runs its head; a burst it shortens
+        # at a stop token another request listed is only shorter.
+        steps_tokens = runner.greedy_burst(scheduled, steps, sorted(set().union(*stop_ids)))
+        if steps_tokens:  # (empty: the first step's logits were not finite, which the path below reports)
+            return SamplerOutput({request.request_id: SampledTokens([tokens[i] for tokens in steps_tokens])
+                                  for i, request in enumerate(requests)})
+    emitted: list[list[int]] = [[] for _ in scheduled]
+    stopped = [False] * len(scheduled)
+    tokens: list[int] = []
+    for step in range(steps):
+        logits = (runner.execute(scheduled, lora_slots=lora_slots) if step == 0
+                  else runner.execute_next(scheduled, tokens, lora_slots=lora_slots))
+        out = sampler.sample(plan, logits)
+        if out.non_finite:
+            if step == 0:
+                return out
+            break
+        tokens = [out.tokens[request.request_id].token_ids[0] for request in requests]
+        for i, token in enumerate(tokens):
+            emitted[i].append(token)
+            stopped[i] = stopped[i] or token in stop_ids[i]
+        if all(stopped):
+            break
+    return SamplerOutput({request.request_id: SampledTokens(ids) for request, ids in zip(requests, emitted)})
