@@ -333,3 +333,43 @@ def test_bursts_run_on_a_tensor_parallel_engine_pass_by_pass(untied):
             engine.shutdown()
     assert results[1] == results[0]
     assert steps[1] < steps[0] / 2
+
+
+@pytest.mark.slow
+def test_a_server_streams_bursts_that_add_up_to_the_offline_texts():
+    pytest.importorskip("fastapi")
+    pytest.importorskip("openai")
+    import asyncio
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).parent))
+    from serve_process import openai_client, running_server
+
+    from kvforge import LLM
+
+    texts = [f"def f{i}(x):\n    return" for i in range(8)]
+    expected = [o.text for o in LLM(model="kvforge-tiny").generate(texts, SamplingParams(temperature=0,
+                                                                                       max_tokens=40))]
+
+    async def one(client, prompt: str) -> tuple[list[str], str | None]:
+        pieces, reason = [], None
+        stream = await client.completions.create(model="kvforge-tiny", prompt=prompt, max_tokens=40, temperature=0,
+                                                 stream=True)
+        async for chunk in stream:
+            pieces.append(chunk.choices[0].text)
+            reason = chunk.choices[0].finish_reason or reason
+        return pieces, reason
+
+    async def main(server):
+        client = openai_client(server, async_=True)
+        try:
+            return await asyncio.gather(*(one(client, p) for p in texts))
+        finally:
+            await client.close()
+
+    with running_server("--set", "scheduler.num_scheduler_steps=8") as server:
+        results = asyncio.run(main(server))
+    assert ["".join(pieces) for pieces, _ in results] == expected
+    assert all(reason in ("length", "stop") for _, reason in results)
+    assert sum(len(pieces) for pieces, _ in results) < 8 * 40 / 2  # chunks of several tokens: bursts ran
