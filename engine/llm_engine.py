@@ -21,6 +21,7 @@ import torch
 from kvforge.core import BlockStateError, ConfigError, EngineConfig, ProposerTarget, RequestError, build_registry, cdiv
 
 from . import components, executors, heap
+from .decode_bursts import burst_length, run_burst
 from .detokenizer import IncrementalDetokenizer
 from .kv_cache_manager import KVCacheManager
 from .lora_request import LoRARequest
@@ -29,7 +30,6 @@ from .model_runner import ModelRunner
 from .outputs import RequestOutput, completion_of, timings_of
 from .prompt_logprobs import PromptScorer
 from .request import FinishReason, Request
-from .decode_bursts import burst_length, run_burst
 from .drafting import Drafter
 from .sampling_params import SamplingParams
 from .scheduler import Scheduler
