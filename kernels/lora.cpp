@@ -33,9 +33,10 @@ namespace kvforge_cpp {
 
 namespace lora_base {
 // x86-64's baseline SSE: 16 registers of 4 floats.
-constexpr int kLanes = 4;
+#define KVFORGE_VW_BYTES 16
 constexpr int kShrinkTokens = 3, kShrinkRanks = 4, kExpandTokens = 4, kExpandVectors = 3;
 #include "bf16_vectors.h"
+#include "native_vectors.h"
 #include "lora_tile.h"
 }  // namespace lora_base
 
@@ -44,9 +45,10 @@ constexpr int kShrinkTokens = 3, kShrinkRanks = 4, kExpandTokens = 4, kExpandVec
 #pragma GCC target("avx2,fma,f16c")
 namespace lora_avx2 {
 // 16 registers of 8 floats: 12 sums, and room for the operands.
-constexpr int kLanes = 8;
+#define KVFORGE_VW_BYTES 32
 constexpr int kShrinkTokens = 3, kShrinkRanks = 4, kExpandTokens = 4, kExpandVectors = 3;
 #include "bf16_vectors.h"
+#include "native_vectors.h"
 #include "lora_tile.h"
 }  // namespace lora_avx2
 #pragma GCC pop_options
@@ -54,9 +56,10 @@ constexpr int kShrinkTokens = 3, kShrinkRanks = 4, kExpandTokens = 4, kExpandVec
 #pragma GCC target("avx512f,avx512bw,avx512dq,avx512vl,avx2,fma,f16c")
 namespace lora_avx512 {
 // 32 registers of 16 floats: 16 sums.
-constexpr int kLanes = 16;
+#define KVFORGE_VW_BYTES 64
 constexpr int kShrinkTokens = 4, kShrinkRanks = 4, kExpandTokens = 4, kExpandVectors = 4;
 #include "bf16_vectors.h"
+#include "native_vectors.h"
 #include "lora_tile.h"
 }  // namespace lora_avx512
 #pragma GCC pop_options

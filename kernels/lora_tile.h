@@ -8,35 +8,18 @@
 // tokens x NV column vectors keeps its sums in registers over all R ranks, then
 // adds them to y and rounds once.
 //
-// Vectors are the ISA's own width (kLanes floats: 4 SSE, 8 AVX2, 16 AVX-512):
-// GCC keeps a loop's sums of wider generic vectors in memory where it must split
-// them into several registers.
+// Vectors are the ISA's own width (native_vectors.h's vw, kW floats: 4 SSE, 8
+// AVX2, 16 AVX-512): GCC keeps a loop's sums of wider generic vectors in memory
+// where it must split them into several registers.
 //
-// Included by lora.cpp once per ISA namespace, after bf16_vectors.h (for the
-// scalar bfloat16 conversions, load1 and store1) and after that namespace's kLanes and tile sizes
-// (kShrinkTokens, kShrinkRanks, kExpandTokens, kExpandVectors, each 1 to 4).
+// Included by lora.cpp once per ISA namespace, after bf16_vectors.h (the scalar
+// bfloat16 conversions, load1 and store1), native_vectors.h (vw, kW, loadw and
+// storew) and that namespace's tile sizes (kShrinkTokens, kShrinkRanks,
+// kExpandTokens, kExpandVectors, each 1 to 4).
 
-typedef float vlf __attribute__((vector_size(kLanes * 4), aligned(4), may_alias));
-typedef uint32_t vlu __attribute__((vector_size(kLanes * 4), aligned(4), may_alias));
-typedef uint16_t vlh __attribute__((vector_size(kLanes * 2), aligned(2), may_alias));
-
-inline vlf load_lanes(const float* p) { return *reinterpret_cast<const vlf*>(p); }
-inline vlf load_lanes(const uint16_t* p) {
-  const vlu bits = __builtin_convertvector(*reinterpret_cast<const vlh*>(p), vlu) << 16;
-  return reinterpret_cast<const vlf&>(bits);
-}
-inline void store_lanes(float* p, vlf v) { *reinterpret_cast<vlf*>(p) = v; }
-// float_to_bf16 on every lane: round to nearest even, NaN stays a quiet NaN.
-inline void store_lanes(uint16_t* p, vlf v) {
-  const vlu bits = reinterpret_cast<const vlu&>(v);
-  const vlu rounded = (bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16;
-  const vlu nan = (bits & 0x7fffffffu) > 0x7f800000u;
-  *reinterpret_cast<vlh*>(p) = __builtin_convertvector(nan ? vlu{} + 0x7fc0u : rounded, vlh);
-}
-
-inline float lane_sum(vlf v) {
+inline float lane_sum(vw v) {
   float sum = 0.f;
-  for (int j = 0; j < kLanes; ++j) sum += v[j];
+  for (int j = 0; j < kW; ++j) sum += v[j];
   return sum;
 }
 
@@ -44,13 +27,13 @@ inline float lane_sum(vlf v) {
 template <typename T, int MT, int MR>
 void shrink_tile(const T* __restrict__ x, int64_t x_stride, const T* __restrict__ a, int64_t k,
                  float* __restrict__ out, int64_t rank) {
-  vlf acc[MT][MR] = {};
+  vw acc[MT][MR] = {};
   int64_t i = 0;
-  for (; i + kLanes <= k; i += kLanes) {
-    vlf av[MR];
-    for (int r = 0; r < MR; ++r) av[r] = load_lanes(a + r * k + i);
+  for (; i + kW <= k; i += kW) {
+    vw av[MR];
+    for (int r = 0; r < MR; ++r) av[r] = loadw(a + r * k + i);
     for (int t = 0; t < MT; ++t) {
-      const vlf xv = load_lanes(x + t * x_stride + i);
+      const vw xv = loadw(x + t * x_stride + i);
       for (int r = 0; r < MR; ++r) acc[t][r] += xv * av[r];
     }
   }
@@ -63,14 +46,14 @@ void shrink_tile(const T* __restrict__ x, int64_t x_stride, const T* __restrict_
   }
 }
 
-// y[t][kLanes v + j] += sum_r s[t * R + r] * b[r * n + kLanes v + j] for t < MT, v < NV.
+// y[t][kW v + j] += sum_r s[t * R + r] * b[r * n + kW v + j] for t < MT, v < NV.
 template <typename T, int MT, int NV>
 void expand_tile(const float* __restrict__ s, int64_t rank, const T* __restrict__ b, int64_t n,
                  T* __restrict__ y, int64_t y_stride) {
-  vlf acc[MT][NV] = {};
+  vw acc[MT][NV] = {};
   for (int64_t r = 0; r < rank; ++r) {
-    vlf bv[NV];
-    for (int v = 0; v < NV; ++v) bv[v] = load_lanes(b + r * n + kLanes * v);
+    vw bv[NV];
+    for (int v = 0; v < NV; ++v) bv[v] = loadw(b + r * n + kW * v);
     for (int t = 0; t < MT; ++t) {
       const float w = s[t * rank + r];
       for (int v = 0; v < NV; ++v) acc[t][v] += w * bv[v];
@@ -78,8 +61,8 @@ void expand_tile(const float* __restrict__ s, int64_t rank, const T* __restrict_
   }
   for (int t = 0; t < MT; ++t) {
     for (int v = 0; v < NV; ++v) {
-      T* p = y + t * y_stride + kLanes * v;
-      store_lanes(p, load_lanes(p) + acc[t][v]);  // the update's sum first, then y: the reference's order
+      T* p = y + t * y_stride + kW * v;
+      storew(p, loadw(p) + acc[t][v]);  // the update's sum first, then y: the reference's order
     }
   }
 }
@@ -145,14 +128,14 @@ void shrink_rows(const T* x, int64_t x_stride, int64_t tokens, const T* a, int64
 template <typename T>
 void expand_rows(const float* s, int64_t rank, const T* b, int64_t n, T* y, int64_t y_stride, int64_t tokens,
                  int64_t c0, int64_t c1) {
-  const int64_t vectors = (c1 - c0) / kLanes;
+  const int64_t vectors = (c1 - c0) / kW;
   for (int64_t t = 0; t < tokens; t += kExpandTokens) {
     const int mt = static_cast<int>(std::min<int64_t>(kExpandTokens, tokens - t));
     const float* st = s + t * rank;
     T* yt = y + t * y_stride;
     for (int64_t v = 0; v < vectors; v += kExpandVectors) {
       const int nv = static_cast<int>(std::min<int64_t>(kExpandVectors, vectors - v));
-      const int64_t c = c0 + kLanes * v;
+      const int64_t c = c0 + kW * v;
       switch (mt) {
         case 1: expand_tokens<T, 1>(nv, st, rank, b + c, n, yt + c, y_stride); break;
         case 2: expand_tokens<T, 2>(nv, st, rank, b + c, n, yt + c, y_stride); break;
@@ -160,7 +143,7 @@ void expand_rows(const float* s, int64_t rank, const T* b, int64_t n, T* y, int6
         default: expand_tokens<T, kExpandTokens>(nv, st, rank, b + c, n, yt + c, y_stride);
       }
     }
-    const int64_t done = c0 + kLanes * vectors;
+    const int64_t done = c0 + kW * vectors;
     expand_columns(st, rank, b + done, n, yt + done, y_stride, mt, c1 - done);
   }
 }
