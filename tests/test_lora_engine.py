@@ -106,6 +106,7 @@ SETTINGS = {
     "draft model": {"speculative": {"proposer": "draft_model", "num_tokens": 3,
                                     "options": {"model": "kvforge-tiny-draft"}}},
     "ngram": {"speculative": {"proposer": "ngram", "num_tokens": 3}},
+    "multi-step decoding": {"scheduler": {"num_scheduler_steps": 6}},
 }
 
 
@@ -120,6 +121,8 @@ def test_adapters_and_base_in_one_batch_equal_each_alone(adapters, expected, set
         assert metrics["preemptions"] > 0, "nothing was preempted: the setting proves nothing"
     if "speculative" in SETTINGS[setting]:
         assert metrics["spec_draft_tokens"] > 0, "nothing was drafted: the setting proves nothing"
+    if setting == "multi-step decoding":  # 24 tokens each, one step at a time, would take 24 steps and more
+        assert metrics["steps"] < 12, "no burst ran: the setting proves nothing"
 
 
 def test_one_slot_runs_every_adapter_in_turn(adapters, expected):

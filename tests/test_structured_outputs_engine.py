@@ -100,6 +100,24 @@ def test_speculation_gives_the_same_greedy_structured_output_and_drafts_are_cut(
     assert metrics["structured_draft_tokens_cut"] > 0, "no draft broke the grammar: the test proves nothing"
 
 
+def test_multi_step_decoding_never_bursts_a_grammar_and_bursts_once_it_ends():
+    # A grammar request beside a plain one: every step is scheduled while the grammar runs,
+    # and the plain request's steps burst once the grammar request has ended.
+    plain, bursting = structured_llm(), structured_llm(scheduler={"num_scheduler_steps": 6})
+    prompts = ["Is the sky blue? Answer: ", "def main("]
+    params = [choice(temperature=0, max_tokens=40), SamplingParams(temperature=0, max_tokens=60, ignore_eos=True)]
+    expected = [o.outputs[0].token_ids for o in plain.generate(prompts, params)]
+    got = [o.outputs[0].token_ids for o in bursting.generate(prompts, params)]
+    assert got == expected
+    assert tokenizer_text(plain, expected[0]) in CHOICES
+    steps = bursting.engine.metrics()["steps"]
+    assert len(expected[0]) < steps < plain.engine.metrics()["steps"]
+
+
+def tokenizer_text(llm, token_ids: list[int]) -> str:
+    return llm.engine.tokenizer.decode([t for t in token_ids if t != llm.engine.eos_token_id])
+
+
 def test_a_spec_that_fails_to_compile_ends_only_its_request(llm):
     outputs = llm.generate(PROMPTS[:2], [choice("", "x", temperature=0), choice(temperature=0, max_tokens=40)])
     bad, good = outputs[0].outputs[0], outputs[1].outputs[0]
