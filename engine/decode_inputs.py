@@ -13,7 +13,8 @@ appended, a copy-on-write, another request in that row), compared as lists, so
 a row is never stale.
 
 The tensors handed out are views of these buffers: valid until the next
-`DecodeInputs.build`, which overwrites them in place.
+`DecodeInputs.build` or `advance` (the next pass of a multi-step burst, each
+request one position on), which overwrites them in place.
 """
 
 from __future__ import annotations
