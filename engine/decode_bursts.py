@@ -1,8 +1,8 @@
 """Multi-step decoding: several decode steps per scheduler step.
 
-A decode step at batch 1 on a small model spends a tenth of its time outside
-the model: scheduling, applying the result (stop checks, cached blocks) and
-building output objects. With `scheduler.num_scheduler_steps = K` the engine
+A decode step at batch 1 on a small model spends a share of its time outside
+the model that counts (docs/benchmarks.md, "batch1"): scheduling, applying the
+result (stop checks, cached blocks) and building output objects. With `scheduler.num_scheduler_steps = K` the engine
 runs a *burst* of up to K forward passes when every scheduled request decodes
 plainly, and pays that work once per burst (vLLM's multi-step scheduling does
 the same). Within a burst each pass feeds every request the token the pass

@@ -373,3 +373,19 @@ def test_a_server_streams_bursts_that_add_up_to_the_offline_texts():
     assert ["".join(pieces) for pieces, _ in results] == expected
     assert all(reason in ("length", "stop") for _, reason in results)
     assert sum(len(pieces) for pieces, _ in results) < 8 * 40 / 2  # chunks of several tokens: bursts ran
+
+
+def test_a_burst_that_feeds_the_wrong_position_is_caught(untied, monkeypatch):
+    # The comparison the tests above make, against a broken burst: each pass after the
+    # first rewrites the first pass's position instead of moving on. It must fail.
+    from kvforge.engine.decode_inputs import DecodeInputs
+
+    def stuck(self, tokens, device):
+        tables, starts = self._last
+        return self._plain(tokens, starts, tables, device)
+
+    monkeypatch.setattr(DecodeInputs, "advance", stuck)
+    monkeypatch.setattr("kvforge.models.cpp_decoder_stack.head_entry", lambda model: (None, "Python passes only"))
+    requests = [(p, SamplingParams(max_tokens=20, temperature=0, ignore_eos=True)) for p in prompts(2)]
+    with pytest.raises(AssertionError):
+        compare(untied, requests, steps=5)
