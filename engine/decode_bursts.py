@@ -2,8 +2,9 @@
 
 A decode step at batch 1 on a small model spends a share of its time outside
 the model that counts (docs/benchmarks.md, "batch1"): scheduling, applying the
-result (stop checks, cached blocks) and building output objects. With `scheduler.num_scheduler_steps = K` the engine
-runs a *burst* of up to K forward passes when every scheduled request decodes
+result (stop checks, cached blocks) and building output objects. With
+`scheduler.num_scheduler_steps = K` (16 by default) the engine runs a *burst*
+of up to K forward passes when every scheduled request decodes
 plainly, and pays that work once per burst (vLLM's multi-step scheduling does
 the same). Within a burst each pass feeds every request the token the pass
 before sampled (`ModelRunner.execute_next`); the scheduler reserved KV blocks
@@ -23,24 +24,32 @@ A burst runs only where nothing of a step depends on the tokens before it
 beyond the model's input (`burst_length`): every entry a plain decode
 (`step_sampling.samples_raw_rows`: no drafts, forks, grammar, penalties, logit
 bias, logprobs or `min_tokens` still to reach) of a request that has its first
-token already, so time to first token never waits for a burst.
+token already, so time to first token never waits for a burst; and none while
+other requests wait to be scheduled. A burst also ends after the pass that
+brings its time to `scheduler.max_burst_s`, so a request that arrives during one
+starts at most about that late, and a stream's outputs arrive at most about that
+far apart, whatever the model's size.
 """
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
 
 from .scheduler_output import SampledTokens, SamplerOutput, ScheduledRequest, SchedulerOutput
 from .step_sampling import samples_raw_rows
 
 
-def burst_length(scheduled: Sequence[ScheduledRequest], max_steps: int, max_model_len: int) -> int:
-    """How many decode steps this step's entries may run in one burst: 1 unless
-    every entry is a plain decode of a request past its first token; else
-    `max_steps`, capped where a request would reach `max_tokens` or the model's
-    context (the last pass computes position `max_model_len - 1` at most)."""
+def burst_length(scheduled: Sequence[ScheduledRequest], max_steps: int, max_model_len: int,
+                 others_wait: bool = False) -> int:
+    """How many decode steps this step's entries may run in one burst: 1 while
+    `others_wait` (requests not scheduled wait for a slot or for blocks, which a
+    request finishing inside a burst would free only at its end) or unless every
+    entry is a plain decode of a request past its first token; else `max_steps`,
+    capped where a request would reach `max_tokens` or the model's context (the
+    last pass computes position `max_model_len - 1` at most)."""
     steps = max_steps
-    if steps <= 1 or not scheduled:
+    if steps <= 1 or not scheduled or others_wait:
         return 1
     for entry in scheduled:
         request = entry.request
@@ -52,10 +61,12 @@ def burst_length(scheduled: Sequence[ScheduledRequest], max_steps: int, max_mode
     return max(1, steps)
 
 
-def run_burst(runner, sampler, plan: SchedulerOutput, steps: int, lora_slots: Sequence[int] | None) -> SamplerOutput:
+def run_burst(runner, sampler, plan: SchedulerOutput, steps: int, lora_slots: Sequence[int] | None,
+              max_seconds: float) -> SamplerOutput:
     """Up to `steps` decode steps of `plan`'s entries (`burst_length` of them at
     most, their blocks reserved), sampled by `sampler` (a `StepSampler`) one pass
-    at a time; every request's tokens, in order, as one `SamplerOutput`.
+    at a time; every request's tokens, in order, as one `SamplerOutput`. The burst
+    ends after the pass that brings its time to `max_seconds`.
 
     A pass whose logits hold a NaN or an infinity ends the burst before it: its
     tokens are dropped, so the requests it concerns are set aside by the next
@@ -66,10 +77,11 @@ def run_burst(runner, sampler, plan: SchedulerOutput, steps: int, lora_slots: Se
     if all(request.params.greedy for request in requests):
         # One C++ call where the model's decoder stack runs its head; a burst it shortens
         # at a stop token another request listed is only shorter.
-        steps_tokens = runner.greedy_burst(scheduled, steps, sorted(set().union(*stop_ids)))
+        steps_tokens = runner.greedy_burst(scheduled, steps, sorted(set().union(*stop_ids)), max_seconds)
         if steps_tokens:  # (empty: the first step's logits were not finite, which the path below reports)
             return SamplerOutput({request.request_id: SampledTokens([tokens[i] for tokens in steps_tokens])
                                   for i, request in enumerate(requests)})
+    began = time.perf_counter()
     emitted: list[list[int]] = [[] for _ in scheduled]
     stopped = [False] * len(scheduled)
     tokens: list[int] = []
@@ -85,6 +97,6 @@ def run_burst(runner, sampler, plan: SchedulerOutput, steps: int, lora_slots: Se
         for i, token in enumerate(tokens):
             emitted[i].append(token)
             stopped[i] = stopped[i] or token in stop_ids[i]
-        if all(stopped):
+        if all(stopped) or time.perf_counter() - began >= max_seconds:
             break
     return SamplerOutput({request.request_id: SampledTokens(ids) for request, ids in zip(requests, emitted)})

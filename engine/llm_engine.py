@@ -374,10 +374,11 @@ class LLMEngine:
         lora_slots = self._lora_slots(plan.scheduled)
         steps = 1
         if self.max_burst > 1:
-            steps = burst_length(plan.scheduled, self.max_burst, self.max_model_len)
+            steps = burst_length(plan.scheduled, self.max_burst, self.max_model_len, self.scheduler.others_wait(plan))
             steps = self.scheduler.reserve_steps(plan, steps) if steps > 1 else 1
         if steps > 1:
-            return run_burst(self.runner, self.step_sampler, plan, steps, lora_slots)
+            return run_burst(self.runner, self.step_sampler, plan, steps, lora_slots,
+                             self.config.scheduler.max_burst_s)
         logits = self.runner.execute(plan.scheduled, lora_slots=lora_slots)
         logits = self.prompt_scorer.take(plan.scheduled, logits)
         return self.step_sampler.sample(plan, logits)

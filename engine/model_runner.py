@@ -122,20 +122,22 @@ class ModelRunner:
         return self.run(scheduled, *self.decode_inputs.advance(tokens, self.device), lora_slots)
 
     @torch.inference_mode()
-    def greedy_burst(self, scheduled: Sequence[ScheduledRequest], steps: int,
-                     stop_ids: list[int]) -> list[list[int]] | None:
+    def greedy_burst(self, scheduled: Sequence[ScheduledRequest], steps: int, stop_ids: list[int],
+                     max_seconds: float) -> list[list[int]] | None:
         """Up to `steps` greedy decode steps of plain decode entries (their blocks
         reserved) in one call of the model's C++ decoder stack with its LM head
         (`CppDecoderStack.greedy_burst`): each step's greedy tokens, entry by entry,
-        ending after a step in which every entry sampled one of `stop_ids` and before
-        one whose logits are not finite. None where the model has no such stack or
+        ending after a step in which every entry sampled one of `stop_ids` or which
+        brought the call's time to `max_seconds`, and before one whose logits are not
+        finite. None where the model has no such stack or
         it cannot run this step (the caller then runs the steps one by one)."""
         stack = getattr(self.model, "decoder_stack", None)
         if stack is None or stack.head_reason is not None:
             return None
         self.apply_block_copies()
         input_ids, positions, batch = self.build_batch(scheduled)
-        return stack.greedy_burst(input_ids, positions, self.kv_caches, self.model.plan(batch), steps, stop_ids)
+        return stack.greedy_burst(input_ids, positions, self.kv_caches, self.model.plan(batch), steps, stop_ids,
+                                  max_seconds)
 
     def run(self, scheduled: Sequence[ScheduledRequest], input_ids: torch.Tensor, positions: torch.Tensor,
             batch: AttentionBatch, lora_slots: Sequence[int] | None) -> torch.Tensor:

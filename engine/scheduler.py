@@ -112,6 +112,11 @@ class Scheduler:
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running or self.waiting_for_grammar)
 
+    def others_wait(self, plan: SchedulerOutput) -> bool:
+        """Whether a request outside `plan` waits to run: queued, compiling its
+        grammar, or running but left out of this step."""
+        return bool(self.waiting or self.waiting_for_grammar) or len(plan.scheduled) < len(self.running)
+
     def finish(self, request: Request, reason: FinishReason, stop_reason=None, error: str | None = None) -> None:
         """End a request wherever it is; its blocks are freed at once. The samples
         still waiting to fork from it (n > 1, its prompt never computed) end with it."""

@@ -9,7 +9,7 @@
 //                            rows, last_plan, batch_invariant)
 //   stack.set_head(tensors, ints)                   # once: the LM head, for decode_greedy
 //   tokens = stack.decode_greedy(input_ids, positions, cos_table, sin_table, kv_caches, plans, slot_mapping,
-//                                steps, block_size, stop_ids, batch_invariant)
+//                                steps, block_size, stop_ids, batch_invariant, max_seconds)
 //
 // forward_tokens is the model's forward from token ids to the final norm's
 // output: the embedding rows, the positions' rows of the rotary tables, every
@@ -38,6 +38,7 @@
 #include <torch/library.h>
 
 #include <algorithm>
+#include <chrono>
 #include <cstdint>
 #include <optional>
 #include <string>
@@ -201,13 +202,17 @@ class DecoderStack : public torch::CustomClassHolder {
   // last position. Every step computes what the same step run alone computes.
   // Returns the tokens, step after step (rows per step); it stops after a step
   // in which every row sampled one of `stop_ids`, and before a step in which a
-  // row's logits hold a NaN or an infinity (whose tokens are not returned).
+  // row's logits hold a NaN or an infinity (whose tokens are not returned),
+  // and after the step that brings the call's time to `max_seconds` (> 0).
   std::vector<int64_t> decode_greedy(at::Tensor input_ids, at::Tensor positions, at::Tensor cos_table,
                                      at::Tensor sin_table, std::vector<at::Tensor> kv_caches,
                                      std::vector<at::Tensor> plans, at::Tensor slot_mapping, int64_t steps,
-                                     int64_t block_size, std::vector<int64_t> stop_ids, bool batch_invariant) {
+                                     int64_t block_size, std::vector<int64_t> stop_ids, bool batch_invariant,
+                                     double max_seconds) {
     const char* op = "kvforge_cpp.DecoderStack.decode_greedy: ";
+    const auto began = std::chrono::steady_clock::now();
     TORCH_CHECK(has_head_, op, "call set_head first");
+    TORCH_CHECK(max_seconds > 0, op, "max_seconds must be > 0, got ", max_seconds);
     const int64_t rows = input_ids.size(0);
     TORCH_CHECK(input_ids.dim() == 1 && positions.sizes() == input_ids.sizes() &&
                     slot_mapping.sizes() == input_ids.sizes() && !plans.empty() && plans.size() % 4 == 0 &&
@@ -257,6 +262,7 @@ class DecoderStack : public torch::CustomClassHolder {
         all_stopped = all_stopped && stopped[r];
       }
       if (all_stopped) break;
+      if (std::chrono::duration<double>(std::chrono::steady_clock::now() - began).count() >= max_seconds) break;
     }
     return out;
   }

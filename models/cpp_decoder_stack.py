@@ -194,11 +194,11 @@ class CppDecoderStack:
         return plans
 
     def greedy_burst(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor], plan,
-                     steps: int, stop_ids: list[int]) -> list[list[int]] | None:
+                     steps: int, stop_ids: list[int], max_seconds: float) -> list[list[int]] | None:
         """Up to `steps` greedy decode steps of a plain decode batch in one call
         (`DecoderStack.decode_greedy`): the tokens of each step, every row's; it ends
-        after a step in which every row sampled one of `stop_ids`, and before one whose
-        logits are not finite. None where the class cannot: no head it runs
+        after a step in which every row sampled one of `stop_ids` or which brought the
+        call's time to `max_seconds`, and before one whose logits are not finite. None where the class cannot: no head it runs
         (`head_reason`), output rows, or a plan it refuses."""
         if self.head_reason is not None or plan.last_layer is not None or self.refusal(plan) is not None:
             return None
@@ -207,7 +207,7 @@ class CppDecoderStack:
         cos, sin = self.rotary.tables(batch.max_seq_len + steps - 1)
         flat = self.stack.decode_greedy(input_ids, positions, cos, sin, kv_caches, self._plans(plan),
                                         batch.slot_mapping.to(torch.int64), steps, batch.block_size, stop_ids,
-                                        self._invariant[backend.name])
+                                        self._invariant[backend.name], max_seconds)
         rows = input_ids.shape[0]
         return [flat[i:i + rows] for i in range(0, len(flat), rows)]
 

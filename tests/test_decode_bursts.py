@@ -67,7 +67,10 @@ def make_engine(model: str, steps: int, block_size: int = 4, num_blocks: int | N
     else:
         cache["memory_budget"] = 2**24
     config = load_config(model=model, device="cpu", cache=cache, warmup=False,
-                         scheduler={"num_scheduler_steps": steps, "max_num_seqs": options.pop("max_num_seqs", 8)},
+                         scheduler={"num_scheduler_steps": steps, "max_num_seqs": options.pop("max_num_seqs", 8),
+                                    # bursts as long as the count allows, however slow the host: the time
+                                    # limit has tests of its own
+                                    "max_burst_s": options.pop("max_burst_s", 60.0)},
                          **{"dtype": "float32", **options}).config
     return LLMEngine(config)
 
@@ -276,18 +279,18 @@ def test_a_python_burst_drops_the_pass_whose_logits_are_not_finite():
             assert tokens == [self.tokens[self.passes - 1]]  # fed the token the pass before sampled
             return self.logits()
 
-        def greedy_burst(self, scheduled, steps, stop_ids):
+        def greedy_burst(self, scheduled, steps, stop_ids, max_seconds):
             return None
 
     request = Request("r", [1, 2], SamplingParams(max_tokens=50, temperature=0, ignore_eos=True))
     request.output_token_ids.append(4)
     plan = SchedulerOutput([ScheduledRequest(request, 2, 1)])
     sampler = StepSampler(0, EngineMetrics())
-    out = decode_bursts.run_burst(Runner([5, 6, 7, 1, 2], nan_at=3), sampler, plan, 5, None)
+    out = decode_bursts.run_burst(Runner([5, 6, 7, 1, 2], nan_at=3), sampler, plan, 5, None, 60.0)
     assert out.tokens["r"].token_ids == [5, 6, 7] and not out.non_finite
-    out = decode_bursts.run_burst(Runner([5, 6], nan_at=0), sampler, plan, 5, None)
+    out = decode_bursts.run_burst(Runner([5, 6], nan_at=0), sampler, plan, 5, None, 60.0)
     assert out.non_finite == ["r"] and not out.tokens
-    out = decode_bursts.run_burst(Runner([5, 6, 7, 1, 2], nan_at=-1), sampler, plan, 5, None)
+    out = decode_bursts.run_burst(Runner([5, 6, 7, 1, 2], nan_at=-1), sampler, plan, 5, None, 60.0)
     assert out.tokens["r"].token_ids == [5, 6, 7, 1, 2]
 
 
@@ -316,6 +319,72 @@ def test_speculative_decoding_turns_bursts_off(untied):
 def test_num_scheduler_steps_is_checked():
     with pytest.raises((ConfigError, ValueError), match="num_scheduler_steps"):
         load_config(model="kvforge-tiny", scheduler={"num_scheduler_steps": 0})
+    with pytest.raises((ConfigError, ValueError), match="max_burst_s"):
+        load_config(model="kvforge-tiny", scheduler={"max_burst_s": 0})
+
+
+def test_bursts_are_on_by_default_and_bounded_in_time():
+    scheduler = load_config(model="kvforge-tiny").config.scheduler
+    assert scheduler.num_scheduler_steps > 1 and 0 < scheduler.max_burst_s <= 0.05
+    engine = LLMEngine(load_config(model="kvforge-tiny", warmup=False).config)
+    assert engine.max_burst == scheduler.num_scheduler_steps
+
+
+def test_a_python_burst_ends_after_the_pass_that_reaches_its_time(monkeypatch):
+    class Runner:  # every pass takes 4 ms of a clock that only passes moves
+        now = 0.0
+
+        def logits(self):
+            Runner.now += 0.004
+            return torch.ones(1, 8)
+
+        def execute(self, scheduled, lora_slots=None):
+            return self.logits()
+
+        def execute_next(self, scheduled, tokens, lora_slots=None):
+            return self.logits()
+
+        def greedy_burst(self, scheduled, steps, stop_ids, max_seconds):
+            return None
+
+    monkeypatch.setattr(decode_bursts.time, "perf_counter", lambda: Runner.now)
+    request = Request("r", [1, 2], SamplingParams(max_tokens=50, temperature=0, ignore_eos=True))
+    request.output_token_ids.append(4)
+    plan = SchedulerOutput([ScheduledRequest(request, 2, 1)])
+    sampler = StepSampler(0, EngineMetrics())
+    for limit, passes in ((0.01, 3), (0.012, 3), (0.0121, 4), (1e-9, 1), (60.0, 8)):
+        out = decode_bursts.run_burst(Runner(), sampler, plan, 8, None, limit)
+        assert len(out.tokens["r"].token_ids) == passes, limit
+
+
+@pytest.mark.parametrize("greedy", [True, False])
+def test_a_burst_whose_time_is_up_after_one_pass_is_one_step(untied, greedy, monkeypatch):
+    # The C++ burst's clock is its own: a limit no pass can stay under makes every burst one pass.
+    cpp = count_calls(monkeypatch, CppDecoderStack, "greedy_burst")
+    requests = [(p, SamplingParams(max_tokens=15, temperature=0 if greedy else 0.9, seed=3, ignore_eos=True))
+                for p in prompts(3)]
+    _, one, burst = compare(untied, requests, steps=8, max_burst_s=1e-9)
+    assert burst.stats.num_steps == one.stats.num_steps
+    assert cpp["ran"] > 0 if greedy and CPP else cpp["ran"] == 0
+
+
+def test_no_burst_runs_while_another_request_waits(untied, monkeypatch):
+    # One slot: the second request waits until the first ends, so the first decodes
+    # one token per step; the second then runs alone, in bursts.
+    requests = [(p, SamplingParams(max_tokens=20, temperature=0, ignore_eos=True)) for p in prompts(2)]
+    engine = make_engine(untied, 8, max_num_seqs=1)
+    for i, (prompt, params) in enumerate(requests):
+        engine.add_request(f"q{i}", prompt_token_ids=prompt, params=params)
+    grown: dict[str, list[int]] = {"q0": [], "q1": []}
+    seen = {"q0": 0, "q1": 0}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            count = len(out.outputs[0].token_ids)
+            grown[out.request_id].append(count - seen[out.request_id])
+            seen[out.request_id] = count
+    assert seen == {"q0": 20, "q1": 20}
+    assert set(grown["q0"]) == {1}
+    assert max(grown["q1"]) > 1
 
 
 @pytest.mark.slow
