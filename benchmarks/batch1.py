@@ -14,10 +14,11 @@ beside llama.cpp, per weight format.
   same model to GGUF f32, bf16 and Q8_0 with its own converter and runs
   `llama-bench -p P -n N` (its pp test, and its tg test from an empty
   context) and `llama-bench -p 0 -n N -d P` (tg after a P-token context).
-* Each kvforge run runs twice: as configured by default (every step
-  scheduled), and with multi-step decoding (`scheduler.num_scheduler_steps =
-  16`: the scheduling, result and output work paid once per burst of up to 16
-  decode passes; greedy bursts run as one C++ call).
+* Each kvforge run runs twice: as configured by default (multi-step decoding:
+  the scheduling, result and output work paid once per burst of up to
+  `scheduler.num_scheduler_steps` decode passes within `scheduler.max_burst_s`;
+  greedy bursts run as one C++ call), and with every step scheduled
+  (`num_scheduler_steps = 1`).
 * After the runs (`figures`): each pair's ratios, kvforge over llama.cpp,
   like for like (tg against tg, tg after P against tg after P), and the
   targets: tg >= 1.0x llama.cpp per format (stretch: 1.2x), prefill >= 1.5x,
@@ -54,14 +55,12 @@ PAIRS = {
     "int8 weight-only": ("kvforge int8_weight", "llama.cpp Q8_0"),
     "int8 W8A8": ("kvforge int8_weight W8A8", "llama.cpp Q8_0"),
 }
-# Each run again with multi-step decoding (`scheduler.num_scheduler_steps`, docs/engine.md):
-# the engine's step work paid once per burst of decode passes.
-BURST_STEPS = 16
-BURST = f", {BURST_STEPS} steps"
+# Each run again without multi-step decoding (docs/engine.md): every decode step scheduled.
+STEPPED = ", every step scheduled"
 for _label, _options in list(KVFORGE.items()):
-    KVFORGE[_label + BURST] = {**_options, "scheduler": {"num_scheduler_steps": BURST_STEPS}}
+    KVFORGE[_label + STEPPED] = {**_options, "scheduler": {"num_scheduler_steps": 1}}
 for _fmt, (_ours, _theirs) in list(PAIRS.items()):
-    PAIRS[_fmt + BURST] = (_ours + BURST, _theirs)
+    PAIRS[_fmt + STEPPED] = (_ours + STEPPED, _theirs)
 DECODE_TARGET, DECODE_STRETCH, PREFILL_TARGET = 1.0, 1.2, 1.5
 PROMPT, TG = "prompt", "tg"  # the request classes: a P-token prompt; a one-token prompt (decode from empty)
 BATCHED_SEQUENCES = [1, 4]  # llama-batched-bench's parallel sequence counts, beside llama-bench

@@ -90,11 +90,15 @@ def reference_greedy(model: FakeCausalLM, prompt: list[int], max_tokens: int) ->
 def fake_engine(model: FakeCausalLM | None = None, *, num_blocks: int = 64, block_size: int = 4,
                 max_num_seqs: int = 8, max_num_batched_tokens: int = 32, policy: str = "fcfs",
                 prefix_caching: bool = True, seed: int = 0, tokenizer=None, speculative: dict | None = None,
-                registry=None, warmup: bool = True) -> LLMEngine:
+                registry=None, warmup: bool = True, num_scheduler_steps: int | None = None) -> LLMEngine:
+    """`num_scheduler_steps=1` for a test that follows the engine one decode step at a
+    time; None keeps the default (multi-step decoding)."""
+    steps = {} if num_scheduler_steps is None else {"num_scheduler_steps": num_scheduler_steps}
     config = EngineConfig(
         device="cpu", dtype="float32", seed=seed, speculative=speculative or {}, warmup=warmup,
         cache={"num_blocks": num_blocks, "block_size": block_size, "enable_prefix_caching": prefix_caching},
-        scheduler={"policy": policy, "max_num_seqs": max_num_seqs, "max_num_batched_tokens": max_num_batched_tokens},
+        scheduler={"policy": policy, "max_num_seqs": max_num_seqs, "max_num_batched_tokens": max_num_batched_tokens,
+                   **steps},
     )
     return LLMEngine(config, model=model or FakeCausalLM(), tokenizer=tokenizer, registry=registry)
 

@@ -138,7 +138,7 @@ def test_a_report_without_a_tg_test_is_refused():
 def test_quick_run_measures_kvforge_and_skips_llama_cpp_with_its_reason(tmp_path, tiny_model):
     scenario = batch1.scenario(vocab=128, quick=True)
     # three of the kvforge runs (their process start dominates this test's time) and one llama.cpp run
-    keep = {"kvforge float32", "kvforge float32" + batch1.BURST, "kvforge int8_weight W8A8", "llama.cpp f32",
+    keep = {"kvforge float32", "kvforge float32" + batch1.STEPPED, "kvforge int8_weight W8A8", "llama.cpp f32",
             "llama.cpp Q8_0"}
     scenario.runs = [run for run in scenario.runs if run.label in keep]
     peers = {"kvforge": sys.executable, "llama.cpp": str(tmp_path / "no-llama")}
@@ -148,10 +148,10 @@ def test_quick_run_measures_kvforge_and_skips_llama_cpp_with_its_reason(tmp_path
     runs = {run["label"]: run for run in summary["runs"]}
     assert runs["kvforge float32"]["status"] == "ok", runs["kvforge float32"]["status"]
     assert runs["kvforge int8_weight W8A8"]["status"] == "ok", runs["kvforge int8_weight W8A8"]["status"]
-    bursts = runs["kvforge float32" + batch1.BURST]
-    assert bursts["status"] == "ok", bursts["status"]
-    assert bursts["metrics"]["output_tokens"] == runs["kvforge float32"]["metrics"]["output_tokens"]
-    assert bursts["info"]["metrics"]["steps"] < runs["kvforge float32"]["info"]["metrics"]["steps"]  # bursts ran
+    stepped = runs["kvforge float32" + batch1.STEPPED]
+    assert stepped["status"] == "ok", stepped["status"]
+    assert stepped["metrics"]["output_tokens"] == runs["kvforge float32"]["metrics"]["output_tokens"]
+    assert stepped["info"]["metrics"]["steps"] > runs["kvforge float32"]["info"]["metrics"]["steps"]  # bursts ran by default
     assert runs["llama.cpp f32"]["status"].startswith("not run: llama.cpp: no llama-bench at")
     prompt, decode, count = batch1.sizes(quick=True)
     m = runs["kvforge float32"]["metrics"]

@@ -79,7 +79,7 @@ def test_stop_string_cuts_the_text_there():
 
 
 def test_n_samples_share_the_prompt_blocks_through_fork():
-    e = fake_engine(FakeCausalLM(), num_blocks=32, block_size=4)
+    e = fake_engine(FakeCausalLM(), num_blocks=32, block_size=4, num_scheduler_steps=1)
     e.add_request("a", PROMPT, SamplingParams(n=4, temperature=1.0, seed=3, max_tokens=6))
     e.step()  # prefill once, fork three samples, sample four first tokens
     assert e.kv.usage().in_use == 2  # the prompt's two blocks, shared by all four

@@ -107,7 +107,7 @@ def test_1_2_5_buckets_stop_at_the_context():
 
 
 def test_metrics_follow_the_engine_step_by_step():
-    engine = fake_engine(FakeCausalLM(), block_size=4)
+    engine = fake_engine(FakeCausalLM(), block_size=4, num_scheduler_steps=1)
     metrics = ServerMetrics("fake", engine.max_model_len, engine.kv.block_size)
 
     def sample(name: str, **labels) -> float:
@@ -133,3 +133,20 @@ def test_metrics_follow_the_engine_step_by_step():
     assert sample("vllm:kv_cache_usage_perc") == 0
     metrics.on_step(engine, [], now=0.0)  # no double counting when nothing changed
     assert sample("vllm:generation_tokens_total") == 8
+
+
+def test_metrics_count_every_token_of_a_burst_and_one_gap_per_output():
+    # With multi-step decoding a step brings several tokens: the token counters take them
+    # all, and the inter-token histogram one gap per output (vLLM's, per iteration).
+    engine = fake_engine(FakeCausalLM(), block_size=4)
+    metrics = ServerMetrics("fake", engine.max_model_len, engine.kv.block_size)
+    engine.add_request("r", prompt_token_ids=list(range(1, 10)), params=SamplingParams(temperature=0, max_tokens=12))
+    outputs_after_first = -1
+    while engine.has_unfinished_requests():
+        outputs = engine.step()
+        outputs_after_first += len(outputs)
+        metrics.on_step(engine, outputs, now=0.0)
+    value = metrics.registry.get_sample_value
+    labels = {"model_name": "fake", "engine": "0"}
+    assert value("vllm:generation_tokens_total", labels) == engine.stats.num_generated_tokens == 12
+    assert value("vllm:inter_token_latency_seconds_count", labels) == outputs_after_first < 11

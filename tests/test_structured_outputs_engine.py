@@ -103,7 +103,8 @@ def test_speculation_gives_the_same_greedy_structured_output_and_drafts_are_cut(
 def test_multi_step_decoding_never_bursts_a_grammar_and_bursts_once_it_ends():
     # A grammar request beside a plain one: every step is scheduled while the grammar runs,
     # and the plain request's steps burst once the grammar request has ended.
-    plain, bursting = structured_llm(), structured_llm(scheduler={"num_scheduler_steps": 6})
+    plain, bursting = (structured_llm(scheduler={"num_scheduler_steps": 1}),
+                       structured_llm(scheduler={"num_scheduler_steps": 6, "max_burst_s": 60.0}))
     prompts = ["Is the sky blue? Answer: ", "def main("]
     params = [choice(temperature=0, max_tokens=40), SamplingParams(temperature=0, max_tokens=60, ignore_eos=True)]
     expected = [o.outputs[0].token_ids for o in plain.generate(prompts, params)]
