@@ -142,7 +142,8 @@ class AdaptiveDraftPolicy:
         self.acceptance = AcceptanceTracker()
         self.costs = StepCostModel()
         self.pauses: dict[str, _Pause] = {}
-        self.step = 0
+        self.step = 0  # decode passes: a burst counts each of its passes
+        self._passes = 1  # of the step being observed
         self.probing: set[str] = set()  # request ids whose proposal this step restarts their estimate
         # Proposals this step verifies whole, counted from its outcome: (request, its token
         # count when proposed, whether the outcome restarts its estimate).
@@ -186,6 +187,11 @@ class AdaptiveDraftPolicy:
         (all decoding), no request was released and no unverified draft was accepted
         since, and no wait ends yet."""
         return num_running == self._quiet_size and self.step < self._next_ask
+
+    def quiet_passes(self) -> int:
+        """In a quiet step: the decode passes it may run as one burst (multi-step
+        decoding), up to the step on which a request is asked again."""
+        return max(1, self._next_ask - self.step)
 
     def choose(self, requests: Sequence[Request], limits: Sequence[int],
                everyone: bool = False) -> tuple[list[int], list[bool]]:
@@ -382,10 +388,12 @@ class AdaptiveDraftPolicy:
         self.propose_seconds += ASK_COST_WEIGHT * (seconds / num_requests - self.propose_seconds)
         self._time_scoring = True
 
-    def observe(self, scheduled: Sequence[ScheduledRequest] = ()) -> None:
+    def observe(self, scheduled: Sequence[ScheduledRequest] = (), passes: int = 1) -> None:
         """After a step (`scheduled`, its result applied): count the proposals it verified
         whole (held to the end of a steady window) and score the others now decided
-        (timed after a step that asked for shadow drafts, for `ask_seconds`)."""
+        (timed after a step that asked for shadow drafts, for `ask_seconds`). A step
+        that ran `passes` decode passes (a burst) counts as that many steps."""
+        self._passes = passes
         if not (self._held or self._verifying or self.acceptance.waiting) and self.step >= self._steady_until:
             self._stepped()  # nothing to count or score: most steps of a batch that drafts nothing
             return
@@ -440,8 +448,8 @@ class AdaptiveDraftPolicy:
         self._stepped()
 
     def _stepped(self) -> None:
-        self.allowance = min(self.allowance + PROBE_BUDGET, ALLOWANCE_MAX)
-        self.step += 1
+        self.allowance = min(self.allowance + PROBE_BUDGET * self._passes, ALLOWANCE_MAX)
+        self.step += self._passes
 
     def _note_hits(self, scored) -> None:
         for state, request_id in scored:

@@ -29,6 +29,10 @@ from .scheduler_output import ScheduledRequest
 
 
 TIMED_EVERY = 4  # steps of a quiet or steady batch timed: one in this many
+# Under adaptive drafting, after steps on which the proposer had nothing for any running
+# request (ngram on text with no repeat), the next step may run that many decode passes
+# as one burst: 1, 2, 4, then this many (a proposal anyone gets starts it again at 1).
+EMPTY_BURST_MAX = 8
 
 
 class ProposerError(KvforgeError, RuntimeError):
@@ -57,6 +61,12 @@ class Drafter:
         # (requests, drafts) of the last step if it was pure decodes: it is timed up to the
         # next `propose`, so what the engine and its caller do per step after it counts too
         self._timing: tuple[int, int] | None = None
+        # The decode passes the step being scheduled may run as one burst (multi-step
+        # decoding): any number where speculation is off for the batch, up to the next
+        # ask in a quiet batch (`AdaptiveDraftPolicy.quiet_passes`), more after each step
+        # the proposer had nothing for anyone (EMPTY_BURST_MAX), else 1.
+        self.burst_passes: int | None = 1
+        self._empty_steps = 0
 
     def limit(self, request: Request) -> int:
         """The most draft tokens `request` may take now: all accepted plus the
@@ -77,13 +87,16 @@ class Drafter:
             policy.timed(num_requests, num_drafts, now - self._step_started)
             self._timing = None
         self._step_started = None
+        self.burst_passes = 1
         if self.disable_above_batch_size is not None and len(running) > self.disable_above_batch_size:
+            self.burst_passes = None
             return {}
         if policy is not None and policy.quiet(len(running)):
             # A quiet batch's plain steps only keep the plain median current: one in
             # TIMED_EVERY is timed.
             if not policy.step % TIMED_EVERY:
                 self._step_started = self.clock() if now is None else now
+            self.burst_passes = policy.quiet_passes()
             return {}
         asked, limits = [], []
         for request in running:
@@ -113,6 +126,11 @@ class Drafter:
         proposals = self.proposer.propose(
             [ProposalRequest(r.request_id, r.all_token_ids, r.params.temperature) for r in asked], num_tokens)
         self.check(proposals, asked, num_tokens)
+        if policy is not None and len(asked) == len(running) and not any(p.token_ids for p in proposals):
+            self.burst_passes = min(2 ** self._empty_steps, EMPTY_BURST_MAX)
+            self._empty_steps += 1
+        else:
+            self._empty_steps = 0
         drafts = {}
         for request, proposal, count, limit in zip(asked, proposals, counts, limits):
             if policy is not None and not steady:  # a steady step's outcomes are read off the step
@@ -125,15 +143,16 @@ class Drafter:
             policy.asked(len(asked), self.clock() - self._step_started)
         return drafts
 
-    def observe(self, scheduled: Sequence[ScheduledRequest]) -> None:
-        """After a step has applied its result (`scheduled`): lets the adaptive policy
-        score proposals against the new tokens, and marks a step of pure decodes to be
-        timed (up to the next `propose`)."""
+    def observe(self, scheduled: Sequence[ScheduledRequest], passes: int = 1) -> None:
+        """After a step has applied its result (`scheduled`, run as `passes` decode
+        passes): lets the adaptive policy score proposals against the new tokens, and
+        marks a one-pass step of pure decodes to be timed (up to the next `propose`)."""
         if self.policy is None or not scheduled:
             return
-        if self._step_started is not None and all(e.num_tokens == 1 + len(e.draft_token_ids) for e in scheduled):
+        if (self._step_started is not None and passes == 1
+                and all(e.num_tokens == 1 + len(e.draft_token_ids) for e in scheduled)):
             self._timing = (len(scheduled), sum(len(e.draft_token_ids) for e in scheduled))  # pure decodes
-        self.policy.observe(scheduled)
+        self.policy.observe(scheduled, passes)
 
     def check(self, proposals, asked: Sequence[Request], num_tokens: int) -> None:
         """Raise `ProposerError` unless `proposals` keep the proposer contract."""

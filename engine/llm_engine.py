@@ -136,8 +136,7 @@ class LLMEngine:
         self.max_model_len = int(model.max_model_len)
         self.vocab_size = int(model.vocab_size)
         self.drafter = None
-        # multi-step bursts; speculation decides per step, so it runs every step
-        self.max_burst = config.scheduler.num_scheduler_steps
+        self.max_burst = config.scheduler.num_scheduler_steps  # multi-step decoding; with a drafter, as it allows
         proposer = components.build_proposer(self.registry, config, ProposerTarget(
             config.model, self.vocab_size, self.max_model_len, self.device, self.dtype))
         if proposer is not None:
@@ -146,7 +145,6 @@ class LLMEngine:
                                    disable_above_batch_size=spec.disable_above_batch_size,
                                    vocab_size=self.vocab_size, max_model_len=self.max_model_len,
                                    draft_policy=spec.draft_policy, device=self.device)
-            self.max_burst = 1
         self.selected = components.selected_names(model, allocator, policy, kv_quantizer, weight_quantizer, proposer)
         log.info("%s", components.describe_selection(self.selected))
         self.groups: dict[str, _Group] = {}
@@ -335,10 +333,11 @@ class LLMEngine:
             self.structured_outputs.wait([r.grammar_job for r in self.scheduler.waiting_for_grammar], 0.05)
         touched = dict.fromkeys(r.group_id for r in plan.finished)  # ordered, unlike a set
         finished = list(plan.finished)
+        passes = 1
         if plan.scheduled:
             self.stats.num_prompt_tokens += sum(
                 max(0, min(e.request.num_prompt_tokens, e.start + e.num_tokens) - e.start) for e in plan.scheduled)
-            sampled = self._run(plan)
+            sampled, passes = self._run(plan)
             if self.loras is not None:
                 self.loras.count_tokens(plan.scheduled, sampled.tokens)
             update = self.scheduler.update_from_output(plan, sampled)
@@ -347,7 +346,7 @@ class LLMEngine:
             touched.update(dict.fromkeys(r.group_id for r in update.progressed))
             finished += update.finished
         if self.drafter is not None:
-            self.drafter.observe(plan.scheduled)
+            self.drafter.observe(plan.scheduled, passes)
             if finished:
                 self.drafter.release(finished)
         self.stats.num_steps += 1
@@ -368,20 +367,25 @@ class LLMEngine:
             self._check_no_blocks_held()
         return outputs
 
-    def _run(self, plan) -> SamplerOutput:
+    def _run(self, plan) -> tuple[SamplerOutput, int]:
         """The model over the plan's entries, sampled: one step, or a multi-step burst
-        where `scheduler.num_scheduler_steps` allows one (`decode_bursts`)."""
+        where `scheduler.num_scheduler_steps` (and the drafter, with speculation)
+        allows one (`decode_bursts`); with the number of decode passes run."""
         lora_slots = self._lora_slots(plan.scheduled)
+        most = self.max_burst
+        if self.drafter is not None and self.drafter.burst_passes is not None:
+            most = min(most, self.drafter.burst_passes)
         steps = 1
-        if self.max_burst > 1:
-            steps = burst_length(plan.scheduled, self.max_burst, self.max_model_len, self.scheduler.others_wait(plan))
+        if most > 1:
+            steps = burst_length(plan.scheduled, most, self.max_model_len, self.scheduler.others_wait(plan))
             steps = self.scheduler.reserve_steps(plan, steps) if steps > 1 else 1
         if steps > 1:
-            return run_burst(self.runner, self.step_sampler, plan, steps, lora_slots,
-                             self.config.scheduler.max_burst_s)
+            sampled = run_burst(self.runner, self.step_sampler, plan, steps, lora_slots,
+                                self.config.scheduler.max_burst_s)
+            return sampled, max((len(t.token_ids) for t in sampled.tokens.values()), default=1)
         logits = self.runner.execute(plan.scheduled, lora_slots=lora_slots)
         logits = self.prompt_scorer.take(plan.scheduled, logits)
-        return self.step_sampler.sample(plan, logits)
+        return self.step_sampler.sample(plan, logits), 1
 
     def _lora_slots(self, scheduled) -> list[int] | None:
         """Each scheduled entry's LoRA slot (-1: the base model); None when no entry runs an adapter."""

@@ -200,7 +200,7 @@ def test_requests_that_draft_nothing_ask_a_cheap_proposer_together_on_few_steps(
     step = engine.step
 
     def counting_step(*args, **kwargs):
-        steps[0] += 1
+        steps[0] = engine.drafter.policy.step + 1  # in decode passes: a burst counts each
         return step(*args, **kwargs)
 
     engine.step = counting_step
@@ -787,3 +787,39 @@ def test_a_shadow_hit_that_cannot_make_drafting_pay_leaves_the_batch_quiet():
     _drive(policy, requests, 240, emit, idle)
     assert any(pause.hits for pause in policy.pauses.values()), "the planted hits were scored"
     assert idle == [], idle
+
+
+def test_a_quiet_batch_bursts_up_to_its_next_ask_and_counts_every_pass():
+    # Drafts that never pay: the batch goes quiet, and its steps run as multi-step bursts,
+    # none past the step on which the request is due to be asked again; the policy counts
+    # every pass as a step, so its waits stay waits in tokens.
+    engine = planted_engine("always-wrong")
+    policy, drafter = engine.drafter.policy, engine.drafter
+    engine.add_request("r", prompt_token_ids=PROMPT, params=SamplingParams(temperature=0, max_tokens=120,
+                                                                           ignore_eos=True))
+    tokens, bursts = 0, 0
+    while engine.has_unfinished_requests():
+        before, quiet = policy.step, policy.quiet(1)
+        next_ask = policy._next_ask
+        [output] = engine.step()
+        grown, tokens = len(output.outputs[0].token_ids) - tokens, len(output.outputs[0].token_ids)
+        if grown > 1 and drafter.burst_passes != 1:
+            bursts += 1
+            assert quiet and policy.step - before == grown and policy.step <= next_ask
+    assert output.outputs[0].token_ids == reference_greedy(MODEL, PROMPT, 120)
+    assert bursts > 3 and engine.stats.num_steps < 120 / 2
+
+
+def test_fixed_drafting_schedules_every_step():
+    outputs, drafts = run_recording_drafts(planted_engine("always-wrong", "fixed"), {"r": PROMPT}, max_tokens=40)
+    assert outputs["r"] == reference_greedy(MODEL, PROMPT, 40)
+    assert all(d == K or length + d >= 39 for length, d in drafts["r"])  # drafts every step, none burst
+
+
+def test_a_batch_above_disable_above_batch_size_bursts_as_without_speculation():
+    prompts = {f"r{i}": [i + 1, 2, 3, 4] for i in range(3)}
+    engine = fake_engine(MODEL, num_blocks=128, max_num_batched_tokens=64,
+                         speculative={"proposer": "ngram", "num_tokens": K, "disable_above_batch_size": 2})
+    outputs, drafts = run_recording_drafts(engine, prompts, max_tokens=40)
+    assert all(outputs[r] == reference_greedy(MODEL, p, 40) for r, p in prompts.items())
+    assert engine.stats.num_steps < 40 / 2

@@ -311,9 +311,16 @@ def test_burst_length_is_capped_by_max_tokens_and_the_context():
     assert decode_bursts.burst_length([prefill], 8, 1000) == 1
 
 
-def test_speculative_decoding_turns_bursts_off(untied):
-    engine = make_engine(untied, 8, speculative={"proposer": "ngram", "num_tokens": 3})
-    assert engine.max_burst == 1
+def test_speculation_bursts_only_the_steps_it_drafts_nothing_on(untied):
+    # ngram on text it cannot predict: adaptive drafting turns itself down, and those
+    # steps burst (test_adaptive_speculation.py has the policy's side); output unchanged.
+    requests = [(p, SamplingParams(max_tokens=60, temperature=0, ignore_eos=True)) for p in prompts(2, seed=11)]
+    expected = run(make_engine(untied, 1), requests)
+    spec = {"proposer": "ngram", "num_tokens": 3}
+    stepped = make_engine(untied, 1, speculative=spec)
+    burst = make_engine(untied, 8, speculative=spec)
+    assert run(stepped, requests) == expected == run(burst, requests)
+    assert burst.stats.num_steps < stepped.stats.num_steps
 
 
 def test_num_scheduler_steps_is_checked():
