@@ -58,9 +58,9 @@ class Drafter:
         self.policy = (AdaptiveDraftPolicy(cheap_proposer=proposer.cheap, clock=self.clock)
                        if draft_policy == "adaptive" else None)
         self._step_started: float | None = None  # when the step being run started, if it is timed
-        # (requests, drafts) of the last step if it was pure decodes: it is timed up to the
-        # next `propose`, so what the engine and its caller do per step after it counts too
-        self._timing: tuple[int, int] | None = None
+        # (requests, drafts, passes) of the last step if it was pure decodes: it is timed up
+        # to the next `propose`, so what the engine and its caller do per step after it counts too
+        self._timing: tuple[int, int, int] | None = None
         # The decode passes the step being scheduled may run as one burst (multi-step
         # decoding): any number where speculation is off for the batch, up to the next
         # ask in a quiet batch (`AdaptiveDraftPolicy.quiet_passes`), more after each step
@@ -83,8 +83,8 @@ class Drafter:
         policy, now = self.policy, None
         if self._timing is not None:
             now = self.clock()
-            num_requests, num_drafts = self._timing
-            policy.timed(num_requests, num_drafts, now - self._step_started)
+            num_requests, num_drafts, passes = self._timing
+            policy.timed(num_requests, num_drafts, (now - self._step_started) / passes)
             self._timing = None
         self._step_started = None
         self.burst_passes = 1
@@ -146,12 +146,12 @@ class Drafter:
     def observe(self, scheduled: Sequence[ScheduledRequest], passes: int = 1) -> None:
         """After a step has applied its result (`scheduled`, run as `passes` decode
         passes): lets the adaptive policy score proposals against the new tokens, and
-        marks a one-pass step of pure decodes to be timed (up to the next `propose`)."""
+        marks a step of pure decodes to be timed (up to the next `propose`; a burst
+        per pass, so that drafts are weighed against what a plain pass costs then)."""
         if self.policy is None or not scheduled:
             return
-        if (self._step_started is not None and passes == 1
-                and all(e.num_tokens == 1 + len(e.draft_token_ids) for e in scheduled)):
-            self._timing = (len(scheduled), sum(len(e.draft_token_ids) for e in scheduled))  # pure decodes
+        if self._step_started is not None and all(e.num_tokens == 1 + len(e.draft_token_ids) for e in scheduled):
+            self._timing = (len(scheduled), sum(len(e.draft_token_ids) for e in scheduled), passes)  # pure decodes
         self.policy.observe(scheduled, passes)
 
     def check(self, proposals, asked: Sequence[Request], num_tokens: int) -> None:
