@@ -116,6 +116,7 @@ class Drafter:
             counts, asks = policy.choose(asked, limits, everyone=len(asked) == len(running))
             kept = [i for i, ask in enumerate(asks) if ask]
             if not kept:
+                self._burst_if_quiet(len(running))
                 return {}
             asked, limits, counts = [asked[i] for i in kept], [limits[i] for i in kept], [counts[i] for i in kept]
         # a cheap proposer drafts to the limit, so drafts not verified are scored too
@@ -141,7 +142,15 @@ class Drafter:
                 drafts[request.request_id] = DraftProposal(token_ids, probs)
         if timed:
             policy.asked(len(asked), self.clock() - self._step_started)
+        if not drafts:  # (shadow drafts, scored against the tokens the burst brings)
+            self._burst_if_quiet(len(running))
         return drafts
+
+    def _burst_if_quiet(self, num_running: int) -> None:
+        """After a choice that left the batch quiet (`AdaptiveDraftPolicy.quiet`):
+        its step may burst up to the next ask."""
+        if self.policy is not None and self.policy.quiet(num_running):
+            self.burst_passes = max(self.burst_passes, self.policy.quiet_passes())
 
     def observe(self, scheduled: Sequence[ScheduledRequest], passes: int = 1) -> None:
         """After a step has applied its result (`scheduled`, run as `passes` decode

@@ -797,15 +797,23 @@ def test_a_quiet_batch_bursts_up_to_its_next_ask_and_counts_every_pass():
     policy, drafter = engine.drafter.policy, engine.drafter
     engine.add_request("r", prompt_token_ids=PROMPT, params=SamplingParams(temperature=0, max_tokens=120,
                                                                            ignore_eos=True))
+    propose, chosen = drafter.propose, {}
+
+    def noting(running):  # the state the step's choice left
+        drafts = propose(running)
+        chosen.update(quiet=policy.quiet(len(running)), next_ask=policy._next_ask, drafts=drafts)
+        return drafts
+
+    drafter.propose = noting
     tokens, bursts = 0, 0
     while engine.has_unfinished_requests():
-        before, quiet = policy.step, policy.quiet(1)
-        next_ask = policy._next_ask
+        before = policy.step
         [output] = engine.step()
         grown, tokens = len(output.outputs[0].token_ids) - tokens, len(output.outputs[0].token_ids)
-        if grown > 1 and drafter.burst_passes != 1:
+        if grown > 1:
             bursts += 1
-            assert quiet and policy.step - before == grown and policy.step <= next_ask
+            assert chosen["quiet"] and not chosen["drafts"]
+            assert policy.step - before == grown and policy.step <= chosen["next_ask"]
     assert output.outputs[0].token_ids == reference_greedy(MODEL, PROMPT, 120)
     assert bursts > 3 and engine.stats.num_steps < 120 / 2
 
@@ -823,3 +831,23 @@ def test_a_batch_above_disable_above_batch_size_bursts_as_without_speculation():
     outputs, drafts = run_recording_drafts(engine, prompts, max_tokens=40)
     assert all(outputs[r] == reference_greedy(MODEL, p, 40) for r, p in prompts.items())
     assert engine.stats.num_steps < 40 / 2
+
+
+def test_a_burst_is_timed_per_pass():
+    # A burst of plain passes tells the cost model what one pass costs, so drafts are
+    # weighed against a pass as cheap as bursts make it, not against a whole burst.
+    from kvforge.engine.request import Request
+    from kvforge.engine.scheduler_output import ScheduledRequest
+
+    drafter = planted_engine("always-wrong").drafter
+    timed, now = [], [0.0]
+    drafter.policy.timed = lambda requests, drafts, seconds: timed.append((requests, drafts, seconds))
+    drafter.clock = lambda: now[0]
+    request = Request("r", PROMPT, SamplingParams(temperature=0, max_tokens=50))
+    request.output_token_ids.append(3)
+    for passes, seconds in ((4, 2.0), (1, 0.75)):
+        drafter.propose([])  # the step starts (nobody decodes yet: nothing asked)
+        now[0] += seconds
+        drafter.observe([ScheduledRequest(request, request.num_tokens - 1, 1)], passes)
+    drafter.propose([])
+    assert timed == [(1, 0, 0.5), (1, 0, 0.75)]
