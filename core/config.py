@@ -97,9 +97,9 @@ class SchedulerConfig(Section):
         16, ge=1, le=64, description="most decode passes run per scheduler step (multi-step decoding): while every "
                                      "running request decodes plainly (no drafts, grammar, penalties, logit bias or "
                                      "logprobs) and none waits, the engine runs up to this many forward passes "
-                                     "(fewer once max_burst_s has passed) before it schedules, applies results and reports "
-                                     "outputs again, so that work is paid once per burst; outputs then arrive in "
-                                     "bursts. 1: every step is scheduled. See docs/engine.md")
+                                     "(fewer once max_burst_s has passed) before it schedules, applies results "
+                                     "and reports outputs again, so that work is paid once per burst; outputs "
+                                     "then arrive in bursts. 1: every step is scheduled. See docs/engine.md")
     max_burst_s: float = Field(
         0.01, gt=0, description="seconds a multi-step burst may run: it ends after the pass that reaches this time "
                                 "since it began, which bounds how late a new request starts and how far apart a "

@@ -96,7 +96,7 @@ PROBE_BUDGET = 0.005
 ALLOWANCE_MAX = 4.0  # the most it saves up (plain steps)
 
 
-def _seeded(request: Request) -> bool:
+def seeded_sampling(request: Request) -> bool:
     """A sampled request with its own seed: it drafts as under `fixed` (module docstring)."""
     return request.generator is not None and not request.params.greedy
 
@@ -207,7 +207,7 @@ class AdaptiveDraftPolicy:
         due = self.costs.due(len(requests))
         if due == "warm up":
             counts, asks = self._warm_up(len(requests), limits)
-        elif due == "plain" and not any(_seeded(r) for r in requests):
+        elif due == "plain" and not any(seeded_sampling(r) for r in requests):
             counts, asks = [0] * len(requests), [False] * len(requests)  # a plain step renews the base
         elif due == "drafts" and self._spend(_extra_steps(self.costs.costs(len(requests)), 0, sum(limits))):
             counts, asks = list(limits), [True] * len(requests)  # a step with drafts measures them anew
@@ -221,7 +221,7 @@ class AdaptiveDraftPolicy:
                 self._steady_requests = list(requests)
                 self._steady_until = self.step + STEADY_FOR
         for i, request in enumerate(requests):
-            if _seeded(request):
+            if seeded_sampling(request):
                 # A seeded sample's draws depend on its drafts; drafts chosen from measured
                 # times would make its output differ run to run. It drafts as under `fixed`.
                 counts[i], asks[i] = limits[i], True

@@ -23,7 +23,7 @@ import torch
 from kvforge.core import ConfigError, DraftProposal, KvforgeError, ProposalRequest, SpeculativeProposer
 
 from .draft_costs import step_clock
-from .draft_policy import DRAFT_POLICIES, AdaptiveDraftPolicy
+from .draft_policy import DRAFT_POLICIES, AdaptiveDraftPolicy, seeded_sampling
 from .request import Request
 from .scheduler_output import ScheduledRequest
 
@@ -79,7 +79,15 @@ class Drafter:
     def propose(self, running: Sequence[Request]) -> dict[str, DraftProposal]:
         """Drafts for the running requests that speculate this step, by request id.
         Called first thing in a step: a step is timed from here (once its requests are
-        known) to the next call."""
+        known) to the next call. Sets `burst_passes`."""
+        drafts = self._propose(running)
+        if self.burst_passes != 1 and any(r.params.speculative and seeded_sampling(r) for r in running):
+            # A seeded sample's draws depend on which of its tokens are verified drafts;
+            # where bursts end depends on time, so with one running every step is scheduled.
+            self.burst_passes = 1
+        return drafts
+
+    def _propose(self, running: Sequence[Request]) -> dict[str, DraftProposal]:
         policy, now = self.policy, None
         if self._timing is not None:
             now = self.clock()

@@ -851,3 +851,27 @@ def test_a_burst_is_timed_per_pass():
         drafter.observe([ScheduledRequest(request, request.num_tokens - 1, 1)], passes)
     drafter.propose([])
     assert timed == [(1, 0, 0.5), (1, 0, 0.75)]
+
+
+def test_a_seeded_sampled_request_keeps_every_step_scheduled_beside_speculation():
+    # Where a burst ends depends on time; a seeded sample's draws depend on which of its
+    # tokens were verified drafts, so with one running no step bursts, and its output
+    # repeats run to run. Greedy requests alone burst (above disable_above_batch_size).
+    def run_pair(seeded: bool):
+        engine = fake_engine(MODEL, num_blocks=128, max_num_batched_tokens=64,
+                             speculative={"proposer": "ngram", "num_tokens": K, "disable_above_batch_size": 1})
+        sampled = (SamplingParams(temperature=0.9, seed=5, max_tokens=30, ignore_eos=True) if seeded
+                   else SamplingParams(temperature=0, max_tokens=30, ignore_eos=True))
+        engine.add_request("a", prompt_token_ids=PROMPT, params=sampled)
+        engine.add_request("b", prompt_token_ids=PROMPT[::-1],
+                           params=SamplingParams(temperature=0, max_tokens=30, ignore_eos=True))
+        tokens = {}
+        while engine.has_unfinished_requests():
+            for output in engine.step():
+                tokens[output.request_id] = output.outputs[0].token_ids
+        return engine.stats.num_steps, tokens
+
+    steps, _ = run_pair(seeded=False)
+    assert steps < 30 / 2
+    steps, first = run_pair(seeded=True)
+    assert steps >= 30 and run_pair(seeded=True)[1] == first
