@@ -11,7 +11,9 @@
 // - Up to kDequantizeRows rows (decodes, small batches) run int8_packed_tile.h:
 //   a block of 64 channels is one stream, each line widened once per group of
 //   rows and multiplied into 16 channels per vector, the sums never folded
-//   across lanes, the per-channel scales applied once at the end. float32 and
+//   across lanes, the per-channel scales applied once at the end. On AVX2,
+//   where one row's sums of a line fill the registers, two rows or more walk
+//   the block a quarter line at a time (walk_rows). float32 and
 //   bfloat16 rows alike (bfloat16 rows are widened to float32 first: a row is
 //   small next to the weight), bfloat16 outputs written by the tile.
 // - More rows widen the weight once per call as int8_linear.cpp does for an
@@ -50,6 +52,7 @@ inline vf16 widen_w16(const int8_t* p) {
 inline vw widen_w(const int8_t* p) { return vw{float(p[0]), float(p[1]), float(p[2]), float(p[3])}; }
 constexpr int kPackedRows = 1;  // 16 of the 16 SSE registers hold one row's sums
 constexpr int kPackedUnroll = 1;  // no register is left for more inputs' x
+constexpr int64_t kQuarterRows = 0;  // packed_tile one row at a time (no walk measured here)
 #include "int8_packed_tile.h"
 }  // namespace packed_base
 
@@ -72,6 +75,9 @@ inline vw widen_w(const int8_t* p) {
 }
 constexpr int kPackedRows = 1;  // 8 of the 16 ymm registers hold one row's sums
 constexpr int kPackedUnroll = 4;  // with one input per pass the loop itself bound the tile
+// Two rows or more walk the block (walk_rows), up to 6 rows at once: 12 sums, 2
+// weight vectors and the input in the 16 registers.
+constexpr int64_t kQuarterRows = 6;
 #include "int8_packed_tile.h"
 }  // namespace packed_avx2
 #pragma GCC pop_options
@@ -87,6 +93,7 @@ inline vf16 widen_w16(const int8_t* p) {
 inline vw widen_w(const int8_t* p) { return widen_w16(p); }
 constexpr int kPackedRows = 4;  // 16 of the 32 zmm registers hold the sums
 constexpr int kPackedUnroll = 4;
+constexpr int64_t kQuarterRows = 0;  // packed_tile holds 4 rows of whole lines (no walk)
 #include "int8_packed_tile.h"
 }  // namespace packed_avx512
 #pragma GCC pop_options

@@ -79,11 +79,107 @@ inline void packed_tile(const float* __restrict__ x, int64_t x_stride, const int
   }
 }
 
-// All m rows against one packed block, kPackedRows rows at a time (the block,
-// 64 k bytes, comes from memory for the first rows and from cache after).
+// Channels of a quarter of a line, the vectors they take, the inputs a walk
+// takes at a time, and the most rows one walk holds sums for.
+constexpr int64_t kQuarter = kPackChannels / 4;
+constexpr int kQ = kQuarter / kW;
+constexpr int64_t kWalkInputs = 16;
+constexpr int64_t kWalkRows = 32;
+
+// Inputs [d0, d1) of MR rows against one packed block's first `quarters`
+// quarters: each quarter of each input's line (16 channels) widened once and
+// multiplied into all MR rows' sums (kQ MR registers), which wait in `sums`
+// ([MR][64], rows kPackChannels apart) from one chunk and quarter to the next.
+// Each sum adds input d, then d + 1, ..., as packed_tile's do.
+template <int MR>
+inline void walk_chunk(const float* __restrict__ x, int64_t x_stride, const int8_t* __restrict__ block, int64_t d0,
+                       int64_t d1, int quarters, float* __restrict__ sums) {
+  for (int q = 0; q < quarters; ++q) {
+    vw acc[MR][kQ];
+    for (int m = 0; m < MR; ++m) {
+      for (int u = 0; u < kQ; ++u) {
+        acc[m][u] = d0 == 0 ? vw{} : *reinterpret_cast<const vw*>(sums + m * kPackChannels + q * kQuarter + kW * u);
+      }
+    }
+    for (int64_t d = d0; d < d1; ++d) {
+      const int8_t* line = block + d * kPackChannels + q * kQuarter;
+      vw wv[kQ];
+      for (int u = 0; u < kQ; ++u) wv[u] = widen_w(line + kW * u);
+      for (int m = 0; m < MR; ++m) {
+        const float xv = x[m * x_stride + d];
+        for (int u = 0; u < kQ; ++u) acc[m][u] += xv * wv[u];
+      }
+    }
+    for (int m = 0; m < MR; ++m) {
+      for (int u = 0; u < kQ; ++u) *reinterpret_cast<vw*>(sums + m * kPackChannels + q * kQuarter + kW * u) = acc[m][u];
+    }
+  }
+}
+
+// Two rows or more (at most kWalkRows) against one packed block, where one
+// row's sums of a whole line fill the registers (kPackedRows 1: packed_tile
+// would widen every weight again for each row). A walk: the inputs in chunks of
+// kWalkInputs lines (1 KiB, fetched non-temporally as packed_tile fetches its
+// stream, and in L1 for the chunk), and in each chunk every group of at most
+// kQuarterRows rows (near-equal groups) runs walk_chunk over it. So the block is
+// read from memory once, front to back, and each weight widened once per group.
+// A row gets the bits it gets alone (packed_tile's order and epilogue).
+template <typename Out>
+inline void walk_rows(const float* x, int64_t x_stride, int64_t m, const int8_t* block, int64_t k,
+                      const float* scale, const float* bias, int64_t channels, Out* y, int64_t y_stride) {
+  alignas(64) float sums[kWalkRows * kPackChannels];
+  const int quarters = static_cast<int>((channels + kQuarter - 1) / kQuarter);
+  const int64_t groups = (m + kQuarterRows - 1) / kQuarterRows;
+  for (int64_t d0 = 0; d0 < k; d0 += kWalkInputs) {
+    const int64_t d1 = std::min(k, d0 + kWalkInputs);
+    for (int64_t d = d0; d < d1; ++d) __builtin_prefetch(block + d * kPackChannels + kWeightsAhead, 0, 0);
+    for (int64_t g = 0, r = 0; g < groups; ++g) {
+      const int64_t rows = (m - r) / (groups - g);
+      const float* xr = x + r * x_stride;
+      float* sr = sums + r * kPackChannels;
+      switch (rows) {
+        case 6: walk_chunk<6>(xr, x_stride, block, d0, d1, quarters, sr); break;
+        case 5: walk_chunk<5>(xr, x_stride, block, d0, d1, quarters, sr); break;
+        case 4: walk_chunk<4>(xr, x_stride, block, d0, d1, quarters, sr); break;
+        case 3: walk_chunk<3>(xr, x_stride, block, d0, d1, quarters, sr); break;
+        case 2: walk_chunk<2>(xr, x_stride, block, d0, d1, quarters, sr); break;
+        default: walk_chunk<1>(xr, x_stride, block, d0, d1, quarters, sr); break;
+      }
+      r += rows;
+    }
+  }
+  for (int64_t c = 0; c < channels; c += kW) {  // packed_tile's epilogue
+    if (c + kW <= channels) {
+      const vw s = *reinterpret_cast<const vw*>(scale + c);
+      const vw b = bias != nullptr ? *reinterpret_cast<const vw*>(bias + c) : vw{};
+      for (int64_t r = 0; r < m; ++r) {
+        storew(y + r * y_stride + c, *reinterpret_cast<const vw*>(sums + r * kPackChannels + c) * s + b);
+      }
+      continue;
+    }
+    for (int64_t j = c; j < channels; ++j) {  // the last block's real channels
+      for (int64_t r = 0; r < m; ++r) {
+        store1(y + r * y_stride + j, sums[r * kPackChannels + j] * scale[j] + (bias != nullptr ? bias[j] : 0.f));
+      }
+    }
+  }
+}
+
+// All m rows against one packed block: on a path with kQuarterRows, two rows or
+// more by walk_rows (kWalkRows at a time); else kPackedRows rows at a time (the
+// block, 64 k bytes, comes from memory for the first rows and from cache after).
 template <typename Out>
 inline void packed_rows(const float* x, int64_t x_stride, int64_t m, const int8_t* block, int64_t k,
                         const float* scale, const float* bias, int64_t channels, Out* y, int64_t y_stride) {
+  if constexpr (kQuarterRows > 0) {
+    if (m > 1) {
+      for (int64_t r = 0; r < m; r += kWalkRows) {
+        walk_rows(x + r * x_stride, x_stride, std::min(kWalkRows, m - r), block, k, scale, bias, channels,
+                  y + r * y_stride, y_stride);
+      }
+      return;
+    }
+  }
   for (int64_t r = 0; r < m;) {
     const float* xr = x + r * x_stride;
     Out* yr = y + r * y_stride;

@@ -64,6 +64,25 @@ def test_packed_kernel_matches_float64_on_every_path(level, dtype, rows, k, out,
     assert kernel_error(packed_op, x.to(dtype), w, scale, b) <= 1
 
 
+@pytest.mark.parametrize("level", list(LEVELS))
+@pytest.mark.parametrize("rows", [2, 3, 5, 6, 7, 12, 13, 31])
+def test_each_row_gets_the_bits_it_gets_alone(level, rows, monkeypatch):
+    """A decode's one row and the rows of a step verifying drafts or of a small batch
+    take different tiles (on AVX2 a walk widening each weight once for groups of up
+    to 6 rows): every row's output is bit for bit its output alone, at 150 channels
+    (two whole blocks and a partial one, whose last quarter holds no channel) and an
+    input width that leaves a short last chunk of the walk. A tile that read a
+    neighbour's inputs, added the inputs in another order or scaled a sum twice fails."""
+    on_level(level, torch.float32, monkeypatch)
+    x, w, scale, b = operands(rows, 300, 150, True, seed=rows)
+    packed = torch.ops.kvforge_cpp.int8_pack_weight(w)
+    together = torch.ops.kvforge_cpp.int8_weight_linear(x, packed, scale, b)
+    for r in range(rows):
+        alone = torch.ops.kvforge_cpp.int8_weight_linear(x[r:r + 1], packed, scale, b)
+        assert torch.equal(together[r:r + 1], alone), f"row {r} of {rows}"
+    assert kernel_error(packed_op, x, w, scale, b) <= 1
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("rows", [1, 3, 5, 40, 70])
 def test_packed_and_unpacked_weights_give_the_same_math(rows, dtype):
