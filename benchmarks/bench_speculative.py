@@ -73,12 +73,13 @@ TEXTS = ("repetitive", "free", "unpredictable")
 CONTROL = "none, second engine"
 
 
-def engine_for(model: str, batch: int, speculative: dict):
+def engine_for(model: str, batch: int, speculative: dict, scheduler: dict | None = None):
+    """An engine for `model` at `batch` running requests (`scheduler`: more scheduler settings)."""
     from kvforge import LLMEngine
     from kvforge.core import load_config
 
     config = load_config(model=model, device="cpu", dtype="float32", cache={"memory_budget": 2**29},
-                         scheduler={"max_num_seqs": batch}, speculative=speculative).config
+                         scheduler={**(scheduler or {}), "max_num_seqs": batch}, speculative=speculative).config
     return LLMEngine(config)
 
 

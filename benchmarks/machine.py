@@ -103,13 +103,19 @@ class ModelClock:
         return wrapper
 
 
+# The scheduler setting of every engine whose steps are timed one by one (decode
+# profiles, step splits): each engine step one decode pass, since a multi-step
+# burst (the default, docs/engine.md) runs its passes inside one call.
+EVERY_STEP = {"num_scheduler_steps": 1}
+
+
 def make_engine(model_dir: str, batch: int, prompt_len: int):
     from kvforge import LLMEngine
     from kvforge.core import load_config
 
     config = load_config(model=model_dir, device="cpu", dtype="float32",
                          cache={"memory_budget": 2**30},
-                         scheduler={"max_num_seqs": batch,
+                         scheduler={**EVERY_STEP, "max_num_seqs": batch,
                                     "max_num_batched_tokens": max(2048, batch * prompt_len)}).config
     return LLMEngine(config)
 

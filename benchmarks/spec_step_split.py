@@ -24,6 +24,7 @@ import argparse
 import torch
 
 from .bench_speculative import REPETITIVE_TEXT, engine_for, proposers
+from .machine import EVERY_STEP
 from .step_profile import StepClock
 
 COLUMNS = ("propose", "build inputs", "forward + logits", "sample", "rest")
@@ -71,7 +72,7 @@ def measure(model: str, path: str, batch: int, num_tokens: int, tokens: int, rep
     rows = []
     for label, speculative in settings:
         try:
-            engine = engine_for(path, batch, speculative)
+            engine = engine_for(path, batch, speculative, EVERY_STEP)
         except Exception as exc:  # noqa: BLE001 - a proposer that cannot serve this model is reported
             rows.append({"model": model, "batch": batch, "configuration": label, "error": str(exc)[:120]})
             continue

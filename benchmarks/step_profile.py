@@ -22,6 +22,8 @@ import argparse
 import json
 import time
 
+from .machine import EVERY_STEP
+
 # (label, owner attribute of the engine or None for the engine itself, method name)
 PHASES = (
     ("schedule", "scheduler", "schedule"),
@@ -117,7 +119,7 @@ def make_engine(model_dir: str, batch: int, prompt_len: int, dtype: str = "float
 
     config = load_config(model=model_dir, device="cpu", dtype=dtype, cache={"memory_budget": 2**30},
                          quantization={"weights": weights, "activations": activations},
-                         scheduler={"max_num_seqs": batch,
+                         scheduler={**EVERY_STEP, "max_num_seqs": batch,
                                     "max_num_batched_tokens": max(2048, batch * prompt_len)}).config
     return LLMEngine(config)
 
@@ -203,7 +205,8 @@ def batch1_engine_split(model_dir: str, dtype: str = "float32", temperature: flo
 
     config = load_config(model=model_dir, device="cpu", dtype=dtype, cache={"memory_budget": 2**28,
                                                                             "enable_prefix_caching": False},
-                         scheduler={"max_num_seqs": 1, "max_num_batched_tokens": max(2048, prompt_len)}).config
+                         scheduler={**EVERY_STEP, "max_num_seqs": 1,
+                                    "max_num_batched_tokens": max(2048, prompt_len)}).config
     engine = LLMEngine(config)
     params = SamplingParams(max_tokens=repeats * steps + 4, ignore_eos=True, temperature=temperature,
                             seed=None if temperature == 0 else seed, detokenize=False)

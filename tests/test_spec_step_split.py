@@ -1,6 +1,8 @@
 """`benchmarks/spec_step_split.py` splits verification steps into phases: on
 kvforge-tiny at batch 1, the steps it keeps for a proposer verified every
-draft, no phase is negative, and together they stay within the step."""
+draft, no phase is negative, and together they stay within the step; every
+configuration runs one decode pass per step (no multi-step burst hides the
+forward from the phases)."""
 
 import pytest
 
@@ -25,6 +27,11 @@ def test_kept_steps_verify_every_draft_and_phases_add_up(rows):
         assert all(row[c] >= 0 for c in ("propose", "build inputs", "forward + logits", "sample"))
         assert row["rest"] >= -1.0 and row["forward + logits"] < row["step"]
     assert by_name["none"]["propose"] == 0 and by_name["ngram"]["propose"] > 0
+    # a plain step is mostly its forward; a burst's passes would land in "rest"
+    assert by_name["none"]["forward + logits"] > by_name["none"]["rest"]
+    # a step per output token (24 tokens: 23 decode steps, the last, which ends the
+    # request, not kept); bursts of up to 16 passes would make two or three
+    assert by_name["none"]["steps"] >= 20
 
 
 def test_the_table_has_a_row_per_configuration(rows):
