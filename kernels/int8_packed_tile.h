@@ -87,31 +87,34 @@ constexpr int64_t kWalkInputs = 16;
 constexpr int64_t kWalkRows = 32;
 
 // Inputs [d0, d1) of MR rows against one packed block's first `quarters`
-// quarters: each quarter of each input's line (16 channels) widened once and
-// multiplied into all MR rows' sums (kQ MR registers), which wait in `sums`
-// ([MR][64], rows kPackChannels apart) from one chunk and quarter to the next.
-// Each sum adds input d, then d + 1, ..., as packed_tile's do.
-template <int MR>
+// quarters, P at a time: each input's P quarter lines (16 P channels) widened
+// once and multiplied into all MR rows' sums (kQ P MR registers), which wait in
+// `sums` ([MR][64], rows kPackChannels apart) from one chunk and pass to the
+// next. Each sum adds input d, then d + 1, ..., as packed_tile's do, so a sum
+// is one chain of multiply-adds: P = 2 for one or two rows keeps 8 of them in
+// flight, as the FMA's latency needs (4 left it waiting).
+template <int MR, int P>
 inline void walk_chunk(const float* __restrict__ x, int64_t x_stride, const int8_t* __restrict__ block, int64_t d0,
                        int64_t d1, int quarters, float* __restrict__ sums) {
-  for (int q = 0; q < quarters; ++q) {
-    vw acc[MR][kQ];
+  constexpr int V = kQ * P;  // vectors per pass
+  for (int q = 0; q < quarters; q += P) {
+    vw acc[MR][V];
     for (int m = 0; m < MR; ++m) {
-      for (int u = 0; u < kQ; ++u) {
+      for (int u = 0; u < V; ++u) {
         acc[m][u] = d0 == 0 ? vw{} : *reinterpret_cast<const vw*>(sums + m * kPackChannels + q * kQuarter + kW * u);
       }
     }
     for (int64_t d = d0; d < d1; ++d) {
       const int8_t* line = block + d * kPackChannels + q * kQuarter;
-      vw wv[kQ];
-      for (int u = 0; u < kQ; ++u) wv[u] = widen_w(line + kW * u);
+      vw wv[V];
+      for (int u = 0; u < V; ++u) wv[u] = widen_w(line + kW * u);
       for (int m = 0; m < MR; ++m) {
         const float xv = x[m * x_stride + d];
-        for (int u = 0; u < kQ; ++u) acc[m][u] += xv * wv[u];
+        for (int u = 0; u < V; ++u) acc[m][u] += xv * wv[u];
       }
     }
     for (int m = 0; m < MR; ++m) {
-      for (int u = 0; u < kQ; ++u) *reinterpret_cast<vw*>(sums + m * kPackChannels + q * kQuarter + kW * u) = acc[m][u];
+      for (int u = 0; u < V; ++u) *reinterpret_cast<vw*>(sums + m * kPackChannels + q * kQuarter + kW * u) = acc[m][u];
     }
   }
 }
@@ -138,12 +141,12 @@ inline void walk_rows(const float* x, int64_t x_stride, int64_t m, const int8_t*
       const float* xr = x + r * x_stride;
       float* sr = sums + r * kPackChannels;
       switch (rows) {
-        case 6: walk_chunk<6>(xr, x_stride, block, d0, d1, quarters, sr); break;
-        case 5: walk_chunk<5>(xr, x_stride, block, d0, d1, quarters, sr); break;
-        case 4: walk_chunk<4>(xr, x_stride, block, d0, d1, quarters, sr); break;
-        case 3: walk_chunk<3>(xr, x_stride, block, d0, d1, quarters, sr); break;
-        case 2: walk_chunk<2>(xr, x_stride, block, d0, d1, quarters, sr); break;
-        default: walk_chunk<1>(xr, x_stride, block, d0, d1, quarters, sr); break;
+        case 6: walk_chunk<6, 1>(xr, x_stride, block, d0, d1, quarters, sr); break;
+        case 5: walk_chunk<5, 1>(xr, x_stride, block, d0, d1, quarters, sr); break;
+        case 4: walk_chunk<4, 1>(xr, x_stride, block, d0, d1, quarters, sr); break;
+        case 3: walk_chunk<3, 1>(xr, x_stride, block, d0, d1, quarters, sr); break;
+        case 2: walk_chunk<2, 2>(xr, x_stride, block, d0, d1, quarters, sr); break;
+        default: walk_chunk<1, 2>(xr, x_stride, block, d0, d1, quarters, sr); break;
       }
       r += rows;
     }

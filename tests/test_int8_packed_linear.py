@@ -66,15 +66,17 @@ def test_packed_kernel_matches_float64_on_every_path(level, dtype, rows, k, out,
 
 @pytest.mark.parametrize("level", list(LEVELS))
 @pytest.mark.parametrize("rows", [2, 3, 5, 6, 7, 12, 13, 31])
-def test_each_row_gets_the_bits_it_gets_alone(level, rows, monkeypatch):
+@pytest.mark.parametrize("out", [150, 104])
+def test_each_row_gets_the_bits_it_gets_alone(level, rows, out, monkeypatch):
     """A decode's one row and the rows of a step verifying drafts or of a small batch
     take different tiles (on AVX2 a walk widening each weight once for groups of up
-    to 6 rows): every row's output is bit for bit its output alone, at 150 channels
-    (two whole blocks and a partial one, whose last quarter holds no channel) and an
-    input width that leaves a short last chunk of the walk. A tile that read a
-    neighbour's inputs, added the inputs in another order or scaled a sum twice fails."""
+    to 6 rows, a quarter or half of each line at a time): every row's output is bit
+    for bit its output alone, with whole blocks and a partial one of 22 or 40
+    channels (two or three quarters of a line) and an input width that leaves a
+    short last chunk of the walk. A tile that read a neighbour's inputs, added the
+    inputs in another order or scaled a sum twice fails."""
     on_level(level, torch.float32, monkeypatch)
-    x, w, scale, b = operands(rows, 300, 150, True, seed=rows)
+    x, w, scale, b = operands(rows, 300, out, True, seed=rows)
     packed = torch.ops.kvforge_cpp.int8_pack_weight(w)
     together = torch.ops.kvforge_cpp.int8_weight_linear(x, packed, scale, b)
     for r in range(rows):
