@@ -111,9 +111,15 @@ using WidenFn = void (*)(const uint16_t*, int64_t, int64_t, int64_t, float*);
 // A register tile's size: rows x blocks of 16 channels. Blocks must be even:
 // silu_mul's interleaved gate and up blocks have to land in one tile. `walk`:
 // the tile runs as a walk (f32_walk in linear_tile.h) from its Tiles' `walk`.
+// `stream`: the tile's blocks one after another, each block's sums over every
+// input before the next block starts (the one-block tile per block), so a row
+// tile reads its weights as one stream, front to back, and asks for nothing
+// ahead (the next tile's weights follow in memory, where the hardware
+// prefetcher is already reading).
 struct TileShape {
   int rows, blocks;
   bool walk = false;
+  bool stream = false;
 };
 
 // One dtype's register tiles on one ISA: at[MR - 1][NB - 1] for tails; `shape`,
@@ -172,16 +178,23 @@ const Path kAvx2 = {{KVFORGE_TILES(linear_avx2, generic_tile), {2, 2}, {2, 4},
                      {{3, 4}, {3, 4}, {3, 4}, {4, 4, true}, {5, 4, true}, {6, 4, true}, {4, 4, true}, {3, 2}},
                      KVFORGE_TILES(linear_avx2, f32_walk)},
                     &linear_avx2::finish_tile, "avx2", &linear_avx2::widen_bf16_blocks};
-// (AVX-512 and its bfloat16 dot product keep their tiles at every row count: other
-// tiles there are not measured.)
+// On AVX-512 (measured on Zen 4) one row's float32 weights, and 1-8 rows'
+// bfloat16 weights on the bfloat16 dot product, read faster as one stream
+// (`stream`) than as the four or two side by side that AVX2 prefers; float32
+// from 3 rows reads slower so (docs/models.md, "One stream on AVX-512").
+#define KVFORGE_ONE_ROW_STREAM(R, B)                                                                           \
+  {R, B}, {R, B}, {{1, 4, false, true}, {R, B}, {R, B}, {R, B}, {R, B}, {R, B}, {R, B}, {R, B}}
+#define KVFORGE_STREAM_FEW(R, B)                                                                               \
+  {R, B}, {R, B}, {{1, 4, false, true}, {2, 4, false, true}, {3, 4, false, true}, {4, 4, false, true},          \
+                   {5, 4, false, true}, {6, 4, false, true}, {7, 4, false, true}, {8, 4, false, true}}
 const Path kAvx512 = {{KVFORGE_TILES(linear_avx512, generic_tile), KVFORGE_SAME_TILE(4, 4)},
-                      {KVFORGE_TILES(linear_avx512, f32_tile), KVFORGE_SAME_TILE(4, 4)},
+                      {KVFORGE_TILES(linear_avx512, f32_tile), KVFORGE_ONE_ROW_STREAM(4, 4)},
                       &linear_avx512::finish_tile, "avx512", &linear_avx512::widen_bf16_blocks};
 // bfloat16 8 rows x 2 blocks: 16 sums, and per input pair 2 weight loads for 16
 // vdpbf16ps, which measured faster than 4 x 4 at every row count once a
 // decode's weights stream from 2 MiB pages (docs/models.md).
-const Path kDpbf16 = {{KVFORGE_TILES(linear_dpbf16, dpbf16_tile), KVFORGE_SAME_TILE(8, 2)},
-                      {KVFORGE_TILES(linear_dpbf16, f32_tile), KVFORGE_SAME_TILE(4, 4)},
+const Path kDpbf16 = {{KVFORGE_TILES(linear_dpbf16, dpbf16_tile), KVFORGE_STREAM_FEW(8, 2)},
+                      {KVFORGE_TILES(linear_dpbf16, f32_tile), KVFORGE_ONE_ROW_STREAM(4, 4)},
                       &linear_dpbf16::finish_tile, "avx512_bf16", nullptr};
 #endif
 
@@ -279,15 +292,22 @@ void run_tiles(const Tiles<T>& tiles, FinishFn finish, const T* x, int64_t x_str
       const int nb = static_cast<int>(std::min<int64_t>(tile_blocks, blocks - block0));
       const int64_t next_block0 = (i + 1) % channel_tiles * tile_blocks;
       // The next tile's weights are fetched over this tile's row tiles.
-      const Lookahead ahead(i + 1 < i1 ? reinterpret_cast<const char*>(w + next_block0 * block_elems) : nullptr,
+      const Lookahead ahead(!tile.stream && i + 1 < i1 ? reinterpret_cast<const char*>(w + next_block0 * block_elems) : nullptr,
                             std::min<int64_t>(tile_blocks, blocks - next_block0) * block_elems * int64_t{sizeof(T)},
                             cdiv(row_end - row_begin, tile_rows), steps);
       for (int64_t r = row_begin; r < row_end; r += tile_rows) {
         const int mr = static_cast<int>(std::min<int64_t>(tile_rows, row_end - r));
         if (many_rows) prefetch_epilogue(e, r, mr, block0, nb);
-        const TileFn<T> run = (tile.walk ? tiles.walk : tiles.at)[mr - 1][nb - 1];
-        run(x + r * x_stride, x_stride, w + block0 * block_elems, k, acc,
-            ahead.for_row_tile((r - row_begin) / tile_rows, steps), ahead.step);
+        if (tile.stream) {
+          for (int b = 0; b < nb; ++b) {
+            tiles.at[mr - 1][0](x + r * x_stride, x_stride, w + (block0 + b) * block_elems, k, acc + b * 16,
+                                nullptr, 0);
+          }
+        } else {
+          const TileFn<T> run = (tile.walk ? tiles.walk : tiles.at)[mr - 1][nb - 1];
+          run(x + r * x_stride, x_stride, w + block0 * block_elems, k, acc,
+              ahead.for_row_tile((r - row_begin) / tile_rows, steps), ahead.step);
+        }
         finish(acc, mr, nb, r, block0, e);
       }
     }
