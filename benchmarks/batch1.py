@@ -3,7 +3,8 @@ beside llama.cpp, per weight format.
 
 * kvforge runs its engine on requests one after another (each arrives long
   after the previous one finished, so every step holds one sequence), in
-  float32, bfloat16, and with `int8_weight` weights, weight-only and W8A8:
+  float32, bfloat16, and with `int8_weight` weights: weight-only (under
+  float32 activations, and under bfloat16) and W8A8:
   a few "prompt" requests, a P-token prompt then N + 1 generated tokens, and
   as many "tg" requests, a one-token prompt then N + 1 generated tokens
   (greedy, EOS ignored). Prefill tok/s is P over a prompt request's TTFT;
@@ -46,6 +47,10 @@ KVFORGE = {
                             "quantization": {**INT8, "activations": "none"}},
     "kvforge int8_weight W8A8": {**NO_PREFIX_CACHE, "dtype": "float32",
                                  "quantization": {**INT8, "activations": "int8"}},
+    # Weight-only int8 under bfloat16 activations: on a CPU with a bfloat16 dot product
+    # (AVX-512 BF16) its prefill multiplies bfloat16 pairs, not float32.
+    "kvforge int8_weight bfloat16": {**NO_PREFIX_CACHE, "dtype": "bfloat16",
+                                     "quantization": {**INT8, "activations": "none"}},
 }
 LLAMA_CPP = {"llama.cpp f32": "f32", "llama.cpp bf16": "bf16", "llama.cpp Q8_0": "q8_0"}
 # weight format -> (kvforge run, llama.cpp run) compared
@@ -54,6 +59,7 @@ PAIRS = {
     "bfloat16": ("kvforge bfloat16", "llama.cpp bf16"),
     "int8 weight-only": ("kvforge int8_weight", "llama.cpp Q8_0"),
     "int8 W8A8": ("kvforge int8_weight W8A8", "llama.cpp Q8_0"),
+    "int8 weight-only, bfloat16 activations": ("kvforge int8_weight bfloat16", "llama.cpp Q8_0"),
 }
 # Each run again without multi-step decoding (docs/engine.md): every decode step scheduled.
 STEPPED = ", every step scheduled"
