@@ -1,14 +1,17 @@
-"""The linears with four-block tiles and walks where the path takes them (a
-decode's rows, one verifying drafts, and on AVX2 every bfloat16 row count) and
-without (`KVFORGE_WIDE_TILES=off`), side by side (docs/models.md, "Four-block
-tiles for a decode" and "Walking four blocks for 4-7 rows").
+"""The linears with the tiles a path takes for a few rows (a decode's rows, one
+verifying drafts; on AVX2 four-block tiles and walks, and every bfloat16 row
+count; on AVX-512 one-stream tiles and 5-8-row float32 tiles) and without
+(`KVFORGE_WIDE_TILES=off`), side by side (docs/models.md, "Four-block tiles
+for a decode", "Walking four blocks for 4-7 rows" and "One stream on
+AVX-512").
 
 Every linear of a synthetic bench model's decoder stack and head (default
 `bench-llama-50m`: per layer the fused q/k/v, o with its residual, the fused
 gate and up with SiLU, down with its residual; then the head), packed once per
 dtype on 2 MiB pages, as a loaded model's weights are. For each dtype and row
 count the stack runs with `KVFORGE_WIDE_TILES=off` (the path's own tile at
-every row count: on AVX2 3 x 2 for float32, 2 x 2 for bfloat16) and on (the
+every row count: on AVX2 3 x 2 for float32, 2 x 2 for bfloat16; on AVX-512
+4 x 4 and 8 x 2) and on (the
 default), in turn (which goes first alternates), as a decode step calls them:
 each weight read from memory once per pass. The outputs of the two are checked
 bitwise equal. One thread, CPU time (`time.thread_time`), the median of
