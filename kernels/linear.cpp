@@ -185,19 +185,19 @@ const Path kAvx2 = {{KVFORGE_TILES(linear_avx2, generic_tile), {2, 2}, {2, 4},
 // one row tile of their own, 5 x 4, 6 x 4, 7 x 2 or 8 x 2, whose sums fit in
 // the 32 registers, instead of a 4 x 4 tile and a second pass for the rest
 // (docs/models.md, "One stream on AVX-512").
-#define KVFORGE_ONE_ROW_STREAM(R, B)                                                                           \
-  {R, B}, {R, B}, {{1, 4, false, true}, {R, B}, {R, B}, {R, B}, {5, 4}, {6, 4}, {7, 2}, {8, 2}}
+#define KVFORGE_AVX512_F32_TILES                                                                               \
+  {4, 4}, {4, 4}, {{1, 4, false, true}, {4, 4}, {4, 4}, {4, 4}, {5, 4}, {6, 4}, {7, 2}, {8, 2}}
 #define KVFORGE_STREAM_FEW(R, B)                                                                               \
   {R, B}, {R, B}, {{1, 4, false, true}, {2, 4, false, true}, {3, 4, false, true}, {4, 4, false, true},          \
                    {5, 4, false, true}, {6, 4, false, true}, {7, 4, false, true}, {8, 4, false, true}}
 const Path kAvx512 = {{KVFORGE_TILES(linear_avx512, generic_tile), KVFORGE_SAME_TILE(4, 4)},
-                      {KVFORGE_TILES(linear_avx512, f32_tile), KVFORGE_ONE_ROW_STREAM(4, 4)},
+                      {KVFORGE_TILES(linear_avx512, f32_tile), KVFORGE_AVX512_F32_TILES},
                       &linear_avx512::finish_tile, "avx512", &linear_avx512::widen_bf16_blocks};
 // bfloat16 8 rows x 2 blocks: 16 sums, and per input pair 2 weight loads for 16
 // vdpbf16ps, which measured faster than 4 x 4 at every row count once a
 // decode's weights stream from 2 MiB pages (docs/models.md).
 const Path kDpbf16 = {{KVFORGE_TILES(linear_dpbf16, dpbf16_tile), KVFORGE_STREAM_FEW(8, 2)},
-                      {KVFORGE_TILES(linear_dpbf16, f32_tile), KVFORGE_ONE_ROW_STREAM(4, 4)},
+                      {KVFORGE_TILES(linear_dpbf16, f32_tile), KVFORGE_AVX512_F32_TILES},
                       &linear_dpbf16::finish_tile, "avx512_bf16", nullptr};
 #endif
 
@@ -295,7 +295,8 @@ void run_tiles(const Tiles<T>& tiles, FinishFn finish, const T* x, int64_t x_str
       const int nb = static_cast<int>(std::min<int64_t>(tile_blocks, blocks - block0));
       const int64_t next_block0 = (i + 1) % channel_tiles * tile_blocks;
       // The next tile's weights are fetched over this tile's row tiles.
-      const Lookahead ahead(!tile.stream && i + 1 < i1 ? reinterpret_cast<const char*>(w + next_block0 * block_elems) : nullptr,
+      const bool fetch_next = !tile.stream && i + 1 < i1;
+      const Lookahead ahead(fetch_next ? reinterpret_cast<const char*>(w + next_block0 * block_elems) : nullptr,
                             std::min<int64_t>(tile_blocks, blocks - next_block0) * block_elems * int64_t{sizeof(T)},
                             cdiv(row_end - row_begin, tile_rows), steps);
       for (int64_t r = row_begin; r < row_end; r += tile_rows) {
