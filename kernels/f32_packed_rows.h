@@ -26,9 +26,11 @@ at::Tensor widened_linear(const char* op, const float* x, int64_t x_stride, int6
                           const std::function<void(int64_t, int64_t, const float*, float*)>& widen);
 
 // The same over bfloat16 rows and a bfloat16 weight packed [blocks, (k + 1) / 2,
-// 16, 2] (raw bits), into bfloat16 y; `scale` (blocks * 16 values in the packed
-// order, or null) multiplies the float32 sums before `bias` is added.
+// 16, 2] (raw bits), into y: bfloat16, or float32 sums when `y_float` (for an
+// epilogue to take before the one rounding); `scale` (blocks * 16 values in the
+// packed order, or null) multiplies the float32 sums before `bias` is added.
 void bf16_packed_rows(const uint16_t* x, int64_t x_stride, int64_t m, int64_t k, const uint16_t* packed,
-                      int64_t blocks, const float* scale, const float* bias, uint16_t* y, int64_t y_stride, int64_t n);
+                      int64_t blocks, const float* scale, const float* bias, void* y, bool y_float, int64_t y_stride,
+                      int64_t n);
 
 }  // namespace kvforge_cpp

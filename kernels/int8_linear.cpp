@@ -22,8 +22,8 @@
 // * up, their rows alternating in blocks of 16: models/quantized_linear.py's
 // Int8GateUp) runs linear.cpp's epilogue on the float32 outputs before the one
 // rounding: in the tiles for many float32 rows (widened_linear), else over the
-// outputs after (finish_rows; the AVX-512 BF16 paths above hand it their
-// bfloat16 outputs).
+// float32 outputs after (finish_rows; on AVX-512 BF16 many bfloat16 rows hand
+// it their float32 sums, and few take the float32 rows' path).
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -208,24 +208,30 @@ at::Tensor int8_weight_linear(const at::Tensor& x_in, const at::Tensor& weight, 
   const int64_t blocks = (n + kChannelBlock - 1) / kChannelBlock;
   const Isa level = isa();
 
-  if (x_in.scalar_type() == at::kBFloat16 && level == Isa::kAvx512 && has_avx512_bf16()) {
+  // bfloat16 rows on AVX-512 BF16: bfloat16 products, from kWidenBf16Rows rows over weights
+  // widened once, into bfloat16 outputs or (for an epilogue, to take before the one rounding)
+  // float32 sums; fewer rows with an epilogue take the float32 rows' path below.
+  const bool bf16_dot = x_in.scalar_type() == at::kBFloat16 && level == Isa::kAvx512 && has_avx512_bf16();
+  if (bf16_dot && (m >= kWidenBf16Rows || mode == 0)) {
 #ifdef KVFORGE_HAS_X86_PATHS
     const at::Tensor x = x_in.stride(1) == 1 ? x_in : x_in.contiguous();
     const auto* x_ptr = reinterpret_cast<const c10::BFloat16*>(x.data_ptr());
     if (m >= kWidenBf16Rows) {
-      at::Tensor out = at::empty({m, n}, x_in.options());  // bfloat16, written once by the epilogue
-      auto* out_ptr = reinterpret_cast<uint16_t*>(out.data_ptr());
+      const bool sums_out = mode != 0;
+      at::Tensor out = at::empty({m, n}, x_in.options().dtype(sums_out ? at::kFloat : at::kBFloat16));
+      const int64_t out_bytes = out.element_size();
       const int64_t pairs = (k + 1) / 2;
       const int64_t group = channel_group(n, pairs * 4);
       in_channel_groups(n, group, scale_ptr, bias_ptr, [&](int64_t n0, int64_t n1, const float* s, const float* b) {
         const std::unique_ptr<uint16_t[]> packed(new uint16_t[group * pairs * 2]);  // all written below
         widen_group_bf16(w, k, n0, n1, packed.get());
         bf16_packed_rows(reinterpret_cast<const uint16_t*>(x_ptr), x.stride(0), m, k, packed.get(),
-                         (n1 - n0 + 15) / 16, s, b, out_ptr + n0, n, n1 - n0);
+                         (n1 - n0 + 15) / 16, s, b, static_cast<char*>(out.data_ptr()) + n0 * out_bytes, sums_out,
+                         n, n1 - n0);
       });
-      return finish_rows(op, out, mode, other, at::kBFloat16);  // the epilogue on rounded outputs
+      return finish_rows(op, out, mode, other, at::kBFloat16);
     }
-    at::Tensor out = at::empty({m, n}, x_in.options());  // bfloat16
+    at::Tensor out = at::empty({m, n}, x_in.options());  // bfloat16 (no epilogue)
     auto* out_ptr = reinterpret_cast<c10::BFloat16*>(out.data_ptr());
     at::parallel_for(0, blocks, 1, [&](int64_t b0, int64_t b1) {
       for (int64_t b = b0; b < b1; ++b) {
@@ -233,7 +239,7 @@ at::Tensor int8_weight_linear(const at::Tensor& x_in, const at::Tensor& weight, 
                                               b * kChannelBlock, std::min(n, (b + 1) * kChannelBlock));
       }
     });
-    return finish_rows(op, out, mode, other, at::kBFloat16);  // the epilogue on rounded outputs
+    return out;
 #endif
   }
   // float32 rows as they are; bfloat16 rows widened once (rows x in: small next to the weight).

@@ -19,7 +19,8 @@
 // - More rows widen the weight once per call as int8_linear.cpp does for an
 //   unpacked one, a line at a time without a transpose: float32 times the
 //   scales into widened_linear (the epilogue in its tiles), or (bfloat16 rows
-//   on AVX-512 BF16, from kWidenBf16Rows) bfloat16 pairs into bf16_packed_rows.
+//   on AVX-512 BF16, from kWidenBf16Rows) bfloat16 pairs into bf16_packed_rows,
+//   whose float32 sums an epilogue takes before the one rounding.
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -148,8 +149,10 @@ at::Tensor int8_packed_linear(const at::Tensor& x_in, const at::Tensor& packed, 
 #ifdef KVFORGE_HAS_X86_PATHS
   if (bf16_in && m >= kWidenBf16Rows && level == Isa::kAvx512 && has_avx512_bf16()) {
     const at::Tensor x = x_in.stride(1) == 1 ? x_in : x_in.contiguous();
-    at::Tensor out = at::empty({m, n}, x_in.options());  // bfloat16: an epilogue reads these rounded outputs
-    auto* out_ptr = reinterpret_cast<uint16_t*>(out.data_ptr());
+    // bfloat16 outputs, or float32 sums for an epilogue to take before the one rounding
+    const bool sums_out = mode != 0;
+    at::Tensor out = at::empty({m, n}, x_in.options().dtype(sums_out ? at::kFloat : at::kBFloat16));
+    const int64_t out_bytes = out.element_size();
     const int64_t pairs = (k + 1) / 2;
     const int64_t group = channel_group(n, pairs * 4, kPackChannels);
     in_channel_groups(n, group, scale_ptr, bias_ptr, [&](int64_t n0, int64_t n1, const float* s, const float* b) {
@@ -159,7 +162,8 @@ at::Tensor int8_packed_linear(const at::Tensor& x_in, const at::Tensor& packed, 
                                                widened.get() + (c - n0) * pairs * 2);
       }
       bf16_packed_rows(reinterpret_cast<const uint16_t*>(x.data_ptr()), x.stride(0), m, k, widened.get(),
-                       (n1 - n0 + 15) / 16, s, b, out_ptr + n0, n, n1 - n0);
+                       (n1 - n0 + 15) / 16, s, b, static_cast<char*>(out.data_ptr()) + n0 * out_bytes, sums_out, n,
+                       n1 - n0);
     });
     return finish_rows(op, out, mode, other, at::kBFloat16);
   }

@@ -518,9 +518,10 @@ at::Tensor widened_linear(const char* op, const float* x, int64_t x_stride, int6
 }
 
 void bf16_packed_rows(const uint16_t* x, int64_t x_stride, int64_t m, int64_t k, const uint16_t* packed,
-                      int64_t blocks, const float* scale, const float* bias, uint16_t* y, int64_t y_stride, int64_t n) {
+                      int64_t blocks, const float* scale, const float* bias, void* y, bool y_float, int64_t y_stride,
+                      int64_t n) {
   const Path& path = path_here();
-  const Epilogue e{0, bias, nullptr, false, 0, y, false, y_stride, n, scale};
+  const Epilogue e{0, bias, nullptr, false, 0, y, y_float, y_stride, n, scale};
   const int64_t pairs = (k + 1) / 2;
   run_tiles(path.bf16, path.finish, x, x_stride, m, k, packed, blocks, pairs * 32, k / 2, e);
 }
