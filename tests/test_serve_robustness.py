@@ -189,9 +189,13 @@ def test_api_key_is_required_on_v1_routes_only():
 
 def test_a_full_queue_answers_503_with_retry_after_and_priority_orders_the_waiting(offline):
     expected = long_greedy_text(offline, 300)
+    # The running stream is near the model's length, so that it still runs while the two
+    # others queue up behind it however fast the engine decodes (300 tokens ended first on
+    # an AVX-512 host).
+    expected_running = long_greedy_text(offline, 900)
     with running_server("--max-waiting-requests", "2", "--set", "scheduler.max_num_seqs=1",
                         "--set", "scheduler.policy=priority") as server:
-        running = BackgroundStream(server, max_tokens=300, priority=-5)  # never preempted by the others
+        running = BackgroundStream(server, max_tokens=900, priority=-5)  # never preempted by the others
         running.start()
         assert running.started.wait(timeout=120)
         low = BackgroundStream(server, max_tokens=300, priority=5)
@@ -204,9 +208,9 @@ def test_a_full_queue_answers_503_with_retry_after_and_priority_orders_the_waiti
         assert status == 503, body
         assert int(headers["retry-after"]) >= 1
         assert body["error"]["code"] == "server_busy" and "limit 2" in body["error"]["message"]
-        assert running.chunks < 300, "the running stream ended before the 503 check; lengthen it"
-        for stream in (running.result(), low.result(), high.result()):
-            assert stream.error is None and stream.text == expected and stream.finish_reason == "length"
+        assert running.chunks < 900, "the running stream ended before the 503 check; lengthen it"
+        for stream, text in ((running.result(), expected_running), (low.result(), expected), (high.result(), expected)):
+            assert stream.error is None and stream.text == text and stream.finish_reason == "length"
         assert high.finished_at < low.finished_at, "priority -1 was served after priority 5"
         reply = openai_client(server).completions.create(model=MODEL, prompt="x", max_tokens=2)
         assert reply.usage.completion_tokens == 2  # served again once the queue drained
