@@ -25,12 +25,14 @@ at::Tensor widened_linear(const char* op, const float* x, int64_t x_stride, int6
                           const std::optional<at::Tensor>& other, at::ScalarType out_dtype,
                           const std::function<void(int64_t, int64_t, const float*, float*)>& widen);
 
-// The same over bfloat16 rows and a bfloat16 weight packed [blocks, (k + 1) / 2,
-// 16, 2] (raw bits), into y: bfloat16, or float32 sums when `y_float` (for an
-// epilogue to take before the one rounding); `scale` (blocks * 16 values in the
-// packed order, or null) multiplies the float32 sums before `bias` is added.
-void bf16_packed_rows(const uint16_t* x, int64_t x_stride, int64_t m, int64_t k, const uint16_t* packed,
-                      int64_t blocks, const float* scale, const float* bias, void* y, bool y_float, int64_t y_stride,
-                      int64_t n);
+// The same for bfloat16 rows on AVX-512 BF16 (x [m, k], rows x_stride apart):
+// `widen(n0, n1, out)` writes channels [n0, n1) unscaled as a bfloat16 weight
+// is packed ([blocks, (k + 1) / 2, 16, 2], raw bits), and the bfloat16 tiles
+// run over each group with its scales multiplying the float32 sums first, then
+// `bias` and the epilogue, rounded to bfloat16 once; a bfloat16 result.
+at::Tensor widened_bf16_linear(const char* op, const uint16_t* x, int64_t x_stride, int64_t m, int64_t k, int64_t n,
+                               int64_t multiple, const float* scale, const float* bias, int mode,
+                               const std::optional<at::Tensor>& other,
+                               const std::function<void(int64_t, int64_t, uint16_t*)>& widen);
 
 }  // namespace kvforge_cpp

@@ -138,7 +138,7 @@ void dequantize_group(const int8_t* w, int64_t k, const float* scale, int64_t n0
   }
 }
 
-// Channels [n0, n1) of `w` as bf16_packed_rows reads a weight, unscaled (every
+// Channels [n0, n1) of `w` as widened_bf16_linear reads a weight, unscaled (every
 // int8 is exactly a bfloat16; the scales go to the epilogue, so the products
 // stay exact): [blocks][(k + 1) / 2][16][2], the two inputs of a pair side by
 // side, the rest of the last block and the missing second input of an odd k zero.
@@ -209,27 +209,18 @@ at::Tensor int8_weight_linear(const at::Tensor& x_in, const at::Tensor& weight, 
   const Isa level = isa();
 
   // bfloat16 rows on AVX-512 BF16: bfloat16 products, from kWidenBf16Rows rows over weights
-  // widened once, into bfloat16 outputs or (for an epilogue, to take before the one rounding)
-  // float32 sums; fewer rows with an epilogue take the float32 rows' path below.
+  // widened once with the scales and epilogue in the tiles (rounded once); fewer rows with an
+  // epilogue take the float32 rows' path below.
   const bool bf16_dot = x_in.scalar_type() == at::kBFloat16 && level == Isa::kAvx512 && has_avx512_bf16();
   if (bf16_dot && (m >= kWidenBf16Rows || mode == 0)) {
 #ifdef KVFORGE_HAS_X86_PATHS
     const at::Tensor x = x_in.stride(1) == 1 ? x_in : x_in.contiguous();
     const auto* x_ptr = reinterpret_cast<const c10::BFloat16*>(x.data_ptr());
     if (m >= kWidenBf16Rows) {
-      const bool sums_out = mode != 0;
-      at::Tensor out = at::empty({m, n}, x_in.options().dtype(sums_out ? at::kFloat : at::kBFloat16));
-      const int64_t out_bytes = out.element_size();
-      const int64_t pairs = (k + 1) / 2;
-      const int64_t group = channel_group(n, pairs * 4);
-      in_channel_groups(n, group, scale_ptr, bias_ptr, [&](int64_t n0, int64_t n1, const float* s, const float* b) {
-        const std::unique_ptr<uint16_t[]> packed(new uint16_t[group * pairs * 2]);  // all written below
-        widen_group_bf16(w, k, n0, n1, packed.get());
-        bf16_packed_rows(reinterpret_cast<const uint16_t*>(x_ptr), x.stride(0), m, k, packed.get(),
-                         (n1 - n0 + 15) / 16, s, b, static_cast<char*>(out.data_ptr()) + n0 * out_bytes, sums_out,
-                         n, n1 - n0);
-      });
-      return finish_rows(op, out, mode, other, at::kBFloat16);
+      return widened_bf16_linear(op, reinterpret_cast<const uint16_t*>(x_ptr), x.stride(0), m, k, n, 16, scale_ptr,
+                                 bias_ptr, mode, other, [&](int64_t n0, int64_t n1, uint16_t* widened) {
+                                   widen_group_bf16(w, k, n0, n1, widened);
+                                 });
     }
     at::Tensor out = at::empty({m, n}, x_in.options());  // bfloat16 (no epilogue)
     auto* out_ptr = reinterpret_cast<c10::BFloat16*>(out.data_ptr());

@@ -179,7 +179,7 @@ inline void widen_block16(const int8_t* w, int64_t k, const float* scale, float*
   }
 }
 
-// Sixteen channels as bf16_packed_rows reads one block, unscaled (every int8
+// Sixteen channels as widened_bf16_linear reads one block, unscaled (every int8
 // is exactly a bfloat16; the scales go to the epilogue): packed[(p * 16 + c) *
 // 2 + i] = w[c * k + 2 p + i], the missing second input of an odd k zero.
 // Inputs 2p and 2p + 1 of the sixteen channels are interleaved from two

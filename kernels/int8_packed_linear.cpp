@@ -19,8 +19,8 @@
 // - More rows widen the weight once per call as int8_linear.cpp does for an
 //   unpacked one, a line at a time without a transpose: float32 times the
 //   scales into widened_linear (the epilogue in its tiles), or (bfloat16 rows
-//   on AVX-512 BF16, from kWidenBf16Rows) bfloat16 pairs into bf16_packed_rows,
-//   whose float32 sums an epilogue takes before the one rounding.
+//   on AVX-512 BF16, from kWidenBf16Rows) bfloat16 pairs into
+//   widened_bf16_linear, the scales and epilogue in its tiles.
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -149,23 +149,15 @@ at::Tensor int8_packed_linear(const at::Tensor& x_in, const at::Tensor& packed, 
 #ifdef KVFORGE_HAS_X86_PATHS
   if (bf16_in && m >= kWidenBf16Rows && level == Isa::kAvx512 && has_avx512_bf16()) {
     const at::Tensor x = x_in.stride(1) == 1 ? x_in : x_in.contiguous();
-    // bfloat16 outputs, or float32 sums for an epilogue to take before the one rounding
-    const bool sums_out = mode != 0;
-    at::Tensor out = at::empty({m, n}, x_in.options().dtype(sums_out ? at::kFloat : at::kBFloat16));
-    const int64_t out_bytes = out.element_size();
-    const int64_t pairs = (k + 1) / 2;
-    const int64_t group = channel_group(n, pairs * 4, kPackChannels);
-    in_channel_groups(n, group, scale_ptr, bias_ptr, [&](int64_t n0, int64_t n1, const float* s, const float* b) {
-      const std::unique_ptr<uint16_t[]> widened(new uint16_t[group * pairs * 2]);  // blocks of n0..n1 written
-      for (int64_t c = n0; c < n1; c += kPackChannels) {
-        packed_avx512::widen_packed_block_bf16(w + c / kPackChannels * block_bytes, k,
-                                               widened.get() + (c - n0) * pairs * 2);
-      }
-      bf16_packed_rows(reinterpret_cast<const uint16_t*>(x.data_ptr()), x.stride(0), m, k, widened.get(),
-                       (n1 - n0 + 15) / 16, s, b, static_cast<char*>(out.data_ptr()) + n0 * out_bytes, sums_out, n,
-                       n1 - n0);
-    });
-    return finish_rows(op, out, mode, other, at::kBFloat16);
+    return widened_bf16_linear(op, reinterpret_cast<const uint16_t*>(x.data_ptr()), x.stride(0), m, k, n,
+                               kPackChannels, scale_ptr, bias_ptr, mode, other,
+                               [&](int64_t n0, int64_t n1, uint16_t* widened) {
+                                 const int64_t pairs = (k + 1) / 2;
+                                 for (int64_t c = n0; c < n1; c += kPackChannels) {
+                                   packed_avx512::widen_packed_block_bf16(w + c / kPackChannels * block_bytes, k,
+                                                                          widened + (c - n0) * pairs * 2);
+                                 }
+                               });
   }
 #endif
   // float32 rows as they are; bfloat16 rows widened once (rows x in: small next to the weight).

@@ -208,7 +208,7 @@ inline void dequantize_packed_block(const int8_t* block, int64_t k, const float*
   }
 }
 
-// One packed block as bf16_packed_rows reads a weight, unscaled (every int8 is
+// One packed block as widened_bf16_linear reads a weight, unscaled (every int8 is
 // exactly a bfloat16): out[((u pairs + p) 16 + c) 2 + i] = w[16 u + c][2 p + i],
 // pairs = (k + 1) / 2, the missing second input of an odd k zero. Two lines'
 // sixteen channels interleave into pairs.

@@ -55,7 +55,7 @@ struct Epilogue {
   bool y_float;
   int64_t y_stride;
   int64_t n;  // output channels
-  const float* scale = nullptr;  // mode 0: [blocks * 16] in the packed order, multiplying the sums first; or nullptr
+  const float* scale = nullptr;  // [blocks * 16] in the packed order, multiplying the sums first; or nullptr
 };
 
 // The largest register tile any path runs: rows x blocks of 16 channels (acc
@@ -494,36 +494,62 @@ at::Tensor f32_linear(const at::Tensor& x, const at::Tensor& packed, int64_t out
   return y;
 }
 
-at::Tensor widened_linear(const char* op, const float* x, int64_t x_stride, int64_t m, int64_t k, int64_t n,
-                          int64_t multiple, const float* scale, const float* bias, int mode,
-                          const std::optional<at::Tensor>& other, at::ScalarType out_dtype,
-                          const std::function<void(int64_t, int64_t, const float*, float*)>& widen) {
+namespace {
+
+// The widened ops' shared part: y, and channel_group's groups of channels
+// (`channel_bytes` widened each; whole gate and up pairs, 32 channels, for
+// "silu_mul"), in parallel, each given the epilogue of its own channels (their
+// bias, their columns of y and of `other`): `run(group, n0, n1, scale, e)`
+// widens channels [n0, n1) (`scale` the group's scales) and runs the tiles.
+template <typename Run>
+at::Tensor in_widened_groups(const char* op, int64_t m, int64_t n, int64_t channel_bytes, int64_t multiple,
+                             const float* scale, const float* bias, int mode, const std::optional<at::Tensor>& other,
+                             at::ScalarType out_dtype, Run&& run) {
   at::Tensor y = epilogue_output(op, m, n, mode, other, out_dtype);
-  const Path& path = path_here();
   const int64_t y_bytes = y.element_size(), other_bytes = mode == 1 ? other->element_size() : 0;
-  // Groups of whole gate and up pairs (32 channels) for "silu_mul".
-  const int64_t group = channel_group(n, k * 4, mode == 2 ? std::max<int64_t>(multiple, 32) : multiple);
+  const int64_t group = channel_group(n, channel_bytes, mode == 2 ? std::max<int64_t>(multiple, 32) : multiple);
   in_channel_groups(n, group, scale, bias, [&](int64_t n0, int64_t n1, const float* s, const float* b) {
-    const std::unique_ptr<float[]> packed(new float[group * k]);  // channels n0..n1 written
-    widen(n0, n1, s, packed.get());
     const int64_t first = mode == 2 ? n0 / 2 : n0;  // the group's first output column
     Epilogue e = epilogue_for(mode, std::nullopt, other, y);
     e.bias = b;
     e.y = static_cast<char*>(e.y) + first * y_bytes;
     if (mode == 1) e.other = static_cast<const char*>(e.other) + n0 * other_bytes;
     e.n = (mode == 2 ? (n1 - n0) / 2 : n1 - n0);
-    run_tiles(path.f32, path.finish, x, x_stride, m, k, packed.get(), (n1 - n0 + 15) / 16, k * 16, k, e);
+    run(group, n0, n1, s, e);
   });
   return y;
 }
 
-void bf16_packed_rows(const uint16_t* x, int64_t x_stride, int64_t m, int64_t k, const uint16_t* packed,
-                      int64_t blocks, const float* scale, const float* bias, void* y, bool y_float, int64_t y_stride,
-                      int64_t n) {
+}  // namespace
+
+at::Tensor widened_linear(const char* op, const float* x, int64_t x_stride, int64_t m, int64_t k, int64_t n,
+                          int64_t multiple, const float* scale, const float* bias, int mode,
+                          const std::optional<at::Tensor>& other, at::ScalarType out_dtype,
+                          const std::function<void(int64_t, int64_t, const float*, float*)>& widen) {
   const Path& path = path_here();
-  const Epilogue e{0, bias, nullptr, false, 0, y, y_float, y_stride, n, scale};
+  return in_widened_groups(op, m, n, k * 4, multiple, scale, bias, mode, other, out_dtype,
+                           [&](int64_t group, int64_t n0, int64_t n1, const float* s, const Epilogue& e) {
+                             const std::unique_ptr<float[]> packed(new float[group * k]);  // n0..n1 written
+                             widen(n0, n1, s, packed.get());
+                             run_tiles(path.f32, path.finish, x, x_stride, m, k, packed.get(), (n1 - n0 + 15) / 16,
+                                       k * 16, k, e);
+                           });
+}
+
+at::Tensor widened_bf16_linear(const char* op, const uint16_t* x, int64_t x_stride, int64_t m, int64_t k, int64_t n,
+                               int64_t multiple, const float* scale, const float* bias, int mode,
+                               const std::optional<at::Tensor>& other,
+                               const std::function<void(int64_t, int64_t, uint16_t*)>& widen) {
+  const Path& path = path_here();
   const int64_t pairs = (k + 1) / 2;
-  run_tiles(path.bf16, path.finish, x, x_stride, m, k, packed, blocks, pairs * 32, k / 2, e);
+  return in_widened_groups(op, m, n, pairs * 4, multiple, scale, bias, mode, other, at::kBFloat16,
+                           [&](int64_t group, int64_t n0, int64_t n1, const float* s, Epilogue e) {
+                             const std::unique_ptr<uint16_t[]> packed(new uint16_t[group * pairs * 2]);  // n0..n1
+                             widen(n0, n1, packed.get());
+                             e.scale = s;
+                             run_tiles(path.bf16, path.finish, x, x_stride, m, k, packed.get(), (n1 - n0 + 15) / 16,
+                                       pairs * 32, k / 2, e);
+                           });
 }
 
 // Which path the linear ops take here and now ("avx512_bf16", "avx512", "avx2" or "baseline").

@@ -222,6 +222,7 @@ inline void finish_tile(const float* acc, int mr, int nb, int64_t row0, int64_t 
         if (e.bias != nullptr) v += *reinterpret_cast<const vw*>(e.bias + block * kLanes + h);
         if (e.mode == 2) {
           vw up = *reinterpret_cast<const vw*>(acc + m * kMaxBlocks * kLanes + (b + 1) * kLanes + h);
+          if (e.scale != nullptr) up *= *reinterpret_cast<const vw*>(e.scale + (block + 1) * kLanes + h);
           if (e.bias != nullptr) up += *reinterpret_cast<const vw*>(e.bias + (block + 1) * kLanes + h);
           const int64_t c0 = block / 2 * kLanes + h;
           if (c0 < e.n) store_w(e, row, c0, silu_w(v) * up);
