@@ -1,7 +1,7 @@
 // linear.cpp's float32 and bfloat16 register tiles over a weight packed as
-// models/cpp_linear.py pack_weight packs it, for the library's other kernels
-// that pack such a weight on the fly (the int8 linears widen a prefill's int8
-// weights into it).
+// models/cpp_linear.py pack_weight packs it, and their epilogue, for the
+// library's other kernels: the int8 linears widen a prefill's int8 weights
+// into the tiles' layout, and hand a decode's sums to the epilogue.
 #pragma once
 
 #include <ATen/ATen.h>
@@ -34,5 +34,17 @@ at::Tensor widened_bf16_linear(const char* op, const uint16_t* x, int64_t x_stri
                                int64_t multiple, const float* scale, const float* bias, int mode,
                                const std::optional<at::Tensor>& other,
                                const std::function<void(int64_t, int64_t, uint16_t*)>& widen);
+
+// The epilogue over sums an op makes kSumsBlock channels at a time (the int8
+// packed decode tiles, a block each): `block_sums(b, sums)` writes the m rows'
+// unscaled float32 sums of channels [kSumsBlock b, kSumsBlock (b + 1)) into
+// sums ([m][kSumsBlock], zeros past `width`), and each block then takes
+// `scale`, `bias` (null or `width` values) and the epilogue `mode` as the
+// tiles' own sums do, rounded once into an [m, width] result of `out_dtype`
+// (width / 2 for "silu_mul"); blocks in parallel. It checks `other`.
+constexpr int64_t kSumsBlock = 64;
+at::Tensor finish_blocks(const char* op, int64_t m, int64_t width, const float* scale, const float* bias, int mode,
+                         const std::optional<at::Tensor>& other, at::ScalarType out_dtype,
+                         const std::function<void(int64_t, float*)>& block_sums);
 
 }  // namespace kvforge_cpp

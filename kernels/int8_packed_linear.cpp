@@ -11,11 +11,12 @@
 // - Up to kDequantizeRows rows (decodes, small batches) run int8_packed_tile.h:
 //   a block of 64 channels is one stream, each line widened once per group of
 //   rows and multiplied into 16 channels per vector, the sums never folded
-//   across lanes, the per-channel scales applied once at the end. On AVX2,
-//   where one row's sums of a line fill the registers, two rows or more walk
-//   the block a quarter line at a time (walk_rows). float32 and
-//   bfloat16 rows alike (bfloat16 rows are widened to float32 first: a row is
-//   small next to the weight), bfloat16 outputs written by the tile.
+//   across lanes. On AVX2, where one row's sums of a line fill the
+//   registers, two rows or more walk the block a quarter line at a time
+//   (walk_rows). float32 and bfloat16 rows alike, read as they are. Each
+//   block's sums go straight to linear.cpp's epilogue (finish_blocks): the
+//   per-channel scales, the bias and any residual add or SiLU x up, rounded
+//   once.
 // - More rows widen the weight once per call as int8_linear.cpp does for an
 //   unpacked one, a line at a time without a transpose: float32 times the
 //   scales into widened_linear (the epilogue in its tiles), or (bfloat16 rows
@@ -104,10 +105,8 @@ namespace {
 
 // The functions of one ISA level.
 struct PackedKernels {
-  void (*rows_f32)(const float*, int64_t, int64_t, const int8_t*, int64_t, const float*, const float*, int64_t,
-                   float*, int64_t);
-  void (*rows_bf16)(const float*, int64_t, int64_t, const int8_t*, int64_t, const float*, const float*, int64_t,
-                    uint16_t*, int64_t);
+  void (*rows_f32)(const float*, int64_t, int64_t, const int8_t*, int64_t, float*, int64_t);
+  void (*rows_bf16)(const uint16_t*, int64_t, int64_t, const int8_t*, int64_t, float*, int64_t);
   void (*dequantize)(const int8_t*, int64_t, const float*, float*);
 };
 
@@ -160,36 +159,30 @@ at::Tensor int8_packed_linear(const at::Tensor& x_in, const at::Tensor& packed, 
                                });
   }
 #endif
-  // float32 rows as they are; bfloat16 rows widened once (rows x in: small next to the weight).
-  const bool usable = x_in.scalar_type() == at::kFloat && x_in.stride(1) == 1;
-  const at::Tensor x = usable ? x_in : x_in.to(at::kFloat).contiguous();
-  const float* x_ptr = x.data_ptr<float>();
   if (m >= kDequantizeRows) {
-    return widened_linear(op, x_ptr, x.stride(0), m, k, n, kPackChannels, scale_ptr, bias_ptr, mode, other,
-                          x_in.scalar_type(), [&](int64_t n0, int64_t n1, const float* s, float* widened) {
+    // float32 rows as they are; bfloat16 rows widened once (rows x in: small next to the weight).
+    const bool usable = x_in.scalar_type() == at::kFloat && x_in.stride(1) == 1;
+    const at::Tensor x = usable ? x_in : x_in.to(at::kFloat).contiguous();
+    return widened_linear(op, x.data_ptr<float>(), x.stride(0), m, k, n, kPackChannels, scale_ptr, bias_ptr, mode,
+                          other, x_in.scalar_type(), [&](int64_t n0, int64_t n1, const float* s, float* widened) {
                             for (int64_t c = n0; c < n1; c += kPackChannels) {
                               kernels.dequantize(w + c / kPackChannels * block_bytes, k, s + (c - n0),
                                                  widened + (c - n0) * k);
                             }
                           });
   }
-  const bool bf16_out = bf16_in && mode == 0;  // an epilogue takes float32 sums, rounded once after it
-  at::Tensor out = at::empty({m, n}, x_in.options().dtype(bf16_out ? at::kBFloat16 : at::kFloat));
-  const int64_t blocks = (n + kPackChannels - 1) / kPackChannels;
-  at::parallel_for(0, blocks, 1, [&](int64_t b0, int64_t b1) {
-    for (int64_t b = b0; b < b1; ++b) {
-      const int64_t c0 = b * kPackChannels, channels = std::min(kPackChannels, n - c0);
-      const float* bb = bias_ptr != nullptr ? bias_ptr + c0 : nullptr;
-      if (bf16_out) {
-        kernels.rows_bf16(x_ptr, x.stride(0), m, w + b * block_bytes, k, scale_ptr + c0, bb, channels,
-                          reinterpret_cast<uint16_t*>(out.data_ptr()) + c0, n);
-      } else {
-        kernels.rows_f32(x_ptr, x.stride(0), m, w + b * block_bytes, k, scale_ptr + c0, bb, channels,
-                         out.data_ptr<float>() + c0, n);
-      }
+  // Each block's sums, the rows read as they are (bfloat16 widened as the tile reads them), through
+  // the epilogue: the scales, bias and any residual or SiLU, rounded once.
+  static_assert(kSumsBlock == kPackChannels, "finish_blocks takes one packed block's sums at a time");
+  const at::Tensor x = x_in.stride(1) == 1 ? x_in : x_in.contiguous();
+  return finish_blocks(op, m, n, scale_ptr, bias_ptr, mode, other, x_in.scalar_type(), [&](int64_t b, float* sums) {
+    if (bf16_in) {
+      kernels.rows_bf16(reinterpret_cast<const uint16_t*>(x.data_ptr()), x.stride(0), m, w + b * block_bytes, k,
+                        sums, kPackChannels);
+    } else {
+      kernels.rows_f32(x.data_ptr<float>(), x.stride(0), m, w + b * block_bytes, k, sums, kPackChannels);
     }
   });
-  return finish_rows(op, out, mode, other, x_in.scalar_type());
 }
 
 at::Tensor int8_pack_weight(const at::Tensor& weight) {

@@ -1,12 +1,12 @@
 // The weight-only int8 linear over a packed weight (int8_packed_linear.cpp):
-// y = x (w * scale)^T + bias with w laid out [blocks][in][kPackChannels]
+// the sums x w^T (unscaled: finish_blocks applies the scales, bias and
+// epilogue) with w laid out [blocks][in][kPackChannels]
 // (int8_pack_weight), so that one 64-byte line holds one input of 64
 // channels and a block is one stream, read front to back.
 //
 // Included by int8_packed_linear.cpp once per ISA, each time after
-// bf16_vectors.h (vf16, store_bf16x16, store1) and native_vectors.h (vw, kW,
-// storew), after
-// defining `widen_w16` (16 int8 weights as floats), `widen_w` (kW int8
+// bf16_vectors.h (vf16, store_bf16x16, load1) and native_vectors.h (vw, kW),
+// after defining `widen_w16` (16 int8 weights as floats), `widen_w` (kW int8
 // weights as floats), `kPackedRows` (rows per tile: as many as the
 // accumulators fit the registers) and `kPackedUnroll` (inputs per pass of a
 // one-row tile). It includes nothing itself.
@@ -16,17 +16,15 @@
 
 constexpr int kV = kPackChannels / kW;  // vectors per 64-channel line
 
-// MR rows of x (x_stride apart) against one packed block of 64 channels,
-// `channels` of which are real (the rest of the last block is padding):
-// y[m * y_stride + c] = (x_m . w_c) * scale[c] + bias[c] (bias may be null).
+// MR rows of x (float32, or bfloat16 bits; x_stride apart) against one
+// packed block of 64 channels (the last block's padding channels have zero
+// weights): y[m * y_stride + c] = x_m . w_c for all 64.
 // Each step widens the line of input d (64 channels, kV vectors) once and
 // adds x[m][d] times it into kW channels per vector: the sums of 64 channels
-// sit in kV MR registers, so no sum is ever folded across lanes, and the
-// scales multiply them once at the end.
-template <int MR, typename Out>
-inline void packed_tile(const float* __restrict__ x, int64_t x_stride, const int8_t* __restrict__ block, int64_t k,
-                        const float* __restrict__ scale, const float* __restrict__ bias, int64_t channels,
-                        Out* __restrict__ y, int64_t y_stride) {
+// sit in kV MR registers, so no sum is ever folded across lanes.
+template <int MR, typename X>
+inline void packed_tile(const X* __restrict__ x, int64_t x_stride, const int8_t* __restrict__ block, int64_t k,
+                        float* __restrict__ y, int64_t y_stride) {
   vw acc[MR][kV];
   for (int m = 0; m < MR; ++m) {
     for (int u = 0; u < kV; ++u) acc[m][u] = vw{};
@@ -47,7 +45,7 @@ inline void packed_tile(const float* __restrict__ x, int64_t x_stride, const int
     for (int i = 0; i < kUnroll; ++i) __builtin_prefetch(lines + i * kPackChannels + kWeightsAhead, 0, 0);
     float xv[MR][kUnroll];
     for (int m = 0; m < MR; ++m) {
-      for (int i = 0; i < kUnroll; ++i) xv[m][i] = x[m * x_stride + d + i];
+      for (int i = 0; i < kUnroll; ++i) xv[m][i] = load1(x + m * x_stride + d + i);
     }
     for (int u = 0; u < kV; ++u) {
       for (int i = 0; i < kUnroll; ++i) {
@@ -60,22 +58,11 @@ inline void packed_tile(const float* __restrict__ x, int64_t x_stride, const int
     const int8_t* line = block + d * kPackChannels;
     for (int u = 0; u < kV; ++u) {
       const vw wv = widen_w(line + kW * u);
-      for (int m = 0; m < MR; ++m) acc[m][u] += x[m * x_stride + d] * wv;
+      for (int m = 0; m < MR; ++m) acc[m][u] += load1(x + m * x_stride + d) * wv;
     }
   }
-  for (int u = 0; u < kV; ++u) {
-    const int64_t c0 = kW * u;
-    if (c0 + kW <= channels) {
-      const vw s = *reinterpret_cast<const vw*>(scale + c0);
-      const vw b = bias != nullptr ? *reinterpret_cast<const vw*>(bias + c0) : vw{};
-      for (int m = 0; m < MR; ++m) storew(y + m * y_stride + c0, acc[m][u] * s + b);
-      continue;
-    }
-    for (int64_t c = c0; c < channels; ++c) {  // the last block's real channels
-      for (int m = 0; m < MR; ++m) {
-        store1(y + m * y_stride + c, acc[m][u][c - c0] * scale[c] + (bias != nullptr ? bias[c] : 0.f));
-      }
-    }
+  for (int m = 0; m < MR; ++m) {
+    for (int u = 0; u < kV; ++u) *reinterpret_cast<vw*>(y + m * y_stride + kW * u) = acc[m][u];
   }
 }
 
@@ -93,8 +80,8 @@ constexpr int64_t kWalkRows = 32;
 // next. Each sum adds input d, then d + 1, ..., as packed_tile's do, so a sum
 // is one chain of multiply-adds: P = 2 for one or two rows keeps 8 of them in
 // flight, as the FMA's latency needs (4 left it waiting).
-template <int MR, int P>
-inline void walk_chunk(const float* __restrict__ x, int64_t x_stride, const int8_t* __restrict__ block, int64_t d0,
+template <int MR, int P, typename X>
+inline void walk_chunk(const X* __restrict__ x, int64_t x_stride, const int8_t* __restrict__ block, int64_t d0,
                        int64_t d1, int quarters, float* __restrict__ sums) {
   constexpr int V = kQ * P;  // vectors per pass
   for (int q = 0; q < quarters; q += P) {
@@ -109,7 +96,7 @@ inline void walk_chunk(const float* __restrict__ x, int64_t x_stride, const int8
       vw wv[V];
       for (int u = 0; u < V; ++u) wv[u] = widen_w(line + kW * u);
       for (int m = 0; m < MR; ++m) {
-        const float xv = x[m * x_stride + d];
+        const float xv = load1(x + m * x_stride + d);
         for (int u = 0; u < V; ++u) acc[m][u] += xv * wv[u];
       }
     }
@@ -126,19 +113,19 @@ inline void walk_chunk(const float* __restrict__ x, int64_t x_stride, const int8
 // stream, and in L1 for the chunk), and in each chunk every group of at most
 // kQuarterRows rows (near-equal groups) runs walk_chunk over it. So the block is
 // read from memory once, front to back, and each weight widened once per group.
-// A row gets the bits it gets alone (packed_tile's order and epilogue).
-template <typename Out>
-inline void walk_rows(const float* x, int64_t x_stride, int64_t m, const int8_t* block, int64_t k,
-                      const float* scale, const float* bias, int64_t channels, Out* y, int64_t y_stride) {
+// A row gets the bits it gets alone (packed_tile's order).
+template <typename X>
+inline void walk_rows(const X* x, int64_t x_stride, int64_t m, const int8_t* block, int64_t k, float* y,
+                      int64_t y_stride) {
   alignas(64) float sums[kWalkRows * kPackChannels];
-  const int quarters = static_cast<int>((channels + kQuarter - 1) / kQuarter);
+  constexpr int quarters = 4;
   const int64_t groups = (m + kQuarterRows - 1) / kQuarterRows;
   for (int64_t d0 = 0; d0 < k; d0 += kWalkInputs) {
     const int64_t d1 = std::min(k, d0 + kWalkInputs);
     for (int64_t d = d0; d < d1; ++d) __builtin_prefetch(block + d * kPackChannels + kWeightsAhead, 0, 0);
     for (int64_t g = 0, r = 0; g < groups; ++g) {
       const int64_t rows = (m - r) / (groups - g);
-      const float* xr = x + r * x_stride;
+      const X* xr = x + r * x_stride;
       float* sr = sums + r * kPackChannels;
       switch (rows) {
         case 6: walk_chunk<6, 1>(xr, x_stride, block, d0, d1, quarters, sr); break;
@@ -151,19 +138,9 @@ inline void walk_rows(const float* x, int64_t x_stride, int64_t m, const int8_t*
       r += rows;
     }
   }
-  for (int64_t c = 0; c < channels; c += kW) {  // packed_tile's epilogue
-    if (c + kW <= channels) {
-      const vw s = *reinterpret_cast<const vw*>(scale + c);
-      const vw b = bias != nullptr ? *reinterpret_cast<const vw*>(bias + c) : vw{};
-      for (int64_t r = 0; r < m; ++r) {
-        storew(y + r * y_stride + c, *reinterpret_cast<const vw*>(sums + r * kPackChannels + c) * s + b);
-      }
-      continue;
-    }
-    for (int64_t j = c; j < channels; ++j) {  // the last block's real channels
-      for (int64_t r = 0; r < m; ++r) {
-        store1(y + r * y_stride + j, sums[r * kPackChannels + j] * scale[j] + (bias != nullptr ? bias[j] : 0.f));
-      }
+  for (int64_t r = 0; r < m; ++r) {
+    for (int64_t c = 0; c < kPackChannels; c += kW) {
+      *reinterpret_cast<vw*>(y + r * y_stride + c) = *reinterpret_cast<const vw*>(sums + r * kPackChannels + c);
     }
   }
 }
@@ -171,26 +148,25 @@ inline void walk_rows(const float* x, int64_t x_stride, int64_t m, const int8_t*
 // All m rows against one packed block: on a path with kQuarterRows, two rows or
 // more by walk_rows (kWalkRows at a time); else kPackedRows rows at a time (the
 // block, 64 k bytes, comes from memory for the first rows and from cache after).
-template <typename Out>
-inline void packed_rows(const float* x, int64_t x_stride, int64_t m, const int8_t* block, int64_t k,
-                        const float* scale, const float* bias, int64_t channels, Out* y, int64_t y_stride) {
+template <typename X>
+inline void packed_rows(const X* x, int64_t x_stride, int64_t m, const int8_t* block, int64_t k, float* y,
+                        int64_t y_stride) {
   if constexpr (kQuarterRows > 0) {
     if (m > 1) {
       for (int64_t r = 0; r < m; r += kWalkRows) {
-        walk_rows(x + r * x_stride, x_stride, std::min(kWalkRows, m - r), block, k, scale, bias, channels,
-                  y + r * y_stride, y_stride);
+        walk_rows(x + r * x_stride, x_stride, std::min(kWalkRows, m - r), block, k, y + r * y_stride, y_stride);
       }
       return;
     }
   }
   for (int64_t r = 0; r < m;) {
-    const float* xr = x + r * x_stride;
-    Out* yr = y + r * y_stride;
+    const X* xr = x + r * x_stride;
+    float* yr = y + r * y_stride;
     switch (std::min<int64_t>(m - r, kPackedRows)) {
-      case 4: packed_tile<4>(xr, x_stride, block, k, scale, bias, channels, yr, y_stride); r += 4; break;
-      case 3: packed_tile<3>(xr, x_stride, block, k, scale, bias, channels, yr, y_stride); r += 3; break;
-      case 2: packed_tile<2>(xr, x_stride, block, k, scale, bias, channels, yr, y_stride); r += 2; break;
-      default: packed_tile<1>(xr, x_stride, block, k, scale, bias, channels, yr, y_stride); r += 1; break;
+      case 4: packed_tile<4>(xr, x_stride, block, k, yr, y_stride); r += 4; break;
+      case 3: packed_tile<3>(xr, x_stride, block, k, yr, y_stride); r += 3; break;
+      case 2: packed_tile<2>(xr, x_stride, block, k, yr, y_stride); r += 2; break;
+      default: packed_tile<1>(xr, x_stride, block, k, yr, y_stride); r += 1; break;
     }
   }
 }

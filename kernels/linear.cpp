@@ -552,6 +552,41 @@ at::Tensor widened_bf16_linear(const char* op, const uint16_t* x, int64_t x_stri
                            });
 }
 
+at::Tensor finish_blocks(const char* op, int64_t m, int64_t width, const float* scale, const float* bias, int mode,
+                         const std::optional<at::Tensor>& other, at::ScalarType out_dtype,
+                         const std::function<void(int64_t, float*)>& block_sums) {
+  at::Tensor y = epilogue_output(op, m, width, mode, other, out_dtype);
+  if (y.numel() == 0) return y;
+  const int64_t blocks = (width + kSumsBlock - 1) / kSumsBlock;
+  // The finish reads 16 scales and biases at a time: a width of part of a block reads them padded.
+  std::vector<float> padded;
+  if (width % kSumsBlock != 0) {
+    padded.assign(2 * blocks * kSumsBlock, 0.f);
+    std::copy(scale, scale + width, padded.begin());
+    if (bias != nullptr) std::copy(bias, bias + width, padded.begin() + blocks * kSumsBlock);
+    scale = padded.data();
+    bias = bias != nullptr ? padded.data() + blocks * kSumsBlock : nullptr;
+  }
+  Epilogue e = epilogue_for(mode, std::nullopt, other, y);
+  e.scale = scale;
+  e.bias = bias;
+  const Path& path = path_here();
+  constexpr int kBlocks16 = kSumsBlock / 16;
+  static_assert(kSumsBlock == kMaxBlocks * 16, "finish reads a row's sums kMaxBlocks blocks of 16 apart");
+  at::parallel_for(0, blocks, 1, [&](int64_t b0, int64_t b1) {
+    // [m][kSumsBlock]: on the stack for a decode's few rows
+    alignas(64) float few[kMaxRows * kSumsBlock];
+    std::vector<float> many(m > kMaxRows ? m * kSumsBlock : 0);
+    float* sums = m > kMaxRows ? many.data() : few;
+    for (int64_t b = b0; b < b1; ++b) {
+      block_sums(b, sums);
+      const int nb = static_cast<int>(std::min<int64_t>(kBlocks16, (width - b * kSumsBlock + 15) / 16));
+      path.finish(sums, static_cast<int>(m), nb, 0, b * kBlocks16, e);
+    }
+  });
+  return y;
+}
+
 // Which path the linear ops take here and now ("avx512_bf16", "avx512", "avx2" or "baseline").
 std::string bf16_linear_path() { return path_here().name; }
 
