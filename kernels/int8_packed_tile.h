@@ -145,9 +145,21 @@ inline void walk_rows(const X* x, int64_t x_stride, int64_t m, const int8_t* blo
   }
 }
 
+// packed_tile for `rows` rows (1 to MR): the tile of that many rows.
+template <int MR, typename X>
+inline void packed_tile_of(int64_t rows, const X* x, int64_t x_stride, const int8_t* block, int64_t k, float* y,
+                           int64_t y_stride) {
+  if constexpr (MR > 1) {
+    if (rows < MR) return packed_tile_of<MR - 1>(rows, x, x_stride, block, k, y, y_stride);
+  }
+  packed_tile<MR>(x, x_stride, block, k, y, y_stride);
+}
+
 // All m rows against one packed block: on a path with kQuarterRows, two rows or
-// more by walk_rows (kWalkRows at a time); else kPackedRows rows at a time (the
-// block, 64 k bytes, comes from memory for the first rows and from cache after).
+// more by walk_rows (kWalkRows at a time); else in near-equal groups of at most
+// kPackedRows rows (the block, 64 k bytes, comes from memory for the first
+// group and from cache after; 5 rows as 4 + 1 made each weight widened twice
+// and the one-row pass as long as half the four-row one).
 template <typename X>
 inline void packed_rows(const X* x, int64_t x_stride, int64_t m, const int8_t* block, int64_t k, float* y,
                         int64_t y_stride) {
@@ -159,15 +171,11 @@ inline void packed_rows(const X* x, int64_t x_stride, int64_t m, const int8_t* b
       return;
     }
   }
-  for (int64_t r = 0; r < m;) {
-    const X* xr = x + r * x_stride;
-    float* yr = y + r * y_stride;
-    switch (std::min<int64_t>(m - r, kPackedRows)) {
-      case 4: packed_tile<4>(xr, x_stride, block, k, yr, y_stride); r += 4; break;
-      case 3: packed_tile<3>(xr, x_stride, block, k, yr, y_stride); r += 3; break;
-      case 2: packed_tile<2>(xr, x_stride, block, k, yr, y_stride); r += 2; break;
-      default: packed_tile<1>(xr, x_stride, block, k, yr, y_stride); r += 1; break;
-    }
+  const int64_t groups = (m + kPackedRows - 1) / kPackedRows;
+  for (int64_t g = 0, r = 0; g < groups; ++g) {
+    const int64_t rows = (m - r) / (groups - g);
+    packed_tile_of<kPackedRows>(rows, x + r * x_stride, x_stride, block, k, y + r * y_stride, y_stride);
+    r += rows;
   }
 }
 
