@@ -93,7 +93,7 @@ inline vf16 widen_w16(const int8_t* p) {
 #define KVFORGE_VW_BYTES 64
 #include "native_vectors.h"
 inline vw widen_w(const int8_t* p) { return widen_w16(p); }
-constexpr int kPackedRows = 6;  // 24 of the 32 zmm registers hold the sums (a step verifying 5 drafts: one tile)
+constexpr int kPackedRows = 6;  // 24 of the 32 zmm registers hold the sums (a step verifying up to 5 drafts: one tile)
 constexpr int kPackedUnroll = 4;
 constexpr int64_t kQuarterRows = 0;  // packed_tile holds 4 rows of whole lines (no walk)
 #include "int8_packed_tile.h"
