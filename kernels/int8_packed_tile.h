@@ -66,29 +66,27 @@ inline void packed_tile(const X* __restrict__ x, int64_t x_stride, const int8_t*
   }
 }
 
-// Channels of a quarter of a line, the vectors they take, the inputs a walk
-// takes at a time, and the most rows one walk holds sums for.
+// Channels of a quarter of a line, the vectors they take, and the inputs a
+// walk takes at a time.
 constexpr int64_t kQuarter = kPackChannels / 4;
 constexpr int kQ = kQuarter / kW;
 constexpr int64_t kWalkInputs = 16;
-constexpr int64_t kWalkRows = 32;
 
-// Inputs [d0, d1) of MR rows against one packed block's first `quarters`
-// quarters, P at a time: each input's P quarter lines (16 P channels) widened
-// once and multiplied into all MR rows' sums (kQ P MR registers), which wait in
-// `sums` ([MR][64], rows kPackChannels apart) from one chunk and pass to the
-// next. Each sum adds input d, then d + 1, ..., as packed_tile's do, so a sum
+// Inputs [d0, d1) of MR rows against one packed block, P quarters at a time:
+// each input's P quarter lines (16 P channels) widened once and multiplied
+// into all MR rows' sums (kQ P MR registers), which wait in `sums` ([MR][64],
+// rows sums_stride apart) from one chunk and pass to the next. Each sum adds input d, then d + 1, ..., as packed_tile's do, so a sum
 // is one chain of multiply-adds: P = 2 for one or two rows keeps 8 of them in
 // flight, as the FMA's latency needs (4 left it waiting).
 template <int MR, int P, typename X>
 inline void walk_chunk(const X* __restrict__ x, int64_t x_stride, const int8_t* __restrict__ block, int64_t d0,
-                       int64_t d1, int quarters, float* __restrict__ sums) {
+                       int64_t d1, float* __restrict__ sums, int64_t sums_stride) {
   constexpr int V = kQ * P;  // vectors per pass
-  for (int q = 0; q < quarters; q += P) {
+  for (int q = 0; q < 4; q += P) {
     vw acc[MR][V];
     for (int m = 0; m < MR; ++m) {
       for (int u = 0; u < V; ++u) {
-        acc[m][u] = d0 == 0 ? vw{} : *reinterpret_cast<const vw*>(sums + m * kPackChannels + q * kQuarter + kW * u);
+        acc[m][u] = d0 == 0 ? vw{} : *reinterpret_cast<const vw*>(sums + m * sums_stride + q * kQuarter + kW * u);
       }
     }
     for (int64_t d = d0; d < d1; ++d) {
@@ -101,24 +99,23 @@ inline void walk_chunk(const X* __restrict__ x, int64_t x_stride, const int8_t* 
       }
     }
     for (int m = 0; m < MR; ++m) {
-      for (int u = 0; u < V; ++u) *reinterpret_cast<vw*>(sums + m * kPackChannels + q * kQuarter + kW * u) = acc[m][u];
+      for (int u = 0; u < V; ++u) *reinterpret_cast<vw*>(sums + m * sums_stride + q * kQuarter + kW * u) = acc[m][u];
     }
   }
 }
 
-// Two rows or more (at most kWalkRows) against one packed block, where one
+// Two rows or more against one packed block, where one
 // row's sums of a whole line fill the registers (kPackedRows 1: packed_tile
 // would widen every weight again for each row). A walk: the inputs in chunks of
 // kWalkInputs lines (1 KiB, fetched non-temporally as packed_tile fetches its
 // stream, and in L1 for the chunk), and in each chunk every group of at most
 // kQuarterRows rows (near-equal groups) runs walk_chunk over it. So the block is
 // read from memory once, front to back, and each weight widened once per group.
-// A row gets the bits it gets alone (packed_tile's order).
+// The sums wait in y between chunks (k > 0: the op answers k = 0 itself). A row
+// gets the bits it gets alone (packed_tile's order).
 template <typename X>
 inline void walk_rows(const X* x, int64_t x_stride, int64_t m, const int8_t* block, int64_t k, float* y,
                       int64_t y_stride) {
-  alignas(64) float sums[kWalkRows * kPackChannels];
-  constexpr int quarters = 4;
   const int64_t groups = (m + kQuarterRows - 1) / kQuarterRows;
   for (int64_t d0 = 0; d0 < k; d0 += kWalkInputs) {
     const int64_t d1 = std::min(k, d0 + kWalkInputs);
@@ -126,21 +123,16 @@ inline void walk_rows(const X* x, int64_t x_stride, int64_t m, const int8_t* blo
     for (int64_t g = 0, r = 0; g < groups; ++g) {
       const int64_t rows = (m - r) / (groups - g);
       const X* xr = x + r * x_stride;
-      float* sr = sums + r * kPackChannels;
+      float* yr = y + r * y_stride;
       switch (rows) {
-        case 6: walk_chunk<6, 1>(xr, x_stride, block, d0, d1, quarters, sr); break;
-        case 5: walk_chunk<5, 1>(xr, x_stride, block, d0, d1, quarters, sr); break;
-        case 4: walk_chunk<4, 1>(xr, x_stride, block, d0, d1, quarters, sr); break;
-        case 3: walk_chunk<3, 1>(xr, x_stride, block, d0, d1, quarters, sr); break;
-        case 2: walk_chunk<2, 2>(xr, x_stride, block, d0, d1, quarters, sr); break;
-        default: walk_chunk<1, 2>(xr, x_stride, block, d0, d1, quarters, sr); break;
+        case 6: walk_chunk<6, 1>(xr, x_stride, block, d0, d1, yr, y_stride); break;
+        case 5: walk_chunk<5, 1>(xr, x_stride, block, d0, d1, yr, y_stride); break;
+        case 4: walk_chunk<4, 1>(xr, x_stride, block, d0, d1, yr, y_stride); break;
+        case 3: walk_chunk<3, 1>(xr, x_stride, block, d0, d1, yr, y_stride); break;
+        case 2: walk_chunk<2, 2>(xr, x_stride, block, d0, d1, yr, y_stride); break;
+        default: walk_chunk<1, 2>(xr, x_stride, block, d0, d1, yr, y_stride); break;
       }
       r += rows;
-    }
-  }
-  for (int64_t r = 0; r < m; ++r) {
-    for (int64_t c = 0; c < kPackChannels; c += kW) {
-      *reinterpret_cast<vw*>(y + r * y_stride + c) = *reinterpret_cast<const vw*>(sums + r * kPackChannels + c);
     }
   }
 }
@@ -156,7 +148,7 @@ inline void packed_tile_of(int64_t rows, const X* x, int64_t x_stride, const int
 }
 
 // All m rows against one packed block: on a path with kQuarterRows, two rows or
-// more by walk_rows (kWalkRows at a time); else in near-equal groups of at most
+// more by walk_rows; else in near-equal groups of at most
 // kPackedRows rows (the block, 64 k bytes, comes from memory for the first
 // group and from cache after; 5 rows as 4 + 1 made each weight widened twice
 // and the one-row pass as long as half the four-row one).
@@ -165,9 +157,7 @@ inline void packed_rows(const X* x, int64_t x_stride, int64_t m, const int8_t* b
                         int64_t y_stride) {
   if constexpr (kQuarterRows > 0) {
     if (m > 1) {
-      for (int64_t r = 0; r < m; r += kWalkRows) {
-        walk_rows(x + r * x_stride, x_stride, std::min(kWalkRows, m - r), block, k, y + r * y_stride, y_stride);
-      }
+      walk_rows(x, x_stride, m, block, k, y, y_stride);
       return;
     }
   }
