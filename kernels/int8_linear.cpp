@@ -196,6 +196,12 @@ at::Tensor int8_weight_linear(const at::Tensor& x_in, const at::Tensor& weight, 
   const char* op = "kvforge_cpp.int8_weight_linear: ";
   const int mode = epilogue_mode(op, epilogue);
   check_int8_linear_inputs("kvforge_cpp.int8_weight_linear", x_in, weight, scale_in, bias_in);
+  if (x_in.size(1) == 0) {  // no inputs: every sum is zero; the bias and the epilogue still apply
+    const int64_t width = scale_in.numel();
+    at::Tensor sums = at::zeros({x_in.size(0), width}, x_in.options().dtype(at::kFloat));
+    if (bias_in.has_value()) sums.add_(bias_in->reshape({width}).to(at::kFloat));
+    return finish_rows(op, sums, mode, other, x_in.scalar_type());
+  }
   // int8_pack_weight's layout
   if (weight.dim() == 3) return int8_packed_linear(x_in, weight, scale_in, bias_in, mode, other);
   const int64_t m = x_in.size(0), k = x_in.size(1), n = weight.size(0);

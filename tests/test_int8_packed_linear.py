@@ -65,6 +65,22 @@ def test_packed_kernel_matches_float64_on_every_path(level, dtype, rows, k, out,
 
 
 @pytest.mark.parametrize("level", list(LEVELS))
+@pytest.mark.parametrize("rows", [1, 2, 5, 40])
+def test_no_input_features_give_the_bias(level, rows, monkeypatch):
+    """With k = 0 every sum is zero, so each row is the bias (zeros without one), at
+    a decode's and a batch's row counts on every path, packed or not (the widened
+    paths of 32 rows and more had run their tiles over no inputs and crashed)."""
+    on_level(level, torch.float32, monkeypatch)
+    w = torch.zeros(100, 0, dtype=torch.int8)
+    scale, b = torch.rand(100) + 0.5, torch.randn(100)
+    x = torch.empty(rows, 0)
+    for op in (packed_op, torch.ops.kvforge_cpp.int8_weight_linear):
+        assert torch.equal(op(x, w, scale, b), b.expand(rows, 100))
+        assert torch.equal(op(x, w, scale, None), torch.zeros(rows, 100))
+        assert torch.equal(op(x.bfloat16(), w, scale, b), b.bfloat16().expand(rows, 100))
+
+
+@pytest.mark.parametrize("level", list(LEVELS))
 @pytest.mark.parametrize("rows", [2, 3, 5, 6, 7, 12, 13, 31])
 @pytest.mark.parametrize("out", [150, 104])
 def test_each_row_gets_the_bits_it_gets_alone(level, rows, out, monkeypatch):
