@@ -96,10 +96,11 @@ def check_split(config: EngineConfig) -> None:
     cannot take (heads, features or layers that do not divide, an architecture
     without shards) is refused, with the sizes that work, before any process starts."""
     from kvforge.models.loader import load_config, resolve_model_dir
+    from kvforge.models.meta_build import on_meta
     from kvforge.models.registry import model_class
 
     model_config = load_config(resolve_model_dir(config.model))
-    with torch.device("meta"):
+    with on_meta():
         model = model_class(model_config.get("architectures") or [])(model_config)
         part = RankPart(dry_run_groups(config))
         take_slices(model, part.weight_slices(model))

@@ -25,6 +25,7 @@ from .cpp_decoder_stack import attach_decoder_stack
 from .cpp_linear import cpp_linear_pays, cpp_linear_unavailable, use_cpp_linears
 from .cpp_norms import cpp_norms_unavailable, use_cpp_norms
 from .lora_layers import enable_lora
+from .meta_build import on_meta
 from .packed_linear import AUTO_MIN_WEIGHT, LINEAR_KERNELS, onednn_unavailable, pack_linears
 from .quantized_linear import quantize_linears
 from .registry import model_class
@@ -158,7 +159,7 @@ def attention_specs(name_or_path: str | Path) -> list[AttentionLayerSpec]:
     """Each layer's attention spec, read without loading weights; for choosing a
     backend before `load_model` (sliding windows show up in `required_features()`)."""
     config = load_config(resolve_model_dir(name_or_path))
-    with torch.device("meta"):
+    with on_meta():
         return list(model_class(config.get("architectures") or [])(config).layer_specs)
 
 
@@ -203,7 +204,7 @@ def load_model(name_or_path: str | Path, *, dtype: torch.dtype | str = torch.flo
     cls = model_class(config.get("architectures") or [])
     dtype = resolve_dtype(dtype, config)
     device = torch.device(device)
-    with torch.device("meta"):  # no memory and no random init for weights about to be overwritten
+    with on_meta():  # no memory and no initial values for weights about to be overwritten
         model = cls(config)
     slices = shard.weight_slices(model) if shard is not None else None
     lora_on = lora is not None and getattr(lora, "enabled", True)
