@@ -116,7 +116,9 @@ def load_weights(model: CausalLM, files: list[Path], dtype: torch.dtype, device:
                     continue
                 tensor = reader.get_tensor(key) if part is None else part.cut(source)
                 read += tensor.numel() * tensor.element_size()
-                tensor = tensor.to(device=device, dtype=dtype)
+                # copy=True: a tensor safetensors read in place (zero-copy) would keep the file mapped,
+                # and its pages resident, for as long as the model lives, beside any packed copy
+                tensor = tensor.to(device=device, dtype=dtype, copy=True)
                 _warn_if_not_finite(tensor, key, file)
                 _assign(model, name, tensor)
     missing = sorted(set(params) - seen)

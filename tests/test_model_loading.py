@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import json
 import sys
 from pathlib import Path
@@ -220,3 +221,15 @@ def test_tokenizer_comes_from_transformers_when_the_directory_has_one(llama_dir,
 
 def test_no_tokenizer_when_the_directory_has_none(llama_dir):
     assert load_tokenizer(llama_dir[0]) is None
+
+
+@pytest.mark.skipif(not Path("/proc/self/maps").is_file(), reason="needs /proc/self/maps (Linux)")
+def test_a_loaded_model_keeps_no_checkpoint_file_mapped(tmp_path):
+    # safetensors reads a tensor of the model's dtype in place from its mapping of the file;
+    # kept so, the file's pages would stay resident for the model's life beside any packed copy
+    model = load_model(save(transformers.LlamaForCausalLM(transformers.LlamaConfig(**SMALL)), tmp_path / "m"),
+                       dtype=torch.float32, linear_kernel="torch")
+    gc.collect()
+    checkpoint = str(tmp_path / "m" / "model.safetensors")
+    assert model.model.embed_tokens.weight.dtype == torch.float32
+    assert checkpoint not in Path("/proc/self/maps").read_text()
