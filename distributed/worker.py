@@ -69,6 +69,8 @@ def work(spec: WorkerSpec, rank: int, store: dist.Store, host: str, device_index
         store.set(ready_key(rank), "1")
         groups = build_groups(store, rank, config.parallel, device, host)
         model = load_worker_shard(spec, groups)
+        if device.type == "cpu":
+            heap.release_free_memory()  # what loading freed, as the driver does
         store.set(loaded_key(rank), "1")
         # The driver's block count comes through the store, which waits minutes, not through a
         # collective, which waits seconds: the driver may still be loading its own shard.

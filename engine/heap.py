@@ -9,6 +9,13 @@ every step (page-fault counts with and without this setting: docs/benchmarks.md,
 thresholds with `mallopt` (the in-process form of `MALLOC_MMAP_THRESHOLD_` and
 `MALLOC_TRIM_THRESHOLD_`). It is process-wide, so the engine config can turn it
 off (`keep_freed_memory = false`); elsewhere than glibc it does nothing.
+
+Memory freed while a model loads (a checkpoint tensor in the model's dtype
+before it is packed or quantized, the float weight an int8 one replaces) is
+never needed again, and with these thresholds it would stay in the process for
+good: `release_free_memory()`, called once the model is in, returns every free
+page of the heap to the OS (`malloc_trim`) before the steps' activations are
+allocated and kept.
 """
 
 from __future__ import annotations
@@ -50,3 +57,12 @@ def keep_freed_memory() -> bool:
     libc.mallopt.argtypes = [ctypes.c_int, ctypes.c_int]
     _applied = bool(libc.mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD)) & bool(libc.mallopt(M_TRIM_THRESHOLD, TRIM_THRESHOLD))
     return _applied
+
+
+def release_free_memory() -> bool:
+    """Return the heap's free pages to the OS (glibc `malloc_trim(0)`); True when some were."""
+    libc = glibc()
+    if libc is None:
+        return False
+    libc.malloc_trim.argtypes = [ctypes.c_size_t]
+    return bool(libc.malloc_trim(0))

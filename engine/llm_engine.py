@@ -105,6 +105,8 @@ class LLMEngine:
         elif kv_quantizer is not None:
             components.use_kv_quantizer(model, kv_quantizer)
         self.model, self.tokenizer = model, tokenizer
+        if self.device.type == "cpu":
+            heap.release_free_memory()  # what loading freed (before the steps' activations are kept)
         block_size = config.cache.block_size
         spec = model.kv_cache_spec(block_size)
         self.num_blocks = components.num_blocks(config, spec, self.device, int(model.max_model_len))

@@ -48,3 +48,24 @@ def test_reallocating_a_large_tensor_then_costs_almost_no_page_faults():
         torch.empty(4 * 2**20).fill_(1.0)  # 16 MiB, freed at once
     faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before
     assert faults < 2 * pages, f"{faults} page faults for 20 reuses of {pages} pages"
+
+
+def resident_bytes() -> int:
+    return int(Path("/proc/self/statm").read_text().split()[1]) * resource.getpagesize()
+
+
+@pytest.mark.skipif(not GLIBC or not Path("/proc/self/statm").is_file(), reason="not glibc on Linux")
+def test_release_returns_the_memory_loading_freed():
+    heap.keep_freed_memory()  # as the engine runs: freed blocks below 32 MiB stay in the heap
+    tensors = [torch.ones(2**18) for _ in range(256)]  # 256 MiB in 1 MiB blocks, resident
+    del tensors
+    kept = resident_bytes()
+    assert heap.release_free_memory()
+    assert kept - resident_bytes() > 128 * 2**20
+
+
+def test_the_engine_releases_what_loading_freed(monkeypatch):
+    calls = []
+    monkeypatch.setattr(heap, "release_free_memory", lambda: calls.append(1) or True)
+    engine(True)
+    assert calls == [1]
