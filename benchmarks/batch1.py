@@ -24,6 +24,9 @@ beside llama.cpp, per weight format.
   like for like (tg against tg, tg after P against tg after P), and the
   targets: tg >= 1.0x llama.cpp per format (stretch: 1.2x), prefill >= 1.5x,
   for both kinds of kvforge run.
+* Memory: each engine's peak resident memory (kvforge's process, loading
+  included, and its resident memory after the runs; llama-bench's `-p P -n N`
+  process), kvforge's KV cache sized to `KV_TOKENS` float32 tokens.
 
 P, N = 512, 128 (`--quick`: 64, 16). The default model is `bench-llama-25m`
 (model_dirs.py); `--model` picks another.
@@ -37,7 +40,11 @@ import random
 from .scenarios import Run, Scenario, _ids, request
 
 MODEL = "bench-llama-25m"
-NO_PREFIX_CACHE = {"cache": {"enable_prefix_caching": False}}
+# The KV cache of each kvforge run: room for this many float32 tokens (twice as many in
+# bfloat16), so that its resident memory compares with llama-bench's, whose context holds
+# the P + N tokens of its test (not the harness's --kv-cache-gib budget, which it fills).
+KV_TOKENS = 1024
+NO_PREFIX_CACHE = {"cache": {"enable_prefix_caching": False}, "kv_tokens_float32": KV_TOKENS}
 INT8 = {"weights": "int8_weight"}
 # label -> options of each kvforge run
 KVFORGE = {
@@ -114,11 +121,13 @@ def speeds(run: dict, prompt: int) -> dict | None:
     m = run.get("metrics")
     if not m or not m.get("ttft_p50_s") or not m.get("tpot_p50_s"):
         return None
+    info = run.get("info", {})
     if run["peer"] == "llama.cpp":
-        tg, after = _per_token(m), run.get("info", {}).get("tg_after_prompt_tps")
+        tg, after = _per_token(m), info.get("tg_after_prompt_tps")
     else:
         tg, after = _per_token(run.get("metrics_by_class", {}).get(TG)), _per_token(m)
-    return {"prefill_tps": prompt / m["ttft_p50_s"], "tg_tps": tg, "tg_after_prompt_tps": after}
+    memory = {key: info[key] for key in ("peak_rss_bytes", "rss_bytes", "kv_cache_bytes") if info.get(key)}
+    return {"prefill_tps": prompt / m["ttft_p50_s"], "tg_tps": tg, "tg_after_prompt_tps": after, **memory}
 
 
 def _ratio(a: dict | None, b: dict | None, key: str) -> float | None:
@@ -141,7 +150,8 @@ def figures(summary: dict, prompt: int) -> dict:
         a, b = runs.get(ours), runs.get(theirs)
         decode, prefill = _ratio(a, b, "tg_tps"), _ratio(a, b, "prefill_tps")
         pairs[fmt] = {"kvforge": ours, "llama.cpp": theirs, "decode": decode, "prefill": prefill,
-                      "decode_after_prompt": _ratio(a, b, "tg_after_prompt_tps")}
+                      "decode_after_prompt": _ratio(a, b, "tg_after_prompt_tps"),
+                      "peak_memory": _ratio(a, b, "peak_rss_bytes")}
         targets += [target_row(f"batch1 {fmt}: tg >= {DECODE_TARGET:.1f}x {theirs}", decode, DECODE_TARGET),
                     target_row(f"batch1 {fmt}: tg >= {DECODE_STRETCH:.1f}x {theirs} (stretch)", decode,
                                DECODE_STRETCH),
@@ -177,6 +187,7 @@ def markdown(figures: dict) -> list[str]:
     lines += [f"tg: decode from an empty context (llama-bench's tg; kvforge's one-token prompts); tg after {p}: "
               f"decode after a {p}-token context (llama-bench `-d {p}`; kvforge's {p}-token prompts). The targets "
               "take tg.", ""]
+    lines += memory_markdown(figures)
     for label, rows in figures.get("batched", {}).items():
         if isinstance(rows, str):
             lines += [f"{label} llama-batched-bench: {rows}", ""]
@@ -186,3 +197,23 @@ def markdown(figures: dict) -> list[str]:
             for row in rows), ""]
     return lines
 
+
+def _mb(value) -> str:
+    return _num(value / 1e6 if value else None, "{:,.0f}")
+
+
+def memory_markdown(figures: dict) -> list[str]:
+    """Peak resident memory side by side, per weight format (the every-step runs load alike)."""
+    runs = figures["runs"]
+    lines = ["| weight format | kvforge peak MB | kvforge after the runs MB | its KV cache MB | llama.cpp peak MB "
+             "| peak × |", "|---|---:|---:|---:|---:|---:|"]
+    for fmt, pair in figures["pairs"].items():
+        if fmt.endswith(STEPPED):
+            continue
+        a, b = runs.get(pair["kvforge"]) or {}, runs.get(pair["llama.cpp"]) or {}
+        lines.append(f"| {fmt} | {_mb(a.get('peak_rss_bytes'))} | {_mb(a.get('rss_bytes'))} "
+                     f"| {_mb(a.get('kv_cache_bytes'))} | {_mb(b.get('peak_rss_bytes'))} "
+                     f"| {_num(pair.get('peak_memory'), '{:.2f}')} |")
+    return lines + ["", "Resident memory (RSS) of each engine's process: kvforge's peak includes loading the "
+                    f"checkpoint and the Python runtime with torch; its KV cache holds {KV_TOKENS} float32 tokens; "
+                    "llama.cpp's is llama-bench's `-p P -n N` run, with the context that test needs.", ""]

@@ -166,6 +166,14 @@ def test_quick_run_measures_kvforge_and_skips_llama_cpp_with_its_reason(tmp_path
     assert speeds["tg_after_prompt_tps"] == pytest.approx(1 / m["tpot_p50_s"])
     assert speeds["tg_tps"] == pytest.approx(1 / by_class[batch1.TG]["tpot_p50_s"])
     assert summary["batch1"]["runs"]["llama.cpp f32"] is None
+    # memory: the process's peak (loading included) and now, its KV cache sized to KV_TOKENS, not the harness budget
+    info = runs["kvforge float32"]["info"]
+    config = json.loads((Path(tiny_model) / "config.json").read_text())
+    head = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
+    budget = batch1.KV_TOKENS * config["num_hidden_layers"] * 2 * config["num_key_value_heads"] * head * 4
+    block = info["kv_cache_bytes"] // info["num_blocks"]
+    assert budget - block < info["kv_cache_bytes"] <= budget < 0.05 * 2**30
+    assert speeds["peak_rss_bytes"] >= speeds["rss_bytes"] > speeds["kv_cache_bytes"] > 0
     pair = summary["batch1"]["pairs"]["float32"]
     assert pair["decode"] is None and pair["prefill"] is None
     targets = {t["target"]: t for t in summary["targets"]}
@@ -181,7 +189,9 @@ def test_targets_are_the_like_for_like_ratios_of_each_pair():
                "metrics": {"ttft_p50_s": 0.1, "tpot_p50_s": 0.004},
                "metrics_by_class": {batch1.PROMPT: {"ttft_p50_s": 0.1, "tpot_p50_s": 0.004},
                                     batch1.TG: {"ttft_p50_s": 0.001, "tpot_p50_s": 0.0025}}}
-    llama = {"label": "llama.cpp f32", "peer": "llama.cpp", "status": "ok", "info": {"tg_after_prompt_tps": 200.0},
+    kvforge["info"] = {"peak_rss_bytes": 600e6, "rss_bytes": 450e6, "kv_cache_bytes": 16e6}
+    llama = {"label": "llama.cpp f32", "peer": "llama.cpp", "status": "ok",
+             "info": {"tg_after_prompt_tps": 200.0, "peak_rss_bytes": 150e6},
              "metrics": {"ttft_p50_s": 0.2, "tpot_p50_s": 1 / 320}}
     figures = batch1.figures({"targets": [], "runs": [kvforge, llama]}, prompt=512)
     pair = figures["batch1"]["pairs"]["float32"]
@@ -195,6 +205,19 @@ def test_targets_are_the_like_for_like_ratios_of_each_pair():
     assert status["batch1 bfloat16: tg >= 1.0x llama.cpp bf16"] == "not measured"
     text = "\n".join(batch1.markdown(figures["batch1"]))
     assert "| float32 | kvforge float32 | 5120.0 | 400.0 | 250.0 | llama.cpp f32 | 2560.0 | 320.0 | 200.0 " in text
+    assert pair["peak_memory"] == pytest.approx(4.0)
+    assert "| float32 | 600 | 450 | 16 | 150 | 4.00 |" in text
+
+
+def test_a_peer_command_s_own_peak_memory_is_measured():
+    touch = ("import sys, time; b = bytearray(int(sys.argv[1])); b[::4096] = b'x' * len(b[::4096]); "
+             "print('done'); time.sleep(0.5)")
+    out, big = llama_cpp_peer.run_measured([sys.executable, "-c", touch, str(300 * 2**20)])
+    _, small = llama_cpp_peer.run_measured([sys.executable, "-c", touch, "1"])
+    assert out.strip() == "done"
+    assert big - small > 250 * 2**20 and small < 100 * 2**20  # its own peak, not this process's
+    with pytest.raises(SystemExit, match="(?s)failed: .*ZeroDivisionError"):
+        llama_cpp_peer.run_measured([sys.executable, "-c", "1 / 0"])
 
 
 def test_llama_bench_records_carry_the_requests_they_stand_for():

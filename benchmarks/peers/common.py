@@ -18,6 +18,7 @@ import argparse
 import json
 import os
 import time
+from pathlib import Path
 
 
 def parse() -> tuple[dict, dict, str]:
@@ -81,6 +82,18 @@ def write(out: str, config: dict, peer: str, elapsed: float, requests: list[dict
               "info": info or {}, "requests": requests}
     with open(out, "w") as f:
         json.dump(result, f)
+
+
+def resident_memory() -> dict:
+    """This process's resident memory in bytes: `peak_rss_bytes` (the most it held,
+    loading included) and `rss_bytes` (now); empty where /proc is not there."""
+    try:
+        status = Path("/proc/self/status").read_text()
+    except OSError:
+        return {}
+    fields = dict(line.split(":", 1) for line in status.splitlines() if ":" in line)
+    kib = lambda key: int(fields[key].split()[0]) * 1024  # noqa: E731 - "NNN kB"
+    return {"peak_rss_bytes": kib("VmHWM"), "rss_bytes": kib("VmRSS")}
 
 
 def warmup_requests(workload: dict, count: int = 4, max_tokens: int = 4) -> list[dict]:

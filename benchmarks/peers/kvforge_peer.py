@@ -97,7 +97,8 @@ def main() -> None:
     spec = engine.model.kv_cache_spec(engine.kv.block_size)
     info = {"num_blocks": engine.num_blocks, "block_size": engine.kv.block_size,
             "model_class": type(engine.model).__name__, "metrics": engine.metrics(), "cpu_s": cpu,
-            "lora": engine.lora_figures()}
+            "lora": engine.lora_figures(), "kv_cache_bytes": engine.num_blocks * spec.bytes_per_block(),
+            **common.resident_memory()}
     common.write(out, config, "kvforge", elapsed, records, peak * spec.bytes_per_block(), info)
 
 

@@ -3,7 +3,8 @@ llama.cpp's own converter (llama_cpp_convert.py), then `llama-bench -p P -n N
 -t THREADS -o json` (P: the workload's prompt length, N: its decode tokens),
 and `llama-bench -p 0 -n N -d P` (tg after a P-token context, recorded in
 `info.tg_after_prompt_tps`); with the option `batched` (sequence counts),
-`llama-batched-bench` on the same shapes.
+`llama-batched-bench` on the same shapes. `info.peak_rss_bytes` is the most
+resident memory the `-p P -n N` run held (its VmHWM, read as it runs).
 
 Run it with a Python that has torch and transformers (the harness runs it with
 kvforge's); `--config` carries `peer_path`: llama.cpp's bin directory or its
@@ -24,6 +25,8 @@ import os
 import shutil
 import subprocess
 import sys
+import tempfile
+import time
 from pathlib import Path
 
 OUTTYPES = ("f32", "bf16", "q8_0")
@@ -108,10 +111,39 @@ def run_bench(binary: str, gguf: Path, prompt: int, gen: int, repetitions: int, 
         command += ["-d", str(depth)]
     if threads():
         command += ["-t", str(threads())]
-    proc = subprocess.run(command, capture_output=True, text=True)
-    if proc.returncode != 0:
-        raise SystemExit(f"{' '.join(command)} failed: {proc.stderr.strip()[-800:]}")
-    return json.loads(proc.stdout)
+    stdout, peak = run_measured(command)
+    report = json.loads(stdout)
+    for entry in report:
+        entry["peak_rss_bytes"] = peak
+    return report
+
+
+def run_measured(command: list[str], every_s: float = 0.05) -> tuple[str, int]:
+    """Run `command`: its stdout and the most resident memory it held, in bytes: its
+    VmHWM in /proc, read every `every_s` until it exits (growth in its last moment
+    would be missed). Not its rusage: Linux carries the starting process's peak over
+    exec into the child's ru_maxrss."""
+    with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err:
+        proc = subprocess.Popen(command, stdout=out, stderr=err)
+        status, peak = Path(f"/proc/{proc.pid}/status"), 0
+        while proc.poll() is None:
+            peak = max(peak, peak_resident(status))
+            time.sleep(every_s)
+        out.seek(0)
+        err.seek(0)
+        if proc.returncode != 0:
+            raise SystemExit(f"{' '.join(command)} failed: {err.read().decode(errors='replace').strip()[-800:]}")
+        return out.read().decode(), peak
+
+
+def peak_resident(status: Path) -> int:
+    """VmHWM from a /proc/PID/status file, in bytes; 0 once the process is gone."""
+    try:
+        text = status.read_text()
+    except OSError:
+        return 0
+    line = next((line for line in text.splitlines() if line.startswith("VmHWM:")), None)
+    return int(line.split()[1]) * 1024 if line else 0
 
 
 def run_batched(binary: str, gguf: Path, prompt: int, gen: int, sequences: list[int]) -> list[dict]:
@@ -147,7 +179,8 @@ def main() -> None:
     rows = records(tests, measured)
     info = {"clock": "wall", "outtype": options.get("outtype", "f32"), "gguf_bytes": gguf.stat().st_size,
             "threads": threads(), "llama_bench": {k: tests[k]["avg_ts"] for k in tests},
-            "build_commit": tests["pp"].get("build_commit"), "cpu_info": tests["pp"].get("cpu_info")}
+            "build_commit": tests["pp"].get("build_commit"), "cpu_info": tests["pp"].get("cpu_info"),
+            "peak_rss_bytes": report[0]["peak_rss_bytes"]}
     # tg again after the prompt (-d P): the context kvforge's decode steps see
     deep = run_bench(found["bench"], gguf, 0, gen, len(measured), depth=prompt)
     info["tg_after_prompt_tps"] = next((e["avg_ts"] for e in deep if e["n_gen"] > 0), None)
