@@ -96,14 +96,19 @@ def load_weights(model: CausalLM, files: list[Path], dtype: torch.dtype, device:
     read = 0
     for file in files:
         with _open_checkpoint(file) as reader:
-            for key in reader.keys():
-                name = model.checkpoint_name(key)
-                if name.endswith(tuple("." + s for s in model.ignored_suffixes)) or (name in model.tied_keys and name not in params):
-                    continue
-                if name not in params:
-                    raise ConfigError(
-                        f"unexpected tensor {key!r} in {file.name}: {type(model).__name__} has no parameter "
-                        f"{name!r}; is config.json's architecture right for this checkpoint?")
+            keys = list(reader.keys())
+        for key in keys:
+            name = model.checkpoint_name(key)
+            if name.endswith(tuple("." + s for s in model.ignored_suffixes)) or (name in model.tied_keys and name not in params):
+                continue
+            if name not in params:
+                raise ConfigError(
+                    f"unexpected tensor {key!r} in {file.name}: {type(model).__name__} has no parameter "
+                    f"{name!r}; is config.json's architecture right for this checkpoint?")
+            # Each tensor through a mapping of its own: the pages a read touches stay resident
+            # while the file is mapped, so one mapping kept over the file would add the whole
+            # checkpoint to the process's peak beside the copies made of it.
+            with _open_checkpoint(file) as reader:
                 source = reader.get_slice(key)
                 shape = tuple(source.get_shape())
                 if shape != tuple(params[name].shape):
@@ -116,11 +121,10 @@ def load_weights(model: CausalLM, files: list[Path], dtype: torch.dtype, device:
                     continue
                 tensor = reader.get_tensor(key) if part is None else part.cut(source)
                 read += tensor.numel() * tensor.element_size()
-                # copy=True: a tensor safetensors read in place (zero-copy) would keep the file mapped,
-                # and its pages resident, for as long as the model lives, beside any packed copy
+                # copy=True: a tensor safetensors read in place (zero-copy) would keep the file mapped
                 tensor = tensor.to(device=device, dtype=dtype, copy=True)
-                _warn_if_not_finite(tensor, key, file)
-                _assign(model, name, tensor)
+            _warn_if_not_finite(tensor, key, file)
+            _assign(model, name, tensor)
     missing = sorted(set(params) - seen)
     if missing:
         raise ConfigError(f"checkpoint has no tensor {missing[0]!r}" +
@@ -133,7 +137,10 @@ def _warn_if_not_finite(tensor: torch.Tensor, key: str, file: Path) -> None:
     """Warn about NaN or infinity in a loaded weight (checked after the cast, so an
     overflow of the model dtype shows too): the model would still load and run, and
     only the requests those values reach would fail."""
-    if not tensor.is_floating_point():
+    if not tensor.is_floating_point() or tensor.numel() == 0:
+        return
+    low, high = torch.aminmax(tensor)  # NaN in either if anywhere; no tensor-sized temporary
+    if bool(torch.isfinite(low) & torch.isfinite(high)):
         return
     bad = int((~torch.isfinite(tensor)).sum())
     if bad:
