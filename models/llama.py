@@ -14,6 +14,15 @@ from .layers import RMSNorm, RotaryEmbedding, activation, rope_inv_freq, rotate
 from .packed_linear import linear_act, linear_add, linear_mul
 
 
+def _stacked(tensors: list[torch.Tensor]) -> torch.Tensor:
+    """`torch.cat(tensors)`; meta tensors (the layers of another pipeline stage, never
+    loaded) by their shapes alone: torch.cat on the meta device imports torch._dynamo."""
+    if tensors[0].is_meta:
+        rows = sum(t.shape[0] for t in tensors)
+        return torch.empty((rows, *tensors[0].shape[1:]), dtype=tensors[0].dtype, device="meta")
+    return torch.cat(tensors)
+
+
 class LlamaAttention(nn.Module):
     """Attention with the checkpoint's q_proj, k_proj and v_proj, which `fuse_qkv`
     (run by the loader once the weights are in) merges into one `qkv_proj`."""
@@ -41,9 +50,9 @@ class LlamaAttention(nn.Module):
         parts = (self.q_proj, self.k_proj, self.v_proj)
         bias = parts[0].bias is not None
         fused = nn.Linear(parts[0].in_features, sum(p.out_features for p in parts), bias=bias, device="meta")
-        fused.weight = nn.Parameter(torch.cat([p.weight for p in parts]), requires_grad=False)
+        fused.weight = nn.Parameter(_stacked([p.weight for p in parts]), requires_grad=False)
         if bias:
-            fused.bias = nn.Parameter(torch.cat([p.bias for p in parts]), requires_grad=False)
+            fused.bias = nn.Parameter(_stacked([p.bias for p in parts]), requires_grad=False)
         del self.q_proj, self.k_proj, self.v_proj
         self.qkv_proj = fused
 

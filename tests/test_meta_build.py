@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import subprocess
 import sys
-import textwrap
 
 import torch
 from torch import nn
@@ -15,15 +14,15 @@ from kvforge.models.meta_build import on_meta
 
 def imports_after(build: str) -> list[str]:
     """The heavy modules a fresh interpreter has imported after running `build`."""
-    code = textwrap.dedent(f"""
-        import sys, torch
-        from torch import nn
-        from kvforge.models.meta_build import on_meta
-        from kvforge.models.base import ModelConfig
-        from kvforge.models.llama import LlamaForCausalLM
-        {build}
-        print(",".join(m for m in ("torch._dynamo", "sympy", "triton") if m in sys.modules))
-    """)
+    code = "\n".join([
+        "import sys, torch",
+        "from torch import nn",
+        "from kvforge.models.meta_build import on_meta",
+        "from kvforge.models.base import ModelConfig",
+        "from kvforge.models.llama import LlamaForCausalLM",
+        build,
+        'print(",".join(m for m in ("torch._dynamo", "sympy", "triton") if m in sys.modules))',
+    ])
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, check=True)
     return [m for m in done.stdout.strip().split(",") if m]
 
@@ -34,6 +33,12 @@ SMALL = dict(vocab_size=96, hidden_size=64, intermediate_size=96, num_hidden_lay
 
 def test_a_model_built_on_meta_imports_no_compiler():
     assert imports_after(f"with on_meta(): LlamaForCausalLM(ModelConfig({SMALL!r}))") == []
+
+
+def test_finishing_a_model_left_on_meta_imports_no_compiler():
+    # a pipeline stage's layers of other stages stay on meta, and are fused all the same
+    build = f"with on_meta(): model = LlamaForCausalLM(ModelConfig({SMALL!r}))\nmodel.finish_loading()"
+    assert imports_after(build) == []
 
 
 def test_torch_device_meta_alone_would_import_it():
