@@ -91,9 +91,9 @@ def resident_memory() -> dict:
         status = Path("/proc/self/status").read_text()
     except OSError:
         return {}
-    fields = dict(line.split(":", 1) for line in status.splitlines() if ":" in line)
-    kib = lambda key: int(fields[key].split()[0]) * 1024  # noqa: E731 - "NNN kB"
-    return {"peak_rss_bytes": kib("VmHWM"), "rss_bytes": kib("VmRSS")}
+    kib = {name: int(value.split()[0]) for name, value in
+           (line.split(":", 1) for line in status.splitlines()) if name in ("VmHWM", "VmRSS")}  # "NNN kB"
+    return {"peak_rss_bytes": kib["VmHWM"] * 1024, "rss_bytes": kib["VmRSS"] * 1024}
 
 
 def warmup_requests(workload: dict, count: int = 4, max_tokens: int = 4) -> list[dict]:

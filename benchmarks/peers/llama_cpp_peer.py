@@ -104,18 +104,17 @@ def threads() -> int | None:
     return int(value) if value else None
 
 
-def run_bench(binary: str, gguf: Path, prompt: int, gen: int, repetitions: int, depth: int = 0) -> list[dict]:
-    """llama-bench's JSON report; with `depth`, its tests start after that many tokens in the context."""
+def run_bench(binary: str, gguf: Path, prompt: int, gen: int, repetitions: int,
+              depth: int = 0) -> tuple[list[dict], int]:
+    """llama-bench's JSON report and its peak resident bytes (`run_measured`); with `depth`,
+    its tests start after that many tokens in the context."""
     command = [binary, "-m", str(gguf), "-p", str(prompt), "-n", str(gen), "-r", str(repetitions), "-o", "json"]
     if depth:
         command += ["-d", str(depth)]
     if threads():
         command += ["-t", str(threads())]
     stdout, peak = run_measured(command)
-    report = json.loads(stdout)
-    for entry in report:
-        entry["peak_rss_bytes"] = peak
-    return report
+    return json.loads(stdout), peak
 
 
 def run_measured(command: list[str], every_s: float = 0.05) -> tuple[str, int]:
@@ -174,15 +173,15 @@ def main() -> None:
     # one repetition per request of the first one's class (the others, kvforge's decode from an empty
     # context, are what llama-bench's tg test measures already), as kvforge runs each once
     measured = [r for r in workload["requests"] if r.get("cls") == first.get("cls")]
-    report = run_bench(found["bench"], gguf, prompt, gen, len(measured))
+    report, peak = run_bench(found["bench"], gguf, prompt, gen, len(measured))
     tests = bench_tests(report)
     rows = records(tests, measured)
     info = {"clock": "wall", "outtype": options.get("outtype", "f32"), "gguf_bytes": gguf.stat().st_size,
             "threads": threads(), "llama_bench": {k: tests[k]["avg_ts"] for k in tests},
             "build_commit": tests["pp"].get("build_commit"), "cpu_info": tests["pp"].get("cpu_info"),
-            "peak_rss_bytes": report[0]["peak_rss_bytes"]}
+            "peak_rss_bytes": peak}
     # tg again after the prompt (-d P): the context kvforge's decode steps see
-    deep = run_bench(found["bench"], gguf, 0, gen, len(measured), depth=prompt)
+    deep, _ = run_bench(found["bench"], gguf, 0, gen, len(measured), depth=prompt)
     info["tg_after_prompt_tps"] = next((e["avg_ts"] for e in deep if e["n_gen"] > 0), None)
     if options.get("batched"):
         if found["batched"] is None:
