@@ -4,7 +4,7 @@ llama.cpp's own converter (llama_cpp_convert.py), then `llama-bench -p P -n N
 and `llama-bench -p 0 -n N -d P` (tg after a P-token context, recorded in
 `info.tg_after_prompt_tps`); with the option `batched` (sequence counts),
 `llama-batched-bench` on the same shapes. `info.peak_rss_bytes` is the most
-resident memory the `-p P -n N` run held (its VmHWM, read as it runs).
+resident memory the `-p P -n N` run held (its rusage; `run_measured`).
 
 Run it with a Python that has torch and transformers (the harness runs it with
 kvforge's); `--config` carries `peer_path`: llama.cpp's bin directory or its
@@ -105,9 +105,9 @@ def threads() -> int | None:
 
 
 def run_bench(binary: str, gguf: Path, prompt: int, gen: int, repetitions: int,
-              depth: int = 0) -> tuple[list[dict], int]:
-    """llama-bench's JSON report and its peak resident bytes (`run_measured`); with `depth`,
-    its tests start after that many tokens in the context."""
+              depth: int = 0) -> tuple[list[dict], int | None]:
+    """llama-bench's JSON report and its peak resident bytes (`run_measured`: None where
+    not known); with `depth`, its tests start after that many tokens in the context."""
     command = [binary, "-m", str(gguf), "-p", str(prompt), "-n", str(gen), "-r", str(repetitions), "-o", "json"]
     if depth:
         command += ["-d", str(depth)]
@@ -117,26 +117,31 @@ def run_bench(binary: str, gguf: Path, prompt: int, gen: int, repetitions: int,
     return json.loads(stdout), peak
 
 
-def run_measured(command: list[str], every_s: float = 0.05) -> tuple[str, int]:
-    """Run `command`: its stdout and the most resident memory it held, in bytes: its
-    VmHWM in /proc, read every `every_s` until it exits (growth in its last moment
-    would be missed). Not its rusage: Linux carries the starting process's peak over
-    exec into the child's ru_maxrss."""
+def run_measured(command: list[str], every_s: float = 0.05) -> tuple[str, int | None]:
+    """Run `command`: its stdout and the most resident memory it held, in bytes, or
+    None where that cannot be told. Linux carries the launching process's own peak
+    over exec into the child's `ru_maxrss`, so that figure is the child's only when
+    it exceeds this process's peak (this peer is small: a model's run does); below
+    it, a run's peak is not known."""
+    launcher = resident_peak(Path("/proc/self/status"))
     with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err:
         proc = subprocess.Popen(command, stdout=out, stderr=err)
-        status, peak = Path(f"/proc/{proc.pid}/status"), 0
-        while proc.poll() is None:
-            peak = max(peak, peak_resident(status))
+        while True:
+            pid, status, usage = os.wait4(proc.pid, os.WNOHANG)
+            if pid:
+                break
             time.sleep(every_s)
+        proc.returncode = os.waitstatus_to_exitcode(status)  # reaped here: Popen must not wait again
         out.seek(0)
         err.seek(0)
         if proc.returncode != 0:
             raise SystemExit(f"{' '.join(command)} failed: {err.read().decode(errors='replace').strip()[-800:]}")
-        return out.read().decode(), peak
+        peak = usage.ru_maxrss * 1024  # Linux counts kilobytes
+        return out.read().decode(), peak if peak > launcher else None
 
 
-def peak_resident(status: Path) -> int:
-    """VmHWM from a /proc/PID/status file, in bytes; 0 once the process is gone."""
+def resident_peak(status: Path) -> int:
+    """VmHWM from a /proc/PID/status file, in bytes; 0 where it cannot be read."""
     try:
         text = status.read_text()
     except OSError:
