@@ -75,9 +75,10 @@ constexpr int64_t kWalkInputs = 16;
 // Inputs [d0, d1) of MR rows against one packed block, P quarters at a time:
 // each input's P quarter lines (16 P channels) widened once and multiplied
 // into all MR rows' sums (kQ P MR registers), which wait in `sums` ([MR][64],
-// rows sums_stride apart) from one chunk and pass to the next. Each sum adds input d, then d + 1, ..., as packed_tile's do, so a sum
-// is one chain of multiply-adds: P = 2 for one or two rows keeps 8 of them in
-// flight, as the FMA's latency needs (4 left it waiting).
+// rows sums_stride apart) from one chunk and pass to the next. Each sum adds
+// input d, then d + 1, ..., as packed_tile's do, so a sum is one chain of
+// multiply-adds: P = 2 for one or two rows keeps 8 of them in flight, as the
+// FMA's latency needs (4 left it waiting).
 template <int MR, int P, typename X>
 inline void walk_chunk(const X* __restrict__ x, int64_t x_stride, const int8_t* __restrict__ block, int64_t d0,
                        int64_t d1, float* __restrict__ sums, int64_t sums_stride) {
@@ -104,9 +105,9 @@ inline void walk_chunk(const X* __restrict__ x, int64_t x_stride, const int8_t* 
   }
 }
 
-// Two rows or more against one packed block, where one
-// row's sums of a whole line fill the registers (kPackedRows 1: packed_tile
-// would widen every weight again for each row). A walk: the inputs in chunks of
+// Two rows or more against one packed block, where one row's sums of a whole
+// line fill the registers (kPackedRows 1: packed_tile would widen every weight
+// again for each row). A walk: the inputs in chunks of
 // kWalkInputs lines (1 KiB, fetched non-temporally as packed_tile fetches its
 // stream, and in L1 for the chunk), and in each chunk every group of at most
 // kQuarterRows rows (near-equal groups) runs walk_chunk over it. So the block is
@@ -148,10 +149,10 @@ inline void packed_tile_of(int64_t rows, const X* x, int64_t x_stride, const int
 }
 
 // All m rows against one packed block: on a path with kQuarterRows, two rows or
-// more by walk_rows; else in near-equal groups of at most
-// kPackedRows rows (the block, 64 k bytes, comes from memory for the first
-// group and from cache after; 5 rows as 4 + 1 made each weight widened twice
-// and the one-row pass as long as half the four-row one).
+// more by walk_rows; else in near-equal groups of at most kPackedRows rows (the
+// block, 64 k bytes, comes from memory for the first group and from cache
+// after; 5 rows as 4 + 1 made each weight widened twice and the one-row pass as
+// long as half the four-row one).
 template <typename X>
 inline void packed_rows(const X* x, int64_t x_stride, int64_t m, const int8_t* block, int64_t k, float* y,
                         int64_t y_stride) {

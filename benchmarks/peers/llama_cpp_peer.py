@@ -29,6 +29,11 @@ import tempfile
 import time
 from pathlib import Path
 
+try:
+    import common  # run as a script, beside it
+except ImportError:  # imported as kvforge.benchmarks.peers.llama_cpp_peer
+    from . import common
+
 OUTTYPES = ("f32", "bf16", "q8_0")
 BENCH, BATCHED = "llama-bench", "llama-batched-bench"
 SETUP = "docs/benchmarks.md, 'Setting up the llama.cpp peer'"
@@ -123,7 +128,7 @@ def run_measured(command: list[str], every_s: float = 0.05) -> tuple[str, int | 
     over exec into the child's `ru_maxrss`, so that figure is the child's only when
     it exceeds this process's peak (this peer is small: a model's run does); below
     it, a run's peak is not known."""
-    launcher = resident_peak(Path("/proc/self/status"))
+    launcher = common.resident_memory().get("peak_rss_bytes", 0)
     with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err:
         proc = subprocess.Popen(command, stdout=out, stderr=err)
         while True:
@@ -140,16 +145,6 @@ def run_measured(command: list[str], every_s: float = 0.05) -> tuple[str, int | 
         return out.read().decode(), peak if peak > launcher else None
 
 
-def resident_peak(status: Path) -> int:
-    """VmHWM from a /proc/PID/status file, in bytes; 0 where it cannot be read."""
-    try:
-        text = status.read_text()
-    except OSError:
-        return 0
-    line = next((line for line in text.splitlines() if line.startswith("VmHWM:")), None)
-    return int(line.split()[1]) * 1024 if line else 0
-
-
 def run_batched(binary: str, gguf: Path, prompt: int, gen: int, sequences: list[int]) -> list[dict]:
     """llama-batched-bench: each count of parallel sequences, prompts of `prompt`, `gen` tokens each (jsonl rows)."""
     context = max(sequences) * (prompt + gen)
@@ -164,8 +159,6 @@ def run_batched(binary: str, gguf: Path, prompt: int, gen: int, sequences: list[
 
 
 def main() -> None:
-    import common
-
     workload, config, out = common.parse()
     options = config.get("options", {})
     try:
