@@ -83,9 +83,15 @@ def source_digest() -> str:
     return digest.hexdigest()[:16]
 
 
+def cache_root() -> Path:
+    """kvforge's on-disk cache: `KVFORGE_CACHE_DIR`, default `~/.cache/kvforge` (the
+    kernel build, and the tokenizer classes `models.tokenizer_choice` remembers)."""
+    return Path(os.environ.get(CACHE_ENV) or Path.home() / ".cache" / "kvforge")
+
+
 def build_dir() -> Path:
     """Where the compiled library lives for this torch, Python and source version."""
-    root = Path(os.environ.get(CACHE_ENV) or Path.home() / ".cache" / "kvforge")
+    root = cache_root()
     tag = f"torch{torch.__version__.replace('+', '_')}-py{sys.version_info[0]}{sys.version_info[1]}"
     return root / "torch_extensions" / tag / f"{NAME}-{source_digest()}"
 

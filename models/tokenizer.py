@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from . import tokenizer_choice
 from .loader import resolve_model_dir
 
 BYTE_TOKENIZER_FILE = "kvforge_tokenizer.json"
@@ -34,14 +35,13 @@ class ByteTokenizer:
 
 
 def load_tokenizer(name_or_path: str | Path):
-    """The model's tokenizer: byte-level for the built-ins, transformers' AutoTokenizer
-    when the directory has tokenizer files, None when it has neither."""
+    """The model's tokenizer: byte-level for the built-ins, the one transformers'
+    AutoTokenizer loads when the directory has tokenizer files (`tokenizer_choice`),
+    None when it has neither."""
     model_dir = resolve_model_dir(name_or_path)
     byte_file = model_dir / BYTE_TOKENIZER_FILE
     if byte_file.is_file():
         return ByteTokenizer(**json.loads(byte_file.read_text()))
     if any((model_dir / name).is_file() for name in HF_TOKENIZER_FILES):
-        from transformers import AutoTokenizer
-
-        return AutoTokenizer.from_pretrained(str(model_dir), local_files_only=True)
+        return tokenizer_choice.load(model_dir)
     return None
