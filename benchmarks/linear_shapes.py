@@ -9,7 +9,7 @@ through torch `F.linear`, oneDNN-packed (`packed_linear`) and kvforge's C++ kern
 run the way the models run it (`linear_act`, `linear_mul`, `linear_add`, or
 the fused `CppGateUp`, its packed weight on 2 MiB pages as `use_cpp_linears`
 puts a model's). One thread, CPU time (`time.thread_time`), freed heap
-memory kept as the engine keeps it (`engine.heap`: no page faults on each
+memory kept as the engine keeps it (`models.heap`: no page faults on each
 call's output), the three kernels alternated `rounds` times; each figure is
 the median over rounds.
 
@@ -25,7 +25,7 @@ import time
 import torch
 from torch import nn
 
-from kvforge.engine.heap import keep_freed_memory
+from kvforge.models.heap import keep_freed_memory
 from kvforge.models.cpp_linear import CppGateUp, CppLinear
 from kvforge.models.huge_pages import on_huge_pages
 from kvforge.models.packed_linear import PackedLinear, linear_act, linear_add, linear_mul, onednn_unavailable

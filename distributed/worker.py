@@ -17,8 +17,9 @@ import traceback
 import torch
 import torch.distributed as dist
 
-from kvforge.engine import components, heap
+from kvforge.engine import components
 from kvforge.engine.model_runner import copy_blocks
+from kvforge.models import heap
 from kvforge.models.lora_adapter import load_peft_adapter
 
 from . import step_message

@@ -19,8 +19,9 @@ from pathlib import Path
 import torch
 
 from kvforge.core import BlockStateError, ConfigError, EngineConfig, ProposerTarget, RequestError, build_registry, cdiv
+from kvforge.models import heap
 
-from . import components, executors, heap
+from . import components, executors
 from .decode_bursts import burst_length, run_burst
 from .detokenizer import IncrementalDetokenizer
 from .kv_cache_manager import KVCacheManager

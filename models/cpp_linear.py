@@ -30,8 +30,9 @@ from torch import nn
 from kvforge.core import cdiv, dtype_name
 from kvforge.core.errors import UnsupportedConfigurationError
 
-from .huge_pages import on_huge_pages
-from .packed_linear import linear_weight
+from .heap import release_free_memory
+from .huge_pages import move_onto_huge_pages
+from .packed_linear import linear_weight, replace_linears
 from .quantized_linear import Int8Linear, fuse_int8_gate_up, place_on_huge_pages
 
 LANES = 16  # output channels per packed block
@@ -107,14 +108,23 @@ def pack_weight(weight: torch.Tensor) -> torch.Tensor:
     dtype is rounded to it) `[blocks, pairs, 16, 2]`, in padded with a zero input
     to an even count (the kernel never reads past a row of x for it)."""
     out_features, in_features = weight.shape
+    blocks = cdiv(out_features, LANES)
     if weight.dtype == torch.float32:
-        padded = torch.zeros(cdiv(out_features, LANES) * LANES, in_features, device=weight.device)
-        padded[:out_features] = weight.detach()
+        padded = _padded(weight, blocks * LANES, in_features)
         return padded.view(-1, LANES, in_features).transpose(1, 2).contiguous()
-    blocks, pairs = cdiv(out_features, LANES), cdiv(in_features, 2)
-    padded = torch.zeros(blocks * LANES, pairs * 2, dtype=torch.bfloat16, device=weight.device)
-    padded[:out_features, :in_features] = weight.detach()
+    pairs = cdiv(in_features, 2)
+    padded = _padded(weight.to(torch.bfloat16), blocks * LANES, pairs * 2)
     return padded.view(blocks, LANES, pairs, 2).transpose(1, 2).contiguous()
+
+
+def _padded(weight: torch.Tensor, rows: int, columns: int) -> torch.Tensor:
+    """`weight` padded with zeros to `[rows, columns]`; itself where it has that shape
+    (no copy beside the packed one: a vocabulary-sized head is the largest weight)."""
+    if tuple(weight.shape) == (rows, columns):
+        return weight.detach()
+    padded = torch.zeros(rows, columns, dtype=weight.dtype, device=weight.device)
+    padded[:weight.shape[0], :weight.shape[1]] = weight.detach()
+    return padded
 
 
 def pack_bias(bias: torch.Tensor | None, out_features: int) -> torch.Tensor | None:
@@ -217,41 +227,38 @@ def use_cpp_linears(model: nn.Module) -> int:
     and give the model a float32-output head (`lm_head_layer`); the number of
     weights packed. The packed weights then sit side by side on 2 MiB pages in
     the order the model runs them (`huge_pages`)."""
-    count, int8_fused = 0, False
-    for module in list(model.modules()):
+    int8_fused = False
+    mlps = [m for m in model.modules()
+            if hasattr(m, "gate_up_proj") and getattr(m, "act", None) in FUSED_ACTIVATIONS]
+    for module in mlps:
         gate, up = getattr(module, "gate_proj", None), getattr(module, "up_proj", None)
-        if not hasattr(module, "gate_up_proj") or getattr(module, "act", None) not in FUSED_ACTIVATIONS:
-            continue
         # A LoRA layer (lora_layers.LoRALinear, for which linear_weight is None) is not fused: its
         # adapter's update must land on gate and up before SiLU and the product, which CppGateUp
         # computes inside its one kernel. The wrapper keeps its own CppLinear, the post-ops in torch.
         if linear_weight(gate) is not None and linear_weight(up) is not None:
             module.gate_up_proj = CppGateUp(gate, up)
-            count += 2
         else:  # quantized weights (quantize_linears came first): the int8 kernel's epilogue does the same
             module.gate_up_proj = fuse_int8_gate_up(gate, up, model.dtype)
             if module.gate_up_proj is None:
                 continue
             int8_fused = True
-        del module.gate_proj, module.up_proj
+        del module.gate_proj, module.up_proj, gate, up  # (`mlps` holds the MLPs only: the float weights go now)
+        release_free_memory()
     head = model.lm_head_weight() if hasattr(model, "lm_head_weight") else None
     head_layer = CppLinear(head, None, float_out=True) if head is not None else None
-    count += int(head_layer is not None)
-    for parent in list(model.modules()):
-        for name, child in list(parent.named_children()):
-            if head_layer is not None and isinstance(child, nn.Linear) and child.weight is head:
-                setattr(parent, name, head_layer)  # an untied head: the one packed copy serves both
-                continue
-            found = linear_weight(child)
-            if found is not None:
-                setattr(parent, name, CppLinear(*found))
-                count += 1
+
+    def packed_or_head(layer: nn.Module) -> nn.Module:
+        if head_layer is not None and isinstance(layer, nn.Linear) and layer.weight is head:
+            return head_layer  # an untied head: the one packed copy serves both
+        return CppLinear(*linear_weight(layer))
+
+    replace_linears(model, packed_or_head)
+    del head
     if head_layer is not None:
         model.lm_head_layer = head_layer
-    packed_layers = [m for m in model.modules() if isinstance(m, (CppLinear, CppGateUp))]
-    for layer, packed in zip(packed_layers, on_huge_pages([m.packed for m in packed_layers])):
-        layer.packed = packed
+    packed_layers = [m for m in model.modules() if isinstance(m, (CppLinear, CppGateUp))]  # the head once
+    move_onto_huge_pages(packed_layers, "packed")
     if int8_fused:  # the fused weights are new tensors: every int8 weight side by side again, in order (which
         # also frees quantize_linears' arena, where the separate gate and up weights still sat)
         place_on_huge_pages([m for m in model.modules() if isinstance(m, Int8Linear)])
-    return count
+    return sum(2 if isinstance(m, CppGateUp) else 1 for m in packed_layers)

@@ -25,6 +25,8 @@ import torch
 
 from kvforge.core import cdiv
 
+from .heap import release_free_memory
+
 HUGE_PAGE = 2 * 2**20
 ALIGN = 64  # each tensor starts on a cache line
 
@@ -63,14 +65,40 @@ def on_huge_pages(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
     when any is not on the CPU or there is no such mapping here."""
     if not tensors or any(t.device.type != "cpu" for t in tensors):
         return tensors
-    offsets, total = _layout([t.nbytes for t in tensors])
-    arena = huge_page_bytes(total)
-    if arena is None:
+    views = _arena_views(tensors)
+    if views is None:
         return tensors
-    views = _views(arena, offsets, [t.shape for t in tensors], [t.dtype for t in tensors])
     for view, tensor in zip(views, tensors):
         view.copy_(tensor)
     return views
+
+
+def move_onto_huge_pages(holders: list, name: str) -> None:
+    """Replace the CPU tensor each of `holders` keeps as attribute `name` by a copy
+    side by side in one huge-page mapping, in the order given (as `on_huge_pages`),
+    one at a time: each tensor the move frees goes back to the OS before the next
+    is copied (`heap.release_free_memory`), so a model's weights are never held
+    twice over. Nothing moves when one is not on the CPU or there is no such
+    mapping here. The holders must be the tensors' only owners for that."""
+    views = _arena_views([getattr(holder, name) for holder in holders])
+    if views is None:
+        return
+    for holder, view in zip(holders, views):
+        view.copy_(getattr(holder, name))
+        setattr(holder, name, view)
+        release_free_memory()
+
+
+def _arena_views(tensors: list[torch.Tensor]) -> list[torch.Tensor] | None:
+    """Empty views for `tensors`' copies, side by side in one new huge-page mapping;
+    None when there are none, one is not on the CPU, or there is no such mapping."""
+    if not tensors or any(t.device.type != "cpu" for t in tensors):
+        return None
+    offsets, total = _layout([t.nbytes for t in tensors])
+    arena = huge_page_bytes(total)
+    if arena is None:
+        return None
+    return _views(arena, offsets, [t.shape for t in tensors], [t.dtype for t in tensors])
 
 
 def zeros_on_huge_pages(shapes: list[tuple[int, ...]], dtype: torch.dtype) -> list[torch.Tensor] | None:

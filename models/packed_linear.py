@@ -23,6 +23,7 @@ from torch import nn
 
 from kvforge.core import dtype_name
 
+from .heap import release_free_memory
 from .layers import activation
 
 LINEAR_KERNELS = ("auto", "torch", "onednn", "cpp")
@@ -118,6 +119,24 @@ def linear_weight(module: nn.Module) -> tuple[torch.Tensor, torch.Tensor | None]
     return None
 
 
+def replace_linears(model: nn.Module, replacement) -> int:
+    """Set each float linear layer of `model` (`linear_weight`) to
+    `replacement(layer)` where that is not None; the number replaced. A parent's
+    layers at a time, and after each parent the heap gives what its old layers
+    held back to the OS (`heap.release_free_memory`): only the parents are held
+    while walking, so each float weight is freed as it is replaced, and a model
+    being packed or quantized is never held twice over."""
+    count = 0
+    for parent in [m for m in model.modules() if any(linear_weight(c) is not None for c in m.children())]:
+        for name in [n for n, c in parent.named_children() if linear_weight(c) is not None]:
+            new = replacement(getattr(parent, name))
+            if new is not None:
+                setattr(parent, name, new)
+                count += 1
+        release_free_memory()
+    return count
+
+
 def packed(module: nn.Module, min_weight: int = 0) -> PackedLinear | None:
     """`module` as a PackedLinear, if it is a linear layer this module knows with
     a weight of at least `min_weight` elements."""
@@ -136,16 +155,14 @@ def pack_linears(model: nn.Module, min_weight: int = 0) -> int:
     head = model.lm_head_weight() if hasattr(model, "lm_head_weight") else None
     head = head if head is not None and head.numel() >= min_weight else None
     head_layer = PackedLinear(head, None) if head is not None else None
-    count = int(head_layer is not None)
-    for parent in list(model.modules()):
-        for name, child in list(parent.named_children()):
-            if head_layer is not None and isinstance(child, nn.Linear) and child.weight is head:
-                setattr(parent, name, head_layer)  # an untied head: the one packed copy serves both
-                continue
-            replacement = packed(child, min_weight)
-            if replacement is not None:
-                setattr(parent, name, replacement)
-                count += 1
+
+    def packed_or_head(layer: nn.Module) -> nn.Module | None:
+        if head_layer is not None and isinstance(layer, nn.Linear) and layer.weight is head:
+            return head_layer  # an untied head: the one packed copy serves both
+        return packed(layer, min_weight)
+
+    replace_linears(model, packed_or_head)
+    del head
     if head_layer is not None:
         model.lm_head_layer = head_layer
-    return count
+    return sum(isinstance(m, PackedLinear) for m in model.modules())  # the head once, tied or not

@@ -31,8 +31,8 @@ from torch import nn
 from kvforge.core import PER_CHANNEL, Quantizer, dtype_name
 from kvforge.core.errors import UnsupportedConfigurationError
 
-from .huge_pages import on_huge_pages
-from .packed_linear import linear_weight
+from .huge_pages import move_onto_huge_pages
+from .packed_linear import linear_weight, replace_linears
 
 log = logging.getLogger(__name__)
 _warned: set[str] = set()  # build failures already logged
@@ -311,17 +311,18 @@ def quantize_linears(model: nn.Module, quantizer: Quantizer, lm_head: bool = Tru
     if reason is not None:
         raise UnsupportedConfigurationError(f"{reason}; use 'int8_weight' or another per_channel int8 quantizer")
     head = model.lm_head_weight() if hasattr(model, "lm_head_weight") else None
-    count = 0
-    for parent in list(model.modules()):
-        for name, child in list(parent.named_children()):
-            is_head = head is not None and getattr(child, "weight", None) is head
-            replacement = None if is_head and not lm_head else int8_linear(child, quantizer, activations)
-            if replacement is None:
-                continue
-            setattr(parent, name, replacement)  # the float weight goes with the old module
-            count += 1
-            if is_head:
-                model.lm_head_layer = replacement
+
+    def quantized(layer: nn.Module) -> Int8Linear | None:
+        is_head = head is not None and layer.weight is head
+        if is_head and not lm_head:
+            return None
+        replacement = int8_linear(layer, quantizer, activations)
+        if is_head:
+            model.lm_head_layer = replacement
+        return replacement
+
+    count = replace_linears(model, quantized)
+    del head
     place_on_huge_pages([m for m in model.modules() if isinstance(m, Int8Linear)])
     return count
 
@@ -329,5 +330,4 @@ def quantize_linears(model: nn.Module, quantizer: Quantizer, lm_head: bool = Tru
 def place_on_huge_pages(layers: list[Int8Linear]) -> None:
     """Move the int8 weights of `layers` side by side onto 2 MiB pages (on a CPU;
     `huge_pages`), in order: a decode step then streams them as one run of pages."""
-    for layer, weight in zip(layers, on_huge_pages([m.weight_int8 for m in layers])):
-        layer.weight_int8 = weight
+    move_onto_huge_pages(layers, "weight_int8")

@@ -6,6 +6,10 @@ float16 model is refused with the reason."""
 
 from __future__ import annotations
 
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 import transformers
@@ -115,3 +119,41 @@ def test_qwen2_biases_and_gpt2_conv1d_become_cpp_linears(tmp_path):
     model = load_model(tmp_path / "gpt2", dtype=torch.bfloat16, linear_kernel="cpp")
     assert not any(isinstance(m, nn.Linear) for m in model.modules())
     assert sum(isinstance(m, CppLinear) for m in model.modules()) >= 4
+
+
+PEAK_SCRIPT = """
+import sys, torch
+from pathlib import Path
+from kvforge.models import load_model
+from kvforge.models.heap import keep_freed_memory
+
+def status(key):
+    return next(int(l.split()[1]) * 1024 for l in open("/proc/self/status") if l.startswith(key + ":"))
+
+keep_freed_memory()  # as the engine loads: freed blocks below 32 MiB stay in the heap unless given back
+Path("/proc/self/clear_refs").write_text("5")  # the peak starts from here
+before = status("VmRSS")
+model = load_model(sys.argv[1], dtype=getattr(torch, sys.argv[2]), linear_kernel="cpp")
+print(status("VmHWM") - before, status("VmRSS") - before)
+"""
+
+
+@pytest.mark.skipif(not Path("/proc/self/clear_refs").exists(), reason="needs /proc/self/clear_refs (Linux)")
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_packing_never_holds_the_model_twice(tmp_path, dtype):
+    # Each float weight is freed (and given back to the OS) as it is packed, and each packed
+    # weight as it moves onto the 2 MiB pages: the loading peak stays under twice the model's
+    # weights (float weights, packed copies and the copies on 2 MiB pages held at once made it
+    # three times), and what loading freed does not stay in the process.
+    config = transformers.LlamaConfig(vocab_size=8192, hidden_size=512, intermediate_size=1536, num_hidden_layers=3,
+                                      num_attention_heads=8, num_key_value_heads=4, tie_word_embeddings=False)
+    torch.manual_seed(0)
+    transformers.LlamaForCausalLM(config).save_pretrained(tmp_path)
+    weights = sum(p.numel() for p in transformers.LlamaForCausalLM(config).parameters())
+    weights *= torch.tensor([], dtype=getattr(torch, dtype)).element_size()
+    out = subprocess.run([sys.executable, "-c", PEAK_SCRIPT, str(tmp_path), dtype], capture_output=True, text=True,
+                         check=True, cwd=Path(__file__).parent.parent)
+    peak, held = map(int, out.stdout.split())
+    sizes = f"peak {peak / 2**20:.0f} MiB, held {held / 2**20:.0f} MiB after, weights {weights / 2**20:.0f} MiB"
+    assert 0.9 * weights < held < 1.5 * weights, sizes
+    assert peak < 2 * weights, sizes
