@@ -27,6 +27,8 @@ beside llama.cpp, per weight format.
 * Memory: each engine's peak resident memory (kvforge's process, loading
   included, and its resident memory after the runs; llama-bench's `-p P -n N`
   process), kvforge's KV cache sized to `KV_TOKENS` float32 tokens.
+* Start-up: from launching each engine's process to the first token of a
+  short prompt (`info.startup_s` of both peers).
 
 P, N = 512, 128 (`--quick`: 64, 16). The default model is `bench-llama-25m`
 (model_dirs.py); `--model` picks another.
@@ -126,7 +128,7 @@ def speeds(run: dict, prompt: int) -> dict | None:
         tg, after = _per_token(m), info.get("tg_after_prompt_tps")
     else:
         tg, after = _per_token(run.get("metrics_by_class", {}).get(TG)), _per_token(m)
-    memory = {key: info[key] for key in ("peak_rss_bytes", "rss_bytes", "kv_cache_bytes") if info.get(key)}
+    memory = {key: info[key] for key in ("peak_rss_bytes", "rss_bytes", "kv_cache_bytes", "startup_s") if info.get(key)}
     return {"prefill_tps": prompt / m["ttft_p50_s"], "tg_tps": tg, "tg_after_prompt_tps": after, **memory}
 
 
@@ -151,7 +153,7 @@ def figures(summary: dict, prompt: int) -> dict:
         decode, prefill = _ratio(a, b, "tg_tps"), _ratio(a, b, "prefill_tps")
         pairs[fmt] = {"kvforge": ours, "llama.cpp": theirs, "decode": decode, "prefill": prefill,
                       "decode_after_prompt": _ratio(a, b, "tg_after_prompt_tps"),
-                      "peak_memory": _ratio(a, b, "peak_rss_bytes")}
+                      "peak_memory": _ratio(a, b, "peak_rss_bytes"), "startup": _ratio(a, b, "startup_s")}
         targets += [target_row(f"batch1 {fmt}: tg >= {DECODE_TARGET:.1f}x {theirs}", decode, DECODE_TARGET),
                     target_row(f"batch1 {fmt}: tg >= {DECODE_STRETCH:.1f}x {theirs} (stretch)", decode,
                                DECODE_STRETCH),
@@ -203,17 +205,23 @@ def _mb(value) -> str:
 
 
 def memory_markdown(figures: dict) -> list[str]:
-    """Peak resident memory side by side, per weight format (the every-step runs load alike)."""
+    """Peak resident memory and start-up side by side, per weight format (the every-step runs load alike)."""
     runs = figures["runs"]
     lines = ["| weight format | kvforge peak MB | kvforge after the runs MB | its KV cache MB | llama.cpp peak MB "
-             "| peak × |", "|---|---:|---:|---:|---:|---:|"]
+             "| peak × | kvforge start-up s | llama.cpp start-up s | start-up × |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for fmt, pair in figures["pairs"].items():
         if fmt.endswith(STEPPED):
             continue
         a, b = runs.get(pair["kvforge"]) or {}, runs.get(pair["llama.cpp"]) or {}
         lines.append(f"| {fmt} | {_mb(a.get('peak_rss_bytes'))} | {_mb(a.get('rss_bytes'))} "
                      f"| {_mb(a.get('kv_cache_bytes'))} | {_mb(b.get('peak_rss_bytes'))} "
-                     f"| {_num(pair.get('peak_memory'), '{:.2f}')} |")
+                     f"| {_num(pair.get('peak_memory'), '{:.2f}')} | {_num(a.get('startup_s'), '{:.2f}')} "
+                     f"| {_num(b.get('startup_s'), '{:.2f}')} | {_num(pair.get('startup'), '{:.1f}')} |")
     return lines + ["", "Resident memory (RSS) of each engine's process: kvforge's peak includes loading the "
                     f"checkpoint and the Python runtime with torch; its KV cache holds {KV_TOKENS} float32 tokens; "
-                    "llama.cpp's is llama-bench's `-p P -n N` run, with the context that test needs.", ""]
+                    "llama.cpp's is llama-bench's `-p P -n N` run, with the context that test needs. Start-up: "
+                    "from launching the process to the first token of a short prompt (kvforge: the interpreter, "
+                    "its imports, loading and the first step; llama.cpp: llama-bench to its exit after a short pp "
+                    "and a one-token tg test, no warm-up); the model files in the page cache. × is kvforge's over "
+                    "llama.cpp's: lower is better for both.", ""]

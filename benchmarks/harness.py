@@ -23,7 +23,7 @@ from pathlib import Path
 
 import numpy as np
 
-from kvforge.engine import heap
+from kvforge.models import heap
 
 from . import work
 from .scenarios import Scenario, Target, write_workload

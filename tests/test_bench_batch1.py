@@ -10,13 +10,14 @@ import os
 import stat
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
 import torch
 
 from kvforge.benchmarks import batch1, harness, report
-from kvforge.benchmarks.peers import llama_cpp_peer
+from kvforge.benchmarks.peers import common, llama_cpp_peer
 sys.path.insert(0, str(Path(__file__).parent))  # the test-local helpers sit beside this file
 from model_driver import save_bench_llama  # noqa: E402
 
@@ -175,6 +176,7 @@ def test_quick_run_measures_kvforge_and_skips_llama_cpp_with_its_reason(tmp_path
     block = info["kv_cache_bytes"] // info["num_blocks"]
     assert budget - block < info["kv_cache_bytes"] <= budget < 0.05 * 2**30
     assert speeds["peak_rss_bytes"] >= speeds["rss_bytes"] > speeds["kv_cache_bytes"] > 0
+    assert 0 < speeds["startup_s"] < 300  # launch to a first token, inside the harness's timeout
     pair = summary["batch1"]["pairs"]["float32"]
     assert pair["decode"] is None and pair["prefill"] is None
     targets = {t["target"]: t for t in summary["targets"]}
@@ -190,9 +192,9 @@ def test_targets_are_the_like_for_like_ratios_of_each_pair():
                "metrics": {"ttft_p50_s": 0.1, "tpot_p50_s": 0.004},
                "metrics_by_class": {batch1.PROMPT: {"ttft_p50_s": 0.1, "tpot_p50_s": 0.004},
                                     batch1.TG: {"ttft_p50_s": 0.001, "tpot_p50_s": 0.0025}}}
-    kvforge["info"] = {"peak_rss_bytes": 600e6, "rss_bytes": 450e6, "kv_cache_bytes": 16e6}
+    kvforge["info"] = {"peak_rss_bytes": 600e6, "rss_bytes": 450e6, "kv_cache_bytes": 16e6, "startup_s": 2.5}
     llama = {"label": "llama.cpp f32", "peer": "llama.cpp", "status": "ok",
-             "info": {"tg_after_prompt_tps": 200.0, "peak_rss_bytes": 150e6},
+             "info": {"tg_after_prompt_tps": 200.0, "peak_rss_bytes": 150e6, "startup_s": 0.1},
              "metrics": {"ttft_p50_s": 0.2, "tpot_p50_s": 1 / 320}}
     figures = batch1.figures({"targets": [], "runs": [kvforge, llama]}, prompt=512)
     pair = figures["batch1"]["pairs"]["float32"]
@@ -207,7 +209,29 @@ def test_targets_are_the_like_for_like_ratios_of_each_pair():
     text = "\n".join(batch1.markdown(figures["batch1"]))
     assert "| float32 | kvforge float32 | 5120.0 | 400.0 | 250.0 | llama.cpp f32 | 2560.0 | 320.0 | 200.0 " in text
     assert pair["peak_memory"] == pytest.approx(4.0)
-    assert "| float32 | 600 | 450 | 16 | 150 | 4.00 |" in text
+    assert pair["startup"] == pytest.approx(25.0)
+    assert "| float32 | 600 | 450 | 16 | 150 | 4.00 | 2.50 | 0.10 | 25.0 |" in text
+
+
+def test_process_age_counts_from_the_interpreter_s_launch():
+    script = ("import sys, time; sys.path.insert(0, sys.argv[1]); time.sleep(0.5); import common; "
+              "print(common.process_age())")
+    peers = str(Path(llama_cpp_peer.__file__).parent)
+    start = time.perf_counter()
+    age = float(subprocess.run([sys.executable, "-c", script, peers], capture_output=True, text=True, check=True,
+                               timeout=120).stdout)
+    assert 0.5 <= age <= time.perf_counter() - start + 0.02  # (/proc counts in 10 ms ticks)
+
+
+def test_llama_cpp_start_up_is_one_short_run_without_warm_up(tmp_path):
+    fake = tmp_path / "llama-bench"
+    fake.write_text(f"#!/bin/sh\necho \"$@\" > {tmp_path / 'args'}\nsleep 0.3\necho '[]'\n")
+    fake.chmod(0o755)
+    seconds = llama_cpp_peer.run_startup(str(fake), tmp_path / "m.gguf")
+    args = (tmp_path / "args").read_text().split()
+    assert seconds >= 0.3
+    assert "--no-warmup" in args and args[args.index("-p") + 1] == str(common.STARTUP_PROMPT)
+    assert args[args.index("-n") + 1] == "1" and args[args.index("-r") + 1] == "1"
 
 
 def test_a_peer_command_s_own_peak_memory_is_measured():

@@ -96,6 +96,20 @@ def resident_memory() -> dict:
     return {"peak_rss_bytes": kib["VmHWM"] * 1024, "rss_bytes": kib["VmRSS"] * 1024}
 
 
+STARTUP_PROMPT = 8  # prompt tokens of the request a peer's `info.startup_s` times to its first token
+
+
+def process_age() -> float | None:
+    """Seconds since this process started (the interpreter's launch, imports included),
+    to 10 ms; None where /proc is not there."""
+    try:
+        fields = Path("/proc/self/stat").read_text().rsplit(")", 1)[1].split()  # after the command name
+        uptime = float(Path("/proc/uptime").read_text().split()[0])
+    except OSError:
+        return None
+    return uptime - int(fields[19]) / os.sysconf("SC_CLK_TCK")  # field 22, starttime, in clock ticks since boot
+
+
 def warmup_requests(workload: dict, count: int = 4, max_tokens: int = 4) -> list[dict]:
     """A few short requests to run before timing (first-call costs: allocation, kernels)."""
     # reversed prompts: the same lengths, but no prefix shared with the timed requests

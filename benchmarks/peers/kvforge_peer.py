@@ -5,7 +5,9 @@ own, instead of the workload's); with a
 `structured_outputs` section, a request that carries a `json_schema` is
 constrained to it (and ends when its document does, EOS not ignored). With
 `lora_adapters` (`{"count": C, "rank": R}`, beside a `lora` section), request i
-runs adapter i mod C of `lora_adapters.adapter_dirs`."""
+runs adapter i mod C of `lora_adapters.adapter_dirs`. `info.startup_s` is the time
+from the interpreter's launch (imports, loading and the first step included) to the
+first token of a `common.STARTUP_PROMPT`-token prompt, run before warm-up."""
 
 from __future__ import annotations
 
@@ -90,6 +92,11 @@ def main() -> None:
     loras = lora_requests(workload, options)
     for lora in loras or ():  # loaded before timing, as the vLLM runner does
         engine.add_lora(lora)
+    # start-up: from the interpreter's launch to the first token of a short prompt
+    first = workload["requests"][0]
+    short = first["prompt_token_ids"][:common.STARTUP_PROMPT]
+    run(engine, [dict(first, id="start", prompt_token_ids=short, max_tokens=1, arrival_step=0)], structured, loras)
+    startup = common.process_age()
     run(engine, common.warmup_requests(workload), structured, loras)
     cpu = time.process_time()
     elapsed, records, peak = run(engine, workload["requests"], structured, loras)
@@ -98,7 +105,7 @@ def main() -> None:
     info = {"num_blocks": engine.num_blocks, "block_size": engine.kv.block_size,
             "model_class": type(engine.model).__name__, "metrics": engine.metrics(), "cpu_s": cpu,
             "lora": engine.lora_figures(), "kv_cache_bytes": engine.num_blocks * spec.bytes_per_block(),
-            **common.resident_memory()}
+            "startup_s": startup, **common.resident_memory()}
     common.write(out, config, "kvforge", elapsed, records, peak * spec.bytes_per_block(), info)
 
 

@@ -4,7 +4,9 @@ llama.cpp's own converter (llama_cpp_convert.py), then `llama-bench -p P -n N
 and `llama-bench -p 0 -n N -d P` (tg after a P-token context, recorded in
 `info.tg_after_prompt_tps`); with the option `batched` (sequence counts),
 `llama-batched-bench` on the same shapes. `info.peak_rss_bytes` is the most
-resident memory the `-p P -n N` run held (its rusage; `run_measured`).
+resident memory the `-p P -n N` run held (its rusage; `run_measured`);
+`info.startup_s` the time from launching llama-bench to its exit after a short
+pp test and a one-token tg test (`run_startup`).
 
 Run it with a Python that has torch and transformers (the harness runs it with
 kvforge's); `--config` carries `peer_path`: llama.cpp's bin directory or its
@@ -122,6 +124,18 @@ def run_bench(binary: str, gguf: Path, prompt: int, gen: int, repetitions: int,
     return json.loads(stdout), peak
 
 
+def run_startup(binary: str, gguf: Path) -> float:
+    """Seconds from launching llama-bench to its exit after one pp test of
+    `common.STARTUP_PROMPT` tokens and one one-token tg test, no warm-up: llama.cpp's
+    start-up to a first token."""
+    command = [binary, "-m", str(gguf), "-p", str(common.STARTUP_PROMPT), "-n", "1", "-r", "1", "--no-warmup", "-o", "json"]
+    if threads():
+        command += ["-t", str(threads())]
+    start = time.perf_counter()
+    run_measured(command)
+    return time.perf_counter() - start
+
+
 def run_measured(command: list[str], every_s: float = 0.05) -> tuple[str, int | None]:
     """Run `command`: its stdout and the most resident memory it held, in bytes, or
     None where that cannot be told. Linux carries the launching process's own peak
@@ -178,6 +192,7 @@ def main() -> None:
             "threads": threads(), "llama_bench": {k: tests[k]["avg_ts"] for k in tests},
             "build_commit": tests["pp"].get("build_commit"), "cpu_info": tests["pp"].get("cpu_info"),
             "peak_rss_bytes": peak}
+    info["startup_s"] = run_startup(found["bench"], gguf)
     # tg again after the prompt (-d P): the context kvforge's decode steps see
     deep, _ = run_bench(found["bench"], gguf, 0, gen, len(measured), depth=prompt)
     info["tg_after_prompt_tps"] = next((e["avg_ts"] for e in deep if e["n_gen"] > 0), None)
