@@ -125,9 +125,13 @@ def replace_linears(model: nn.Module, replacement) -> int:
     layers at a time, and after each parent the heap gives what its old layers
     held back to the OS (`heap.release_free_memory`): only the parents are held
     while walking, so each float weight is freed as it is replaced, and a model
-    being packed or quantized is never held twice over."""
+    being packed or quantized is never held twice over. The parents go deepest
+    first: the model's own children (a vocabulary-sized head, the largest weight,
+    whose replacement needs the most temporary memory) come last, when the other
+    float weights are gone."""
     count = 0
-    for parent in [m for m in model.modules() if any(linear_weight(c) is not None for c in m.children())]:
+    parents = [m for m in model.modules() if any(linear_weight(c) is not None for c in m.children())]
+    for parent in reversed(parents):
         for name in [n for n, c in parent.named_children() if linear_weight(c) is not None]:
             new = replacement(getattr(parent, name))
             if new is not None:

@@ -3,6 +3,8 @@ model packed (the head once, even when tied), and clear refusals."""
 
 from __future__ import annotations
 
+import weakref
+
 import pytest
 import torch
 import transformers
@@ -11,7 +13,8 @@ from torch import nn
 from kvforge.core import ConfigError, UnsupportedConfigurationError
 from kvforge.models import load_model
 from tests.model_driver import save_llama
-from kvforge.models.packed_linear import AUTO_MIN_WEIGHT, PackedLinear, onednn_unavailable, pack_linears
+from kvforge.models.packed_linear import (AUTO_MIN_WEIGHT, PackedLinear, onednn_unavailable, pack_linears,
+                                          replace_linears)
 
 CPU = torch.device("cpu")
 TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 1e-2}
@@ -101,3 +104,26 @@ def test_unavailable_onednn_is_refused_with_the_reason(tmp_path):
 
 def test_onednn_unavailable_off_the_cpu():
     assert "CPU" in onednn_unavailable(torch.float32, torch.device("cuda"))
+
+
+def test_replace_linears_goes_deepest_first_and_lets_each_replaced_layer_go():
+    # the model's own children (a vocabulary-sized head) come last, when the deeper float
+    # layers are gone: nothing the walk holds keeps a replaced layer alive
+    model = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Sequential(nn.Linear(4, 4), nn.Sequential(nn.Linear(4, 3))))
+    order = [model[2][1][0], model[2][0], model[0]]
+    expected = [id(layer) for layer in order]
+    seen, earlier = [], []
+    del order
+
+    def replacement(layer):
+        assert all(ref() is None for ref in earlier)  # each one replaced before is freed already
+        seen.append(id(layer))
+        if layer.out_features == 3:
+            return None  # this one stays
+        earlier.append(weakref.ref(layer))
+        return nn.Identity()
+
+    assert replace_linears(model, replacement) == 2
+    assert seen == expected
+    assert isinstance(model[0], nn.Identity) and isinstance(model[2][0], nn.Identity)
+    assert isinstance(model[2][1][0], nn.Linear)
