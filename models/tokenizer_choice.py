@@ -10,8 +10,8 @@ asks `AutoTokenizer` and writes the answer to `tokenizer-classes.json` in kvforg
 cache (`KVFORGE_CACHE_DIR`, default `~/.cache/kvforge`), keyed by a fingerprint of
 those (`fingerprint`); later loads with the same fingerprint call the class's own
 `from_pretrained`, as `AutoTokenizer` would. Only classes defined in transformers
-are remembered (never a model's own code). A cache that cannot be read or written
-only costs the shortcut.
+are remembered (never a model's own code). A cache that cannot be read or written,
+or a remembered class that fails to load, only costs the shortcut.
 """
 
 from __future__ import annotations
@@ -60,9 +60,13 @@ def load(model_dir: Path):
     entries = _read()
     cls = _class(entries.get(key))
     if cls is not None:
-        tokenizer = cls.from_pretrained(str(model_dir), local_files_only=True, _from_auto=True)
-        if type(tokenizer) is cls:
-            return tokenizer
+        try:
+            tokenizer = cls.from_pretrained(str(model_dir), local_files_only=True, _from_auto=True)
+        except Exception as error:  # noqa: BLE001 - AutoTokenizer below loads it, or says what is wrong
+            log.debug("remembered tokenizer class %s failed for %s: %s", cls.__name__, model_dir, error)
+        else:
+            if type(tokenizer) is cls:
+                return tokenizer
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(str(model_dir), local_files_only=True)

@@ -134,3 +134,19 @@ def test_the_cache_keeps_the_newest_directories(cache, model_dir, monkeypatch):
     load_tokenizer(model_dir)
     remembered = json.loads(cache.read_text())
     assert list(remembered) == ["older", tokenizer_choice.fingerprint(model_dir)]
+
+
+def test_a_remembered_class_that_fails_to_load_costs_only_the_shortcut(cache, model_dir, monkeypatch):
+    expected = load_tokenizer(model_dir)  # remembered
+
+    class Broken:
+        @classmethod
+        def from_pretrained(cls, *args, **kwargs):
+            raise OSError("planted")
+
+    monkeypatch.setattr(tokenizer_choice, "_class", lambda name: Broken)
+    calls = []
+    auto = transformers.AutoTokenizer.from_pretrained
+    monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained", lambda *a, **k: calls.append(1) or auto(*a, **k))
+    same_tokenizer(load_tokenizer(model_dir), expected)
+    assert calls == [1]
