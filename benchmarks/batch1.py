@@ -128,8 +128,8 @@ def speeds(run: dict, prompt: int) -> dict | None:
         tg, after = _per_token(m), info.get("tg_after_prompt_tps")
     else:
         tg, after = _per_token(run.get("metrics_by_class", {}).get(TG)), _per_token(m)
-    memory = {key: info[key] for key in ("peak_rss_bytes", "rss_bytes", "kv_cache_bytes", "startup_s") if info.get(key)}
-    return {"prefill_tps": prompt / m["ttft_p50_s"], "tg_tps": tg, "tg_after_prompt_tps": after, **memory}
+    process = {key: info[key] for key in ("peak_rss_bytes", "rss_bytes", "kv_cache_bytes", "startup_s") if info.get(key)}
+    return {"prefill_tps": prompt / m["ttft_p50_s"], "tg_tps": tg, "tg_after_prompt_tps": after, **process}
 
 
 def _ratio(a: dict | None, b: dict | None, key: str) -> float | None:

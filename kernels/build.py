@@ -91,9 +91,8 @@ def cache_root() -> Path:
 
 def build_dir() -> Path:
     """Where the compiled library lives for this torch, Python and source version."""
-    root = cache_root()
     tag = f"torch{torch.__version__.replace('+', '_')}-py{sys.version_info[0]}{sys.version_info[1]}"
-    return root / "torch_extensions" / tag / f"{NAME}-{source_digest()}"
+    return cache_root() / "torch_extensions" / tag / f"{NAME}-{source_digest()}"
 
 
 def find_compiler() -> str | None:

@@ -130,9 +130,10 @@ def replace_linears(model: nn.Module, replacement) -> int:
     whose replacement needs the most temporary memory) come last, when the other
     float weights are gone."""
     count = 0
-    parents = [m for m in model.modules() if any(linear_weight(c) is not None for c in m.children())]
-    for parent in reversed(parents):
-        for name in [n for n, c in parent.named_children() if linear_weight(c) is not None]:
+    parents = [(m, names) for m in model.modules()  # (the parents only: a walk holding the layers would keep them)
+               if (names := [n for n, c in m.named_children() if linear_weight(c) is not None])]
+    for parent, names in reversed(parents):
+        for name in names:
             new = replacement(getattr(parent, name))
             if new is not None:
                 setattr(parent, name, new)

@@ -100,10 +100,14 @@ def _read() -> dict[str, str]:
 def _write(entries: dict[str, str]) -> None:
     """Replace the cache file whole (a process reading it meanwhile sees the old or the new one)."""
     path = cache_root() / CACHE_FILE
+    written = None
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         with tempfile.NamedTemporaryFile("w", dir=path.parent, prefix=CACHE_FILE, delete=False) as out:
+            written = out.name
             json.dump(entries, out)
-        os.replace(out.name, path)
+        os.replace(written, path)
     except OSError as error:
         log.debug("tokenizer classes not remembered in %s: %s", path, error)
+        if written is not None:
+            Path(written).unlink(missing_ok=True)  # no half-written file left beside the cache

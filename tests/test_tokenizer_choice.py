@@ -5,6 +5,7 @@ AutoTokenizer again."""
 
 from __future__ import annotations
 
+import importlib
 import json
 import os
 import subprocess
@@ -92,7 +93,9 @@ def test_a_changed_tokenizer_config_asks_autotokenizer_again(cache, model_dir, m
 
 def test_a_changed_transformers_version_asks_autotokenizer_again(cache, model_dir, monkeypatch):
     load_tokenizer(model_dir)
-    monkeypatch.setattr(transformers, "__version__", transformers.__version__ + ".post1")
+    # the module as imported now: importing peft (other tests) puts a new one in sys.modules
+    current = importlib.import_module("transformers")
+    monkeypatch.setattr(current, "__version__", current.__version__ + ".post1")
     autotokenizer_fails(monkeypatch)
     with pytest.raises(AssertionError, match="AutoTokenizer was asked"):
         load_tokenizer(model_dir)
@@ -150,3 +153,13 @@ def test_a_remembered_class_that_fails_to_load_costs_only_the_shortcut(cache, mo
     monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained", lambda *a, **k: calls.append(1) or auto(*a, **k))
     same_tokenizer(load_tokenizer(model_dir), expected)
     assert calls == [1]
+
+
+def test_a_failed_write_leaves_no_file_behind(cache, model_dir, monkeypatch):
+    def fail(*args):
+        raise OSError("planted")
+
+    monkeypatch.setattr(tokenizer_choice.os, "replace", fail)
+    same_tokenizer(load_tokenizer(model_dir),
+                   transformers.AutoTokenizer.from_pretrained(str(model_dir), local_files_only=True))
+    assert list(cache.parent.iterdir()) == []

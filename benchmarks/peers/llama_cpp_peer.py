@@ -136,7 +136,7 @@ def run_startup(binary: str, gguf: Path) -> float:
     return time.perf_counter() - start
 
 
-def run_measured(command: list[str], every_s: float = 0.05) -> tuple[str, int | None]:
+def run_measured(command: list[str]) -> tuple[str, int | None]:
     """Run `command`: its stdout and the most resident memory it held, in bytes, or
     None where that cannot be told. Linux carries the launching process's own peak
     over exec into the child's `ru_maxrss`, so that figure is the child's only when
@@ -145,11 +145,7 @@ def run_measured(command: list[str], every_s: float = 0.05) -> tuple[str, int | 
     launcher = common.resident_memory().get("peak_rss_bytes", 0)
     with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err:
         proc = subprocess.Popen(command, stdout=out, stderr=err)
-        while True:
-            pid, status, usage = os.wait4(proc.pid, os.WNOHANG)
-            if pid:
-                break
-            time.sleep(every_s)
+        _, status, usage = os.wait4(proc.pid, 0)
         proc.returncode = os.waitstatus_to_exitcode(status)  # reaped here: Popen must not wait again
         out.seek(0)
         err.seek(0)
