@@ -233,8 +233,10 @@ class EngineConfig(Section):
                            "or pipeline parallelism. Decodes cost the same; prompts' attention runs slower "
                            "(docs/determinism.md)")
     warmup: bool = Field(
-        True, description="run one throwaway step of max_num_batched_tokens tokens when the engine starts, so the "
-                          "first requests do not pay for first-touch memory and new kernel shapes (vLLM does the same)")
+        True, description="run one throwaway step when the engine starts: on a GPU of max_num_batched_tokens "
+                          "tokens, so the first requests do not pay for first-touch memory and new kernel shapes "
+                          "(vLLM does the same); on a CPU one short sequence, which shows the model runs without "
+                          "spending the start-up on a full step's arithmetic")
     attention: AttentionConfig = Field(default_factory=AttentionConfig)
     cache: CacheConfig = Field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = Field(default_factory=SchedulerConfig)

@@ -37,7 +37,7 @@ from .scheduler import Scheduler
 from .scheduler_output import SamplerOutput
 from .step_sampling import StepSampler
 from .vocabulary import vocabulary_of
-from .warmup import warm_up
+from .warmup import warm_up, warm_up_tokens
 
 log = logging.getLogger(__name__)
 
@@ -131,7 +131,8 @@ class LLMEngine:
             self.runner = self.executor.runner(self.kv, kv_caches, block_size, self.num_blocks)
         self.loras = components.build_lora_adapters(config, model, self.runner)  # None without lora.enabled
         if config.warmup:
-            warm_up(self.runner, self.kv, max_num_batched_tokens=config.scheduler.max_num_batched_tokens,
+            warm_up(self.runner, self.kv,
+                    max_num_batched_tokens=warm_up_tokens(self.device, config.scheduler.max_num_batched_tokens),
                     max_num_seqs=config.scheduler.max_num_seqs, max_model_len=int(model.max_model_len))
         self.stats = EngineMetrics()
         self.step_sampler = StepSampler(config.seed, self.stats, self.structured_outputs)

@@ -1,11 +1,17 @@
-"""A throwaway step at engine start, as large as any step the scheduler may plan.
+"""A throwaway step at engine start: on a GPU as large as any step the
+scheduler may plan, on a CPU one short sequence.
 
 The first large step of an engine pays for memory its activations touch for the
 first time (page faults, the heap growing) and for kernels meeting a new shape;
-without a warm-up that lands on the first requests' time to first token. vLLM
-runs such a step at start for the same reason (its memory profiling run). The
-KV blocks it writes are freed unhashed, so no later request can hit them, and
-the scheduler, the prefix cache and the engine's counters never see it.
+without a warm-up that lands on the first requests' time to first token. On a
+GPU such a step costs little and vLLM runs one at start for the same reason (its
+memory profiling run). On a CPU a step's time is its arithmetic, which grows
+with its tokens, while what a full-size step would spare the first large
+request is a few percent of that request's own step, once: there the warm-up
+only shows that the model runs and meets its kernels, and costs the start-up
+next to nothing (`warm_up_tokens`). The KV blocks it writes are freed unhashed,
+so no later request can hit them, and the scheduler, the prefix cache and the
+engine's counters never see it.
 """
 
 from __future__ import annotations
@@ -19,6 +25,18 @@ from .scheduler_output import ScheduledRequest
 PROMPT_LEN = 128
 """Tokens per warm-up sequence: prompt-sized, so the attention of the step stays
 cheap however large the token budget is (one 8k-token sequence would not)."""
+
+
+CPU_TOKENS = 16
+"""Tokens of a CPU warm-up step: one sequence, a prompt's worth for the prefill kernels."""
+
+
+def warm_up_tokens(device, max_num_batched_tokens: int) -> int:
+    """The warm-up step's token budget on `device` (a `torch.device`):
+    `max_num_batched_tokens` on a GPU, `CPU_TOKENS` (at most that) on a CPU."""
+    if device.type == "cpu":
+        return min(CPU_TOKENS, max_num_batched_tokens)
+    return max_num_batched_tokens
 
 
 def warm_up(runner, kv, *, max_num_batched_tokens: int, max_num_seqs: int, max_model_len: int) -> int:
