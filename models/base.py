@@ -282,9 +282,25 @@ class CausalLM(nn.Module):
         None once the head is quantized (`lm_head_layer` then computes the logits)."""
         raise NotImplementedError
 
+    def blocks(self) -> list[tuple[str, nn.Module]]:
+        """The repeated blocks (decoder layers) by parameter-name prefix: the
+        children of the model's outermost `nn.ModuleList`s."""
+        found: list[tuple[str, nn.Module]] = []
+        for name, module in self.named_modules():
+            if isinstance(module, nn.ModuleList) and not any(name.startswith(prefix + ".") for prefix, _ in found):
+                found += [(f"{name}.{i}", block) for i, block in enumerate(module)]
+        return found
+
+    def finish_block(self, block: nn.Module) -> None:
+        """Called for each block of `blocks()` once its weights are in, before its
+        linear layers are packed or quantized: the place to merge weights loaded
+        under their checkpoint names into faster layouts. A block already finished
+        is left as it is."""
+
     def finish_loading(self) -> None:
-        """Called once the checkpoint's weights are in, before the linear layers are packed:
-        the place to merge weights loaded under their checkpoint names into faster layouts."""
+        """Called once the checkpoint's weights are in: `finish_block` on every block."""
+        for _, block in self.blocks():
+            self.finish_block(block)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Float32 logits `[N, vocab_size]` for the rows of `hidden` the caller wants."""

@@ -175,10 +175,9 @@ class LlamaForCausalLM(CausalLM):
     def lm_head_weight(self) -> torch.Tensor | None:
         return self.model.embed_tokens.weight if self.tied else getattr(self.lm_head, "weight", None)
 
-    def finish_loading(self) -> None:
-        """Fuse each layer's q, k and v projections (see `LlamaAttention.fuse_qkv`)."""
-        for layer in self.model.layers:
-            layer.self_attn.fuse_qkv()
+    def finish_block(self, block: nn.Module) -> None:
+        """Fuse the layer's q, k and v projections (see `LlamaAttention.fuse_qkv`)."""
+        block.self_attn.fuse_qkv()
 
 
 class MistralForCausalLM(LlamaForCausalLM):

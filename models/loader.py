@@ -26,8 +26,8 @@ from .cpp_linear import cpp_linear_pays, cpp_linear_unavailable, use_cpp_linears
 from .cpp_norms import cpp_norms_unavailable, use_cpp_norms
 from .lora_layers import enable_lora
 from .meta_build import on_meta
-from .packed_linear import AUTO_MIN_WEIGHT, LINEAR_KERNELS, onednn_unavailable, pack_linears
-from .quantized_linear import quantize_linears
+from .packed_linear import AUTO_MIN_WEIGHT, LINEAR_KERNELS, onednn_unavailable, pack_linears, replace_linears
+from .quantized_linear import check_int8_linears, int8_linear, quantize_linears
 from .registry import model_class
 from .weight_slices import ModelShard, WeightSlice
 
@@ -86,14 +86,18 @@ def checkpoint_files(model_dir: Path) -> list[Path]:
 
 
 def load_weights(model: CausalLM, files: list[Path], dtype: torch.dtype, device: torch.device,
-                 slices: dict[str, WeightSlice] | None = None) -> int:
+                 slices: dict[str, WeightSlice] | None = None, on_block=None) -> int:
     """Copy every checkpoint tensor into the parameter of the same name, strictly; only
     its `slices[name]` part where one is given (reading only that part of the file).
-    Returns the bytes read from the files (as stored, before the cast to `dtype`)."""
+    `on_block(block)`, when given, is called for each of `model.blocks()` as soon as
+    its last tensor is in (so it may replace the block's weights while the others
+    are still being read). Returns the bytes read from the files (as stored, before
+    the cast to `dtype`)."""
     params = dict(model.named_parameters())
     slices = slices or {}
     seen: set[str] = set()
     read = 0
+    blocks_left = _blocks_left(model, params) if on_block is not None else {}
     for file in files:
         with _open_checkpoint(file) as reader:
             keys = list(reader.keys())
@@ -125,12 +129,28 @@ def load_weights(model: CausalLM, files: list[Path], dtype: torch.dtype, device:
                 tensor = tensor.to(device=device, dtype=dtype, copy=True)
             _warn_if_not_finite(tensor, key, file)
             _assign(model, name, tensor)
+            del tensor
+            block, left = blocks_left.pop(name, (None, None))
+            if block is not None:
+                left.discard(name)
+                if not left:
+                    on_block(block)
     missing = sorted(set(params) - seen)
     if missing:
         raise ConfigError(f"checkpoint has no tensor {missing[0]!r}" +
                           (f" (and {len(missing) - 1} more: {', '.join(missing[1:4])}...)" if len(missing) > 1 else "")
                           + f"; the files read were {', '.join(f.name for f in files)}")
     return read
+
+
+def _blocks_left(model: CausalLM, params: dict[str, nn.Parameter]) -> dict[str, tuple[nn.Module, set[str]]]:
+    """Each parameter of a block of `model.blocks()`, by name, to its block and the
+    set (one per block, shared) of that block's parameters not read yet."""
+    left = {}
+    for prefix, block in model.blocks():
+        names = {name for name in params if name.startswith(prefix + ".")}
+        left.update((name, (block, names)) for name in names)
+    return left
 
 
 def _warn_if_not_finite(tensor: torch.Tensor, key: str, file: Path) -> None:
@@ -218,7 +238,11 @@ def load_model(name_or_path: str | Path, *, dtype: torch.dtype | str = torch.flo
     slices = shard.weight_slices(model) if shard is not None else None
     lora_on = lora is not None and getattr(lora, "enabled", True)
     lora_slices = shard.lora_slices(model, slices) if lora_on and shard is not None else None
-    model.checkpoint_bytes_read = load_weights(model, checkpoint_files(model_dir), dtype, device, slices)
+    # Int8 weights, on a whole model: each block is finished and quantized as soon as it is
+    # read, so the float model is never held whole (a shard or LoRA reshapes the float model first).
+    finished = None if weight_quantizer is None or shard is not None or lora_on else \
+        _finish_and_quantize(model, weight_quantizer, weight_activations)
+    model.checkpoint_bytes_read = load_weights(model, checkpoint_files(model_dir), dtype, device, slices, finished)
     model.finish_loading()
     model.eval()
     if shard is not None:
@@ -233,6 +257,18 @@ def load_model(name_or_path: str | Path, *, dtype: torch.dtype | str = torch.flo
         model.set_attention_backend(attention_backend)
     attach_decoder_stack(model, sharded=shard is not None)
     return model
+
+
+def _finish_and_quantize(model: CausalLM, quantizer: Quantizer, activations: str):
+    """For `load_weights(on_block=...)`: finish a block (`finish_block`), then turn its
+    float linear layers into Int8Linear layers as `quantize_linears` does."""
+    check_int8_linears(quantizer, activations)  # before reading anything
+
+    def finish(block: nn.Module) -> None:
+        model.finish_block(block)
+        replace_linears(block, lambda layer: int8_linear(layer, quantizer, activations))
+
+    return finish
 
 
 def use_linear_kernel(model: CausalLM, kernel: str) -> None:

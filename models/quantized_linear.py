@@ -284,14 +284,46 @@ def int8_linear(module: nn.Module, quantizer: Quantizer, activations: str = "non
     if found is None:
         return None
     weight, bias = found
-    quantized = quantizer.quantize(weight.detach())
+    data, scale = _quantized_rows(quantizer, weight.detach())
+    return Int8Linear(data, scale, bias, activations)
+
+
+QUANTIZE_ROWS_BYTES = 8 * 2**20
+"""The float rows `int8_linear` quantizes at a time: a per_channel scale depends on
+its row alone, so a vocabulary-sized head is quantized in parts, and the
+quantizer's float temporaries stay this small."""
+
+
+def _quantized_rows(quantizer: Quantizer, weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """`weight` `[out, in]` quantized by the per_channel `quantizer`, `QUANTIZE_ROWS_BYTES`
+    of rows at a time: the int8 data `[out, in]` and the scales `[out, 1]`."""
     out_features = weight.shape[0]
-    if quantized.data.shape != weight.shape or quantized.scale.numel() != out_features:
+    step = max(1, QUANTIZE_ROWS_BYTES // max(1, weight[0].nbytes))
+    parts = []
+    for start in range(0, out_features, step):
+        rows = weight[start:start + step]
+        part = quantizer.quantize(rows)
+        if part.data.shape != rows.shape or part.scale.numel() != rows.shape[0]:
+            raise UnsupportedConfigurationError(
+                f"quantizer {quantizer.name!r} returned data {tuple(part.data.shape)} and scale "
+                f"{tuple(part.scale.shape)} for a {tuple(rows.shape)} weight; a per_channel quantizer must give "
+                f"data of the weight's shape and one scale per output channel ({rows.shape[0]}, 1)")
+        parts.append((part.data, part.scale.reshape(-1, 1)))
+    if len(parts) == 1:
+        return parts[0]
+    return torch.cat([d for d, _ in parts]), torch.cat([s for _, s in parts])
+
+
+def check_int8_linears(quantizer: Quantizer, activations: str) -> None:
+    """Raise UnsupportedConfigurationError, with the choices, unless Int8Linear layers
+    can be made with `quantizer` and run with `activations`."""
+    if activations not in ACTIVATIONS:
         raise UnsupportedConfigurationError(
-            f"quantizer {quantizer.name!r} returned data {tuple(quantized.data.shape)} and scale "
-            f"{tuple(quantized.scale.shape)} for a {tuple(weight.shape)} weight; a per_channel quantizer must give "
-            f"data of the weight's shape and one scale per output channel ({out_features}, 1)")
-    return Int8Linear(quantized.data, quantized.scale, bias, activations)
+            f"activations {activations!r} is not a choice: use 'none' (weight-only, int8 weights and float "
+            "activations) or 'int8' (W8A8: each activation row quantized too, CPU only)")
+    reason = int8_linear_unsupported(quantizer)
+    if reason is not None:
+        raise UnsupportedConfigurationError(f"{reason}; use 'int8_weight' or another per_channel int8 quantizer")
 
 
 @torch.no_grad()
@@ -303,13 +335,7 @@ def quantize_linears(model: nn.Module, quantizer: Quantizer, lm_head: bool = Tru
     embedding and stays float. Call it after `finish_loading` (fused q/k/v are
     quantized as one weight). On a CPU the int8 weights then sit side by side on
     2 MiB pages (`huge_pages`)."""
-    if activations not in ACTIVATIONS:
-        raise UnsupportedConfigurationError(
-            f"activations {activations!r} is not a choice: use 'none' (weight-only, int8 weights and float "
-            "activations) or 'int8' (W8A8: each activation row quantized too, CPU only)")
-    reason = int8_linear_unsupported(quantizer)
-    if reason is not None:
-        raise UnsupportedConfigurationError(f"{reason}; use 'int8_weight' or another per_channel int8 quantizer")
+    check_int8_linears(quantizer, activations)
     head = model.lm_head_weight() if hasattr(model, "lm_head_weight") else None
 
     def quantized(layer: nn.Module) -> Int8Linear | None:
