@@ -114,6 +114,7 @@ def record(output, selected: dict[str, str]) -> dict:
 
 def run(args: argparse.Namespace) -> int:
     from kvforge.engine.llm import LLM
+    from kvforge.engine.long_lived import long_lived_start_up
 
     prompts = read_prompts(args)
     if not prompts:
@@ -125,7 +126,9 @@ def run(args: argparse.Namespace) -> int:
         torch.set_num_threads(args.threads)
     sections = {"model": args.model} if args.model else {}
     check_config(args, sections)
-    llm = LLM(config_file=args.config, overrides=parallel_overrides(args) + batch_invariant_overrides(args), **sections)
+    with long_lived_start_up():  # this process builds one engine and exits after its prompts
+        llm = LLM(config_file=args.config, overrides=parallel_overrides(args) + batch_invariant_overrides(args),
+                  **sections)
     try:
         return generate(llm, prompts, args)
     finally:

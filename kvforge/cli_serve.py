@@ -70,6 +70,7 @@ def run(args: argparse.Namespace) -> int:
               "pip install 'kvforge[serve]'", file=sys.stderr)
         return 2
     from kvforge.engine.llm import LLM
+    from kvforge.engine.long_lived import long_lived_start_up
 
     from .cli_generate import selection_line
 
@@ -81,7 +82,8 @@ def run(args: argparse.Namespace) -> int:
 
         torch.set_num_threads(args.threads)
     sections = {"model": args.model} if args.model else {}
-    engine = LLM(config_file=args.config, overrides=args.overrides, **sections).engine
+    with long_lived_start_up():  # one engine, serving until the process exits
+        engine = LLM(config_file=args.config, overrides=args.overrides, **sections).engine
     name = args.served_model_name or args.model or str(engine.config.model)
     print(selection_line(engine, verbose=True), file=sys.stderr)
     try:

@@ -86,9 +86,11 @@ def _build_engine(spec: ReplicaSpec):
 
         torch.set_num_threads(spec.threads)
     from kvforge.engine.llm import LLM
+    from kvforge.engine.long_lived import long_lived_start_up
 
     sections = {"model": spec.model} if spec.model else {}
-    return LLM(config_file=spec.config_file, overrides=spec.overrides, **sections).engine
+    with long_lived_start_up():  # the replica's process serves this engine until it exits
+        return LLM(config_file=spec.config_file, overrides=spec.overrides, **sections).engine
 
 
 def _serve(engine, commands, results) -> None:

@@ -1,7 +1,8 @@
-"""Shared fixtures: one torch thread, and throwaway plugin distributions on a temporary sys.path entry."""
+"""Shared fixtures: one torch thread, nothing left frozen, and throwaway plugin distributions on a temporary sys.path entry."""
 
 from __future__ import annotations
 
+import gc
 import sys
 import textwrap
 from pathlib import Path
@@ -18,6 +19,15 @@ def one_torch_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(before)
+
+
+@pytest.fixture(autouse=True)
+def nothing_stays_frozen():
+    """`kvforge generate` and `serve` freeze what start-up made (`engine.long_lived`):
+    right for a process that runs one engine until it exits, not for the test process,
+    which runs them in-process among thousands of others; unfreeze after each test."""
+    yield
+    gc.unfreeze()
 
 
 class FakeSite:
