@@ -88,7 +88,10 @@ def main() -> None:
     workload, config, out = common.parse()
     options = config.get("options", {})
     structured = "structured_outputs" in options
-    engine = engine_for(workload, options)
+    from kvforge.engine.long_lived import long_lived_start_up
+
+    with long_lived_start_up():  # one engine in this process, as `kvforge generate` and `serve` build theirs
+        engine = engine_for(workload, options)
     loras = lora_requests(workload, options)
     for lora in loras or ():  # loaded before timing, as the vLLM runner does
         engine.add_lora(lora)
