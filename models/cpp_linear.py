@@ -258,7 +258,6 @@ def use_cpp_linears(model: nn.Module) -> int:
         model.lm_head_layer = head_layer
     packed_layers = [m for m in model.modules() if isinstance(m, (CppLinear, CppGateUp))]  # the head once
     move_onto_huge_pages(packed_layers, "packed")
-    if int8_fused:  # the fused weights are new tensors: every int8 weight side by side again, in order (which
-        # also frees quantize_linears' arena, where the separate gate and up weights still sat)
+    if int8_fused:  # the fused weights are new tensors: every int8 weight side by side again, in order
         place_on_huge_pages([m for m in model.modules() if isinstance(m, Int8Linear)])
     return sum(2 if isinstance(m, CppGateUp) else 1 for m in packed_layers)

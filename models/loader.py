@@ -24,10 +24,12 @@ from .base import CausalLM, ModelConfig
 from .cpp_decoder_stack import attach_decoder_stack
 from .cpp_linear import cpp_linear_pays, cpp_linear_unavailable, use_cpp_linears
 from .cpp_norms import cpp_norms_unavailable, use_cpp_norms
+from .heap import release_free_memory
 from .lora_layers import enable_lora
 from .meta_build import on_meta
-from .packed_linear import AUTO_MIN_WEIGHT, LINEAR_KERNELS, onednn_unavailable, pack_linears, replace_linears
-from .quantized_linear import check_int8_linears, int8_linear, quantize_linears
+from .packed_linear import (AUTO_MIN_WEIGHT, LINEAR_KERNELS, linear_weight, onednn_unavailable, pack_linears,
+                            replace_linears)
+from .quantized_linear import Int8Linear, check_int8_linears, int8_replacement, place_on_huge_pages, quantize_linears
 from .registry import model_class
 from .weight_slices import ModelShard, WeightSlice
 
@@ -86,18 +88,19 @@ def checkpoint_files(model_dir: Path) -> list[Path]:
 
 
 def load_weights(model: CausalLM, files: list[Path], dtype: torch.dtype, device: torch.device,
-                 slices: dict[str, WeightSlice] | None = None, on_block=None) -> int:
+                 slices: dict[str, WeightSlice] | None = None, parts: list[tuple[str, nn.Module]] = (),
+                 on_part=None) -> int:
     """Copy every checkpoint tensor into the parameter of the same name, strictly; only
     its `slices[name]` part where one is given (reading only that part of the file).
-    `on_block(block)`, when given, is called for each of `model.blocks()` as soon as
-    its last tensor is in (so it may replace the block's weights while the others
-    are still being read). Returns the bytes read from the files (as stored, before
-    the cast to `dtype`)."""
+    `on_part(name, module)` is called for each `(name, module)` of `parts` (modules
+    of `model`, by name) as soon as the last of its tensors is in, so it may replace
+    the module's weights while the others are still being read. Returns the bytes
+    read from the files (as stored, before the cast to `dtype`)."""
     params = dict(model.named_parameters())
     slices = slices or {}
     seen: set[str] = set()
     read = 0
-    blocks_left = _blocks_left(model, params) if on_block is not None else {}
+    parts_left = _parts_left(parts, params)
     for file in files:
         with _open_checkpoint(file) as reader:
             keys = list(reader.keys())
@@ -130,11 +133,11 @@ def load_weights(model: CausalLM, files: list[Path], dtype: torch.dtype, device:
             _warn_if_not_finite(tensor, key, file)
             _assign(model, name, tensor)
             del tensor
-            block, left = blocks_left.pop(name, (None, None))
-            if block is not None:
+            part, left = parts_left.pop(name, (None, None))
+            if part is not None:
                 left.discard(name)
                 if not left:
-                    on_block(block)
+                    on_part(*part)
     missing = sorted(set(params) - seen)
     if missing:
         raise ConfigError(f"checkpoint has no tensor {missing[0]!r}" +
@@ -143,13 +146,13 @@ def load_weights(model: CausalLM, files: list[Path], dtype: torch.dtype, device:
     return read
 
 
-def _blocks_left(model: CausalLM, params: dict[str, nn.Parameter]) -> dict[str, tuple[nn.Module, set[str]]]:
-    """Each parameter of a block of `model.blocks()`, by name, to its block and the
-    set (one per block, shared) of that block's parameters not read yet."""
+def _parts_left(parts: list[tuple[str, nn.Module]], params: dict[str, nn.Parameter]) -> dict:
+    """Each parameter under a part of `parts`, by name, to that `(name, module)` and
+    the set (one per part, shared) of the part's parameters not read yet."""
     left = {}
-    for prefix, block in model.blocks():
+    for prefix, module in parts:
         names = {name for name in params if name.startswith(prefix + ".")}
-        left.update((name, (block, names)) for name in names)
+        left.update((name, ((prefix, module), names)) for name in names)
     return left
 
 
@@ -240,18 +243,20 @@ def load_model(name_or_path: str | Path, *, dtype: torch.dtype | str = torch.flo
     lora_slices = shard.lora_slices(model, slices) if lora_on and shard is not None else None
     # Int8 weights, on a whole model: each block is finished and quantized as soon as it is
     # read, so the float model is never held whole (a shard or LoRA reshapes the float model first).
-    finished = None if weight_quantizer is None or shard is not None or lora_on else \
-        _finish_and_quantize(model, weight_quantizer, weight_activations)
-    model.checkpoint_bytes_read = load_weights(model, checkpoint_files(model_dir), dtype, device, slices, finished)
+    early = weight_quantizer is not None and shard is None and not lora_on
+    parts, finish = _quantized_as_read(model, weight_quantizer, quantize_lm_head, weight_activations) if early \
+        else ((), None)
+    model.checkpoint_bytes_read = load_weights(model, checkpoint_files(model_dir), dtype, device, slices, parts, finish)
     model.finish_loading()
     model.eval()
     if shard is not None:
         shard.apply(model)
     if lora_on:
         enable_lora(model, max_loras=lora.max_loras, max_rank=lora.max_lora_rank, shard_slices=lora_slices)
-    if weight_quantizer is not None:
-        quantize_linears(model, weight_quantizer, lm_head=quantize_lm_head, activations=weight_activations)
+    if weight_quantizer is not None:  # placed on 2 MiB pages once the kernels have fused what they fuse
+        quantize_linears(model, weight_quantizer, lm_head=quantize_lm_head, activations=weight_activations, place=False)
     use_linear_kernel(model, linear_kernel)
+    place_on_huge_pages([m for m in model.modules() if isinstance(m, Int8Linear)])
     model.set_kv_quantizer(kv_quantizer)
     if attention_backend is not None:
         model.set_attention_backend(attention_backend)
@@ -259,16 +264,28 @@ def load_model(name_or_path: str | Path, *, dtype: torch.dtype | str = torch.flo
     return model
 
 
-def _finish_and_quantize(model: CausalLM, quantizer: Quantizer, activations: str):
-    """For `load_weights(on_block=...)`: finish a block (`finish_block`), then turn its
-    float linear layers into Int8Linear layers as `quantize_linears` does."""
+def _quantized_as_read(model: CausalLM, quantizer: Quantizer, lm_head: bool, activations: str):
+    """For `load_weights`: the parts to quantize as soon as they are read (each
+    block, and an untied head unless `lm_head` is False) and what to do with each:
+    finish a block (`finish_block`) and turn its float linear layers into Int8Linear
+    layers, or the head into one, as `quantize_linears` does."""
     check_int8_linears(quantizer, activations)  # before reading anything
+    replacement = int8_replacement(model, quantizer, lm_head, activations)
+    head = model.lm_head_weight()  # an untied head is a linear layer of its own; a tied one is the embedding
+    heads = [(name, module) for name, module in model.named_modules()
+             if lm_head and head is not None and linear_weight(module) is not None and module.weight is head]
+    del head
 
-    def finish(block: nn.Module) -> None:
-        model.finish_block(block)
-        replace_linears(block, lambda layer: int8_linear(layer, quantizer, activations))
+    def finish(name: str, module: nn.Module) -> None:
+        if any(module is head_module for _, head_module in heads):
+            owner_name, _, attr = name.rpartition(".")
+            setattr(model.get_submodule(owner_name) if owner_name else model, attr, replacement(module))
+            release_free_memory()
+        else:
+            model.finish_block(module)
+            replace_linears(module, replacement)
 
-    return finish
+    return model.blocks() + heads, finish
 
 
 def use_linear_kernel(model: CausalLM, kernel: str) -> None:

@@ -327,19 +327,32 @@ def check_int8_linears(quantizer: Quantizer, activations: str) -> None:
 
 
 @torch.no_grad()
-def quantize_linears(model: nn.Module, quantizer: Quantizer, lm_head: bool = True, activations: str = "none") -> int:
+def quantize_linears(model: nn.Module, quantizer: Quantizer, lm_head: bool = True, activations: str = "none",
+                     place: bool = True) -> int:
     """Replace every float linear layer of a loaded model by an Int8Linear quantized
     with `quantizer` and running with `activations` (see Int8Linear); the number
     replaced. An untied language-model head is among them unless `lm_head` is
     False (it then becomes the model's `lm_head_layer`); a tied head is the
     embedding and stays float. Call it after `finish_loading` (fused q/k/v are
-    quantized as one weight). On a CPU the int8 weights then sit side by side on
-    2 MiB pages (`huge_pages`)."""
+    quantized as one weight). With `place`, on a CPU the int8 weights then sit
+    side by side on 2 MiB pages (`place_on_huge_pages`; a caller that changes
+    them further, as `load_model` does, places them once it is done)."""
     check_int8_linears(quantizer, activations)
-    head = model.lm_head_weight() if hasattr(model, "lm_head_weight") else None
+    count = replace_linears(model, int8_replacement(model, quantizer, lm_head, activations))
+    if place:
+        place_on_huge_pages([m for m in model.modules() if isinstance(m, Int8Linear)])
+    return count
+
+
+def int8_replacement(model: nn.Module, quantizer: Quantizer, lm_head: bool, activations: str):
+    """`quantize_linears`' replacement of one float linear layer of `model`: its
+    Int8Linear, or None for a head `lm_head` leaves in float; a quantized head
+    also becomes `model.lm_head_layer`."""
 
     def quantized(layer: nn.Module) -> Int8Linear | None:
-        is_head = head is not None and layer.weight is head
+        head = model.lm_head_weight() if hasattr(model, "lm_head_weight") else None
+        is_head = head is not None and getattr(layer, "weight", None) is head
+        del head  # no reference to the float head outlives its replacement
         if is_head and not lm_head:
             return None
         replacement = int8_linear(layer, quantizer, activations)
@@ -347,13 +360,21 @@ def quantize_linears(model: nn.Module, quantizer: Quantizer, lm_head: bool = Tru
             model.lm_head_layer = replacement
         return replacement
 
-    count = replace_linears(model, quantized)
-    del head
-    place_on_huge_pages([m for m in model.modules() if isinstance(m, Int8Linear)])
-    return count
+    return quantized
 
 
 def place_on_huge_pages(layers: list[Int8Linear]) -> None:
     """Move the int8 weights of `layers` side by side onto 2 MiB pages (on a CPU;
-    `huge_pages`), in order: a decode step then streams them as one run of pages."""
-    move_onto_huge_pages(layers, "weight_int8")
+    `huge_pages`), in order: a decode step then streams them as one run of pages.
+    Weights already side by side in one mapping stay. Weights on such pages that
+    move to a new mapping free the old one only when its last weight has moved:
+    place them once, when they are final."""
+    if not _placed(layers):
+        move_onto_huge_pages(layers, "weight_int8")
+
+
+def _placed(layers: list[Int8Linear]) -> bool:
+    """Whether the int8 weights of `layers` are views of one mapping, in order."""
+    weights = [layer.weight_int8 for layer in layers]  # (freed on return: the move frees each as it goes)
+    return len(weights) > 1 and len({w.untyped_storage().data_ptr() for w in weights}) == 1 and \
+        all(a.data_ptr() < b.data_ptr() for a, b in zip(weights, weights[1:]))

@@ -102,3 +102,32 @@ def test_int8_weights_land_on_huge_pages(tmp_path):
     layers = [m for m in model.modules() if isinstance(m, Int8Linear)]
     assert all("hg" in vm_flags(m.weight_int8.data_ptr()) and m.weight_int8.dtype == torch.int8 for m in layers)
     assert all(m._buffers["weight_int8"] is m.weight_int8 for m in layers)  # still a buffer (state_dict, .to)
+
+
+def test_int8_weights_are_placed_once_and_a_load_with_fused_gate_up_ends_placed(tmp_path):
+    from kvforge.models import load_model
+    from kvforge.models.quantized_linear import Int8GateUp, Int8Linear, place_on_huge_pages, quantize_linears
+    from kvforge.plugins.quantizers import Int8WeightQuantizer
+    from tests.model_driver import save_llama
+
+    model = load_model(save_llama(tmp_path, tied=False), dtype=torch.float32, linear_kernel="torch")
+    quantize_linears(model, Int8WeightQuantizer(), place=False)
+    layers = [m for m in model.modules() if isinstance(m, Int8Linear)]
+    on_heap = [m.weight_int8.data_ptr() for m in layers]
+    assert len({m.weight_int8.untyped_storage().data_ptr() for m in layers}) == len(layers)  # not placed yet
+    place_on_huge_pages(layers)
+    placed = [m.weight_int8.data_ptr() for m in layers]
+    assert placed != on_heap and all("hg" in vm_flags(p) for p in placed)
+    assert placed == sorted(placed) and len({m.weight_int8.untyped_storage().data_ptr() for m in layers}) == 1
+    place_on_huge_pages(layers)  # placed already: nothing moves (a move would hold two mappings at once)
+    assert [m.weight_int8.data_ptr() for m in layers] == placed
+    # load_model with int8 weights ends with every int8 weight in one mapping, in order: with the C++
+    # kernels (gate and up fused into new weights after quantizing) and without
+    for kernel in ("cpp", "torch"):
+        loaded = load_model(save_llama(tmp_path / kernel, tied=False), dtype=torch.float32, linear_kernel=kernel,
+                            weight_quantizer=Int8WeightQuantizer())
+        assert any(isinstance(m, Int8GateUp) for m in loaded.modules()) == (kernel == "cpp")
+        weights = [m.weight_int8 for m in loaded.modules() if isinstance(m, Int8Linear)]
+        assert len({w.untyped_storage().data_ptr() for w in weights}) == 1
+        assert all("hg" in vm_flags(w.data_ptr()) for w in weights)
+        assert [w.data_ptr() for w in weights] == sorted(w.data_ptr() for w in weights)

@@ -80,7 +80,8 @@ def test_each_block_is_handed_over_once_right_after_its_last_tensor(tmp_path):
         assert all(p.is_meta for b in later for p in b.parameters())
         handed.append(block)
 
-    load_weights(model, checkpoint_files(path), torch.float32, torch.device("cpu"), on_block=on_block)
+    load_weights(model, checkpoint_files(path), torch.float32, torch.device("cpu"), parts=model.blocks(),
+                 on_part=lambda name, block: on_block(block))
     assert handed == blocks
 
 
@@ -112,9 +113,11 @@ print(status("VmHWM") - before, status("VmRSS") - before)
 @pytest.mark.skipif(not Path("/proc/self/clear_refs").exists(), reason="needs /proc/self/clear_refs (Linux)")
 def test_an_int8_model_loads_without_holding_its_float_weights_whole(tmp_path):
     # Twelve blocks of float32 weights, small embeddings: a loader that reads the whole float model
-    # before quantizing peaks above the float32 weights (1.3x them here); one that quantizes each
-    # block as it is read holds the int8 model (a quarter of them), one block in float32 and the
-    # quantizer's temporaries at most (and, first time, the kernels' library being loaded).
+    # before quantizing peaks above the float32 weights; one that quantizes each block as it is
+    # read holds the int8 model (a quarter of them), one block in float32 and the quantizer's
+    # temporaries at most (and, first time, the kernels' library being loaded): under half of them.
+    # Placing the int8 weights on 2 MiB pages before the kernels fuse gate and up, then again
+    # after, held two placements at once, and went over this bound.
     config = transformers.LlamaConfig(vocab_size=1024, hidden_size=512, intermediate_size=1536, num_hidden_layers=12,
                                       num_attention_heads=8, num_key_value_heads=4, tie_word_embeddings=False)
     path = save(tmp_path, config)
@@ -124,4 +127,23 @@ def test_an_int8_model_loads_without_holding_its_float_weights_whole(tmp_path):
     peak, held = map(int, out.stdout.split())
     sizes = f"peak {peak / 2**20:.0f} MiB, held {held / 2**20:.0f} MiB after, float32 weights {float32 / 2**20:.0f} MiB"
     assert held < 0.4 * float32, sizes
-    assert peak < 0.75 * float32, sizes
+    assert peak < 0.55 * float32, sizes
+
+
+@pytest.mark.parametrize("lm_head", [True, False])
+def test_an_untied_head_is_quantized_as_soon_as_it_is_read(tmp_path, monkeypatch, lm_head):
+    import kvforge.models.quantized_linear as quantized_linear
+
+    path = save(tmp_path, LLAMA)  # checkpoint names sorted: lm_head.weight comes first
+    shapes = []
+    real = quantized_linear.int8_linear
+    monkeypatch.setattr(quantized_linear, "int8_linear",
+                        lambda layer, *args: shapes.append(tuple(layer.weight.shape)) or real(layer, *args))
+    model = load_model(path, linear_kernel="torch", weight_quantizer=INT8_WEIGHT(), quantize_lm_head=lm_head)
+    head = (LLAMA.vocab_size, LLAMA.hidden_size)
+    assert len(shapes) > 4 * LLAMA.num_hidden_layers
+    if lm_head:
+        assert shapes[0] == head and head not in shapes[1:]  # before any block, once
+        assert isinstance(model.lm_head, Int8Linear) and model.lm_head_layer is model.lm_head
+    else:
+        assert head not in shapes and isinstance(model.lm_head, nn.Linear)
