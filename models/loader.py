@@ -88,14 +88,13 @@ def checkpoint_files(model_dir: Path) -> list[Path]:
 
 
 def load_weights(model: CausalLM, files: list[Path], dtype: torch.dtype, device: torch.device,
-                 slices: dict[str, WeightSlice] | None = None, parts: list[tuple[str, nn.Module]] = (),
-                 on_part=None) -> int:
+                 slices: dict[str, WeightSlice] | None = None, parts: list[str] = (), on_part=None) -> int:
     """Copy every checkpoint tensor into the parameter of the same name, strictly; only
     its `slices[name]` part where one is given (reading only that part of the file).
-    `on_part(name, module)` is called for each `(name, module)` of `parts` (modules
-    of `model`, by name) as soon as the last of its tensors is in, so it may replace
-    the module's weights while the others are still being read. Returns the bytes
-    read from the files (as stored, before the cast to `dtype`)."""
+    `on_part(name)` is called for each of `parts` (names of modules of `model`) as
+    soon as the last of its tensors is in, so it may replace the module's weights
+    while the others are still being read. Returns the bytes read from the files
+    (as stored, before the cast to `dtype`)."""
     params = dict(model.named_parameters())
     slices = slices or {}
     seen: set[str] = set()
@@ -137,7 +136,7 @@ def load_weights(model: CausalLM, files: list[Path], dtype: torch.dtype, device:
             if part is not None:
                 left.discard(name)
                 if not left:
-                    on_part(*part)
+                    on_part(part)
     missing = sorted(set(params) - seen)
     if missing:
         raise ConfigError(f"checkpoint has no tensor {missing[0]!r}" +
@@ -146,13 +145,13 @@ def load_weights(model: CausalLM, files: list[Path], dtype: torch.dtype, device:
     return read
 
 
-def _parts_left(parts: list[tuple[str, nn.Module]], params: dict[str, nn.Parameter]) -> dict:
-    """Each parameter under a part of `parts`, by name, to that `(name, module)` and
-    the set (one per part, shared) of the part's parameters not read yet."""
+def _parts_left(parts: list[str], params: dict[str, nn.Parameter]) -> dict[str, tuple[str, set[str]]]:
+    """Each parameter under a module named in `parts`, by name, to that module's name
+    and the set (one per part, shared) of the part's parameters not read yet."""
     left = {}
-    for prefix, module in parts:
-        names = {name for name in params if name.startswith(prefix + ".")}
-        left.update((name, ((prefix, module), names)) for name in names)
+    for part in parts:
+        names = {name for name in params if name.startswith(part + ".")}
+        left.update((name, (part, names)) for name in names)
     return left
 
 
@@ -265,27 +264,30 @@ def load_model(name_or_path: str | Path, *, dtype: torch.dtype | str = torch.flo
 
 
 def _quantized_as_read(model: CausalLM, quantizer: Quantizer, lm_head: bool, activations: str):
-    """For `load_weights`: the parts to quantize as soon as they are read (each
-    block, and an untied head unless `lm_head` is False) and what to do with each:
-    finish a block (`finish_block`) and turn its float linear layers into Int8Linear
-    layers, or the head into one, as `quantize_linears` does."""
+    """For `load_weights`: the modules to quantize as soon as they are read (each
+    block, and an untied head unless `lm_head` is False), by name, and what to do
+    with each: finish a block (`finish_block`) and turn its float linear layers
+    into Int8Linear layers, or the head into one, as `quantize_linears` does. Only
+    names are kept: a replaced layer is freed at once."""
     check_int8_linears(quantizer, activations)  # before reading anything
     replacement = int8_replacement(model, quantizer, lm_head, activations)
     head = model.lm_head_weight()  # an untied head is a linear layer of its own; a tied one is the embedding
-    heads = [(name, module) for name, module in model.named_modules()
+    heads = [name for name, module in model.named_modules()
              if lm_head and head is not None and linear_weight(module) is not None and module.weight is head]
     del head
 
-    def finish(name: str, module: nn.Module) -> None:
-        if any(module is head_module for _, head_module in heads):
+    def finish(name: str) -> None:
+        if name in heads:
             owner_name, _, attr = name.rpartition(".")
-            setattr(model.get_submodule(owner_name) if owner_name else model, attr, replacement(module))
+            owner = model.get_submodule(owner_name) if owner_name else model
+            setattr(owner, attr, replacement(getattr(owner, attr)))
             release_free_memory()
         else:
-            model.finish_block(module)
-            replace_linears(module, replacement)
+            block = model.get_submodule(name)
+            model.finish_block(block)
+            replace_linears(block, replacement)
 
-    return model.blocks() + heads, finish
+    return [prefix for prefix, _ in model.blocks()] + heads, finish
 
 
 def use_linear_kernel(model: CausalLM, kernel: str) -> None:

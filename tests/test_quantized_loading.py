@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+import weakref
 from pathlib import Path
 
 import pytest
@@ -80,8 +81,8 @@ def test_each_block_is_handed_over_once_right_after_its_last_tensor(tmp_path):
         assert all(p.is_meta for b in later for p in b.parameters())
         handed.append(block)
 
-    load_weights(model, checkpoint_files(path), torch.float32, torch.device("cpu"), parts=model.blocks(),
-                 on_part=lambda name, block: on_block(block))
+    load_weights(model, checkpoint_files(path), torch.float32, torch.device("cpu"),
+                 parts=[prefix for prefix, _ in model.blocks()], on_part=lambda name: on_block(model.get_submodule(name)))
     assert handed == blocks
 
 
@@ -135,10 +136,17 @@ def test_an_untied_head_is_quantized_as_soon_as_it_is_read(tmp_path, monkeypatch
     import kvforge.models.quantized_linear as quantized_linear
 
     path = save(tmp_path, LLAMA)  # checkpoint names sorted: lm_head.weight comes first
-    shapes = []
+    shapes, replaced = [], []
     real = quantized_linear.int8_linear
-    monkeypatch.setattr(quantized_linear, "int8_linear",
-                        lambda layer, *args: shapes.append(tuple(layer.weight.shape)) or real(layer, *args))
+
+    def spy(layer, *args):
+        # the float layers quantized before this one are gone: nothing holds them once replaced
+        assert all(ref() is None for ref in replaced), "a replaced float layer is still held"
+        shapes.append(tuple(layer.weight.shape))
+        replaced.append(weakref.ref(layer))
+        return real(layer, *args)
+
+    monkeypatch.setattr(quantized_linear, "int8_linear", spy)
     model = load_model(path, linear_kernel="torch", weight_quantizer=INT8_WEIGHT(), quantize_lm_head=lm_head)
     head = (LLAMA.vocab_size, LLAMA.hidden_size)
     assert len(shapes) > 4 * LLAMA.num_hidden_layers
