@@ -155,3 +155,17 @@ def test_an_untied_head_is_quantized_as_soon_as_it_is_read(tmp_path, monkeypatch
         assert isinstance(model.lm_head, Int8Linear) and model.lm_head_layer is model.lm_head
     else:
         assert head not in shapes and isinstance(model.lm_head, nn.Linear)
+
+
+@pytest.mark.parametrize("rows_bytes", [1, 3 * 64 * 4, 2**30])  # a row at a time, 3 rows, the whole weight
+def test_a_weight_quantized_in_parts_is_the_weight_quantized_whole(monkeypatch, rows_bytes):
+    import kvforge.models.quantized_linear as quantized_linear
+
+    monkeypatch.setattr(quantized_linear, "QUANTIZE_ROWS_BYTES", rows_bytes)
+    layer = nn.Linear(64, 80)
+    with torch.no_grad():
+        layer.weight.normal_().mul_(torch.rand(80, 1) * 10)  # rows of different scales
+    quantizer = INT8_WEIGHT()
+    whole = quantizer.quantize(layer.weight.detach())
+    data, scale = quantized_linear._quantized_rows(quantizer, layer.weight.detach())
+    assert torch.equal(data, whole.data) and torch.equal(scale.reshape(-1), whole.scale.reshape(-1))
