@@ -291,37 +291,47 @@ def apply_top_k_top_p_min_p(logits: torch.Tensor, params: Sequence) -> torch.Ten
 
 
 def top_k_top_p(logits: torch.Tensor, params: Sequence) -> torch.Tensor:
-    """Top-k, then top-p within what top-k kept (renormalized), as vLLM does."""
+    """Top-k, then top-p within what top-k kept (renormalized), as vLLM does. The
+    passes a batch does not need (no row with top-k, every row truncated: the
+    common single request) are left out; the values are the same either way."""
     device, vocab = logits.device, logits.shape[-1]
     top_k = [min(p.top_k, vocab) if p.top_k > 0 else vocab for p in params]
     bounded = [k < vocab for k in top_k]
+    some_bounded, all_bounded = any(bounded), all(bounded)
     width = max([CANDIDATES] + [k for k, b in zip(top_k, bounded) if b])
     width = vocab if 2 * width > vocab else width  # a partial topk only pays off for a few candidates
     top_p = torch.tensor([p.top_p for p in params], device=device, dtype=logits.dtype)
-    total = logits.logsumexp(dim=-1, keepdim=True)
+    total = None if all_bounded else logits.logsumexp(dim=-1, keepdim=True)  # rows without top-k normalize by it
     if width == vocab:
         values, order = logits.sort(dim=-1, descending=True)
     else:
         values, order = logits.topk(width, dim=-1)
-        # A row without top-k whose nucleus may pass the candidates needs the full sort.
-        mass = (values.logsumexp(dim=-1, keepdim=True) - total).exp().squeeze(1)
-        open_rows = torch.tensor([not b for b in bounded], device=device)
-        if bool((open_rows & (top_p < 1) & (mass < top_p + 1e-4)).any()):
-            width = vocab
-            values, order = logits.sort(dim=-1, descending=True)
-    rank = torch.arange(width, device=device).unsqueeze(0)
-    drop = rank >= torch.tensor(top_k, device=device).unsqueeze(1)
-    kept = values.masked_fill(drop, NEG_INF)
-    # Probabilities within top-k where it applies, else over the whole vocabulary.
-    norm = torch.where(torch.tensor(bounded, device=device).unsqueeze(1),
-                       kept.logsumexp(dim=-1, keepdim=True), total)
+        if not all_bounded:  # a row without top-k whose nucleus may pass the candidates needs the full sort
+            mass = (values.logsumexp(dim=-1, keepdim=True) - total).exp().squeeze(1)
+            open_rows = torch.tensor([not b for b in bounded], device=device)
+            if bool((open_rows & (top_p < 1) & (mass < top_p + 1e-4)).any()):
+                width = vocab
+                values, order = logits.sort(dim=-1, descending=True)
+    if some_bounded:
+        rank = torch.arange(width, device=device).unsqueeze(0)
+        drop = rank >= torch.tensor(top_k, device=device).unsqueeze(1)
+        kept = values.masked_fill(drop, NEG_INF)
+        # Probabilities within top-k where it applies, else over the whole vocabulary.
+        norm = kept.logsumexp(dim=-1, keepdim=True)
+        if not all_bounded:
+            norm = torch.where(torch.tensor(bounded, device=device).unsqueeze(1), norm, total)
+    else:
+        drop, kept, norm = None, values, total
     probs = (kept - norm).exp()
     # Mass of the tokens strictly before this one: drop a token once that already reaches p.
-    drop = drop | ((probs.cumsum(dim=-1) - probs) >= top_p.unsqueeze(1))
+    beyond = (probs.cumsum(dim=-1) - probs) >= top_p.unsqueeze(1)
+    drop = beyond if drop is None else drop | beyond
     drop[:, 0] = False
     result = torch.full_like(logits, NEG_INF).scatter(1, order, values.masked_fill(drop, NEG_INF))
-    truncating = torch.tensor([b or p.top_p < 1 for b, p in zip(bounded, params)], device=device)
-    return torch.where(truncating.unsqueeze(1), result, logits)
+    truncating = [b or p.top_p < 1 for b, p in zip(bounded, params)]
+    if all(truncating):
+        return result
+    return torch.where(torch.tensor(truncating, device=device).unsqueeze(1), result, logits)
 
 
 def row_argmax(x: torch.Tensor, block: int = 256, direct_below: int = 1 << 15) -> torch.Tensor:

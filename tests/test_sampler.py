@@ -163,6 +163,26 @@ def test_top_k_top_p_on_a_large_vocabulary_match_their_definition(scale):
         assert torch.equal(out[row][list(kept)], logits[row][list(kept)])
 
 
+
+@pytest.mark.parametrize("vocab", [40, 3000])  # a full sort; the first 256 candidates, then a full sort
+@pytest.mark.parametrize("scale", [0.1, 8.0])
+def test_a_rows_truncation_is_the_same_alone_and_in_any_batch(vocab, scale):
+    # A batch leaves out the passes it does not need (no row with top-k, every row truncated): a row
+    # alone must come out bitwise as it does beside rows that need them.
+    from kvforge.engine.sampler import apply_top_k_top_p_min_p
+
+    gen = torch.Generator().manual_seed(11)
+    settings = [(0, 0.9), (0, 0.5), (20, 1.0), (7, 0.6), (0, 1.0)]
+    logits = torch.randn(len(settings), vocab, generator=gen) * scale
+    params = [SamplingParams(top_k=k, top_p=p) for k, p in settings]
+    together = apply_top_k_top_p_min_p(logits.clone(), params)
+    for row, param in enumerate(params):
+        alone = apply_top_k_top_p_min_p(logits[row:row + 1].clone(), [param])
+        assert torch.equal(alone[0], together[row]), settings[row]
+        for other in range(len(params)):  # and beside each other kind of row
+            pair = apply_top_k_top_p_min_p(logits[[row, other]].clone(), [param, params[other]])
+            assert torch.equal(pair[0], together[row]), (settings[row], settings[other])
+
 def test_sampling_leaves_the_callers_logits_unchanged():
     logits = torch.randn(4, 30, generator=torch.Generator().manual_seed(3))
     before = logits.clone()
