@@ -33,7 +33,7 @@ from kvforge.core.errors import UnsupportedConfigurationError
 from .heap import release_free_memory
 from .huge_pages import move_onto_huge_pages
 from .packed_linear import linear_weight, replace_linears
-from .quantized_linear import Int8Linear, fuse_int8_gate_up, place_on_huge_pages
+from .quantized_linear import fuse_int8_gate_up
 
 LANES = 16  # output channels per packed block
 DTYPES = (torch.bfloat16, torch.float32)  # what the kernels run
@@ -226,8 +226,8 @@ def use_cpp_linears(model: nn.Module) -> int:
     an int8 pair that `quantize_linears` made into an Int8GateUp),
     and give the model a float32-output head (`lm_head_layer`); the number of
     weights packed. The packed weights then sit side by side on 2 MiB pages in
-    the order the model runs them (`huge_pages`)."""
-    int8_fused = False
+    the order the model runs them (`huge_pages`); fused int8 weights are new
+    tensors, which `load_model` places once this is done (`place_on_huge_pages`)."""
     mlps = [m for m in model.modules()
             if hasattr(m, "gate_up_proj") and getattr(m, "act", None) in FUSED_ACTIVATIONS]
     for module in mlps:
@@ -241,7 +241,6 @@ def use_cpp_linears(model: nn.Module) -> int:
             module.gate_up_proj = fuse_int8_gate_up(gate, up, model.dtype)
             if module.gate_up_proj is None:
                 continue
-            int8_fused = True
         del module.gate_proj, module.up_proj, gate, up  # (`mlps` holds the MLPs only: the float weights go now)
         release_free_memory()
     head = model.lm_head_weight() if hasattr(model, "lm_head_weight") else None
@@ -258,6 +257,4 @@ def use_cpp_linears(model: nn.Module) -> int:
         model.lm_head_layer = head_layer
     packed_layers = [m for m in model.modules() if isinstance(m, (CppLinear, CppGateUp))]  # the head once
     move_onto_huge_pages(packed_layers, "packed")
-    if int8_fused:  # the fused weights are new tensors: every int8 weight side by side again, in order
-        place_on_huge_pages([m for m in model.modules() if isinstance(m, Int8Linear)])
     return sum(2 if isinstance(m, CppGateUp) else 1 for m in packed_layers)

@@ -252,7 +252,7 @@ def load_model(name_or_path: str | Path, *, dtype: torch.dtype | str = torch.flo
         shard.apply(model)
     if lora_on:
         enable_lora(model, max_loras=lora.max_loras, max_rank=lora.max_lora_rank, shard_slices=lora_slices)
-    if weight_quantizer is not None:  # placed on 2 MiB pages once the kernels have fused what they fuse
+    if weight_quantizer is not None:  # placed on 2 MiB pages once, after the kernels have fused what they fuse
         quantize_linears(model, weight_quantizer, lm_head=quantize_lm_head, activations=weight_activations, place=False)
     use_linear_kernel(model, linear_kernel)
     place_on_huge_pages([m for m in model.modules() if isinstance(m, Int8Linear)])
