@@ -10,9 +10,12 @@ the same). Within a burst each pass feeds every request the token the pass
 before sampled (`ModelRunner.execute_next`); the scheduler reserved KV blocks
 for all K positions beforehand (`Scheduler.reserve_steps`), and the K tokens
 are applied together, with the stop checks token by token, as accepted drafts
-are. Where every request is greedy and the model's C++ decoder stack runs its
-LM head too, the whole burst is one C++ call (`ModelRunner.greedy_burst`:
-forward, head and greedy token per pass, no Python between passes).
+are. Where the model's C++ decoder stack runs its LM head too, the whole
+burst is one C++ call (`cpp_burst`: forward, head and each row's token per
+pass, no Python between passes): the greedy token (`ModelRunner.greedy_burst`),
+or, when a request samples, the sampler's own C++ draw
+(`ModelRunner.sampled_burst`, kernels/sample_rows.cpp) with every pass's
+uniform numbers drawn beforehand from the same generators in the same order.
 
 Output is the same as one step at a time: each pass samples its rows exactly
 as a plain step does (the same greedy rows, the same draws from the same
@@ -36,6 +39,11 @@ from __future__ import annotations
 import time
 from collections.abc import Sequence
 
+import torch
+
+from kvforge.kernels import build as kernel_library
+
+from .sampler import Sampler, burst_uniforms, row_settings
 from .scheduler_output import SampledTokens, SamplerOutput, ScheduledRequest, SchedulerOutput
 from .step_sampling import samples_raw_rows
 
@@ -74,13 +82,12 @@ def run_burst(runner, sampler, plan: SchedulerOutput, steps: int, lora_slots: Se
     scheduled = plan.scheduled
     requests = [entry.request for entry in scheduled]
     stop_ids = [{request.eos_token_id, *request.params.stop_token_ids} - {None} for request in requests]
-    if all(request.params.greedy for request in requests):
-        # One C++ call where the model's decoder stack runs its head; a burst it shortens
-        # at a stop token another request listed is only shorter.
-        steps_tokens = runner.greedy_burst(scheduled, steps, sorted(set().union(*stop_ids)), max_seconds)
-        if steps_tokens:  # (empty: the first step's logits were not finite, which the path below reports)
-            return SamplerOutput({request.request_id: SampledTokens([tokens[i] for tokens in steps_tokens])
-                                  for i, request in enumerate(requests)})
+    # One C++ call where the model's decoder stack runs its head; a burst it shortens
+    # at a stop token another request listed is only shorter.
+    steps_tokens = cpp_burst(runner, sampler.sampler, scheduled, steps, sorted(set().union(*stop_ids)), max_seconds)
+    if steps_tokens:  # (empty: the first step's logits were not finite, which the path below reports)
+        return SamplerOutput({request.request_id: SampledTokens([tokens[i] for tokens in steps_tokens])
+                              for i, request in enumerate(requests)})
     began = time.perf_counter()
     emitted: list[list[int]] = [[] for _ in scheduled]
     stopped = [False] * len(scheduled)
@@ -100,3 +107,25 @@ def run_burst(runner, sampler, plan: SchedulerOutput, steps: int, lora_slots: Se
         if all(stopped) or time.perf_counter() - began >= max_seconds:
             break
     return SamplerOutput({request.request_id: SampledTokens(ids) for request, ids in zip(requests, emitted)})
+
+
+def cpp_burst(runner, sampler: Sampler, scheduled: Sequence[ScheduledRequest], steps: int, stop_ids: list[int],
+              max_seconds: float) -> list[list[int]] | None:
+    """The burst's tokens, step after step, from one call of the model's C++
+    decoder stack (`ModelRunner.greedy_burst`, or `sampled_burst` when a request
+    samples: the uniform numbers of every pass drawn beforehand, as the passes
+    would draw them one by one, and the generators then left as after the passes
+    that ran); None where it cannot run (the caller runs the passes in Python)."""
+    requests = [entry.request for entry in scheduled]
+    if all(request.params.greedy for request in requests):
+        return runner.greedy_burst(scheduled, steps, stop_ids, max_seconds)
+    if not kernel_library.is_loaded():
+        return None
+    drawn = burst_uniforms(requests, sampler.generator(torch.device("cpu")), steps)
+    if drawn is None:
+        return None
+    u, keep = drawn
+    steps_tokens = runner.sampled_burst(scheduled, steps, stop_ids, max_seconds,
+                                        row_settings([request.params for request in requests]), u)
+    keep(len(steps_tokens) if steps_tokens is not None else 0)
+    return steps_tokens

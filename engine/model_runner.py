@@ -131,13 +131,25 @@ class ModelRunner:
         brought the call's time to `max_seconds`, and before one whose logits are not
         finite. None where the model has no such stack or
         it cannot run this step (the caller then runs the steps one by one)."""
+        return self._cpp_burst("greedy_burst", scheduled, steps, stop_ids, max_seconds)
+
+    @torch.inference_mode()
+    def sampled_burst(self, scheduled: Sequence[ScheduledRequest], steps: int, stop_ids: list[int],
+                      max_seconds: float, settings: tuple, u: torch.Tensor) -> list[list[int]] | None:
+        """`greedy_burst` with each entry's token drawn by the sampler's C++ draw
+        (`CppDecoderStack.sampled_burst`: `settings` as `sampler.row_settings` gives
+        them, `u` float64 `[steps, entries]`)."""
+        return self._cpp_burst("sampled_burst", scheduled, steps, stop_ids, max_seconds, settings, u)
+
+    def _cpp_burst(self, method: str, scheduled: Sequence[ScheduledRequest], steps: int, stop_ids: list[int],
+                   max_seconds: float, *sampling) -> list[list[int]] | None:
         stack = getattr(self.model, "decoder_stack", None)
         if stack is None or stack.head_reason is not None:
             return None
         self.apply_block_copies()
         input_ids, positions, batch = self.build_batch(scheduled)
-        return stack.greedy_burst(input_ids, positions, self.kv_caches, self.model.plan(batch), steps, stop_ids,
-                                  max_seconds)
+        return getattr(stack, method)(input_ids, positions, self.kv_caches, self.model.plan(batch), steps, stop_ids,
+                                      max_seconds, *sampling)
 
     def run(self, scheduled: Sequence[ScheduledRequest], input_ids: torch.Tensor, positions: torch.Tensor,
             batch: AttentionBatch, lora_slots: Sequence[int] | None) -> torch.Tensor:

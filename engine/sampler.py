@@ -10,11 +10,17 @@ Sampling inverts the CDF: one uniform number `u` per row picks the first token
 whose cumulative probability exceeds `u`, so a row costs one random draw, not
 one per vocabulary entry. A seeded request draws its `u` from its own
 `torch.Generator`, so its tokens do not depend on what shares its batch.
+
+On CPU, once kvforge's C++ library is loaded (every CPU model with the default
+kernels loads it), one call of `kvforge_cpp::sample_rows` does a batch's
+temperature, top-k, top-p, min-p and draw (kernels/sample_rows.cpp): the same
+definition in float64 sums, so the same token except where `u` or `top_p` falls
+within rounding of a boundary. Elsewhere the tensor ops below run it.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -82,18 +88,17 @@ class Sampler:
         params = [r.params for r in requests]
         device = logits.device
         greedy_rows = [p.greedy for p in params]
-        # Decided on the host (no device sync); the argmax is skipped when no row is greedy.
-        token_ids = row_argmax(logits) if any(greedy_rows) else None
-        if not all(greedy_rows):
-            probs = sampling_probs(logits, params)
-            u = uniforms(requests, self.generator(device), device)
-            buffer = None if compiled_draw_ready(probs, u) else self.cdf_buffer(probs)  # the kernel needs none
-            sampled = inverse_cdf(probs, u, buffer)
-            if token_ids is None:
-                token_ids = sampled
-            else:
-                token_ids = torch.where(torch.tensor(greedy_rows, device=device), token_ids, sampled)
-        return token_ids
+        if all(greedy_rows):  # decided on the host (no device sync)
+            return row_argmax(logits)
+        u = uniforms(requests, self.generator(device), device)
+        if compiled_sample_ready(logits, u):  # every row in one call, greedy ones at temperature 0
+            return torch.tensor(torch.ops.kvforge_cpp.sample_rows(logits, *row_settings(params), u))
+        probs = sampling_probs(logits, params)
+        buffer = None if compiled_draw_ready(probs, u) else self.cdf_buffer(probs)  # the kernel needs none
+        sampled = inverse_cdf(probs, u, buffer)
+        if not any(greedy_rows):
+            return sampled
+        return torch.where(torch.tensor(greedy_rows, device=device), row_argmax(logits), sampled)
 
 
 def processed_logits(logits: torch.Tensor, requests: Sequence[Request], mask=None) -> torch.Tensor:
@@ -146,6 +151,41 @@ def logprob_record(k: int, top_ids: torch.Tensor, top_logprobs: torch.Tensor, ch
     return record
 
 
+def row_settings(params: Sequence) -> tuple[list[float], list[int], list[float], list[float]]:
+    """`(temperature, top_k, top_p, min_p)`, one entry per row, as
+    `kvforge_cpp::sample_rows` takes them: temperature 0 for a greedy row."""
+    return ([0.0 if p.greedy else float(p.temperature) for p in params], [int(p.top_k) for p in params],
+            [float(p.top_p) for p in params], [float(p.min_p) for p in params])
+
+
+def burst_uniforms(requests: Sequence[Request], generator: torch.Generator,
+                   steps: int) -> tuple[torch.Tensor, Callable[[int], None]] | None:
+    """float64 `[steps, N]` on the CPU: row s holds what the s-th of `steps` calls of
+    `uniforms` would draw (CPU generators draw a long run as they draw its pieces in
+    turn), and `keep(passes)`, which leaves every generator as the first `passes`
+    of those calls would, for a burst that ran fewer. None when two rows share a
+    generator (their draws interleave)."""
+    seeded = [(row, r.generator) for row, r in enumerate(requests) if r.generator is not None and not r.params.greedy]
+    generators = [generator] + [g for _, g in seeded]
+    if len({id(g) for g in generators}) < len(generators):
+        return None
+    states = [g.get_state() for g in generators]
+    u = torch.rand(steps, len(requests), generator=generator, dtype=torch.float64)
+    for row, own in seeded:
+        u[:, row] = torch.rand(steps, generator=own, dtype=torch.float64)
+
+    def keep(passes: int) -> None:
+        if passes == steps:
+            return
+        for g, state in zip(generators, states):
+            g.set_state(state)
+        torch.rand(passes * len(requests), generator=generator, dtype=torch.float64)
+        for _, own in seeded:
+            torch.rand(passes, generator=own, dtype=torch.float64)
+
+    return u, keep
+
+
 def uniforms(requests: Sequence[Request], generator: torch.Generator, device: torch.device) -> torch.Tensor:
     """float64 `U[0, 1)` per row: one batched draw for unseeded rows, one draw per
     seeded row from its own (CPU) generator (a loop over requests, not tokens)."""
@@ -191,6 +231,12 @@ def inverse_cdf_row(probs: np.ndarray, u: float) -> int:
     cdf = np.cumsum(probs, dtype=np.float64)
     token = min(int(np.searchsorted(cdf, u * cdf[-1], side="right")), probs.shape[-1] - 1)
     return int(np.argmax(probs)) if probs[token] == 0 else token
+
+
+def compiled_sample_ready(logits: torch.Tensor, u: torch.Tensor) -> bool:
+    """Whether `kvforge_cpp::sample_rows` samples these rows: where the inverse-CDF
+    kernel can draw them (`compiled_draw_ready`)."""
+    return compiled_draw_ready(logits, u)
 
 
 def compiled_draw_ready(probs: torch.Tensor, u: torch.Tensor) -> bool:

@@ -2,7 +2,7 @@
 
 `scripts/bootstrap.sh` (or `kvforge build-kernels`) compiles `paged_attention.cpp`,
 `int8_linear.cpp`, `int8_dynamic_linear.cpp`, `linear.cpp`, `rms_norm_rotary.cpp`,
-`inverse_cdf.cpp`, `greedy_rows.cpp`, `lora.cpp` and `decoder_stack.cpp` into one
+`inverse_cdf.cpp`, `greedy_rows.cpp`, `sample_rows.cpp`, `lora.cpp` and `decoder_stack.cpp` into one
 library with `torch.utils.cpp_extension.load`,
 into a build directory keyed by the torch and Python versions and the sources'
 digest; every later process finds the library there and only loads it (about
@@ -37,7 +37,8 @@ NAME = "kvforge_cpp_attention"
 HERE = Path(__file__).resolve().parent
 SOURCES = [HERE / "paged_attention.cpp", HERE / "int8_linear.cpp", HERE / "int8_dynamic_linear.cpp",
            HERE / "linear.cpp", HERE / "rms_norm_rotary.cpp", HERE / "inverse_cdf.cpp", HERE / "lora.cpp",
-           HERE / "decoder_stack.cpp", HERE / "int8_packed_linear.cpp", HERE / "greedy_rows.cpp"]
+           HERE / "decoder_stack.cpp", HERE / "int8_packed_linear.cpp", HERE / "greedy_rows.cpp",
+           HERE / "sample_rows.cpp"]
 HEADERS = [HERE / "cpu_isa.h", HERE / "vector_kernels.h", HERE / "vector_exp.h", HERE / "attention_tile.h",
            HERE / "decode_tile.h", HERE / "prefill_tile.h", HERE / "prefill_tile_avx2.h", HERE / "prefill_bf16.h",
            HERE / "quantized_write.h",

@@ -7,16 +7,18 @@
 //   stack.set_ends(embedding, norm, eps)            # once: the token embedding and the final RMSNorm
 //   h = stack.forward_tokens(input_ids, positions, cos_table, sin_table, kv_caches, plans, slot_mapping,
 //                            rows, last_plan, batch_invariant)
-//   stack.set_head(tensors, ints)                   # once: the LM head, for decode_greedy
+//   stack.set_head(tensors, ints)                   # once: the LM head, for the bursts
 //   tokens = stack.decode_greedy(input_ids, positions, cos_table, sin_table, kv_caches, plans, slot_mapping,
 //                                steps, block_size, stop_ids, batch_invariant, max_seconds)
+//   tokens = stack.decode_sampled(<decode_greedy's arguments>, temperature, top_k, top_p, min_p, u)
 //
 // forward_tokens is the model's forward from token ids to the final norm's
 // output: the embedding rows, the positions' rows of the rotary tables, every
 // layer (forward, on hidden states), then the final RMSNorm. decode_greedy
 // runs several greedy decode steps of a plain decode batch in one call (a
 // multi-step burst, engine/decode_bursts.py): forward_tokens, the LM head and
-// each row's greedy token, fed back as the next step's input.
+// each row's greedy token, fed back as the next step's input; decode_sampled
+// the same with each row's token drawn as the sampler draws it (sample_rows).
 //
 // Each layer calls the same C++ functions the per-layer torch ops run
 // (decoder_stack_ops.h) in the same order with the same arguments, so its
@@ -209,7 +211,62 @@ class DecoderStack : public torch::CustomClassHolder {
                                      std::vector<at::Tensor> plans, at::Tensor slot_mapping, int64_t steps,
                                      int64_t block_size, std::vector<int64_t> stop_ids, bool batch_invariant,
                                      double max_seconds) {
-    const char* op = "kvforge_cpp.DecoderStack.decode_greedy: ";
+    return decode("kvforge_cpp.DecoderStack.decode_greedy: ", input_ids, positions, cos_table, sin_table, kv_caches,
+                  plans, slot_mapping, steps, block_size, stop_ids, batch_invariant, max_seconds,
+                  [](const at::Tensor&, std::vector<int64_t> greedy, int64_t) { return greedy; });
+  }
+
+  // decode_greedy's burst, each row's token drawn by sample_rows (sample_rows.cpp)
+  // with its temperature (0: greedy), top_k, top_p and min_p, and step s's
+  // uniform number u[s][row] (float64 [steps, rows]): the tokens sample_rows
+  // draws from each step's logits with those numbers.
+  std::vector<int64_t> decode_sampled(at::Tensor input_ids, at::Tensor positions, at::Tensor cos_table,
+                                      at::Tensor sin_table, std::vector<at::Tensor> kv_caches,
+                                      std::vector<at::Tensor> plans, at::Tensor slot_mapping, int64_t steps,
+                                      int64_t block_size, std::vector<int64_t> stop_ids, bool batch_invariant,
+                                      double max_seconds, std::vector<double> temperature, std::vector<int64_t> top_k,
+                                      std::vector<double> top_p, std::vector<double> min_p, at::Tensor u) {
+    const char* op = "kvforge_cpp.DecoderStack.decode_sampled: ";
+    TORCH_CHECK(u.dim() == 2 && u.size(0) >= steps && u.size(1) == input_ids.size(0) && u.scalar_type() == at::kDouble,
+                op, "u must be float64 [steps, rows] = [", steps, ", ", input_ids.size(0), "], got ", u.scalar_type(),
+                " ", u.sizes());
+    return decode(op, input_ids, positions, cos_table, sin_table, kv_caches, plans, slot_mapping, steps, block_size,
+                  stop_ids, batch_invariant, max_seconds,
+                  [&](const at::Tensor& logits, std::vector<int64_t>, int64_t s) {
+                    return sample_rows(logits, temperature, top_k, top_p, min_p, u[s]);
+                  });
+  }
+
+  // Every layer on `x` [tokens, hidden]; the hidden states after the last one
+  // ([rows, hidden] with `rows`). cos, sin: float32 [tokens, head / 2] (cpp
+  // rotary tables); kv_caches: one float cache per layer; plans: 4 tensors per
+  // layer spec (a layer reads those of its plan_index); slot_mapping: int64;
+  // last_plan: the 4 tensors of the last layer's rows (empty when rows is empty).
+  at::Tensor forward(at::Tensor x, at::Tensor cos, at::Tensor sin, std::vector<at::Tensor> kv_caches,
+                     std::vector<at::Tensor> plans, at::Tensor slot_mapping, std::optional<at::Tensor> rows,
+                     std::vector<at::Tensor> last_plan, bool batch_invariant) {
+    TORCH_CHECK(kv_caches.size() == layers_.size(), "kvforge_cpp.DecoderStack.forward: ", kv_caches.size(),
+                " KV caches for ", layers_.size(), " layers");
+    const int64_t last = num_layers() - 1;
+    for (int64_t i = 0; i <= last; ++i) {
+      const bool select = i == last && rows.has_value();
+      x = run_layer(layers_[i], x, cos, sin, kv_caches[i],
+                    select && !last_plan.empty() ? meta_at(last_plan, 0) : meta_at(plans, layers_[i].plan_index),
+                    slot_mapping, select ? rows : std::nullopt, batch_invariant);
+    }
+    return x;
+  }
+
+ private:
+  // The burst loop of decode_greedy and decode_sampled: `pick(logits, greedy, s)`
+  // gives step s's tokens from its finite logits and their greedy tokens.
+  template <typename Pick>
+  std::vector<int64_t> decode(const char* op, const at::Tensor& input_ids, const at::Tensor& positions,
+                              const at::Tensor& cos_table, const at::Tensor& sin_table,
+                              const std::vector<at::Tensor>& kv_caches, const std::vector<at::Tensor>& plans,
+                              const at::Tensor& slot_mapping, int64_t steps, int64_t block_size,
+                              const std::vector<int64_t>& stop_ids, bool batch_invariant, double max_seconds,
+                              Pick pick) {
     const auto began = std::chrono::steady_clock::now();
     TORCH_CHECK(has_head_, op, "call set_head first");
     TORCH_CHECK(max_seconds > 0, op, "max_seconds must be > 0, got ", max_seconds);
@@ -252,8 +309,9 @@ class DecoderStack : public torch::CustomClassHolder {
       const at::Tensor hidden = forward_tokens(ids, pos, cos_table, sin_table, kv_caches, metas, slots, std::nullopt,
                                                {}, batch_invariant);
       const at::Tensor logits = head_(hidden).to(at::kFloat).contiguous();
-      const std::vector<int64_t> tokens = greedy_rows(logits);
-      if (std::find(tokens.begin(), tokens.end(), int64_t{-1}) != tokens.end()) break;
+      std::vector<int64_t> greedy = greedy_rows(logits);
+      if (std::find(greedy.begin(), greedy.end(), int64_t{-1}) != greedy.end()) break;
+      const std::vector<int64_t> tokens = pick(logits, std::move(greedy), s);
       bool all_stopped = true;
       for (int64_t r = 0; r < rows; ++r) {
         out.push_back(tokens[r]);
@@ -267,27 +325,6 @@ class DecoderStack : public torch::CustomClassHolder {
     return out;
   }
 
-  // Every layer on `x` [tokens, hidden]; the hidden states after the last one
-  // ([rows, hidden] with `rows`). cos, sin: float32 [tokens, head / 2] (cpp
-  // rotary tables); kv_caches: one float cache per layer; plans: 4 tensors per
-  // layer spec (a layer reads those of its plan_index); slot_mapping: int64;
-  // last_plan: the 4 tensors of the last layer's rows (empty when rows is empty).
-  at::Tensor forward(at::Tensor x, at::Tensor cos, at::Tensor sin, std::vector<at::Tensor> kv_caches,
-                     std::vector<at::Tensor> plans, at::Tensor slot_mapping, std::optional<at::Tensor> rows,
-                     std::vector<at::Tensor> last_plan, bool batch_invariant) {
-    TORCH_CHECK(kv_caches.size() == layers_.size(), "kvforge_cpp.DecoderStack.forward: ", kv_caches.size(),
-                " KV caches for ", layers_.size(), " layers");
-    const int64_t last = num_layers() - 1;
-    for (int64_t i = 0; i <= last; ++i) {
-      const bool select = i == last && rows.has_value();
-      x = run_layer(layers_[i], x, cos, sin, kv_caches[i],
-                    select && !last_plan.empty() ? meta_at(last_plan, 0) : meta_at(plans, layers_[i].plan_index),
-                    slot_mapping, select ? rows : std::nullopt, batch_invariant);
-    }
-    return x;
-  }
-
- private:
   static at::Tensor run_layer(const Layer& l, const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin,
                               const at::Tensor& kv_cache, const Meta& meta, const at::Tensor& slot_mapping,
                               const std::optional<at::Tensor>& rows, bool batch_invariant) {
@@ -345,7 +382,8 @@ TORCH_LIBRARY_FRAGMENT(kvforge_cpp, m) {
       .def("set_ends", &DecoderStack::set_ends)
       .def("forward_tokens", &DecoderStack::forward_tokens)
       .def("set_head", &DecoderStack::set_head)
-      .def("decode_greedy", &DecoderStack::decode_greedy);
+      .def("decode_greedy", &DecoderStack::decode_greedy)
+      .def("decode_sampled", &DecoderStack::decode_sampled);
 }
 
 }  // namespace kvforge_cpp

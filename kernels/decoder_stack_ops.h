@@ -1,10 +1,10 @@
 // The C++ entry functions of kvforge's kernels, as the other sources define
 // them (linear.cpp, rms_norm_rotary.cpp, int8_linear.cpp,
-// int8_dynamic_linear.cpp, paged_attention.cpp, greedy_rows.cpp): what
-// decoder_stack.cpp calls directly, without the dispatcher, so a layer run
-// there computes exactly what the per-layer torch ops compute. A change of one
-// of these signatures must be made here too (the library then fails to link,
-// not to compute).
+// int8_dynamic_linear.cpp, paged_attention.cpp, greedy_rows.cpp,
+// sample_rows.cpp): what decoder_stack.cpp calls directly, without the
+// dispatcher, so a layer run there computes exactly what the per-layer torch
+// ops compute. A change of one of these signatures must be made here too (the
+// library then fails to link, not to compute).
 
 #pragma once
 
@@ -38,5 +38,8 @@ void paged_attention(const at::Tensor& query, const at::Tensor& kv_cache, const 
 void write_kv(const at::Tensor& key, const at::Tensor& value, const at::Tensor& kv_cache,
               const at::Tensor& slot_mapping);
 std::vector<int64_t> greedy_rows(const at::Tensor& logits);
+std::vector<int64_t> sample_rows(const at::Tensor& logits, at::ArrayRef<double> temperature,
+                                 at::ArrayRef<int64_t> top_k, at::ArrayRef<double> top_p,
+                                 at::ArrayRef<double> min_p, const at::Tensor& u);
 
 }  // namespace kvforge_cpp

@@ -200,14 +200,28 @@ class CppDecoderStack:
         after a step in which every row sampled one of `stop_ids` or which brought the
         call's time to `max_seconds`, and before one whose logits are not finite. None where the class cannot: no head it runs
         (`head_reason`), output rows, or a plan it refuses."""
+        return self._burst("decode_greedy", input_ids, positions, kv_caches, plan, steps, stop_ids, max_seconds)
+
+    def sampled_burst(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor], plan,
+                      steps: int, stop_ids: list[int], max_seconds: float, settings: tuple,
+                      u: torch.Tensor) -> list[list[int]] | None:
+        """`greedy_burst` with each row's token drawn as the sampler draws it
+        (`DecoderStack.decode_sampled`): `settings` the rows' `(temperature, top_k,
+        top_p, min_p)` lists (engine/sampler.py's `row_settings`), `u` float64
+        `[steps, rows]`, step s's uniform numbers."""
+        return self._burst("decode_sampled", input_ids, positions, kv_caches, plan, steps, stop_ids, max_seconds,
+                           *settings, u)
+
+    def _burst(self, method: str, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor],
+               plan, steps: int, stop_ids: list[int], max_seconds: float, *sampling) -> list[list[int]] | None:
         if self.head_reason is not None or plan.last_layer is not None or self.refusal(plan) is not None:
             return None
         backend = plan.backends[self.last_spec][0]
         batch = plan.batch
         cos, sin = self.rotary.tables(batch.max_seq_len + steps - 1)
-        flat = self.stack.decode_greedy(input_ids, positions, cos, sin, kv_caches, self._plans(plan),
-                                        batch.slot_mapping.to(torch.int64), steps, batch.block_size, stop_ids,
-                                        self._invariant[backend.name], max_seconds)
+        flat = getattr(self.stack, method)(input_ids, positions, cos, sin, kv_caches, self._plans(plan),
+                                           batch.slot_mapping.to(torch.int64), steps, batch.block_size, stop_ids,
+                                           self._invariant[backend.name], max_seconds, *sampling)
         rows = input_ids.shape[0]
         return [flat[i:i + rows] for i in range(0, len(flat), rows)]
 

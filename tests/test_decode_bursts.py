@@ -1,8 +1,9 @@
 """Multi-step decoding (`scheduler.num_scheduler_steps`, engine/decode_bursts.py).
 
-A burst runs several decode steps per scheduler step: greedy batches in one C++
-call (the decoder stack with its LM head, `DecoderStack.decode_greedy`), others
-pass by pass in Python (`ModelRunner.execute_next`). Either way every request
+A burst runs several decode steps per scheduler step: in one C++ call where the
+decoder stack runs its LM head (`DecoderStack.decode_greedy`, or
+`decode_sampled` when a request samples), else pass by pass in Python
+(`ModelRunner.execute_next`). Either way every request
 must get token for token what one step at a time gives it, with the same finish
 and stop reasons: each test runs the same requests through an engine with
 bursts and one without, and checks the bursts did run (fewer engine steps, the
@@ -154,16 +155,57 @@ def test_a_stack_without_its_head_runs_bursts_pass_by_pass(untied, monkeypatch):
     assert burst.stats.num_steps < one.stats.num_steps / 2
 
 
-def test_sampled_requests_burst_pass_by_pass_with_the_same_draws(untied, monkeypatch):
+SAMPLED = [SamplingParams(max_tokens=30, temperature=0.8, seed=7, ignore_eos=True),  # its own generator
+           SamplingParams(max_tokens=25, temperature=1.0, top_p=0.9, ignore_eos=True),  # the engine's
+           SamplingParams(max_tokens=17, temperature=0.7, top_k=5, ignore_eos=True),
+           SamplingParams(max_tokens=19, temperature=1.2, min_p=0.1, seed=3, ignore_eos=True),
+           SamplingParams(max_tokens=21, temperature=0, ignore_eos=True)]  # greedy beside sampled ones
+
+
+@needs_cpp
+@pytest.mark.parametrize("weights", ["float32", "bfloat16", "int8-weight-only"])
+def test_sampled_bursts_run_in_one_cpp_call_with_the_same_draws(untied, weights, monkeypatch):
+    # Every pass's uniform numbers are drawn before the call, from the same generators
+    # in the same order as pass by pass: the same tokens as one step at a time.
+    cpp = count_calls(monkeypatch, CppDecoderStack, "sampled_burst")
     python = count_calls(monkeypatch, ModelRunner, "execute_next")
-    params = [SamplingParams(max_tokens=30, temperature=0.8, seed=7, ignore_eos=True),  # its own generator
-              SamplingParams(max_tokens=25, temperature=1.0, top_p=0.9, ignore_eos=True),  # the engine's
-              SamplingParams(max_tokens=17, temperature=0.7, top_k=5, ignore_eos=True),
-              SamplingParams(max_tokens=21, temperature=0, ignore_eos=True)]  # greedy beside sampled ones
-    requests = list(zip(prompts(4, seed=5), params))
+    requests = list(zip(prompts(len(SAMPLED), seed=5), SAMPLED))
+    _, one, burst = compare(untied, requests, steps=4, **WEIGHTS[weights])
+    assert cpp["ran"] > 0 and cpp["ran"] == cpp["calls"] and python["calls"] == 0
+    assert burst.stats.num_steps < one.stats.num_steps / 2
+
+
+def test_sampled_requests_burst_pass_by_pass_with_the_same_draws(untied, monkeypatch):
+    # an LM head the C++ class does not run: the same bursts, in Python
+    monkeypatch.setattr("kvforge.models.cpp_decoder_stack.head_entry", lambda model: (None, "a head it cannot run"))
+    python = count_calls(monkeypatch, ModelRunner, "execute_next")
+    requests = list(zip(prompts(len(SAMPLED), seed=5), SAMPLED))
     _, one, burst = compare(untied, requests, steps=4)
     assert python["calls"] > 0
     assert burst.stats.num_steps < one.stats.num_steps / 2
+
+
+@needs_cpp
+def test_a_sampled_burst_cut_short_leaves_the_generators_where_its_passes_left_them(untied, monkeypatch):
+    # Stop tokens end bursts early and a burst's time can end it after any pass: the
+    # numbers drawn for the passes that did not run must be given back, or every
+    # later token of a seeded request would shift. Seeded requests only: an unseeded
+    # one's draws depend on what shares its steps, which a stop changes.
+    cpp = count_calls(monkeypatch, CppDecoderStack, "sampled_burst")
+    reference = run(make_engine(untied, 1), [(prompts(1)[0], SamplingParams(max_tokens=40, temperature=0.9, seed=5,
+                                                                             ignore_eos=True))])
+    tokens = reference["q0"][0]
+    stop = next(t for i, t in enumerate(tokens) if i >= 9 and t not in tokens[:i])
+    requests = [(prompts(1)[0], SamplingParams(max_tokens=40, temperature=0.9, seed=5, stop_token_ids=[stop])),
+                (prompts(2)[1], SamplingParams(max_tokens=33, temperature=1.1, top_p=0.8, seed=6, ignore_eos=True)),
+                (prompts(3)[2], SamplingParams(max_tokens=29, temperature=0.6, seed=8, ignore_eos=True))]
+    got, _, _ = compare(untied, requests, steps=7)
+    assert got["q0"][0][-1] == stop and got["q0"][2] == "stop"
+    assert cpp["ran"] > 0
+    # Time limits: every burst one pass of the 7 drawn for (6 given back each time), then
+    # cuts wherever 0.3 ms of the host's time falls.
+    for limit in (1e-9, 3e-4):
+        assert run(make_engine(untied, 7, max_burst_s=limit), requests) == got, limit
 
 
 def test_stop_tokens_and_max_tokens_end_a_burst_where_one_step_at_a_time_ends(untied):
@@ -367,12 +409,12 @@ def test_a_python_burst_ends_after_the_pass_that_reaches_its_time(monkeypatch):
 @pytest.mark.parametrize("greedy", [True, False])
 def test_a_burst_whose_time_is_up_after_one_pass_is_one_step(untied, greedy, monkeypatch):
     # The C++ burst's clock is its own: a limit no pass can stay under makes every burst one pass.
-    cpp = count_calls(monkeypatch, CppDecoderStack, "greedy_burst")
+    cpp = count_calls(monkeypatch, CppDecoderStack, "greedy_burst" if greedy else "sampled_burst")
     requests = [(p, SamplingParams(max_tokens=15, temperature=0 if greedy else 0.9, seed=3, ignore_eos=True))
                 for p in prompts(3)]
     _, one, burst = compare(untied, requests, steps=8, max_burst_s=1e-9)
     assert burst.stats.num_steps == one.stats.num_steps
-    assert cpp["ran"] > 0 if greedy and CPP else cpp["ran"] == 0
+    assert cpp["ran"] > 0 if CPP else cpp["ran"] == 0
 
 
 def test_no_burst_runs_while_another_request_waits(untied, monkeypatch):
