@@ -28,7 +28,11 @@ beyond the model's input (`burst_length`): every entry a plain decode
 (`step_sampling.samples_raw_rows`: no drafts, forks, grammar, penalties, logit
 bias, logprobs or `min_tokens` still to reach) of a request that has its first
 token already, so time to first token never waits for a burst; and none while
-other requests wait to be scheduled. A burst also ends after the pass that
+other requests wait to be scheduled. Penalties (repetition, presence,
+frequency) are allowed where the burst runs in C++ (`ModelRunner.bursts_in_cpp`):
+its sampled burst applies them over each request's history as it grows
+(kernels/row_penalties.h), as the sampler does step by step (a burst the stack
+then refuses runs one pass). A burst also ends after the pass that
 brings its time to `scheduler.max_burst_s`, so a request that arrives during one
 starts at most about that late, and a stream's outputs arrive at most about that
 far apart, whatever the model's size.
@@ -49,20 +53,22 @@ from .step_sampling import samples_raw_rows
 
 
 def burst_length(scheduled: Sequence[ScheduledRequest], max_steps: int, max_model_len: int,
-                 others_wait: bool = False) -> int:
+                 others_wait: bool = False, penalties: bool = False) -> int:
     """How many decode steps this step's entries may run in one burst: 1 while
     `others_wait` (requests not scheduled wait for a slot or for blocks, which a
     request finishing inside a burst would free only at its end) or unless every
-    entry is a plain decode of a request past its first token; else `max_steps`,
-    capped where a request would reach `max_tokens` or the model's context (the
-    last pass computes position `max_model_len - 1` at most)."""
+    entry is a plain decode of a request past its first token (with `penalties`,
+    one with repetition, presence or frequency penalties counts as plain: the
+    burst runs in C++, which keeps each request's history as it grows); else
+    `max_steps`, capped where a request would reach `max_tokens` or the model's
+    context (the last pass computes position `max_model_len - 1` at most)."""
     steps = max_steps
     if steps <= 1 or not scheduled or others_wait:
         return 1
     for entry in scheduled:
         request = entry.request
         if (entry.num_tokens != 1 or entry.draft_token_ids or not request.output_token_ids
-                or entry.num_prompt_logit_rows or not samples_raw_rows(entry)):
+                or entry.num_prompt_logit_rows or not samples_raw_rows(entry, penalties)):
             return 1
         steps = min(steps, request.params.max_tokens - len(request.output_token_ids),
                     max_model_len - request.num_tokens + 1)
@@ -88,6 +94,8 @@ def run_burst(runner, sampler, plan: SchedulerOutput, steps: int, lora_slots: Se
     if steps_tokens:  # (empty: the first step's logits were not finite, which the path below reports)
         return SamplerOutput({request.request_id: SampledTokens([tokens[i] for tokens in steps_tokens])
                               for i, request in enumerate(requests)})
+    if any(request.params.uses_penalties for request in requests):
+        steps = 1  # the sampler reads a request's output so far, which grows only when the burst is applied
     began = time.perf_counter()
     emitted: list[list[int]] = [[] for _ in scheduled]
     stopped = [False] * len(scheduled)
@@ -117,15 +125,34 @@ def cpp_burst(runner, sampler: Sampler, scheduled: Sequence[ScheduledRequest], s
     would draw them one by one, and the generators then left as after the passes
     that ran); None where it cannot run (the caller runs the passes in Python)."""
     requests = [entry.request for entry in scheduled]
-    if all(request.params.greedy for request in requests):
+    params = [request.params for request in requests]
+    greedy, penalized = all(p.greedy for p in params), any(p.uses_penalties for p in params)
+    if greedy and not penalized:
         return runner.greedy_burst(scheduled, steps, stop_ids, max_seconds)
     if not kernel_library.is_loaded():
         return None
-    drawn = burst_uniforms(requests, sampler.generator(torch.device("cpu")), steps)
-    if drawn is None:
-        return None
-    u, keep = drawn
-    steps_tokens = runner.sampled_burst(scheduled, steps, stop_ids, max_seconds,
-                                        row_settings([request.params for request in requests]), u)
+    if greedy:  # penalized greedy rows: a step of greedy rows draws no numbers
+        u, keep = torch.zeros(steps, len(requests), dtype=torch.float64), lambda passes: None
+    else:
+        drawn = burst_uniforms(requests, sampler.generator(torch.device("cpu")), steps)
+        if drawn is None:
+            return None
+        u, keep = drawn
+    steps_tokens = runner.sampled_burst(scheduled, steps, stop_ids, max_seconds, row_settings(params), u,
+                                        penalty_history(requests))
     keep(len(steps_tokens) if steps_tokens is not None else 0)
     return steps_tokens
+
+
+def penalty_history(requests: Sequence) -> tuple:
+    """`(repetition, presence, frequency, prompt_tokens, output_tokens)` of the
+    requests, as `DecoderStack.decode_sampled` takes them: each row's penalties and,
+    for a row with any, its prompt and output tokens so far (int64; empty for the others)."""
+    empty = torch.empty(0, dtype=torch.int64)
+    prompt_tokens, output_tokens = [], []
+    for request in requests:
+        uses = request.params.uses_penalties
+        prompt_tokens.append(torch.tensor(request.prompt_token_ids, dtype=torch.int64) if uses else empty)
+        output_tokens.append(torch.tensor(request.output_token_ids, dtype=torch.int64) if uses else empty)
+    return ([float(r.params.repetition_penalty) for r in requests], [float(r.params.presence_penalty) for r in requests],
+            [float(r.params.frequency_penalty) for r in requests], prompt_tokens, output_tokens)

@@ -381,7 +381,8 @@ class LLMEngine:
             most = min(most, self.drafter.burst_passes)
         steps = 1
         if most > 1:
-            steps = burst_length(plan.scheduled, most, self.max_model_len, self.scheduler.others_wait(plan))
+            steps = burst_length(plan.scheduled, most, self.max_model_len, self.scheduler.others_wait(plan),
+                                 penalties=self.runner.bursts_in_cpp)
             steps = self.scheduler.reserve_steps(plan, steps) if steps > 1 else 1
         if steps > 1:
             sampled = run_burst(self.runner, self.step_sampler, plan, steps, lora_slots,

@@ -135,17 +135,26 @@ class ModelRunner:
 
     @torch.inference_mode()
     def sampled_burst(self, scheduled: Sequence[ScheduledRequest], steps: int, stop_ids: list[int],
-                      max_seconds: float, settings: tuple, u: torch.Tensor) -> list[list[int]] | None:
+                      max_seconds: float, settings: tuple, u: torch.Tensor, history: tuple) -> list[list[int]] | None:
         """`greedy_burst` with each entry's token drawn by the sampler's C++ draw
-        (`CppDecoderStack.sampled_burst`: `settings` as `sampler.row_settings` gives
-        them, `u` float64 `[steps, entries]`)."""
-        return self._cpp_burst("sampled_burst", scheduled, steps, stop_ids, max_seconds, settings, u)
+        after its penalties (`CppDecoderStack.sampled_burst`: `settings` as
+        `sampler.row_settings` gives them, `u` float64 `[steps, entries]`, `history`
+        as `decode_bursts.penalty_history`)."""
+        return self._cpp_burst("sampled_burst", scheduled, steps, stop_ids, max_seconds, settings, u, history)
+
+    @property
+    def bursts_in_cpp(self) -> bool:
+        """Whether the model's C++ decoder stack runs its LM head, so that a burst
+        can be one C++ call (a step's plan may still be refused: another
+        attention backend, a quantized KV cache)."""
+        stack = getattr(self.model, "decoder_stack", None)
+        return stack is not None and stack.head_reason is None
 
     def _cpp_burst(self, method: str, scheduled: Sequence[ScheduledRequest], steps: int, stop_ids: list[int],
                    max_seconds: float, *sampling) -> list[list[int]] | None:
-        stack = getattr(self.model, "decoder_stack", None)
-        if stack is None or stack.head_reason is not None:
+        if not self.bursts_in_cpp:
             return None
+        stack = self.model.decoder_stack
         self.apply_block_copies()
         input_ids, positions, batch = self.build_batch(scheduled)
         return getattr(stack, method)(input_ids, positions, self.kv_caches, self.model.plan(batch), steps, stop_ids,

@@ -180,14 +180,14 @@ def plain_requests(entries: list[ScheduledRequest], logits: torch.Tensor) -> lis
     return requests
 
 
-def samples_raw_rows(entry: ScheduledRequest) -> bool:
+def samples_raw_rows(entry: ScheduledRequest, penalties: bool = False) -> bool:
     """Whether an entry samples each of its logit rows as it is: it reaches the end of
-    its tokens, forks nothing, and asks for no logprobs, grammar, penalties, logit
-    bias or `min_tokens` still to reach (drafts only lengthen the output, so this
-    holds at every draft position too)."""
+    its tokens, forks nothing, and asks for no logprobs, grammar, penalties (unless
+    `penalties`), logit bias or `min_tokens` still to reach (drafts only lengthen
+    the output, so this holds at every draft position too)."""
     request, params = entry.request, entry.request.params
     return (entry.samples and not entry.forks and request.logprobs is None and request.grammar is None
-            and not params.uses_penalties and not params.logit_bias
+            and (penalties or not params.uses_penalties) and not params.logit_bias
             and len(request.output_token_ids) >= params.min_tokens)
 
 

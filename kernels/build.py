@@ -47,7 +47,8 @@ HEADERS = [HERE / "cpu_isa.h", HERE / "vector_kernels.h", HERE / "vector_exp.h",
            HERE / "linear_tile.h", HERE / "bf16_linear_dpbf16.h", HERE / "rms_norm_rotary_rows.h",
            HERE / "f32_packed_rows.h", HERE / "int8_rows.h", HERE / "int8_linear_common.h", HERE / "lora_tile.h",
            HERE / "int8_packed_tile.h", HERE / "native_vectors.h",
-           HERE / "invariant_tile.h", HERE / "transpose16.h", HERE / "narrow_rows.h", HERE / "narrow_bf16.h"]
+           HERE / "invariant_tile.h", HERE / "transpose16.h", HERE / "narrow_rows.h", HERE / "narrow_bf16.h",
+           HERE / "row_penalties.h"]
 CACHE_ENV = "KVFORGE_CACHE_DIR"
 # -O3 vectorises the inner loops; the AVX2+FMA variant is chosen at run time
 # inside the library, so no -march=native (the build must run on any x86-64).

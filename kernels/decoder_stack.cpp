@@ -10,7 +10,8 @@
 //   stack.set_head(tensors, ints)                   # once: the LM head, for the bursts
 //   tokens = stack.decode_greedy(input_ids, positions, cos_table, sin_table, kv_caches, plans, slot_mapping,
 //                                steps, block_size, stop_ids, batch_invariant, max_seconds)
-//   tokens = stack.decode_sampled(<decode_greedy's arguments>, temperature, top_k, top_p, min_p, u)
+//   tokens = stack.decode_sampled(<decode_greedy's arguments>, temperature, top_k, top_p, min_p, u,
+//                                 repetition, presence, frequency, prompt_tokens, output_tokens)
 //
 // forward_tokens is the model's forward from token ids to the final norm's
 // output: the embedding rows, the positions' rows of the rotary tables, every
@@ -48,6 +49,7 @@
 
 #include "cpu_isa.h"
 #include "decoder_stack_ops.h"
+#include "row_penalties.h"
 
 namespace kvforge_cpp {
 
@@ -219,21 +221,53 @@ class DecoderStack : public torch::CustomClassHolder {
   // decode_greedy's burst, each row's token drawn by sample_rows (sample_rows.cpp)
   // with its temperature (0: greedy), top_k, top_p and min_p, and step s's
   // uniform number u[s][row] (float64 [steps, rows]): the tokens sample_rows
-  // draws from each step's logits with those numbers.
+  // draws from each step's logits with those numbers. A row with a repetition,
+  // presence or frequency penalty (1, 0 and 0 are none) has them applied to its
+  // logits first (row_penalties.h) over its prompt_tokens and output_tokens
+  // (int64, the request's so far) and the tokens of the burst's earlier steps.
   std::vector<int64_t> decode_sampled(at::Tensor input_ids, at::Tensor positions, at::Tensor cos_table,
                                       at::Tensor sin_table, std::vector<at::Tensor> kv_caches,
                                       std::vector<at::Tensor> plans, at::Tensor slot_mapping, int64_t steps,
                                       int64_t block_size, std::vector<int64_t> stop_ids, bool batch_invariant,
                                       double max_seconds, std::vector<double> temperature, std::vector<int64_t> top_k,
-                                      std::vector<double> top_p, std::vector<double> min_p, at::Tensor u) {
+                                      std::vector<double> top_p, std::vector<double> min_p, at::Tensor u,
+                                      std::vector<double> repetition, std::vector<double> presence,
+                                      std::vector<double> frequency, std::vector<at::Tensor> prompt_tokens,
+                                      std::vector<at::Tensor> output_tokens) {
     const char* op = "kvforge_cpp.DecoderStack.decode_sampled: ";
-    TORCH_CHECK(u.dim() == 2 && u.size(0) >= steps && u.size(1) == input_ids.size(0) && u.scalar_type() == at::kDouble,
-                op, "u must be float64 [steps, rows] = [", steps, ", ", input_ids.size(0), "], got ", u.scalar_type(),
-                " ", u.sizes());
+    const int64_t rows = input_ids.size(0);
+    TORCH_CHECK(u.dim() == 2 && u.size(0) >= steps && u.size(1) == rows && u.scalar_type() == at::kDouble, op,
+                "u must be float64 [steps, rows] = [", steps, ", ", rows, "], got ", u.scalar_type(), " ", u.sizes());
+    const auto per_row = [&](size_t n) { return static_cast<int64_t>(n) == rows; };
+    TORCH_CHECK(per_row(repetition.size()) && per_row(presence.size()) && per_row(frequency.size()) &&
+                    per_row(prompt_tokens.size()) && per_row(output_tokens.size()),
+                op, "repetition, presence, frequency, prompt_tokens and output_tokens must hold one entry per row (",
+                rows, ")");
+    std::vector<RowPenalties> penalties(rows);
+    for (int64_t r = 0; r < rows; ++r) {
+      if (repetition[r] == 1.0 && presence[r] == 0.0 && frequency[r] == 0.0) continue;
+      penalties[r].start(head_.out_features, repetition[r], presence[r], frequency[r]);
+      for (const auto& [tokens, output] : {std::pair{&prompt_tokens[r], false}, std::pair{&output_tokens[r], true}}) {
+        const at::Tensor ids = tokens->to(at::kLong).contiguous();
+        const int64_t* id = ids.data_ptr<int64_t>();
+        for (int64_t i = 0; i < ids.numel(); ++i) penalties[r].add(id[i], output);
+      }
+    }
     return decode(op, input_ids, positions, cos_table, sin_table, kv_caches, plans, slot_mapping, steps, block_size,
                   stop_ids, batch_invariant, max_seconds,
                   [&](const at::Tensor& logits, std::vector<int64_t>, int64_t s) {
-                    return sample_rows(logits, temperature, top_k, top_p, min_p, u[s]);
+                    float* row = logits.data_ptr<float>();
+                    for (int64_t r = 0; r < rows; ++r) {
+                      if (!penalties[r].active()) continue;
+                      TORCH_CHECK(static_cast<int64_t>(penalties[r].seen.size()) == logits.size(1), op, "the head gives ",
+                                  logits.size(1), " logits, its out_features are ", penalties[r].seen.size());
+                      penalties[r].apply(row + r * logits.size(1));
+                    }
+                    std::vector<int64_t> tokens = sample_rows(logits, temperature, top_k, top_p, min_p, u[s]);
+                    for (int64_t r = 0; r < rows; ++r) {
+                      if (penalties[r].active()) penalties[r].add(tokens[r], true);
+                    }
+                    return tokens;
                   });
   }
 

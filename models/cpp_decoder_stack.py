@@ -203,14 +203,16 @@ class CppDecoderStack:
         return self._burst("decode_greedy", input_ids, positions, kv_caches, plan, steps, stop_ids, max_seconds)
 
     def sampled_burst(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor], plan,
-                      steps: int, stop_ids: list[int], max_seconds: float, settings: tuple,
-                      u: torch.Tensor) -> list[list[int]] | None:
+                      steps: int, stop_ids: list[int], max_seconds: float, settings: tuple, u: torch.Tensor,
+                      history: tuple) -> list[list[int]] | None:
         """`greedy_burst` with each row's token drawn as the sampler draws it
         (`DecoderStack.decode_sampled`): `settings` the rows' `(temperature, top_k,
         top_p, min_p)` lists (engine/sampler.py's `row_settings`), `u` float64
-        `[steps, rows]`, step s's uniform numbers."""
+        `[steps, rows]`, step s's uniform numbers, `history` the rows' penalties and
+        tokens so far, `(repetition, presence, frequency, prompt_tokens,
+        output_tokens)` (engine/decode_bursts.py's `penalty_history`)."""
         return self._burst("decode_sampled", input_ids, positions, kv_caches, plan, steps, stop_ids, max_seconds,
-                           *settings, u)
+                           *settings, u, *history)
 
     def _burst(self, method: str, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor],
                plan, steps: int, stop_ids: list[int], max_seconds: float, *sampling) -> list[list[int]] | None:

@@ -247,12 +247,40 @@ def test_eos_and_stop_strings_end_a_burst_where_one_step_at_a_time_ends():
     assert burst.stats.num_steps < one.stats.num_steps
 
 
-def test_requests_that_read_their_history_never_burst(untied):
-    # penalties and logprobs: every step is scheduled; min_tokens: bursts once it is reached
-    penalised = [(p, SamplingParams(max_tokens=20, temperature=0, ignore_eos=True, repetition_penalty=1.3))
-                 for p in prompts(2)]
-    _, one, burst = compare(untied, penalised, steps=6)
+PENALISED = [SamplingParams(max_tokens=60, temperature=0, ignore_eos=True, repetition_penalty=1.2,
+                           frequency_penalty=2.0, presence_penalty=2.0),
+             SamplingParams(max_tokens=20, temperature=0.9, seed=2, ignore_eos=True, repetition_penalty=0.8,
+                            presence_penalty=0.5),
+             SamplingParams(max_tokens=22, temperature=1.1, top_k=20, ignore_eos=True, frequency_penalty=0.7),
+             SamplingParams(max_tokens=18, temperature=0.7, seed=9, ignore_eos=True)]  # beside one without
+
+
+@needs_cpp
+@pytest.mark.parametrize("greedy_only", [True, False])
+def test_penalised_requests_burst_in_cpp_with_their_history_growing_pass_by_pass(untied, greedy_only, monkeypatch):
+    # Repetition, presence and frequency penalties read every token so far: the C++
+    # burst adds each pass's token to the request's history, as one step at a time does.
+    cpp = count_calls(monkeypatch, CppDecoderStack, "sampled_burst")
+    chosen = PENALISED[:1] if greedy_only else PENALISED  # greedy alone: no numbers drawn
+    requests = list(zip(prompts(len(chosen), seed=8), chosen))
+    got, one, burst = compare(untied, requests, steps=6)
+    assert cpp["ran"] > 0 and cpp["ran"] == cpp["calls"]
+    assert burst.stats.num_steps < one.stats.num_steps / 2
+    plain = run(make_engine(untied, 6), [(p, SamplingParams(**{**params.__dict__, "repetition_penalty": 1.0,
+                                                                 "presence_penalty": 0.0, "frequency_penalty": 0.0}))
+                                         for p, params in requests])
+    assert plain["q0"][0] != got["q0"][0]  # the penalties do change the tokens
+
+
+def test_penalised_requests_step_one_pass_at_a_time_without_a_cpp_burst(untied, monkeypatch):
+    monkeypatch.setattr("kvforge.models.cpp_decoder_stack.head_entry", lambda model: (None, "a head it cannot run"))
+    requests = list(zip(prompts(len(PENALISED), seed=8), PENALISED))
+    _, one, burst = compare(untied, requests, steps=6)
     assert burst.stats.num_steps == one.stats.num_steps
+
+
+def test_requests_that_read_their_history_never_burst(untied):
+    # logprobs: every step is scheduled; min_tokens: bursts once it is reached
     logprobs = [(p, SamplingParams(max_tokens=20, temperature=0, ignore_eos=True, logprobs=2)) for p in prompts(2)]
     _, one, burst = compare(untied, logprobs, steps=6)
     assert burst.stats.num_steps == one.stats.num_steps
