@@ -32,20 +32,22 @@ SETTINGS = {
     "top-p 0.95": dict(temperature=0.8, top_p=0.95),
     "top-k 40, top-p 0.95": dict(temperature=0.8, top_k=40, top_p=0.95),
     "min-p 0.05": dict(temperature=0.8, min_p=0.05),
+    "top-k 40, top-p 0.9, repetition 1.1": dict(temperature=0.8, top_k=40, top_p=0.9, repetition_penalty=1.1),
 }
 VOCABULARIES = (1024, 16384, 32000, 152064)
 
 
 @contextlib.contextmanager
 def tensor_path():
-    """The sampler's tensor ops instead of `kvforge_cpp::sample_rows`, and sampled
-    bursts pass by pass: what runs where the C++ library is not loaded."""
+    """The sampler's tensor ops instead of `kvforge_cpp::sample_rows`, sampled
+    bursts pass by pass and penalised requests one pass a step: what runs where
+    the C++ library is not loaded."""
     from kvforge.engine import decode_bursts, sampler
 
     ready, burst = sampler.compiled_sample_ready, decode_bursts.cpp_burst
 
     def greedy_only(runner, step_sampler, scheduled, *args):
-        if all(entry.request.params.greedy for entry in scheduled):
+        if all(entry.request.params.greedy and not entry.request.params.uses_penalties for entry in scheduled):
             return burst(runner, step_sampler, scheduled, *args)
         return None
 
@@ -100,7 +102,7 @@ def draw_rows(repeats: int, vocabularies=VOCABULARIES) -> list[dict]:
         logits = torch.randn(1, vocab, generator=generator)
         u = torch.rand(1, generator=generator, dtype=torch.float64)
         for name, setting in SETTINGS.items():
-            if name == "greedy":
+            if name == "greedy" or "repetition_penalty" in setting:  # penalties are not part of the draw
                 continue
             params = [SamplingParams(**setting)]
             settings = sampler.row_settings(params)

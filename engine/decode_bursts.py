@@ -47,7 +47,7 @@ import torch
 
 from kvforge.kernels import build as kernel_library
 
-from .sampler import Sampler, burst_uniforms, row_settings
+from .sampler import LARGEST_FLOAT, Sampler, burst_uniforms, row_settings
 from .scheduler_output import SampledTokens, SamplerOutput, ScheduledRequest, SchedulerOutput
 from .step_sampling import samples_raw_rows
 
@@ -154,5 +154,6 @@ def penalty_history(requests: Sequence) -> tuple:
         uses = request.params.uses_penalties
         prompt_tokens.append(torch.tensor(request.prompt_token_ids, dtype=torch.int64) if uses else empty)
         output_tokens.append(torch.tensor(request.output_token_ids, dtype=torch.int64) if uses else empty)
-    return ([float(r.params.repetition_penalty) for r in requests], [float(r.params.presence_penalty) for r in requests],
-            [float(r.params.frequency_penalty) for r in requests], prompt_tokens, output_tokens)
+    return ([float(min(r.params.repetition_penalty, LARGEST_FLOAT)) for r in requests],
+            [float(r.params.presence_penalty) for r in requests], [float(r.params.frequency_penalty) for r in requests],
+            prompt_tokens, output_tokens)

@@ -151,11 +151,17 @@ def logprob_record(k: int, top_ids: torch.Tensor, top_logprobs: torch.Tensor, ch
     return record
 
 
+LARGEST_INT = 2**62  # a top_k past it keeps every token all the same
+LARGEST_FLOAT = 1e308  # a temperature or penalty past float32's range is float32's infinity either way
+
+
 def row_settings(params: Sequence) -> tuple[list[float], list[int], list[float], list[float]]:
     """`(temperature, top_k, top_p, min_p)`, one entry per row, as
-    `kvforge_cpp::sample_rows` takes them: temperature 0 for a greedy row."""
-    return ([0.0 if p.greedy else float(p.temperature) for p in params], [int(p.top_k) for p in params],
-            [float(p.top_p) for p in params], [float(p.min_p) for p in params])
+    `kvforge_cpp::sample_rows` takes them (64-bit numbers: a larger valid setting
+    is bounded where bounding it changes nothing): temperature 0 for a greedy row."""
+    return ([0.0 if p.greedy else float(min(p.temperature, LARGEST_FLOAT)) for p in params],
+            [min(int(p.top_k), LARGEST_INT) for p in params], [float(p.top_p) for p in params],
+            [float(p.min_p) for p in params])
 
 
 def burst_uniforms(requests: Sequence[Request], generator: torch.Generator,

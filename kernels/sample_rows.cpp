@@ -324,8 +324,7 @@ std::vector<int64_t> sample_rows(const at::Tensor& logits, at::ArrayRef<double> 
               "temperature, top_k, top_p and min_p must hold one value per row (", rows, "), got ",
               temperature.size(), ", ", top_k.size(), ", ", top_p.size(), " and ", min_p.size());
   for (int64_t r = 0; r < rows; ++r) {
-    TORCH_CHECK(temperature[r] >= 0.0 && std::isfinite(temperature[r]), op, "row ", r,
-                ": temperature must be finite and >= 0, got ", temperature[r]);
+    TORCH_CHECK(temperature[r] >= 0.0, op, "row ", r, ": temperature must be >= 0, got ", temperature[r]);
   }
   const at::Tensor uc = u.contiguous();
   const float* x = logits.data_ptr<float>();

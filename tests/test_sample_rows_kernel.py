@@ -169,3 +169,21 @@ def test_the_sampler_draws_through_the_kernel_on_cpu():
 def test_bad_arguments_are_named(call, message):
     with pytest.raises(RuntimeError, match=message):
         call(torch.randn(1, 10), torch.rand(1, dtype=torch.float64))
+
+
+def test_settings_past_64_bits_draw_as_their_bounded_equals():
+    # Valid settings too large for the kernel's 64-bit arguments: top_k past any
+    # vocabulary keeps every token, a temperature past float32's range flattens
+    # the row as float32's infinity does.
+    generator = torch.Generator().manual_seed(6)
+    logits = torch.randn(4, 300, generator=generator)
+
+    def tokens(**setting):
+        requests = [Request(f"r{i}", [1], SamplingParams(seed=i, **setting)) for i in range(4)]
+        return sampler.Sampler(0).draw(logits, requests).tolist()
+
+    assert tokens(top_k=10**30) == tokens(top_k=0)
+    assert tokens(temperature=10**400) == tokens(temperature=float("inf")) == tokens(temperature=1e39)
+    flat = sample_rows(logits[:1].expand(3000, -1).contiguous(), [SamplingParams(temperature=float("inf"))] * 3000,
+                       (torch.arange(3000, dtype=torch.float64) + 0.5) / 3000)
+    assert np.bincount(flat, minlength=300).tolist() == [10] * 300  # every token alike
