@@ -2,11 +2,11 @@
 
 `scripts/bootstrap.sh` (or `kvforge build-kernels`) compiles `paged_attention.cpp`,
 `int8_linear.cpp`, `int8_dynamic_linear.cpp`, `linear.cpp`, `rms_norm_rotary.cpp`,
-`inverse_cdf.cpp`, `greedy_rows.cpp`, `sample_rows.cpp`, `lora.cpp` and `decoder_stack.cpp` into one
-library with `torch.utils.cpp_extension.load`,
-into a build directory keyed by the torch and Python versions and the sources'
-digest; every later process finds the library there and only loads it (about
-2 s). A process that must build it (no set-up build, or changed sources) says on
+`inverse_cdf.cpp`, `greedy_rows.cpp`, `sample_rows.cpp`, `lora.cpp`,
+`int8_packed_linear.cpp` and `decoder_stack.cpp` into one library with `torch.utils.cpp_extension.load`, into
+a build directory keyed by the torch and Python versions and the sources'
+digest; every later process finds the library there and only loads it. A
+process that must build it (no set-up build, or changed sources) says on
 stderr what it builds, where, how long it takes, and shows that it is still
 running (`build_messages`). Torch's own lock file in that directory keeps
 concurrent first uses from building twice.
