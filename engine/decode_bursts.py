@@ -32,11 +32,7 @@ other requests wait to be scheduled. Penalties (repetition, presence,
 frequency) are allowed where the burst runs in C++ (`ModelRunner.bursts_in_cpp`):
 its sampled burst applies them over each request's history as it grows
 (kernels/row_penalties.h), as the sampler does step by step (a burst the stack
-then refuses runs one pass). Grammars are allowed, except one that must close
-within `max_tokens` (`closes_within_budget`): such a burst runs pass by pass in
-Python, each grammar accepting the token the pass before sampled before the
-next pass's mask and giving the burst's tokens back at its end, for the
-scheduler to accept as it applies them. A burst also ends after the pass that
+then refuses runs one pass). A burst also ends after the pass that
 brings its time to `scheduler.max_burst_s`, so a request that arrives during one
 starts at most about that late, and a stream's outputs arrive at most about that
 far apart, whatever the model's size.
@@ -72,8 +68,7 @@ def burst_length(scheduled: Sequence[ScheduledRequest], max_steps: int, max_mode
     for entry in scheduled:
         request = entry.request
         if (entry.num_tokens != 1 or entry.draft_token_ids or not request.output_token_ids
-                or entry.num_prompt_logit_rows or not samples_raw_rows(entry, penalties, grammars=True)
-                or closes_within_budget(request)):
+                or entry.num_prompt_logit_rows or not samples_raw_rows(entry, penalties)):
             return 1
         steps = min(steps, request.params.max_tokens - len(request.output_token_ids),
                     max_model_len - request.num_tokens + 1)
@@ -105,41 +100,21 @@ def run_burst(runner, sampler, plan: SchedulerOutput, steps: int, lora_slots: Se
     emitted: list[list[int]] = [[] for _ in scheduled]
     stopped = [False] * len(scheduled)
     tokens: list[int] = []
-    grammars = [(i, request.grammar) for i, request in enumerate(requests) if request.grammar is not None]
-    advanced = [0] * len(scheduled)  # tokens of this burst each grammar has accepted, given back at its end
-    try:
-        for step in range(steps):
-            for i, grammar in grammars:  # each pass masks with its grammar past the passes before it
-                if step and not stopped[i]:
-                    if grammar.accept_tokens([tokens[i]]):
-                        advanced[i] += 1
-                    else:  # refused: the scheduler reports it as it applies the token
-                        stopped[i] = True
-            logits = (runner.execute(scheduled, lora_slots=lora_slots) if step == 0
-                      else runner.execute_next(scheduled, tokens, lora_slots=lora_slots))
-            out = sampler.sample(plan, logits)
-            if out.non_finite:
-                if step == 0:
-                    return out
-                break
-            tokens = [out.tokens[request.request_id].token_ids[0] for request in requests]
-            for i, token in enumerate(tokens):
-                emitted[i].append(token)
-                stopped[i] = stopped[i] or token in stop_ids[i]
-            if all(stopped) or time.perf_counter() - began >= max_seconds:
-                break
-    finally:
-        for i, grammar in grammars:  # the scheduler accepts the tokens as it applies them
-            if advanced[i]:
-                grammar.rollback(advanced[i])
+    for step in range(steps):
+        logits = (runner.execute(scheduled, lora_slots=lora_slots) if step == 0
+                  else runner.execute_next(scheduled, tokens, lora_slots=lora_slots))
+        out = sampler.sample(plan, logits)
+        if out.non_finite:
+            if step == 0:
+                return out
+            break
+        tokens = [out.tokens[request.request_id].token_ids[0] for request in requests]
+        for i, token in enumerate(tokens):
+            emitted[i].append(token)
+            stopped[i] = stopped[i] or token in stop_ids[i]
+        if all(stopped) or time.perf_counter() - began >= max_seconds:
+            break
     return SamplerOutput({request.request_id: SampledTokens(ids) for request, ids in zip(requests, emitted)})
-
-
-def closes_within_budget(request) -> bool:
-    """Whether a request's grammar must close within `max_tokens`: its mask reads how
-    much of the budget is left, which a burst's passes do not move."""
-    structured = request.params.structured_outputs
-    return structured is not None and structured.close_within_max_tokens
 
 
 def cpp_burst(runner, sampler: Sampler, scheduled: Sequence[ScheduledRequest], steps: int, stop_ids: list[int],
@@ -150,8 +125,6 @@ def cpp_burst(runner, sampler: Sampler, scheduled: Sequence[ScheduledRequest], s
     would draw them one by one, and the generators then left as after the passes
     that ran); None where it cannot run (the caller runs the passes in Python)."""
     requests = [entry.request for entry in scheduled]
-    if any(request.grammar is not None for request in requests):
-        return None  # a grammar's mask is made in Python, pass by pass
     params = [request.params for request in requests]
     greedy, penalized = all(p.greedy for p in params), any(p.uses_penalties for p in params)
     if greedy and not penalized:

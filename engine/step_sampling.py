@@ -180,16 +180,15 @@ def plain_requests(entries: list[ScheduledRequest], logits: torch.Tensor) -> lis
     return requests
 
 
-def samples_raw_rows(entry: ScheduledRequest, penalties: bool = False, grammars: bool = False) -> bool:
+def samples_raw_rows(entry: ScheduledRequest, penalties: bool = False) -> bool:
     """Whether an entry samples each of its logit rows as it is: it reaches the end of
-    its tokens, forks nothing, and asks for no logprobs, grammar (unless
-    `grammars`), penalties (unless `penalties`), logit bias or `min_tokens` still
-    to reach (drafts only lengthen the output, so this holds at every draft
-    position too)."""
+    its tokens, forks nothing, and asks for no logprobs, grammar, penalties (unless
+    `penalties`), logit bias or `min_tokens` still to reach (drafts only lengthen
+    the output, so this holds at every draft position too)."""
     request, params = entry.request, entry.request.params
-    return (entry.samples and not entry.forks and request.logprobs is None
-            and (grammars or request.grammar is None) and (penalties or not params.uses_penalties)
-            and not params.logit_bias and len(request.output_token_ids) >= params.min_tokens)
+    return (entry.samples and not entry.forks and request.logprobs is None and request.grammar is None
+            and (penalties or not params.uses_penalties) and not params.logit_bias
+            and len(request.output_token_ids) >= params.min_tokens)
 
 
 def plain_greedy_drafts(entries: list[ScheduledRequest], logits: torch.Tensor) -> bool:

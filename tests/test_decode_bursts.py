@@ -279,38 +279,6 @@ def test_penalised_requests_step_one_pass_at_a_time_without_a_cpp_burst(untied, 
     assert burst.stats.num_steps == one.stats.num_steps
 
 
-PERSON = {"type": "object", "properties": {"name": {"type": "string"}, "age": {"type": "integer"},
-                                          "tags": {"type": "array", "items": {"type": "string"}}},
-          "required": ["name", "age", "tags"]}
-
-
-def test_requests_with_grammars_burst_pass_by_pass_with_the_same_tokens(monkeypatch):
-    # Each pass masks with its grammar past the burst's earlier tokens; the grammars
-    # are given those tokens back at the burst's end, and the scheduler accepts them
-    # as it applies them: a grammar left advanced would refuse them (an error finish).
-    cpp = count_calls(monkeypatch, ModelRunner, "greedy_burst")
-    texts = ["A person: ", "Tags and ages", "x = ", "The answer is"]
-    requests = [(texts[0], SamplingParams(max_tokens=60, temperature=0, structured_outputs={"json": PERSON})),
-                (texts[1], SamplingParams(max_tokens=60, temperature=0.9, seed=3,
-                                          structured_outputs={"json": {"type": "array", "items": PERSON}})),
-                (texts[2], SamplingParams(max_tokens=40, temperature=0.8, seed=4,
-                                          structured_outputs={"regex": "[a-z]{3,9}( [0-9]{1,4}){2,6}"})),
-                (texts[3], SamplingParams(max_tokens=30, temperature=0))]  # unconstrained beside them
-    got, one, burst = compare("kvforge-tiny", requests, steps=8, block_size=16)
-    assert burst.stats.num_steps < one.stats.num_steps / 2
-    assert all(reason != "error" for _, _, reason, _ in got.values())
-    assert cpp["calls"] == 0  # no C++ burst: a grammar's mask is Python's
-
-
-def test_a_grammar_that_must_close_within_its_budget_never_bursts():
-    # Its mask reads how much of max_tokens is left, which a burst's passes do not move.
-    requests = [("A person: ", SamplingParams(max_tokens=40, temperature=0,
-                                              structured_outputs={"json": PERSON, "close_within_max_tokens": True}))]
-    got, one, burst = compare("kvforge-tiny", requests, steps=8, block_size=16)
-    assert burst.stats.num_steps == one.stats.num_steps
-    assert got["q0"][2] == "stop"
-
-
 def test_requests_that_read_their_history_never_burst(untied):
     # logprobs: every step is scheduled; min_tokens: bursts once it is reached
     logprobs = [(p, SamplingParams(max_tokens=20, temperature=0, ignore_eos=True, logprobs=2)) for p in prompts(2)]
