@@ -95,8 +95,9 @@ class SchedulerConfig(Section):
     max_num_batched_tokens: int = Field(2048, ge=1, description="token budget of one step")
     num_scheduler_steps: int = Field(
         16, ge=1, le=64, description="most decode passes run per scheduler step (multi-step decoding): while every "
-                                     "running request decodes plainly (no drafts, grammar, penalties, logit bias or "
-                                     "logprobs) and none waits, the engine runs up to this many forward passes "
+                                     "running request decodes plainly (no drafts, grammar, logit bias, logprobs or "
+                                     "min_tokens still to reach; penalties only where the model's C++ decoder stack "
+                                     "runs the burst) and none waits, the engine runs up to this many forward passes "
                                      "(fewer once max_burst_s has passed) before it schedules, applies results "
                                      "and reports outputs again, so that work is paid once per burst; outputs "
                                      "then arrive in bursts. 1: every step is scheduled. See docs/engine.md")
