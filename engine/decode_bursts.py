@@ -45,8 +45,6 @@ from collections.abc import Sequence
 
 import torch
 
-from kvforge.kernels import build as kernel_library
-
 from .sampler import LARGEST_FLOAT, Sampler, burst_uniforms, row_settings
 from .scheduler_output import SampledTokens, SamplerOutput, ScheduledRequest, SchedulerOutput
 from .step_sampling import samples_raw_rows
@@ -129,7 +127,7 @@ def cpp_burst(runner, sampler: Sampler, scheduled: Sequence[ScheduledRequest], s
     greedy, penalized = all(p.greedy for p in params), any(p.uses_penalties for p in params)
     if greedy and not penalized:
         return runner.greedy_burst(scheduled, steps, stop_ids, max_seconds)
-    if not kernel_library.is_loaded():
+    if not runner.bursts_in_cpp:
         return None
     if greedy:  # penalized greedy rows: a step of greedy rows draws no numbers
         u, keep = torch.zeros(steps, len(requests), dtype=torch.float64), lambda passes: None

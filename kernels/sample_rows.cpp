@@ -184,7 +184,7 @@ Cut truncation(Scratch& s, int64_t vocab, float top, int64_t k, double top_p) {
   Cut cut;
   // Top-k: the bucket where the count reaches k; the kept part of it, sorted.
   int64_t k_bucket = kBuckets, k_taken = 0;
-  double kept_mass = 0.0;
+  double kept_mass = 0.0, k_part_mass = 0.0;  // k_part_mass: of the tokens top-k keeps in k_bucket
   std::vector<std::pair<float, int64_t>>& k_members = s.k_members;
   if (k < finite) {
     int64_t before = 0;
@@ -198,7 +198,8 @@ Cut truncation(Scratch& s, int64_t vocab, float top, int64_t k, double top_p) {
       kept_mass += s.mass[b];
     }
     sorted_members(s, vocab, k_bucket, k_members);
-    for (int64_t j = 0; j < k_taken; ++j) kept_mass += s.w[k_members[j].second];
+    for (int64_t j = 0; j < k_taken; ++j) k_part_mass += s.w[k_members[j].second];
+    kept_mass += k_part_mass;
     cut.value = k_members[k_taken - 1].first;
     cut.last_index = k_members[k_taken - 1].second;
   } else {
@@ -209,11 +210,7 @@ Cut truncation(Scratch& s, int64_t vocab, float top, int64_t k, double top_p) {
   const double target = top_p * kept_mass;
   double reached = 0.0;
   for (int64_t b = 0; b <= std::min(k_bucket, kBuckets - 1); ++b) {
-    double bucket_mass = s.mass[b];
-    if (b == k_bucket) {
-      bucket_mass = 0.0;
-      for (int64_t j = 0; j < k_taken; ++j) bucket_mass += s.w[k_members[j].second];
-    }
+    const double bucket_mass = b == k_bucket ? k_part_mass : s.mass[b];
     if (reached + bucket_mass < target) {
       reached += bucket_mass;
       continue;
